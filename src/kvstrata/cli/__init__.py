@@ -1,0 +1,1 @@
+"""Command-line entry points. Argument parsing and printing only; logic lives elsewhere."""

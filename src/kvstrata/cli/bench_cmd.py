@@ -1,0 +1,16 @@
+"""``kvstrata bench …``: one subcommand per benchmark."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvstrata.cli import bench_hash, bench_reuse, bench_ttft
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = parser.add_subparsers(dest="bench", required=True)
+    bench_reuse.register(bench_sub)
+    bench_ttft.register(bench_sub)
+    bench_hash.register(bench_sub)
