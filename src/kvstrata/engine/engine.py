@@ -1,0 +1,357 @@
+"""The reference engine: a real transformers model with a paged KV pool and exact prefix reuse.
+
+One request runs at a time (a lock serialises them); that keeps the engine simple and its
+timings honest. A request's tokens become chained block keys; the longest committed prefix
+of those keys is gathered from the pool into the attention cache, and only the rest of the
+prompt is computed. The last prompt token is always computed, so a hit still produces the
+logits of a fresh prefill. After prefill, and again after decoding, every new full block is
+written to the pool, so later requests (and later turns of the same chat) hit it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvstrata.engine.adapter import Adapter
+from kvstrata.engine.hf_identity import fingerprint_model
+from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
+from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.engine.sampling import SamplingParams, sample_next
+from kvstrata.errors import ContextTooLong, EngineError, InvalidInput
+from kvstrata.identity import (
+    DEFAULT_TENANT,
+    BlockKey,
+    ModelFingerprint,
+    NamespaceRoot,
+    ReuseDisabled,
+    TenantNamespace,
+    chain_keys,
+    namespace_root,
+)
+from kvstrata.telemetry import KvMetrics, RequestRecord
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    pool_blocks: int = 1024
+    device: str = "auto"  # "auto" → cuda when available, else cpu
+    tenant_secret: bytes = b""
+    max_model_len: int | None = None  # None → the model's max_position_embeddings
+    reuse: bool = True  # False: never look up or store (the fresh-prefill baseline)
+
+
+@dataclass
+class Prefill:
+    """State after a prompt was processed: logits of its last token and the attention cache."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    matched_tokens: int
+    keys: list[BlockKey]
+    held_blocks: list[int]
+    reuse_disabled: ReuseDisabled | None
+    prefill_s: float
+
+
+@dataclass
+class Generation:
+    """A running or finished generation; iterate it to get token ids one by one."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    record: RequestRecord
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    step_logits: list[torch.Tensor] = field(default_factory=list)
+    _iterator: Iterator[int] | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        if self._iterator is None:
+            raise EngineError("generation already consumed")
+        iterator, self._iterator = self._iterator, None
+        return iterator
+
+    def run(self) -> Generation:
+        for _ in self:
+            pass
+        return self
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class ReferenceEngine:
+    """A real model, a device KV pool and exact prefix reuse."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        metrics: KvMetrics | None = None,
+        adapter: Adapter | None = None,
+        chat_template: str | None = None,
+        pool: PagedKVPool | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.metrics = metrics if metrics is not None else KvMetrics()
+        self.device = _resolve_device(self.config.device)
+        self.model.to(self.device)
+        if adapter is not None:
+            adapter.merge_into(self.model)
+        self.chat_template = chat_template
+        model_config = self.model.config
+        self.max_model_len = self.config.max_model_len or int(model_config.max_position_embeddings)
+        self.fingerprint: ModelFingerprint | ReuseDisabled = fingerprint_model(
+            loaded,
+            block_size=self.config.block_size,
+            kv_dtype=str(self.model.dtype).removeprefix("torch."),
+            adapter=adapter.identity() if adapter is not None else None,
+            chat_template=chat_template,
+        )
+        head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
+        )
+        pool_config = PoolConfig(
+            num_blocks=self.config.pool_blocks,
+            block_size=self.config.block_size,
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=head_dim,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
+        if pool is not None and pool.config != pool_config:
+            raise EngineError("shared pool does not match this model's KV shape")
+        self.pool = pool if pool is not None else PagedKVPool(pool_config, self.metrics)
+        self.eos_token_ids = self._eos_ids()
+        self._roots: dict[str, NamespaceRoot] = {}
+        self._lock = threading.Lock()
+
+    # ---- tokenisation -------------------------------------------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self.chat_template,
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    # ---- identity -----------------------------------------------------------------------
+    @property
+    def reuse_disabled(self) -> ReuseDisabled | None:
+        return self.fingerprint if isinstance(self.fingerprint, ReuseDisabled) else None
+
+    def block_keys(self, token_ids: Sequence[int], tenant: str = DEFAULT_TENANT) -> list[BlockKey]:
+        if isinstance(self.fingerprint, ReuseDisabled):
+            return []
+        root = self._roots.get(tenant)
+        if root is None:
+            namespace = TenantNamespace.for_tenant(tenant, self.config.tenant_secret)
+            root = namespace_root(self.fingerprint.digest(), namespace)
+            self._roots[tenant] = root
+        return chain_keys(root, token_ids, self.config.block_size)
+
+    # ---- prefill ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, token_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT, use_cache: bool = True
+    ) -> Prefill:
+        """Process a prompt, reusing the longest cached prefix when allowed.
+
+        The caller owns the returned blocks (``held_blocks``) until ``finish`` releases them.
+        """
+        if not token_ids:
+            raise InvalidInput("prompt must contain at least one token")
+        started = time.perf_counter()
+        disabled = self.reuse_disabled
+        reuse = use_cache and self.config.reuse and disabled is None
+        keys = self.block_keys(token_ids, tenant) if reuse else []
+        # The last prompt token is always computed: at most (n - 1) // B blocks may match.
+        max_blocks = (len(token_ids) - 1) // self.config.block_size
+        held = self.pool.lookup_prefix(keys[:max_blocks]) if reuse else []
+        self.pool.acquire(held)
+        try:
+            matched = len(held) * self.config.block_size
+            cache = self._cache_from_blocks(held)
+            input_ids = torch.tensor([list(token_ids[matched:])], device=self.device)
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1].float()
+            if reuse:
+                self._store(keys, out.past_key_values, first_block=len(held))
+        except Exception:
+            self.pool.release(held)
+            raise
+        return Prefill(
+            logits=logits,
+            cache=out.past_key_values,
+            matched_tokens=matched,
+            keys=keys,
+            held_blocks=held,
+            reuse_disabled=disabled,
+            prefill_s=time.perf_counter() - started,
+        )
+
+    def _cache_from_blocks(self, block_ids: list[int]) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        if not block_ids:
+            return cache
+        kv = self.pool.gather(block_ids)  # [L, 2, H, T, D], one copy
+        for layer_idx, layer in enumerate(cache.layers):
+            k = kv[layer_idx, 0].unsqueeze(0)
+            v = kv[layer_idx, 1].unsqueeze(0)
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return cache
+
+    def _store(self, keys: list[BlockKey], cache: DynamicCache, first_block: int) -> None:
+        """Write full blocks ``first_block..`` whose KV is in ``cache`` into the pool."""
+        block_size = self.config.block_size
+        cached_tokens = cache.get_seq_length()
+        last_block = min(len(keys), cached_tokens // block_size)
+        start = first_block
+        while start < last_block and self.pool.contains(keys[start]):
+            start += 1
+        new_ids: list[int] = []
+        for i in range(start, last_block):
+            if self.pool.contains(keys[i]):
+                break
+            parent = keys[i - 1] if i > 0 else None
+            block_id = self.pool.allocate(keys[i], parent)
+            if block_id is None:
+                break
+            new_ids.append(block_id)
+        if not new_ids:
+            return
+        lo, hi = start * block_size, (start + len(new_ids)) * block_size
+        try:
+            for layer_idx, layer in enumerate(cache.layers):
+                self.pool.write_layer(
+                    layer_idx, new_ids, layer.keys[0, :, lo:hi], layer.values[0, :, lo:hi]
+                )
+        except Exception:
+            for block_id in reversed(new_ids):
+                self.pool.abort(block_id)
+            raise
+        for block_id in new_ids:
+            self.pool.commit(block_id)
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        use_cache: bool = True,
+        keep_logits: bool = False,
+        request_id: str | None = None,
+    ) -> Generation:
+        """Start a generation; iterate the result (or call ``run()``) to produce tokens."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt = list(prompt_ids)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextTooLong(
+                f"prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds "
+                f"the context window of {self.max_model_len} tokens"
+            )
+        rid = request_id or uuid.uuid4().hex
+        record = RequestRecord(request_id=rid, tenant=tenant, prompt_tokens=len(prompt))
+        generation = Generation(request_id=rid, prompt_ids=prompt, params=params, record=record)
+        generation._iterator = self._run(generation, use_cache=use_cache, keep_logits=keep_logits)
+        return generation
+
+    def _run(self, gen: Generation, *, use_cache: bool, keep_logits: bool) -> Iterator[int]:
+        with self._lock, torch.inference_mode():
+            started = time.perf_counter()
+            state = self.prefill(gen.prompt_ids, tenant=gen.record.tenant, use_cache=use_cache)
+            record = gen.record
+            record.matched_tokens = state.matched_tokens
+            record.computed_tokens = len(gen.prompt_ids) - state.matched_tokens
+            record.prefill_s = state.prefill_s
+            if state.reuse_disabled is not None:
+                record.reuse_disabled_reason = state.reuse_disabled.reason.value
+                self.metrics.reuse_disabled.labels(reason=record.reuse_disabled_reason).inc()
+            self.metrics.observe_prefill(
+                prompt_tokens=len(gen.prompt_ids), matched_tokens=state.matched_tokens
+            )
+            self.metrics.prefill.observe(state.prefill_s)
+            generator = torch.Generator(device="cpu")
+            if gen.params.seed is not None:
+                generator.manual_seed(gen.params.seed)
+            else:
+                generator.seed()
+            logits, cache = state.logits, state.cache
+            try:
+                for step in range(gen.params.max_tokens):
+                    if keep_logits:
+                        gen.step_logits.append(logits.detach().cpu())
+                    token = sample_next(logits, gen.params, generator)
+                    gen.output_ids.append(token)
+                    if step == 0:
+                        record.ttft_s = time.perf_counter() - started
+                        self.metrics.ttft.observe(record.ttft_s)
+                    yield token
+                    if self._is_stop(token, gen.params):
+                        gen.finish_reason = "stop"
+                        break
+                    if step + 1 == gen.params.max_tokens:
+                        break
+                    out = self.model(
+                        input_ids=torch.tensor([[token]], device=self.device),
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                    logits, cache = out.logits[0, -1].float(), out.past_key_values
+                if gen.finish_reason is None:
+                    gen.finish_reason = "length"
+                if state.keys and state.reuse_disabled is None:
+                    # Generated tokens whose KV exists (all but the last) become reusable.
+                    all_ids = gen.prompt_ids + gen.output_ids[:-1]
+                    keys = self.block_keys(all_ids, gen.record.tenant)
+                    self._store(keys, cache, first_block=len(state.held_blocks))
+            finally:
+                self.pool.release(state.held_blocks)
+                record.output_tokens = len(gen.output_ids)
+                record.finish_reason = gen.finish_reason
+
+    def _is_stop(self, token: int, params: SamplingParams) -> bool:
+        if token in params.stop_token_ids:
+            return True
+        return not params.ignore_eos and token in self.eos_token_ids
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(int(v) for v in value)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)

@@ -1,0 +1,259 @@
+"""The paged KV pool: the device tier of the reference engine.
+
+Layout: one tensor ``kv[L, 2, H, N, B, D]`` (layers, K/V, KV heads, blocks, block size, head
+dim) on CUDA when available, else on the CPU. Heads outside blocks let a request's blocks be
+gathered with one ``index_select`` straight into the ``[H, tokens, D]`` shape attention wants.
+
+Bookkeeping (pure Python, no I/O):
+- a block is PENDING after ``allocate`` (invisible to lookup, not evictable) and becomes
+  visible on ``commit``; ``abort`` frees it, so a failed write leaves nothing behind;
+- committed blocks are found by their chained ``BlockKey``; ``acquire`` / ``release`` count
+  readers, and a referenced block is never evicted;
+- eviction takes the least recently used *leaf* (no cached children, no readers), so a
+  block is never evicted before its descendants and the pool stays prefix-closed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvstrata.identity import BlockKey
+from kvstrata.telemetry import KvMetrics
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+
+class BlockState(Enum):
+    FREE = 0
+    PENDING = 1
+    COMMITTED = 2
+
+
+@dataclass
+class _Block:
+    state: BlockState = BlockState.FREE
+    key: BlockKey | None = None
+    parent: int | None = None  # block id of the parent block when it is cached here
+    children: int = 0
+    refs: int = 0
+    last_used: int = 0
+
+
+class PoolStateError(RuntimeError):
+    """An illegal pool transition (a bug in the caller, never an expected outcome)."""
+
+
+class PagedKVPool:
+    """Fixed-size pool of KV blocks addressed by chained block keys."""
+
+    def __init__(self, config: PoolConfig, metrics: KvMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        shape = (
+            config.num_layers, 2, config.num_kv_heads, config.num_blocks,
+            config.block_size, config.head_dim,
+        )
+        self.kv = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self._blocks = [_Block() for _ in range(config.num_blocks)]
+        self._free = list(range(config.num_blocks - 1, -1, -1))
+        self._by_key: dict[BlockKey, int] = {}
+        self._pending: dict[BlockKey, int] = {}
+        self._evictable: list[tuple[int, int]] = []  # heap of (last_used, block id), lazy
+        self._clock = 0
+        self.evictions = 0
+        self._publish()
+
+    # ---- lookup and readers -------------------------------------------------------------
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Block ids of the longest prefix of ``keys`` whose blocks are all committed here."""
+        found: list[int] = []
+        for key in keys:
+            block_id = self._by_key.get(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._by_key
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        self._clock += 1
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.state is not BlockState.COMMITTED:
+                raise PoolStateError(f"acquire of block {block_id} in state {block.state.name}")
+            block.refs += 1
+            block.last_used = self._clock
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.refs <= 0:
+                raise PoolStateError(f"release of unreferenced block {block_id}")
+            block.refs -= 1
+            self._maybe_evictable(block_id)
+
+    # ---- writes -------------------------------------------------------------------------
+    def allocate(self, key: BlockKey, parent_key: BlockKey | None) -> int | None:
+        """Reserve a PENDING block for ``key``; None when no block is free or evictable.
+
+        ``parent_key`` must be cached here, committed or pending (None for the first block of
+        a chain): the pool never holds a block whose parent it lacks. Children are committed
+        after their parents.
+        """
+        if key in self._by_key or key in self._pending:
+            raise PoolStateError("allocate of a key that is already cached")
+        parent_id = None
+        if parent_key is not None:
+            parent_id = self._by_key.get(parent_key, self._pending.get(parent_key))
+            if parent_id is None:
+                raise PoolStateError("allocate of a block whose parent is not cached")
+        if not self._free and not self._evict_one(protect=parent_id):
+            return None
+        block_id = self._free.pop()
+        block = self._blocks[block_id]
+        block.state = BlockState.PENDING
+        block.key = key
+        block.parent = parent_id
+        block.children = 0
+        block.refs = 0
+        if parent_id is not None:
+            self._blocks[parent_id].children += 1
+        self._pending[key] = block_id
+        return block_id
+
+    def commit(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.state is not BlockState.PENDING or block.key is None:
+            raise PoolStateError(f"commit of block {block_id} in state {block.state.name}")
+        if block.parent is not None and self._blocks[block.parent].state is not BlockState.COMMITTED:
+            raise PoolStateError("commit of a block before its parent")
+        del self._pending[block.key]
+        block.state = BlockState.COMMITTED
+        self._clock += 1
+        block.last_used = self._clock
+        self._by_key[block.key] = block_id
+        self._maybe_evictable(block_id)
+        self._publish()
+
+    def abort(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.state is not BlockState.PENDING:
+            raise PoolStateError(f"abort of block {block_id} in state {block.state.name}")
+        if block.children:
+            raise PoolStateError("abort of a pending block that has children")
+        assert block.key is not None
+        del self._pending[block.key]
+        if block.parent is not None:
+            self._blocks[block.parent].children -= 1
+            self._maybe_evictable(block.parent)
+        self._free_block(block_id)
+        self._publish()
+
+    def write_layer(
+        self, layer: int, block_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Copy one layer's K and V for consecutive blocks (``[H, len(block_ids) * B, D]``)."""
+        for block_id in block_ids:
+            if self._blocks[block_id].state is not BlockState.PENDING:
+                raise PoolStateError("write to a block that is not PENDING")
+        c = self.config
+        shape = (c.num_kv_heads, len(block_ids), c.block_size, c.head_dim)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        self.kv[layer, 0].index_copy_(1, index, keys.reshape(shape).to(self.kv.device))
+        self.kv[layer, 1].index_copy_(1, index, values.reshape(shape).to(self.kv.device))
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """KV of the given blocks as ``[L, 2, H, len(block_ids) * B, D]`` (one copy)."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        picked = self.kv.index_select(3, index)
+        c = self.config
+        return picked.view(c.num_layers, 2, c.num_kv_heads, len(block_ids) * c.block_size, c.head_dim)
+
+    # ---- statistics ---------------------------------------------------------------------
+    @property
+    def blocks_used(self) -> int:
+        return self.config.num_blocks - len(self._free)
+
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free)
+
+    def clear(self) -> None:
+        """Drop every unreferenced committed block (leaf first)."""
+        while self._evict_one(protect=None):
+            pass
+
+    # ---- internals ----------------------------------------------------------------------
+    def _maybe_evictable(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.state is BlockState.COMMITTED and block.refs == 0 and block.children == 0:
+            heapq.heappush(self._evictable, (block.last_used, block_id))
+
+    def _evict_one(self, protect: int | None) -> bool:
+        deferred: list[tuple[int, int]] = []
+        evicted = False
+        while self._evictable:
+            last_used, block_id = heapq.heappop(self._evictable)
+            block = self._blocks[block_id]
+            stale = (
+                block.state is not BlockState.COMMITTED
+                or block.refs
+                or block.children
+                or block.last_used != last_used
+            )
+            if stale:
+                continue
+            if block_id == protect:
+                deferred.append((last_used, block_id))
+                continue
+            assert block.key is not None
+            del self._by_key[block.key]
+            parent_id = block.parent
+            self._free_block(block_id)
+            if parent_id is not None:
+                self._blocks[parent_id].children -= 1
+                self._maybe_evictable(parent_id)
+            self.evictions += 1
+            if self.metrics is not None:
+                self.metrics.pool_evictions.inc()
+            evicted = True
+            break
+        for item in deferred:
+            heapq.heappush(self._evictable, item)
+        self._publish()
+        return evicted
+
+    def _free_block(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.state = BlockState.FREE
+        block.key = None
+        block.parent = None
+        block.children = 0
+        block.refs = 0
+        self._free.append(block_id)
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.pool_blocks_used.set(self.blocks_used)
+            self.metrics.pool_blocks_free.set(self.blocks_free)

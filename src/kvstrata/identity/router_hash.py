@@ -1,0 +1,207 @@
+"""Router hashes: fast, keyed, chained 64-bit prefix hashes for looking requests up in an index.
+
+A router hashes *every* incoming request to find which worker holds the longest cached prefix,
+so this is on the hot path of every request, while the storage keys (``keys.chain_keys``,
+BLAKE3) are computed only by the worker that loads or stores KV. Hashing all blocks of a request
+at once in numpy is several times faster than a per-block cryptographic hash loop in Python.
+
+Why a non-cryptographic hash is acceptable here: a router hash is only a *hint* of where a
+prefix lives. A collision (accidental, or crafted by a tenant who learned the seed) can only
+send a request to a worker that does not really hold its prefix, i.e. cost a routing mistake
+and some recomputation. It can never make anyone use wrong KV, because a worker always
+re-derives and checks the exact BLAKE3 storage keys (``chain_keys``) before using any KV.
+
+Math (all arithmetic wrapping mod 2**64, ``mix`` = the splitmix64 finaliser, a bijection):
+
+    s        = mix(seed + GAMMA * block_size)                      per (namespace, block size)
+    K_c      = mix(s + GAMMA * (c + 1)) | 1                        odd multiplier of column c
+    x_{j,c}  = t_{j,c} * K_c;  x ^= x >> 29;  x *= C1;  x ^= x >> 32
+    b_j      = sum_c x_{j,c}                                       content hash of block j
+    r_{-1}   = s;  r_j = r_{j-1} * P + b_j                         chained prefix state
+    hash_j   = mix(r_j)
+
+The recurrence is evaluated for all blocks at once as
+``r_j = P^j * cumsum_i(b_i * P^-i) + s * P^(j+1)``: P is odd, hence invertible mod 2**64.
+Properties: hash_j depends on blocks 0..j only (prefix property); changing block i's content
+hash changes r_k for every k >= i (its term is multiplied by a power of the invertible P, so it
+cannot vanish) and, ``mix`` being a bijection, hash_k too; a different seed shifts every r_j by
+``(s - s') * P^(j+1)`` != 0, so two namespaces never share the hashes of the same tokens.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.errors import IdentityError
+from kvstrata.identity.keys import KEY_BYTES, NamespaceRoot
+
+MASK64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15
+"""splitmix64's increment (odd): steps the key stream."""
+P = 0xC2B2AE3D27D4EB4F
+"""Odd base of the polynomial prefix hash."""
+P_INV = pow(P, -1, 1 << 64)
+C1 = 0xFF51AFD7ED558CCD
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MAX_TOKEN = 2**32 - 1
+_CHUNK_TOKENS = 16384
+"""Tokens per chunk of the content hash: 128 KiB of uint64 scratch stays in L2 cache."""
+
+RouterHashes = npt.NDArray[np.uint64]
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finaliser on a Python int (a bijection of 64-bit values)."""
+    z = value & MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def _mix64_inplace(z: RouterHashes) -> RouterHashes:
+    tmp = np.right_shift(z, 30)
+    z ^= tmp
+    z *= np.uint64(_MIX1)
+    np.right_shift(z, 27, out=tmp)
+    z ^= tmp
+    z *= np.uint64(_MIX2)
+    np.right_shift(z, 31, out=tmp)
+    z ^= tmp
+    return z
+
+
+def router_seed(root: NamespaceRoot) -> int:
+    """The router seed of a namespace: the first 8 bytes (little-endian) of its BLAKE3 root.
+
+    The root already binds the model fingerprint digest and the tenant salt, so tenants and
+    models never share router hashes, and a tenant without the deployment secret cannot
+    compute another tenant's seed.
+    """
+    if len(root) != KEY_BYTES:
+        raise IdentityError("namespace root must be 32 bytes")
+    return int.from_bytes(root[:8], "little")
+
+
+def effective_seed(seed: int, block_size: int) -> int:
+    """``s``: the seed folded with the block size, so other block sizes never share hashes."""
+    return mix64(seed + GAMMA * block_size)
+
+
+def column_multipliers(seed: int, block_size: int) -> list[int]:
+    """``K_c``: one odd, seed-dependent multiplier per token position in a block."""
+    s = effective_seed(seed, block_size)
+    return [mix64(s + GAMMA * (c + 1)) | 1 for c in range(block_size)]
+
+
+def _as_u32(tokens: Sequence[int] | np.ndarray) -> npt.NDArray[np.uint32]:
+    """Token ids as a uint32 array; ``array.array`` converts a list ~3x faster than numpy."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise IdentityError("token ids must be a 1-D sequence")
+        if tokens.dtype == np.uint32:
+            return tokens
+        if tokens.size == 0:
+            return np.zeros(0, dtype=np.uint32)
+        if tokens.dtype.kind not in "iu":
+            raise IdentityError(f"token ids must be integers, got {tokens.dtype}")
+        if int(tokens.min()) < 0 or int(tokens.max()) > _MAX_TOKEN:
+            raise IdentityError("token ids must lie in [0, 2**32)")
+        return tokens.astype(np.uint32)
+    try:
+        packed = array.array("I", tokens)
+    except OverflowError:
+        raise IdentityError("token ids must lie in [0, 2**32)") from None
+    except TypeError:  # e.g. numpy integer scalars: take the slower, checked numpy path
+        return _as_u32(np.asarray(tokens))
+    if packed.itemsize != 4:  # pragma: no cover - C unsigned int is 32-bit on our platforms
+        return np.asarray(packed, dtype=np.uint32)
+    return np.frombuffer(packed, dtype=np.uint32)
+
+
+class RouterHasher:
+    """Chained 64-bit router hashes of full blocks for one namespace seed and block size.
+
+    Power tables grow on demand and, with the scratch buffers, are kept: a hasher should live
+    as long as its router. Not thread-safe (shared scratch); give each thread its own hasher.
+    """
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        if block_size <= 0:
+            raise IdentityError("block_size must be positive")
+        if not 0 <= seed <= MASK64:
+            raise IdentityError("router seed must be a 64-bit unsigned int")
+        self.seed = seed
+        self.block_size = block_size
+        self._s = effective_seed(seed, block_size)
+        self._k = np.array(column_multipliers(seed, block_size), dtype=np.uint64)
+        self._pow = np.ones(0, dtype=np.uint64)  # P^j
+        self._inv_pow = np.ones(0, dtype=np.uint64)  # P^-j
+        self._offset = np.ones(0, dtype=np.uint64)  # s * P^(j+1)
+        self._chunk_blocks = max(1, _CHUNK_TOKENS // block_size)
+        self._scratch_buffers: tuple[RouterHashes, RouterHashes] | None = None
+
+    @classmethod
+    def for_root(cls, root: NamespaceRoot, block_size: int) -> RouterHasher:
+        return cls(router_seed(root), block_size)
+
+    def _ensure_tables(self, n_blocks: int) -> None:
+        if n_blocks <= len(self._pow):
+            return
+        size = max(n_blocks, 2 * len(self._pow), 64)
+        steps = np.full(size, P, dtype=np.uint64)
+        steps[0] = 1
+        self._pow = np.cumprod(steps, dtype=np.uint64)
+        steps.fill(P_INV)
+        steps[0] = 1
+        self._inv_pow = np.cumprod(steps, dtype=np.uint64)
+        self._offset = self._pow * np.uint64((self._s * P) & MASK64)
+
+    def _scratch(self) -> tuple[RouterHashes, RouterHashes]:
+        if self._scratch_buffers is None:
+            shape = (self._chunk_blocks, self.block_size)
+            self._scratch_buffers = (
+                np.empty(shape, dtype=np.uint64),
+                np.empty(shape, dtype=np.uint64),
+            )
+        return self._scratch_buffers
+
+    def block_content_hashes(self, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
+        """``b_j`` of every full block: keyed and position-in-block aware, but not chained.
+
+        Works in chunks through scratch buffers kept on the hasher: fresh megabyte-sized
+        temporaries per request cost more in page faults than the arithmetic itself.
+        """
+        ids = _as_u32(tokens)
+        n_blocks = len(ids) // self.block_size
+        blocks = ids[: n_blocks * self.block_size].reshape(n_blocks, self.block_size)
+        content: RouterHashes = np.empty(n_blocks, dtype=np.uint64)
+        chunk = self._chunk_blocks
+        x_buf, tmp_buf = self._scratch()
+        for start in range(0, n_blocks, chunk):
+            stop = min(start + chunk, n_blocks)
+            x = x_buf[: stop - start]
+            tmp = tmp_buf[: stop - start]
+            np.multiply(blocks[start:stop], self._k, out=x)
+            np.right_shift(x, 29, out=tmp)
+            x ^= tmp
+            x *= np.uint64(C1)
+            np.right_shift(x, 32, out=tmp)
+            x ^= tmp
+            np.add.reduce(x, axis=1, dtype=np.uint64, out=content[start:stop])
+        return content
+
+    def hashes(self, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
+        """Chained hash of every full block (one per block, a trailing partial block has none)."""
+        content = self.block_content_hashes(tokens)
+        n_blocks = len(content)
+        self._ensure_tables(n_blocks)
+        content *= self._inv_pow[:n_blocks]
+        np.cumsum(content, dtype=np.uint64, out=content)
+        content *= self._pow[:n_blocks]
+        content += self._offset[:n_blocks]
+        return _mix64_inplace(content)
