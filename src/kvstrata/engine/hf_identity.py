@@ -26,8 +26,14 @@ from kvstrata.identity import (
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 _TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
     "chat_template.json",
 )
 _DIGEST_CACHE = ".kvstrata-digests.json"
@@ -89,10 +95,13 @@ def model_facts(
     model, tokenizer = loaded.model, loaded.tokenizer
     config = model.config.to_dict()
     architectures = config.get("architectures") or [type(model).__name__]
-    special = {str(tok): int(tid) for tok, tid in zip(
-        tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True
-    )}
-    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    special = {
+        str(tok): int(tid)
+        for tok, tid in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True)
+    }
+    template = (
+        chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    )
     return ModelFacts(
         architecture=str(architectures[0]),
         config=config,
@@ -117,6 +126,10 @@ def fingerprint_model(
     chat_template: str | None = None,
 ) -> ModelFingerprint | ReuseDisabled:
     facts = model_facts(
-        loaded, block_size=block_size, kv_dtype=kv_dtype, adapter=adapter, chat_template=chat_template
+        loaded,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        adapter=adapter,
+        chat_template=chat_template,
     )
     return build_fingerprint(facts)

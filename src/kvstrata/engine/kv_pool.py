@@ -69,8 +69,12 @@ class PagedKVPool:
         self.config = config
         self.metrics = metrics
         shape = (
-            config.num_layers, 2, config.num_kv_heads, config.num_blocks,
-            config.block_size, config.head_dim,
+            config.num_layers,
+            2,
+            config.num_kv_heads,
+            config.num_blocks,
+            config.block_size,
+            config.head_dim,
         )
         self.kv = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self._blocks = [_Block() for _ in range(config.num_blocks)]
@@ -146,7 +150,10 @@ class PagedKVPool:
         block = self._blocks[block_id]
         if block.state is not BlockState.PENDING or block.key is None:
             raise PoolStateError(f"commit of block {block_id} in state {block.state.name}")
-        if block.parent is not None and self._blocks[block.parent].state is not BlockState.COMMITTED:
+        if (
+            block.parent is not None
+            and self._blocks[block.parent].state is not BlockState.COMMITTED
+        ):
             raise PoolStateError("commit of a block before its parent")
         del self._pending[block.key]
         block.state = BlockState.COMMITTED
@@ -188,7 +195,9 @@ class PagedKVPool:
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
         picked = self.kv.index_select(3, index)
         c = self.config
-        return picked.view(c.num_layers, 2, c.num_kv_heads, len(block_ids) * c.block_size, c.head_dim)
+        return picked.view(
+            c.num_layers, 2, c.num_kv_heads, len(block_ids) * c.block_size, c.head_dim
+        )
 
     # ---- statistics ---------------------------------------------------------------------
     @property

@@ -132,20 +132,65 @@ LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 # Llama config keys that do not change KV tensors (or are covered by other fingerprint fields).
 _LLAMA_BENIGN_KEYS = frozenset(
     {
-        "architectures", "model_type", "dtype", "torch_dtype", "transformers_version",
-        "_name_or_path", "_model_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
-        "unk_token_id", "use_cache", "initializer_range", "attention_dropout", "tie_word_embeddings",
-        "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
-        "vocab_size", "max_position_embeddings", "hidden_act", "hidden_size", "intermediate_size",
-        "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim",
-        "rms_norm_eps", "attention_bias", "mlp_bias", "rope_parameters", "rope_scaling",
-        "rope_theta", "sliding_window", "use_sliding_window", "layer_types", "id2label",
-        "label2id", "problem_type", "tokenizer_class", "chunk_size_feed_forward",
-        "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
-        "cross_attention_hidden_size", "prefix", "sep_token_id", "decoder_start_token_id",
-        "task_specific_params", "finetuning_task", "pruned_heads", "torchscript",
-        "output_scores", "return_dict_in_generate", "_attn_implementation_autoset",
-        "_attn_implementation", "quantization_config",
+        "architectures",
+        "model_type",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "_name_or_path",
+        "_model_name_or_path",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "unk_token_id",
+        "use_cache",
+        "initializer_range",
+        "attention_dropout",
+        "tie_word_embeddings",
+        "pretraining_tp",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "vocab_size",
+        "max_position_embeddings",
+        "hidden_act",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "attention_bias",
+        "mlp_bias",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "sliding_window",
+        "use_sliding_window",
+        "layer_types",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "tokenizer_class",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "cross_attention_hidden_size",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "finetuning_task",
+        "pruned_heads",
+        "torchscript",
+        "output_scores",
+        "return_dict_in_generate",
+        "_attn_implementation_autoset",
+        "_attn_implementation",
+        "quantization_config",
     }
 )
 
@@ -186,7 +231,9 @@ def build_fingerprint(facts: ModelFacts) -> ModelFingerprint | ReuseDisabled:
         return ReuseDisabled(ReuseDisabledReason.UNKNOWN_CONFIG_KEY, ",".join(unknown))
     quant = config.get("quantization_config")
     if quant:
-        return ReuseDisabled(ReuseDisabledReason.QUANTIZED_WEIGHTS, json.dumps(quant, sort_keys=True))
+        return ReuseDisabled(
+            ReuseDisabledReason.QUANTIZED_WEIGHTS, json.dumps(quant, sort_keys=True)
+        )
     if config.get("sliding_window") or config.get("use_sliding_window"):
         return ReuseDisabled(
             ReuseDisabledReason.SLIDING_WINDOW, f"sliding_window={config.get('sliding_window')}"

@@ -120,14 +120,14 @@ class BlockExtras:
 _NO_EXTRAS = _u32(0)
 
 
-def namespace_root(fingerprint_digest: FingerprintDigest, namespace: TenantNamespace) -> NamespaceRoot:
+def namespace_root(
+    fingerprint_digest: FingerprintDigest, namespace: TenantNamespace
+) -> NamespaceRoot:
     """H(fingerprint digest ‖ tenant salt): the parent of the first block of every chain."""
     if len(fingerprint_digest) != KEY_BYTES:
         raise IdentityError("fingerprint digest must be 32 bytes")
     salt = namespace.salt
-    return NamespaceRoot(
-        blake3(_ROOT_TAG + fingerprint_digest + _u32(len(salt)) + salt).digest()
-    )
+    return NamespaceRoot(blake3(_ROOT_TAG + fingerprint_digest + _u32(len(salt)) + salt).digest())
 
 
 def canonical_token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:

@@ -19,7 +19,9 @@ class KvMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvstrata_requests", "Requests finished, by endpoint and status", ["endpoint", "status"],
+            "kvstrata_requests",
+            "Requests finished, by endpoint and status",
+            ["endpoint", "status"],
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -38,8 +40,10 @@ class KvMetrics:
             "kvstrata_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r
         )
         self.prefill = Histogram(
-            "kvstrata_prefill_seconds", "Prefill time (lookup + gather + forward)",
-            buckets=_TTFT_BUCKETS, registry=r,
+            "kvstrata_prefill_seconds",
+            "Prefill time (lookup + gather + forward)",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.pool_blocks_used = Gauge(
             "kvstrata_pool_blocks_used", "Device pool blocks holding KV", registry=r
@@ -52,12 +56,16 @@ class KvMetrics:
         )
         self.reuse_disabled = Counter(
             "kvstrata_reuse_disabled_requests",
-            "Requests served without reuse because identity was unsafe", ["reason"], registry=r,
+            "Requests served without reuse because identity was unsafe",
+            ["reason"],
+            registry=r,
         )
         self._prompt_total = 0
         self._matched_total = 0
 
-    def observe_prefill(self, *, prompt_tokens: int, matched_tokens: int, tier: str = "device") -> None:
+    def observe_prefill(
+        self, *, prompt_tokens: int, matched_tokens: int, tier: str = "device"
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.matched_tokens.labels(tier=tier).inc(matched_tokens)
         self.computed_tokens.inc(prompt_tokens - matched_tokens)
