@@ -178,21 +178,28 @@ class ReferenceEngine:
     # ---- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(
-        self, token_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT, use_cache: bool = True
+        self,
+        token_ids: Sequence[int],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        lookup: bool = True,
+        store: bool = True,
     ) -> Prefill:
-        """Process a prompt, reusing the longest cached prefix when allowed.
+        """Process a prompt, reusing the longest cached prefix when ``lookup`` allows.
 
-        The caller owns the returned blocks (``held_blocks``) until ``finish`` releases them.
+        ``store`` writes the prompt's new full blocks to the pool. The caller owns the
+        returned blocks (``held_blocks``) and must ``pool.release`` them.
         """
         if not token_ids:
             raise InvalidInput("prompt must contain at least one token")
         started = time.perf_counter()
         disabled = self.reuse_disabled
-        reuse = use_cache and self.config.reuse and disabled is None
-        keys = self.block_keys(token_ids, tenant) if reuse else []
+        allowed = self.config.reuse and disabled is None
+        lookup, store = lookup and allowed, store and allowed
+        keys = self.block_keys(token_ids, tenant) if lookup or store else []
         # The last prompt token is always computed: at most (n - 1) // B blocks may match.
         max_blocks = (len(token_ids) - 1) // self.config.block_size
-        held = self.pool.lookup_prefix(keys[:max_blocks]) if reuse else []
+        held = self.pool.lookup_prefix(keys[:max_blocks]) if lookup else []
         self.pool.acquire(held)
         try:
             matched = len(held) * self.config.block_size
@@ -200,7 +207,7 @@ class ReferenceEngine:
             input_ids = torch.tensor([list(token_ids[matched:])], device=self.device)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             logits = out.logits[0, -1].float()
-            if reuse:
+            if store:
                 self._store(keys, out.past_key_values, first_block=len(held))
         except Exception:
             self.pool.release(held)
@@ -267,10 +274,16 @@ class ReferenceEngine:
         *,
         tenant: str = DEFAULT_TENANT,
         use_cache: bool = True,
+        lookup: bool | None = None,
+        store: bool | None = None,
         keep_logits: bool = False,
         request_id: str | None = None,
     ) -> Generation:
-        """Start a generation; iterate the result (or call ``run()``) to produce tokens."""
+        """Start a generation; iterate the result (or call ``run()``) to produce tokens.
+
+        ``use_cache=False`` is a fresh prefill that neither reads nor writes the pool;
+        ``lookup`` and ``store`` override the two halves separately.
+        """
         params = params or SamplingParams()
         params.validate()
         prompt = list(prompt_ids)
@@ -282,13 +295,22 @@ class ReferenceEngine:
         rid = request_id or uuid.uuid4().hex
         record = RequestRecord(request_id=rid, tenant=tenant, prompt_tokens=len(prompt))
         generation = Generation(request_id=rid, prompt_ids=prompt, params=params, record=record)
-        generation._iterator = self._run(generation, use_cache=use_cache, keep_logits=keep_logits)
+        generation._iterator = self._run(
+            generation,
+            lookup=use_cache if lookup is None else lookup,
+            store=use_cache if store is None else store,
+            keep_logits=keep_logits,
+        )
         return generation
 
-    def _run(self, gen: Generation, *, use_cache: bool, keep_logits: bool) -> Iterator[int]:
+    def _run(
+        self, gen: Generation, *, lookup: bool, store: bool, keep_logits: bool
+    ) -> Iterator[int]:
         with self._lock, torch.inference_mode():
             started = time.perf_counter()
-            state = self.prefill(gen.prompt_ids, tenant=gen.record.tenant, use_cache=use_cache)
+            state = self.prefill(
+                gen.prompt_ids, tenant=gen.record.tenant, lookup=lookup, store=store
+            )
             record = gen.record
             record.matched_tokens = state.matched_tokens
             record.computed_tokens = len(gen.prompt_ids) - state.matched_tokens
@@ -329,7 +351,7 @@ class ReferenceEngine:
                     logits, cache = out.logits[0, -1].float(), out.past_key_values
                 if gen.finish_reason is None:
                     gen.finish_reason = "length"
-                if state.keys and state.reuse_disabled is None:
+                if store and state.keys:
                     # Generated tokens whose KV exists (all but the last) become reusable.
                     all_ids = gen.prompt_ids + gen.output_ids[:-1]
                     keys = self.block_keys(all_ids, gen.record.tenant)
