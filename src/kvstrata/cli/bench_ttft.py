@@ -1,9 +1,42 @@
-"""Placeholder: filled in by its owner."""
+"""``kvstrata bench ttft``: fresh prefill vs a cached hit, same prompt, same run."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+from kvstrata.cli.output import emit
 
 
 def register(sub: Any) -> None:
-    del sub
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "ttft", help="time to first token, hit vs fresh"
+    )
+    parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model directory")
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each kind")
+    parser.add_argument("--tier", choices=("device",), default="device", help="tier of the hit")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.bench.ttft import run_ttft
+    from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+    from kvstrata.engine.model_loader import load_model
+
+    blocks_needed = 2 * (args.tokens + 64) // args.block_size + 8
+    engine = ReferenceEngine(
+        load_model(args.model), EngineConfig(block_size=args.block_size, pool_blocks=blocks_needed)
+    )
+    result = run_ttft(engine, model=args.model, n_tokens=args.tokens, repeats=args.repeat)
+    data = result.to_dict()
+    emit(
+        data,
+        as_json=args.json,
+        title=f"kvstrata bench ttft ({args.model}, {result.prompt_tokens} tokens, {args.tier})",
+        columns=("field", "value"),
+        rows=list(data.items()),
+    )
+    return 0

@@ -1,0 +1,132 @@
+"""Exactness verification: does cached prefill reproduce a fresh prefill on *this* model?
+
+For operators who must know before turning caching on. Each prompt runs twice on the same
+engine: first a fresh prefill (no lookup; its blocks are stored), then a run that reuses the
+longest cached prefix. Both decode greedily; we compare the logits of every step and the
+greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.sampling import SamplingParams
+from kvstrata.errors import InvalidInput
+from kvstrata.identity import DEFAULT_TENANT
+
+DEFAULT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class VerifyPrompt:
+    line: int
+    tenant: str
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class PromptVerdict:
+    line: int
+    tenant: str
+    prompt_tokens: int
+    matched_tokens: int
+    max_abs_logit_diff: float
+    greedy_equal: bool
+
+
+def _parse_messages(raw: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(raw, list) or not raw:
+        raise InvalidInput(f"{where}: 'messages' must be a non-empty list")
+    messages = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict):
+            raise InvalidInput(f"{where}: messages[{i}] must be an object")
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidInput(f"{where}: messages[{i}] needs string 'role' and 'content'")
+        messages.append({"role": role, "content": content})
+    return tuple(messages)
+
+
+def read_prompts(path: Path) -> list[VerifyPrompt]:
+    """Parse a JSONL file of prompts; a malformed line raises ``InvalidInput`` naming it."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read {path}: {exc}") from exc
+    prompts: list[VerifyPrompt] = []
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{where}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise InvalidInput(f"{where}: expected a JSON object")
+        tenant = obj.get("tenant", DEFAULT_TENANT)
+        if not isinstance(tenant, str) or not tenant:
+            raise InvalidInput(f"{where}: 'tenant' must be a non-empty string")
+        has_prompt, has_messages = "prompt" in obj, "messages" in obj
+        if has_prompt == has_messages:
+            raise InvalidInput(f"{where}: give exactly one of 'prompt' or 'messages'")
+        if has_prompt:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+                raise InvalidInput(f"{where}: 'prompt' must be a non-empty string")
+            prompts.append(VerifyPrompt(line=number, tenant=tenant, prompt=obj["prompt"]))
+        else:
+            messages = _parse_messages(obj["messages"], where)
+            prompts.append(VerifyPrompt(line=number, tenant=tenant, messages=messages))
+    if not prompts:
+        raise InvalidInput(f"{path}: no prompts")
+    return prompts
+
+
+def verify_tokens(
+    engine: ReferenceEngine, token_ids: Sequence[int], *, tenant: str, max_tokens: int
+) -> tuple[int, float, bool]:
+    """(matched tokens, max |Δlogit| over all steps, greedy tokens equal) for one prompt."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    fresh = engine.generate(
+        token_ids, params, tenant=tenant, lookup=False, store=True, keep_logits=True
+    ).run()
+    cached = engine.generate(token_ids, params, tenant=tenant, keep_logits=True).run()
+    diff = max(
+        float((a - b).abs().max().item())
+        for a, b in zip(fresh.step_logits, cached.step_logits, strict=True)
+    )
+    return cached.record.matched_tokens, diff, fresh.output_ids == cached.output_ids
+
+
+def verify_prompts(
+    engine: ReferenceEngine, prompts: Sequence[VerifyPrompt], *, max_tokens: int = 32
+) -> Iterator[PromptVerdict]:
+    for item in prompts:
+        if item.messages is not None:
+            ids = engine.encode_chat(item.messages)
+        else:
+            assert item.prompt is not None
+            ids = engine.encode_prompt(item.prompt)
+        matched, diff, equal = verify_tokens(engine, ids, tenant=item.tenant, max_tokens=max_tokens)
+        yield PromptVerdict(item.line, item.tenant, len(ids), matched, diff, equal)
+
+
+def summarise(verdicts: Sequence[PromptVerdict], tolerance: float) -> dict[str, Any]:
+    max_diff = max((v.max_abs_logit_diff for v in verdicts), default=0.0)
+    return {
+        "prompts": len(verdicts),
+        "all_exact": all(v.greedy_equal for v in verdicts) and max_diff <= tolerance,
+        "max_abs_logit_diff": max_diff,
+        "min_matched_tokens": min((v.matched_tokens for v in verdicts), default=0),
+    }
+
+
+def verdict_dict(verdict: PromptVerdict) -> dict[str, Any]:
+    return asdict(verdict)
