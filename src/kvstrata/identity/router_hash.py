@@ -24,8 +24,9 @@ The recurrence is evaluated for all blocks at once as
 ``r_j = P^j * cumsum_i(b_i * P^-i) + s * P^(j+1)``: P is odd, hence invertible mod 2**64.
 Properties: hash_j depends on blocks 0..j only (prefix property); changing block i's content
 hash changes r_k for every k >= i (its term is multiplied by a power of the invertible P, so it
-cannot vanish) and, ``mix`` being a bijection, hash_k too; a different seed shifts every r_j by
-``(s - s') * P^(j+1)`` != 0, so two namespaces never share the hashes of the same tokens.
+cannot vanish) and, ``mix`` being a bijection, hash_k too. The seed keys both the column
+multipliers and the chain start, so the same tokens hash unrelatedly in two namespaces (equal
+only by a ~2**-64 accident, which, as above, could only cost a routing mistake).
 """
 
 from __future__ import annotations

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible wire format: request models, response bodies and the error shape.
+
+Requests are parsed strictly (a string where a number belongs is a 400, not a coercion)
+and unknown fields are ignored, as OpenAI clients send many optional ones. Parameters the
+reference engine cannot honour (``n > 1``, penalties, logprobs, non-text content) are
+rejected with a 400 rather than silently dropped. Responses are plain dicts shaped like
+OpenAI's; ``usage.prompt_tokens_details.cached_tokens`` carries the matched prefix tokens,
+as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+MAX_TENANT_CHARS = 128
+
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+
+def error_body(
+    message: str, *, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # extension; -1 (vLLM) and 0 both mean off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported; use 0")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
+        if any(not stop for stop in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str) and len(value) != 1:
+            raise ValueError("exactly one prompt is supported (no batched prompts)")
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(isinstance(v, int) and v < 0 for v in value):
+            raise ValueError("token ids must be non-negative")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``text`` parts reach the (text-only) model."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``; ``max_tokens`` unset → fill the context window."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them: role and one string of content.
+
+        Raises ``ApiError`` (400) for a content part that is not text.
+        """
+        out: list[dict[str, str]] = []
+        for i, message in enumerate(self.messages):
+            role = "system" if message.role == "developer" else message.role
+            out.append({"role": role, "content": _content_text(message.content, i)})
+        return out
+
+
+def _content_text(content: str | list[ContentPart] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(
+                400,
+                f"content part of type {part.type!r} is not supported: the model is text-only",
+                code="unsupported_content_type",
+                param=f"messages[{index}].content[{j}]",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+# ---- responses ------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_body: dict[str, Any] | None,
+    *,
+    chunk: bool = False,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+    if not chunk or usage_body is not None:
+        body["usage"] = usage_body
+    return body
+
+
+def chat_body(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_body,
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta=None`` makes the choice-less usage chunk."""
+    choices = (
+        []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    )
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_body is not None:
+        body["usage"] = usage_body
+    return body
+
+
+def models_body(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvstrata",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }
