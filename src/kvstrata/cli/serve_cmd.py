@@ -1,9 +1,114 @@
-"""Placeholder: filled in by its owner."""
+"""``kvstrata serve``: the reference engine behind an OpenAI-compatible HTTP API.
+
+The device pool is sized in GiB and converted to blocks from the model's KV bytes per
+block, so the same flag means the same memory for every model.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import sys
 from typing import Any
+
+from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
+from kvstrata.errors import InvalidInput
+
+GIB = 1 << 30
 
 
 def register(sub: Any) -> None:
-    del sub
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "serve",
+        help="serve the reference engine over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible /v1/completions and /v1/chat/completions with exact "
+        "prefix reuse, plus Prometheus /metrics.",
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help=f"{' | '.join(MODEL_NAMES)} | PATH to a local HF model directory (default: smollm2)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--pool-gib", type=float, default=1.0, help="device KV pool size in GiB (default: 1.0)"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as 'model' (default: the --model value)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.set_defaults(func=run)
+
+
+def pool_blocks_for(loaded: LoadedModel, block_size: int, pool_gib: float) -> int:
+    """How many KV blocks of this model fit in ``pool_gib`` GiB (fp32 KV, as the engine keeps)."""
+    from kvstrata.engine.kv_pool import PoolConfig
+
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_block = PoolConfig(
+        num_blocks=1,
+        block_size=block_size,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        dtype=loaded.model.dtype,
+    ).bytes_per_block
+    blocks = int(pool_gib * GIB) // per_block
+    if blocks < 1:
+        raise InvalidInput(f"--pool-gib {pool_gib} holds no block of {per_block} bytes")
+    return blocks
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.block_size < 1:
+        raise InvalidInput("--block-size must be at least 1")
+    if not 0 < args.port < 65536:
+        raise InvalidInput("--port must lie in 1..65535")
+    if args.pool_gib <= 0:
+        raise InvalidInput("--pool-gib must be positive")
+
+    import uvicorn
+
+    from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+    from kvstrata.engine.model_loader import load_model
+    from kvstrata.serve.app import create_app
+    from kvstrata.telemetry import KvMetrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    loaded = load_model(args.model)
+    blocks = pool_blocks_for(loaded, args.block_size, args.pool_gib)
+    metrics = KvMetrics()
+    engine = ReferenceEngine(
+        loaded, EngineConfig(block_size=args.block_size, pool_blocks=blocks), metrics=metrics
+    )
+    name = args.served_model_name or args.model
+    app = create_app(engine, model_name=name, metrics=metrics)
+    _banner(name, args.host, args.port, engine.device, blocks, args.block_size)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _banner(name: str, host: str, port: int, device: str, blocks: int, block_size: int) -> None:
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown_host}:{port}"
+    body = json.dumps(
+        {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    )
+    lines = [
+        f"kvstrata serve: model {name!r} on {device}, pool {blocks} blocks x {block_size} tokens",
+        f"  OpenAI base URL: {base}/v1   metrics: {base}/metrics   health: {base}/health",
+        "  try:",
+        f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"      -d '{body}'",
+        "  tenant namespaces: header 'X-Kvstrata-Tenant: NAME' (or body field kvstrata_tenant)",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()

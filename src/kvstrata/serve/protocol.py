@@ -56,7 +56,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
@@ -118,7 +118,7 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[str] | list[int]
@@ -174,7 +174,7 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``; ``max_tokens`` unset → fill the context window."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -239,9 +239,7 @@ def completion_body(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        ],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
     if not chunk or usage_body is not None:
         body["usage"] = usage_body
