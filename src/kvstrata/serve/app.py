@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -55,7 +55,6 @@ logger = logging.getLogger("kvstrata.serve")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"})
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -76,9 +75,9 @@ def create_app(engine: ReferenceEngine, *, model_name: str, metrics: KvMetrics) 
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
     app.add_middleware(_RequestCounter, metrics=metrics)
-    app.add_exception_handler(ApiError, _api_error_handler)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_error_handler)  # type: ignore[arg-type]
+    app.exception_handler(ApiError)(protocol.api_error_handler)
+    app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
+    app.exception_handler(StarletteHTTPException)(protocol.http_error_handler)
 
     @app.post(COMPLETIONS, response_model=None)
     async def completions(
@@ -196,10 +195,10 @@ class _Service:
             events = self.worker.stream(prepare, engine.decode, stops, on_end)
             first = await anext(events)
         except Exception as exc:
-            return _error_response(_as_api_error(exc, prompt_param, request_id))
+            return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
         if isinstance(first, ErrorEvent):
             await events.aclose()
-            return _error_response(_as_api_error(first.error, prompt_param, request_id))
+            return protocol.error_response(_as_api_error(first.error, prompt_param, request_id))
         chunks = self._chunks(endpoint, request_id, first, events, body.include_usage())
         return StreamingResponse(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
 
@@ -335,46 +334,6 @@ def _as_api_error(exc: BaseException, prompt_param: str, request_id: str) -> Api
         type="server_error",
         code="internal_error",
     )
-
-
-def _error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-async def _api_error_handler(_request: Request, exc: ApiError) -> JSONResponse:
-    return _error_response(exc)
-
-
-async def _http_error_handler(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = "not_found" if exc.status_code == 404 else None
-    return _error_response(ApiError(exc.status_code, str(exc.detail), code=code))
-
-
-async def _validation_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """Schema violations are 400s in OpenAI's shape, not FastAPI's 422."""
-    errors = list(exc.errors())
-    first: dict[str, Any] = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid"}
-    if first.get("type") == "json_invalid":
-        return _error_response(
-            ApiError(400, "the request body is not valid JSON", code="invalid_json")
-        )
-    param = _param_path(first.get("loc", ()))
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-    return _error_response(ApiError(400, message, code=code, param=param))
-
-
-def _param_path(loc: Any) -> str | None:
-    """``("body", "messages", 0, "content")`` → ``messages[0].content``; union tags dropped."""
-    path = ""
-    for part in list(loc)[1:]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in _UNION_TAGS or "[" in part or "-" in part:
-            break
-        else:
-            path += f".{part}" if path else part
-    return path or None
 
 
 class _RequestCounter:

@@ -5,7 +5,8 @@ and unknown fields are ignored, as OpenAI clients send many optional ones. Param
 reference engine cannot honour (``n > 1``, penalties, logprobs, non-text content) are
 rejected with a 400 rather than silently dropped. Responses are plain dicts shaped like
 OpenAI's; ``usage.prompt_tokens_details.cached_tokens`` carries the matched prefix tokens,
-as OpenAI and vLLM report them.
+as OpenAI and vLLM report them. Every error, FastAPI's own included (malformed JSON, schema
+violations, unknown routes), is answered as ``{"error": {message, type, param, code}}``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 MAX_STOP_STRINGS = 4
 MAX_TENANT_CHARS = 128
@@ -213,6 +218,50 @@ def _content_text(content: str | list[ContentPart] | None, index: int) -> str:
             )
         texts.append(part.text)
     return "\n".join(texts)
+
+
+# ---- errors ---------------------------------------------------------------------------
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def api_error_handler(_request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def http_error_handler(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = "not_found" if exc.status_code == 404 else None
+    return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+
+async def validation_error_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Schema violations are 400s in OpenAI's shape, not FastAPI's 422."""
+    errors = list(exc.errors())
+    first: dict[str, Any] = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid"}
+    if first.get("type") == "json_invalid":
+        return error_response(
+            ApiError(400, "the request body is not valid JSON", code="invalid_json")
+        )
+    param = _param_path(first.get("loc", ()))
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return error_response(ApiError(400, message, code=code, param=param))
+
+
+def _param_path(loc: Any) -> str | None:
+    """``("body", "messages", 0, "content")`` → ``messages[0].content``; union tags dropped."""
+    path = ""
+    for part in list(loc)[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in part or "-" in part:
+            break
+        else:
+            path += f".{part}" if path else part
+    return path or None
 
 
 # ---- responses ------------------------------------------------------------------------

@@ -1,0 +1,22 @@
+"""KV objects: a block key, its representation, payload digest, metadata and lifecycle state.
+
+Readers only ever see COMMITTED objects whose payload digest verified.
+"""
+
+from kvstrata.objects.model import (
+    DIGEST_ALGORITHM,
+    IllegalTransition,
+    KVObjectMeta,
+    ObjectState,
+    Representation,
+    payload_digest,
+)
+
+__all__ = [
+    "DIGEST_ALGORITHM",
+    "IllegalTransition",
+    "KVObjectMeta",
+    "ObjectState",
+    "Representation",
+    "payload_digest",
+]

@@ -1,0 +1,175 @@
+"""The KV object model and its lifecycle state machine (pure: no I/O, no torch).
+
+States::
+
+    PENDING ──complete_store(ok)──▶ COMMITTED ──ttl──▶ EXPIRED
+       │                               │
+       └──complete_store(fail)──▶ INVALID ◀──digest mismatch / incompatible / deleted
+
+EXPIRED and INVALID are terminal. Every other transition raises ``IllegalTransition``.
+The payload digest is xxh3-128 over the payload bytes: it guards against corruption (torn
+writes, bit flips, truncation), not against an adversary — identity is the BLAKE3 block key,
+which is never derived from the payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+import xxhash
+
+from kvstrata.errors import KvstrataError
+from kvstrata.identity import BlockKey
+
+DIGEST_ALGORITHM = "xxh3-128"
+
+
+class IllegalTransition(KvstrataError):
+    """An object was asked to move between states the lifecycle does not allow."""
+
+
+class ObjectState(Enum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+    EXPIRED = "expired"
+    INVALID = "invalid"
+
+
+_ALLOWED: dict[ObjectState, frozenset[ObjectState]] = {
+    ObjectState.PENDING: frozenset({ObjectState.COMMITTED, ObjectState.INVALID}),
+    ObjectState.COMMITTED: frozenset({ObjectState.EXPIRED, ObjectState.INVALID}),
+    ObjectState.EXPIRED: frozenset(),
+    ObjectState.INVALID: frozenset(),
+}
+
+
+def check_transition(current: ObjectState, target: ObjectState) -> ObjectState:
+    if target not in _ALLOWED[current]:
+        raise IllegalTransition(f"{current.value} → {target.value} is not a legal transition")
+    return target
+
+
+@dataclass(frozen=True)
+class Representation:
+    """How the payload encodes the KV of one block; part of compatibility, not of identity."""
+
+    dtype: str
+    layout: str
+    block_size: int
+    shape: tuple[int, ...]
+    codec_id: str = "identity"
+    codec_version: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "layout": self.layout,
+            "block_size": self.block_size,
+            "shape": list(self.shape),
+            "codec_id": self.codec_id,
+            "codec_version": self.codec_version,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Representation:
+        return cls(
+            dtype=str(data["dtype"]),
+            layout=str(data["layout"]),
+            block_size=int(data["block_size"]),
+            shape=tuple(int(x) for x in data["shape"]),
+            codec_id=str(data["codec_id"]),
+            codec_version=int(data["codec_version"]),
+            tp_rank=int(data["tp_rank"]),
+            tp_size=int(data["tp_size"]),
+        )
+
+
+def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
+    """xxh3-128 of the payload bytes, 16 bytes big-endian."""
+    return xxhash.xxh3_128_digest(payload)
+
+
+@dataclass(frozen=True)
+class KVObjectMeta:
+    """Everything a tier and a policy need to know about one object, without its bytes.
+
+    ``parent`` is the key of the previous block of the chain (None for the first block):
+    tiers and policies use it to keep prefix closure (leaves leave first).
+    ``recompute_tokens`` / ``position`` let a policy price what a hit saves: the block's
+    tokens must be recomputed at that depth of the context if it is lost.
+    """
+
+    key: BlockKey
+    parent: BlockKey | None
+    tenant: str
+    representation: Representation
+    size: int
+    digest: bytes
+    created_at: float
+    ttl_s: float | None = None
+    position: int = 0  # index of the block's first token in its sequence
+    recompute_s: float = 0.0  # measured prefill time this block saves when hit
+    model: str = ""
+
+    def expires_at(self) -> float | None:
+        return None if self.ttl_s is None else self.created_at + self.ttl_s
+
+    def expired(self, now: float) -> bool:
+        deadline = self.expires_at()
+        return deadline is not None and now >= deadline
+
+    def with_ttl(self, ttl_s: float | None) -> KVObjectMeta:
+        return replace(self, ttl_s=ttl_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key.hex(),
+            "parent": self.parent.hex() if self.parent is not None else None,
+            "tenant": self.tenant,
+            "representation": self.representation.to_dict(),
+            "size": self.size,
+            "digest": self.digest.hex(),
+            "created_at": self.created_at,
+            "ttl_s": self.ttl_s,
+            "position": self.position,
+            "recompute_s": self.recompute_s,
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVObjectMeta:
+        parent = data.get("parent")
+        return cls(
+            key=BlockKey(bytes.fromhex(data["key"])),
+            parent=BlockKey(bytes.fromhex(parent)) if parent is not None else None,
+            tenant=str(data["tenant"]),
+            representation=Representation.from_dict(data["representation"]),
+            size=int(data["size"]),
+            digest=bytes.fromhex(data["digest"]),
+            created_at=float(data["created_at"]),
+            ttl_s=None if data.get("ttl_s") is None else float(data["ttl_s"]),
+            position=int(data.get("position", 0)),
+            recompute_s=float(data.get("recompute_s", 0.0)),
+            model=str(data.get("model", "")),
+        )
+
+
+@dataclass
+class ObjectRecord:
+    """A tier's mutable bookkeeping for one object: state, readers, reuse statistics."""
+
+    meta: KVObjectMeta
+    state: ObjectState = ObjectState.PENDING
+    readers: int = 0
+    hits: int = 0
+    last_access: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def transition(self, target: ObjectState) -> None:
+        self.state = check_transition(self.state, target)

@@ -1,0 +1,1 @@
+"""The tiered store: lookup across tiers, promotion/demotion, write policies, quotas, eviction."""

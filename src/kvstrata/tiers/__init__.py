@@ -1,0 +1,1 @@
+"""Tiers: one interface, many media (host DRAM slab, local disk; remote later). No policy here."""

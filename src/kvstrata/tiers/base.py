@@ -1,0 +1,168 @@
+"""The tier interface and the bookkeeping every tier shares.
+
+Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for every tier):
+
+- ``prepare_store(meta) -> StoreSlot | None``: reserve room for one object, which is PENDING
+  (invisible to ``contains``/``prepare_load``, not removable by eviction). ``None`` means "no
+  room" — an expected outcome; the caller evicts (policy is not the tier's business) and
+  retries. Storing a key that is already present returns ``None`` too (objects are immutable).
+  Raises ``TierError`` only when the medium fails.
+- The caller fills ``slot.buffer`` (``meta.size`` writable bytes) and calls
+  ``complete_store(slot, success)``. With ``success=True`` the tier verifies the payload digest
+  and makes the object COMMITTED (returns True); on a mismatch or ``success=False`` nothing is
+  left behind (returns False).
+- ``prepare_load(key) -> LoadLease | None``: a COMMITTED, unexpired, *verified* object, pinned
+  until ``complete_load(lease)``; ``None`` on a miss. A digest mismatch found while loading
+  marks the object INVALID, removes it and counts it — the caller recomputes.
+- ``remove(key) -> bool``: drop a committed object (eviction, demotion, deletion). Returns
+  False while the object is being loaded (pinned) or is absent.
+- ``contains``, ``meta``, ``keys``, ``used_bytes``, ``tenant_bytes``: read-only views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvstrata.errors import KvstrataError
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, ObjectState
+from kvstrata.objects.model import ObjectRecord
+
+
+class TierError(KvstrataError):
+    """The medium failed (I/O error, disk full, corrupt state). Reads of other objects go on."""
+
+
+@dataclass
+class StoreSlot:
+    """A reserved, PENDING object: fill ``buffer`` then ``complete_store``."""
+
+    meta: KVObjectMeta
+    buffer: memoryview
+    token: object = None  # tier-private (slab slot index, temp file path …)
+
+
+@dataclass
+class LoadLease:
+    """A pinned, verified COMMITTED object; ``buffer`` stays valid until ``complete_load``."""
+
+    meta: KVObjectMeta
+    buffer: memoryview
+    token: object = None
+
+
+class Tier(Protocol):
+    name: str
+    capacity_bytes: int
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def tenant_bytes(self, tenant: str) -> int: ...
+
+    def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None: ...
+
+    def complete_store(self, slot: StoreSlot, success: bool) -> bool: ...
+
+    def prepare_load(self, key: BlockKey) -> LoadLease | None: ...
+
+    def complete_load(self, lease: LoadLease) -> None: ...
+
+    def contains(self, key: BlockKey) -> bool: ...
+
+    def meta(self, key: BlockKey) -> KVObjectMeta | None: ...
+
+    def remove(self, key: BlockKey) -> bool: ...
+
+    def keys(self) -> Iterator[BlockKey]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class TierCounters:
+    stores: int = 0
+    store_failures: int = 0
+    loads: int = 0
+    misses: int = 0
+    invalidated: int = 0
+    removed: int = 0
+
+
+@dataclass
+class TierIndex:
+    """Pure bookkeeping of one tier: records by key, states, pins and byte accounting.
+
+    Used bytes count PENDING reservations too, so admission can never overshoot capacity.
+    """
+
+    capacity_bytes: int
+    records: dict[BlockKey, ObjectRecord] = field(default_factory=dict)
+    used_bytes: int = 0
+    by_tenant: dict[str, int] = field(default_factory=dict)
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    def fits(self, size: int) -> bool:
+        return self.used_bytes + size <= self.capacity_bytes
+
+    def reserve(self, meta: KVObjectMeta) -> ObjectRecord | None:
+        if meta.key in self.records or not self.fits(meta.size):
+            return None
+        record = ObjectRecord(meta=meta)
+        self.records[meta.key] = record
+        self.used_bytes += meta.size
+        self.by_tenant[meta.tenant] = self.by_tenant.get(meta.tenant, 0) + meta.size
+        return record
+
+    def commit(self, key: BlockKey, now: float) -> None:
+        record = self.records[key]
+        record.transition(ObjectState.COMMITTED)
+        record.last_access = now
+        self.counters.stores += 1
+
+    def drop(self, key: BlockKey, *, invalid: bool = False) -> ObjectRecord | None:
+        """Forget an object (failed write, eviction, invalidation) and release its bytes."""
+        record = self.records.pop(key, None)
+        if record is None:
+            return None
+        if invalid and record.state is not ObjectState.INVALID:
+            record.transition(ObjectState.INVALID)
+            self.counters.invalidated += 1
+        self.used_bytes -= record.meta.size
+        remaining = self.by_tenant.get(record.meta.tenant, 0) - record.meta.size
+        if remaining:
+            self.by_tenant[record.meta.tenant] = remaining
+        else:
+            self.by_tenant.pop(record.meta.tenant, None)
+        return record
+
+    def visible(self, key: BlockKey, now: float) -> ObjectRecord | None:
+        """The committed, unexpired record of ``key``; an expired one is dropped on sight."""
+        record = self.records.get(key)
+        if record is None or record.state is not ObjectState.COMMITTED:
+            return None
+        if record.meta.expired(now):
+            if record.readers == 0:
+                record.transition(ObjectState.EXPIRED)
+                self.drop(key)
+            return None
+        return record
+
+    def pin(self, record: ObjectRecord, now: float) -> None:
+        record.readers += 1
+        record.hits += 1
+        record.last_access = now
+        self.counters.loads += 1
+
+    def unpin(self, record: ObjectRecord) -> None:
+        if record.readers <= 0:
+            raise TierError("complete_load without a matching prepare_load")
+        record.readers -= 1
+
+    def removable(self, key: BlockKey) -> ObjectRecord | None:
+        record = self.records.get(key)
+        if record is None or record.state is not ObjectState.COMMITTED or record.readers:
+            return None
+        return record
