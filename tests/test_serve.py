@@ -431,8 +431,9 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error(
 
 # ---- tenants --------------------------------------------------------------------------------
 def test_tenants_do_not_share_cached_prefixes(served: Served) -> None:
-    body = _chat_body(_long_prompt("tenants"))
-    path = "/v1/chat/completions"
+    # A raw prompt that starts with a unique tag: no other request shares even its first block.
+    body = _completion_body(_long_prompt("tenants"))
+    path = "/v1/completions"
 
     def cached(response: httpx.Response) -> int:
         return int(_ok(response)["usage"]["prompt_tokens_details"]["cached_tokens"])

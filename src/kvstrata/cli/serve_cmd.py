@@ -49,18 +49,9 @@ def register(sub: Any) -> None:
 
 def pool_blocks_for(loaded: LoadedModel, block_size: int, pool_gib: float) -> int:
     """How many KV blocks of this model fit in ``pool_gib`` GiB (fp32 KV, as the engine keeps)."""
-    from kvstrata.engine.kv_pool import PoolConfig
+    from kvstrata.engine.engine import pool_config_for
 
-    config = loaded.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_block = PoolConfig(
-        num_blocks=1,
-        block_size=block_size,
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        dtype=loaded.model.dtype,
-    ).bytes_per_block
+    per_block = pool_config_for(loaded, block_size, 1).bytes_per_block
     blocks = int(pool_gib * GIB) // per_block
     if blocks < 1:
         raise InvalidInput(f"--pool-gib {pool_gib} holds no block of {per_block} bytes")

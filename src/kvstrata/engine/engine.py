@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ from kvstrata.identity import (
     namespace_root,
 )
 from kvstrata.telemetry import KvMetrics, RequestRecord
+
+_MAX_CACHED_ROOTS = 4096
 
 
 @dataclass(frozen=True)
@@ -75,16 +78,43 @@ class Generation:
     step_logits: list[torch.Tensor] = field(default_factory=list)
     _iterator: Iterator[int] | None = None
 
+    _running: Iterator[int] | None = None
+
     def __iter__(self) -> Iterator[int]:
         if self._iterator is None:
             raise EngineError("generation already consumed")
         iterator, self._iterator = self._iterator, None
+        self._running = iterator
         return iterator
 
     def run(self) -> Generation:
         for _ in self:
             pass
         return self
+
+    def close(self) -> None:
+        """Stop early (stop string, client gone): releases the engine and keeps the KV so far."""
+        iterator = self._iterator if self._iterator is not None else self._running
+        self._iterator = None
+        if isinstance(iterator, Generator):
+            iterator.close()
+
+
+def pool_config_for(
+    loaded: LoadedModel, block_size: int, num_blocks: int, device: str = "cpu"
+) -> PoolConfig:
+    """The KV shape of this model's pool (``PoolConfig.bytes_per_block`` sizes it)."""
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return PoolConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        dtype=loaded.model.dtype,
+        device=device,
+    )
 
 
 def _resolve_device(device: str) -> str:
@@ -125,23 +155,14 @@ class ReferenceEngine:
             adapter=adapter.identity() if adapter is not None else None,
             chat_template=chat_template,
         )
-        head_dim = getattr(model_config, "head_dim", None) or (
-            model_config.hidden_size // model_config.num_attention_heads
-        )
-        pool_config = PoolConfig(
-            num_blocks=self.config.pool_blocks,
-            block_size=self.config.block_size,
-            num_layers=model_config.num_hidden_layers,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=head_dim,
-            dtype=self.model.dtype,
-            device=self.device,
+        pool_config = pool_config_for(
+            loaded, self.config.block_size, self.config.pool_blocks, self.device
         )
         if pool is not None and pool.config != pool_config:
             raise EngineError("shared pool does not match this model's KV shape")
         self.pool = pool if pool is not None else PagedKVPool(pool_config, self.metrics)
         self.eos_token_ids = self._eos_ids()
-        self._roots: dict[str, NamespaceRoot] = {}
+        self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
         self._lock = threading.Lock()
 
     # ---- tokenisation -------------------------------------------------------------------
@@ -173,6 +194,10 @@ class ReferenceEngine:
             namespace = TenantNamespace.for_tenant(tenant, self.config.tenant_secret)
             root = namespace_root(self.fingerprint.digest(), namespace)
             self._roots[tenant] = root
+            if len(self._roots) > _MAX_CACHED_ROOTS:  # tenant names come from clients
+                self._roots.popitem(last=False)
+        else:
+            self._roots.move_to_end(tenant)
         return chain_keys(root, token_ids, self.config.block_size)
 
     # ---- prefill ------------------------------------------------------------------------
@@ -328,6 +353,7 @@ class ReferenceEngine:
             else:
                 generator.seed()
             logits, cache = state.logits, state.cache
+            consistent = True  # the cache holds exactly prompt + output_ids[:-1]
             try:
                 for step in range(gen.params.max_tokens):
                     if keep_logits:
@@ -343,21 +369,27 @@ class ReferenceEngine:
                         break
                     if step + 1 == gen.params.max_tokens:
                         break
+                    consistent = False
                     out = self.model(
                         input_ids=torch.tensor([[token]], device=self.device),
                         past_key_values=cache,
                         use_cache=True,
                     )
                     logits, cache = out.logits[0, -1].float(), out.past_key_values
+                    consistent = True
                 if gen.finish_reason is None:
                     gen.finish_reason = "length"
-                if store and state.keys:
-                    # Generated tokens whose KV exists (all but the last) become reusable.
-                    all_ids = gen.prompt_ids + gen.output_ids[:-1]
-                    keys = self.block_keys(all_ids, gen.record.tenant)
-                    self._store(keys, cache, first_block=len(state.held_blocks))
             finally:
-                self.pool.release(state.held_blocks)
+                try:
+                    if store and state.keys and consistent:
+                        # Generated tokens whose KV exists (all but the last) become reusable,
+                        # also when the caller stopped early. Not after a failed forward: the
+                        # cache may then hold a partial step.
+                        all_ids = gen.prompt_ids + gen.output_ids[:-1]
+                        keys = self.block_keys(all_ids, gen.record.tenant)
+                        self._store(keys, cache, first_block=len(state.held_blocks))
+                finally:
+                    self.pool.release(state.held_blocks)
                 record.output_tokens = len(gen.output_ids)
                 record.finish_reason = gen.finish_reason
 

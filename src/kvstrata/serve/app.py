@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -217,7 +217,7 @@ class _Service:
         endpoint: str,
         request_id: str,
         first: StreamEvent,
-        events: AsyncIterator[StreamEvent],
+        events: AsyncGenerator[StreamEvent, None],
         include_usage: bool,
     ) -> AsyncIterator[str]:
         """SSE lines: deltas, a final chunk with the finish reason, optional usage, [DONE]."""
@@ -233,7 +233,9 @@ class _Service:
 
         try:
             if chat:
-                yield _sse(protocol.chat_chunk(request_id, model, {"role": "assistant"}))
+                yield _sse(
+                    protocol.chat_chunk(request_id, model, {"role": "assistant", "content": ""})
+                )
             event = first
             while True:
                 if isinstance(event, TextEvent):
@@ -244,7 +246,7 @@ class _Service:
                         yield _sse(self._usage_chunk(chat, request_id, event.outcome))
                     break
                 else:
-                    error = _as_api_error(event.error, "prompt", request_id)
+                    error = _as_api_error(event.error, "messages" if chat else "prompt", request_id)
                     yield _sse(error.body())
                     break
                 event = await anext(events)

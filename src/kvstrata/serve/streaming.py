@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -117,8 +117,7 @@ def produce(
             if assembler.stopped or cancelled.is_set():
                 break
     finally:
-        if isinstance(iterator, Generator):
-            iterator.close()
+        generation.close()
     tail = assembler.finish(generation.output_ids)
     if tail:
         on_text(tail)
@@ -182,7 +181,7 @@ class EngineWorker:
         decode: Callable[[Sequence[int]], str],
         stops: Sequence[str],
         on_end: Callable[[Generation], None],
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Prepare and run a generation on the engine thread, yielding events on the loop.
 
         The last event is a ``DoneEvent`` or an ``ErrorEvent``. Closing the iterator early
@@ -201,7 +200,7 @@ class EngineWorker:
         decode: Callable[[Sequence[int]], str],
         stops: Sequence[str],
         on_end: Callable[[Generation], None],
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         cancelled = threading.Event()

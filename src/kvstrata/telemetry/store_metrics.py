@@ -1,0 +1,64 @@
+"""Prometheus metrics of the tiered store, bound to an injected registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class StoreMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.objects = Gauge("kvstrata_tier_objects", "Committed objects", ["tier"], registry=r)
+        self.bytes = Gauge(
+            "kvstrata_tier_bytes", "Bytes held (incl. pending)", ["tier"], registry=r
+        )
+        self.hits = Counter(
+            "kvstrata_tier_hits", "Objects loaded from a tier", ["tier"], registry=r
+        )
+        self.fetched_bytes = Counter(
+            "kvstrata_tier_fetched_bytes", "Bytes loaded from a tier", ["tier"], registry=r
+        )
+        self.stores = Counter(
+            "kvstrata_tier_stores", "Objects committed to a tier", ["tier", "cause"], registry=r
+        )
+        self.evictions = Counter(
+            "kvstrata_tier_evictions", "Objects evicted", ["tier", "outcome"], registry=r
+        )
+        self.invalid = Counter(
+            "kvstrata_tier_invalidated",
+            "Objects found corrupt or incompatible and invalidated (then recomputed)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.write_failures = Counter(
+            "kvstrata_tier_write_failures", "Writes that failed cleanly", ["tier"], registry=r
+        )
+        self.rejections = Counter(
+            "kvstrata_tier_admission_rejections",
+            "Objects not admitted (quota, no evictable room, disabled)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.bytes_at_risk = Gauge(
+            "kvstrata_writeback_bytes_at_risk",
+            "Bytes queued for write-back to a tier: lost if the process dies now",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_enabled = Gauge(
+            "kvstrata_tier_enabled",
+            "1 when the tier is enabled (rollback switch)",
+            ["tier"],
+            registry=r,
+        )
+        self.recompute_decisions = Counter(
+            "kvstrata_breakeven_recompute",
+            "Requests that recomputed instead of fetching from a lower tier",
+            ["reason"],
+            registry=r,
+        )
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        found = self.registry.get_sample_value(name, labels or {})
+        return float(found) if found is not None else 0.0
