@@ -26,6 +26,7 @@ from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams, sample_next
+from kvstrata.engine.tiering import BlockInfo, RecomputeEstimate, StoreBridge
 from kvstrata.errors import ContextTooLong, EngineError, InvalidInput
 from kvstrata.identity import (
     DEFAULT_TENANT,
@@ -37,6 +38,7 @@ from kvstrata.identity import (
     chain_keys,
     namespace_root,
 )
+from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
 
 _MAX_CACHED_ROOTS = 4096
@@ -59,6 +61,7 @@ class Prefill:
     logits: torch.Tensor
     cache: DynamicCache
     matched_tokens: int
+    matched_by_tier: dict[str, int]
     keys: list[BlockKey]
     held_blocks: list[int]
     reuse_disabled: ReuseDisabled | None
@@ -117,6 +120,12 @@ def pool_config_for(
     )
 
 
+def _no_estimate(tokens: int, context: int) -> float:
+    """Without a cost model, fetching is always assumed to pay (break-even by tokens only)."""
+    del tokens, context
+    return float("inf")
+
+
 def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,6 +144,8 @@ class ReferenceEngine:
         adapter: Adapter | None = None,
         chat_template: str | None = None,
         pool: PagedKVPool | None = None,
+        store: TieredStore | None = None,
+        recompute_estimate: RecomputeEstimate | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
@@ -161,6 +172,15 @@ class ReferenceEngine:
         if pool is not None and pool.config != pool_config:
             raise EngineError("shared pool does not match this model's KV shape")
         self.pool = pool if pool is not None else PagedKVPool(pool_config, self.metrics)
+        self.bridge: StoreBridge | None = None
+        if store is not None:
+            self.bridge = StoreBridge(
+                store,
+                self.pool,
+                model_id=self.model_id,
+                metrics=self.metrics,
+                recompute_estimate=recompute_estimate or _no_estimate,
+            )
         self.eos_token_ids = self._eos_ids()
         self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
         self._lock = threading.Lock()
@@ -182,6 +202,13 @@ class ReferenceEngine:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     # ---- identity -----------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        """The fingerprint digest (hex) — what a tier's rollout ``models`` target names."""
+        if isinstance(self.fingerprint, ReuseDisabled):
+            return ""
+        return self.fingerprint.digest().hex()
+
     @property
     def reuse_disabled(self) -> ReuseDisabled | None:
         return self.fingerprint if isinstance(self.fingerprint, ReuseDisabled) else None
@@ -209,6 +236,7 @@ class ReferenceEngine:
         tenant: str = DEFAULT_TENANT,
         lookup: bool = True,
         store: bool = True,
+        request_id: str | None = None,
     ) -> Prefill:
         """Process a prompt, reusing the longest cached prefix when ``lookup`` allows.
 
@@ -226,14 +254,20 @@ class ReferenceEngine:
         max_blocks = (len(token_ids) - 1) // self.config.block_size
         held = self.pool.lookup_prefix(keys[:max_blocks]) if lookup else []
         self.pool.acquire(held)
+        by_tier = {"device": len(held) * self.config.block_size} if held else {}
         try:
+            if lookup and self.bridge is not None and len(held) < max_blocks:
+                scope = RequestScope(tenant=tenant, model=self.model_id, request_id=request_id)
+                promoted = self.bridge.promote(keys[:max_blocks], len(held), scope)
+                held = held + promoted.block_ids
+                by_tier.update(promoted.tokens_by_tier)
             matched = len(held) * self.config.block_size
             cache = self._cache_from_blocks(held)
             input_ids = torch.tensor([list(token_ids[matched:])], device=self.device)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             logits = out.logits[0, -1].float()
             if store:
-                self._store(keys, out.past_key_values, first_block=len(held))
+                self._store(keys, out.past_key_values, first_block=len(held), tenant=tenant)
         except Exception:
             self.pool.release(held)
             raise
@@ -241,6 +275,7 @@ class ReferenceEngine:
             logits=logits,
             cache=out.past_key_values,
             matched_tokens=matched,
+            matched_by_tier=by_tier,
             keys=keys,
             held_blocks=held,
             reuse_disabled=disabled,
@@ -259,7 +294,9 @@ class ReferenceEngine:
             layer.keys, layer.values = k, v
         return cache
 
-    def _store(self, keys: list[BlockKey], cache: DynamicCache, first_block: int) -> None:
+    def _store(
+        self, keys: list[BlockKey], cache: DynamicCache, first_block: int, tenant: str
+    ) -> None:
         """Write full blocks ``first_block..`` whose KV is in ``cache`` into the pool."""
         block_size = self.config.block_size
         cached_tokens = cache.get_seq_length()
@@ -272,7 +309,7 @@ class ReferenceEngine:
             if self.pool.contains(keys[i]):
                 break
             parent = keys[i - 1] if i > 0 else None
-            block_id = self.pool.allocate(keys[i], parent)
+            block_id = self.pool.allocate(keys[i], parent, BlockInfo(tenant, i * block_size))
             if block_id is None:
                 break
             new_ids.append(block_id)
@@ -290,6 +327,8 @@ class ReferenceEngine:
             raise
         for block_id in new_ids:
             self.pool.commit(block_id)
+        if self.bridge is not None:
+            self.bridge.write_through(new_ids, keys, start, tenant)
 
     # ---- generation ---------------------------------------------------------------------
     def generate(
@@ -334,7 +373,11 @@ class ReferenceEngine:
         with self._lock, torch.inference_mode():
             started = time.perf_counter()
             state = self.prefill(
-                gen.prompt_ids, tenant=gen.record.tenant, lookup=lookup, store=store
+                gen.prompt_ids,
+                tenant=gen.record.tenant,
+                lookup=lookup,
+                store=store,
+                request_id=gen.request_id,
             )
             record = gen.record
             record.matched_tokens = state.matched_tokens
@@ -343,8 +386,9 @@ class ReferenceEngine:
             if state.reuse_disabled is not None:
                 record.reuse_disabled_reason = state.reuse_disabled.reason.value
                 self.metrics.reuse_disabled.labels(reason=record.reuse_disabled_reason).inc()
+            record.matched_by_tier = dict(state.matched_by_tier)
             self.metrics.observe_prefill(
-                prompt_tokens=len(gen.prompt_ids), matched_tokens=state.matched_tokens
+                prompt_tokens=len(gen.prompt_ids), matched_by_tier=state.matched_by_tier
             )
             self.metrics.prefill.observe(state.prefill_s)
             generator = torch.Generator(device="cpu")
@@ -387,7 +431,9 @@ class ReferenceEngine:
                         # cache may then hold a partial step.
                         all_ids = gen.prompt_ids + gen.output_ids[:-1]
                         keys = self.block_keys(all_ids, gen.record.tenant)
-                        self._store(keys, cache, first_block=len(state.held_blocks))
+                        self._store(
+                            keys, cache, first_block=len(state.held_blocks), tenant=record.tenant
+                        )
                 finally:
                     self.pool.release(state.held_blocks)
                 record.output_tokens = len(gen.output_ids)

@@ -16,7 +16,7 @@ Bookkeeping (pure Python, no I/O):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -56,6 +56,22 @@ class _Block:
     children: int = 0
     refs: int = 0
     last_used: int = 0
+    uses: int = 0  # commits + acquires: the evidence a selective lower tier asks for
+    info: object = None  # the owner's per-block data (tenant, position), opaque here
+
+
+@dataclass(frozen=True)
+class EvictedBlock:
+    """Handed to ``on_evict`` while the block's bytes are still in place."""
+
+    block_id: int
+    key: BlockKey
+    parent_key: BlockKey | None
+    uses: int
+    info: object
+
+
+EvictionHook = Callable[[EvictedBlock], None]
 
 
 class PoolStateError(RuntimeError):
@@ -65,9 +81,15 @@ class PoolStateError(RuntimeError):
 class PagedKVPool:
     """Fixed-size pool of KV blocks addressed by chained block keys."""
 
-    def __init__(self, config: PoolConfig, metrics: KvMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        metrics: KvMetrics | None = None,
+        on_evict: EvictionHook | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
+        self.on_evict = on_evict  # demotion: called before an evicted block's bytes are reused
         shape = (
             config.num_layers,
             2,
@@ -107,6 +129,7 @@ class PagedKVPool:
             if block.state is not BlockState.COMMITTED:
                 raise PoolStateError(f"acquire of block {block_id} in state {block.state.name}")
             block.refs += 1
+            block.uses += 1
             block.last_used = self._clock
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -118,7 +141,9 @@ class PagedKVPool:
             self._maybe_evictable(block_id)
 
     # ---- writes -------------------------------------------------------------------------
-    def allocate(self, key: BlockKey, parent_key: BlockKey | None) -> int | None:
+    def allocate(
+        self, key: BlockKey, parent_key: BlockKey | None, info: object = None
+    ) -> int | None:
         """Reserve a PENDING block for ``key``; None when no block is free or evictable.
 
         ``parent_key`` must be cached here, committed or pending (None for the first block of
@@ -141,6 +166,8 @@ class PagedKVPool:
         block.parent = parent_id
         block.children = 0
         block.refs = 0
+        block.uses = 1
+        block.info = info
         if parent_id is not None:
             self._blocks[parent_id].children += 1
         self._pending[key] = block_id
@@ -190,6 +217,16 @@ class PagedKVPool:
         self.kv[layer, 0].index_copy_(1, index, keys.reshape(shape).to(self.kv.device))
         self.kv[layer, 1].index_copy_(1, index, values.reshape(shape).to(self.kv.device))
 
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """One block's KV as a strided ``[L, 2, H, B, D]`` view (copy it to store it)."""
+        return self.kv[:, :, :, block_id]
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Fill a PENDING block from a ``[L, 2, H, B, D]`` tensor (e.g. loaded from a tier)."""
+        if self._blocks[block_id].state is not BlockState.PENDING:
+            raise PoolStateError("write to a block that is not PENDING")
+        self.kv[:, :, :, block_id].copy_(data)
+
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """KV of the given blocks as ``[L, 2, H, len(block_ids) * B, D]`` (one copy)."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
@@ -237,6 +274,9 @@ class PagedKVPool:
                 deferred.append((last_used, block_id))
                 continue
             assert block.key is not None
+            if self.on_evict is not None:
+                parent_key = self._blocks[block.parent].key if block.parent is not None else None
+                self.on_evict(EvictedBlock(block_id, block.key, parent_key, block.uses, block.info))
             del self._by_key[block.key]
             parent_id = block.parent
             self._free_block(block_id)
@@ -260,6 +300,8 @@ class PagedKVPool:
         block.parent = None
         block.children = 0
         block.refs = 0
+        block.uses = 0
+        block.info = None
         self._free.append(block_id)
 
     def _publish(self) -> None:

@@ -63,14 +63,14 @@ class KvMetrics:
         self._prompt_total = 0
         self._matched_total = 0
 
-    def observe_prefill(
-        self, *, prompt_tokens: int, matched_tokens: int, tier: str = "device"
-    ) -> None:
+    def observe_prefill(self, *, prompt_tokens: int, matched_by_tier: dict[str, int]) -> None:
+        matched = sum(matched_by_tier.values())
         self.prompt_tokens.inc(prompt_tokens)
-        self.matched_tokens.labels(tier=tier).inc(matched_tokens)
-        self.computed_tokens.inc(prompt_tokens - matched_tokens)
+        for tier, tokens in matched_by_tier.items():
+            self.matched_tokens.labels(tier=tier).inc(tokens)
+        self.computed_tokens.inc(prompt_tokens - matched)
         self._prompt_total += prompt_tokens
-        self._matched_total += matched_tokens
+        self._matched_total += matched
         if self._prompt_total:
             self.hit_ratio.set(self._matched_total / self._prompt_total)
 

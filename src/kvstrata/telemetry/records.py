@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -15,7 +15,7 @@ class RequestRecord:
     prompt_tokens: int
     matched_tokens: int = 0
     computed_tokens: int = 0
-    matched_tier: str = "device"
+    matched_by_tier: dict[str, int] = field(default_factory=dict)
     reuse_disabled_reason: str | None = None
     ttft_s: float = 0.0
     prefill_s: float = 0.0

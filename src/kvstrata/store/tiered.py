@@ -1,0 +1,364 @@
+"""The tiered store: host DRAM, local disk (and later remote) behind one lookup.
+
+The engine's device pool sits above this store: blocks enter the store when the pool writes
+them through or evicts them (demotion), and leave it into the pool when a request hits them
+(promotion). Inside the store, levels are ordered fastest first. Each level has a tier (bytes),
+a policy (which object to evict), and a ``TierConfig`` (write policy, TTL, quotas, rollout).
+
+Invariants kept here:
+- lookup is prefix-closed: a block counts only if every ancestor is available in some level;
+- only COMMITTED, verified objects of the requesting tenant are ever handed out (tiers verify
+  digests; the store re-checks the tenant recorded in the object);
+- tenant quotas are hard limits at admission: a tenant over its quota evicts its own objects
+  first, and an object that cannot fit is not admitted;
+- eviction asks the level's policy for a leaf victim, and demotes it to the next level when
+  that level's write policy wants it, before dropping it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta
+from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.policy import EvictionPolicy
+from kvstrata.store.writeback import WriteBackQueue
+from kvstrata.telemetry.store_metrics import StoreMetrics
+from kvstrata.tiers.base import LoadLease, Tier, TierError
+
+PayloadFill = Callable[[memoryview], None]
+"""Fills a writable buffer of exactly ``meta.size`` bytes with an object's payload."""
+
+_FETCH_EWMA = 0.2  # weight of the newest measurement in a level's fetch-cost estimate
+
+
+@dataclass
+class Level:
+    tier: Tier
+    policy: EvictionPolicy
+    config: TierConfig
+    enabled: bool = True
+    fetch_s_per_byte: float = 0.0  # measured (EWMA of loads); 0 until the first load
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(frozen=True)
+class Located:
+    key: BlockKey
+    level: int
+    meta: KVObjectMeta
+
+
+@dataclass(frozen=True)
+class RequestScope:
+    """Who asks: tier rollout targets tenants, models and a canary share of request ids."""
+
+    tenant: str
+    model: str = ""
+    request_id: str | None = None
+
+
+class TieredStore:
+    def __init__(
+        self,
+        levels: Sequence[tuple[Tier, EvictionPolicy, TierConfig]],
+        *,
+        metrics: StoreMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.levels = [Level(tier, policy, config) for tier, policy, config in levels]
+        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._writeback = WriteBackQueue(self, self.metrics)
+        self._use_counts: dict[BlockKey, int] = {}
+        self._max_use_entries = 1 << 16
+        now = clock()
+        for level in self.levels:
+            for key in list(level.tier.keys()):  # objects recovered from a durable medium
+                meta = level.tier.meta(key)
+                if meta is not None:
+                    level.policy.on_insert(meta, now)
+            self.metrics.tier_enabled.labels(tier=level.name).set(1)
+            self._publish(level)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background write-back flusher (only needed with write-back levels)."""
+        self._writeback.start()
+
+    def close(self) -> None:
+        """Flush every write-back queue, stop the flusher, close the tiers."""
+        self._writeback.close()
+        for level in self.levels:
+            level.tier.close()
+
+    def flush(self) -> None:
+        self._writeback.drain()
+
+    def level_index(self, name: str) -> int:
+        for index, level in enumerate(self.levels):
+            if level.name == name:
+                return index
+        raise KeyError(name)
+
+    def set_enabled(self, name: str, enabled: bool) -> None:
+        """The rollback switch: a disabled level is neither read nor written; data is kept."""
+        with self._lock:
+            level = self.levels[self.level_index(name)]
+            level.enabled = enabled
+            self.metrics.tier_enabled.labels(tier=name).set(1 if enabled else 0)
+
+    def _active(self, level: Level, scope: RequestScope | None) -> bool:
+        if not level.enabled or not level.config.rollout.enabled:
+            return False
+        if scope is None:
+            return True
+        return level.config.rollout.admits(
+            tenant=scope.tenant, model=scope.model, request_id=scope.request_id
+        )
+
+    # ---- lookup and load --------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey], scope: RequestScope) -> list[Located]:
+        """Longest prefix of ``keys`` available in some active level (fastest level wins)."""
+        found: list[Located] = []
+        with self._lock:
+            active = [i for i, lvl in enumerate(self.levels) if self._active(lvl, scope)]
+            for key in keys:
+                hit = self._locate(key, active, scope.tenant)
+                if hit is None:
+                    break
+                found.append(hit)
+        return found
+
+    def _locate(self, key: BlockKey, active: list[int], tenant: str) -> Located | None:
+        for index in active:
+            tier = self.levels[index].tier
+            if tier.contains(key):
+                meta = tier.meta(key)
+                if meta is not None and meta.tenant == tenant:
+                    return Located(key, index, meta)
+        return None
+
+    def estimated_fetch_s(self, located: Sequence[Located]) -> float:
+        return sum(loc.meta.size * self.levels[loc.level].fetch_s_per_byte for loc in located)
+
+    @contextmanager
+    def load(self, located: Located, tenant: str) -> Iterator[LoadLease | None]:
+        """Pin and yield a verified object (None if it vanished or failed verification)."""
+        level = self.levels[located.level]
+        started = time.perf_counter()
+        with self._lock:
+            lease = level.tier.prepare_load(located.key)
+            if lease is None:
+                self._forget_if_gone(level, located.key)
+                self.metrics.invalid.labels(tier=level.name, reason="load_failed").inc()
+            elif lease.meta.tenant != tenant:
+                level.tier.complete_load(lease)
+                lease = None
+        if lease is None:
+            yield None
+            return
+        try:
+            yield lease
+        finally:
+            seconds = time.perf_counter() - started
+            with self._lock:
+                level.tier.complete_load(lease)
+                self._count_use(located.key)
+                level.policy.on_access(located.key, self.clock())
+                self.metrics.hits.labels(tier=level.name).inc()
+                self.metrics.fetched_bytes.labels(tier=level.name).inc(lease.meta.size)
+                per_byte = seconds / max(lease.meta.size, 1)
+                level.fetch_s_per_byte = (
+                    per_byte
+                    if level.fetch_s_per_byte == 0.0
+                    else (1 - _FETCH_EWMA) * level.fetch_s_per_byte + _FETCH_EWMA * per_byte
+                )
+                self._after_use(located.level, located.key)
+
+    def _after_use(self, index: int, key: BlockKey) -> None:
+        """Selective levels below admit an object once it has proven its value."""
+        for target_index in range(index + 1, len(self.levels)):
+            target = self.levels[target_index]
+            if target.config.write_policy is not WritePolicy.SELECTIVE or not self._active(
+                target, None
+            ):
+                continue
+            if target.tier.contains(key) or self._uses(key) < target.config.selective_min_uses:
+                continue
+            self._copy_between(index, target_index, key, cause="selective")
+
+    # ---- writes -----------------------------------------------------------------------------
+    def put(self, meta: KVObjectMeta, fill: PayloadFill, scope: RequestScope | None = None) -> bool:
+        """An object enters the store (write-through from the device pool, or its demotion).
+
+        Lands in the fastest active level; lower levels follow their write policies.
+        Returns whether any level admitted it.
+        """
+        with self._lock:
+            self._count_use(meta.key)
+            active = [i for i, lvl in enumerate(self.levels) if self._active(lvl, scope)]
+            if not active:
+                return False
+            first = active[0]
+            if not self._admit(first, meta, fill, cause="put"):
+                # could not land in the fastest level: try the next ones directly
+                return any(self._admit(i, meta, fill, cause="put") for i in active[1:])
+            for index in active[1:]:
+                policy = self.levels[index].config.write_policy
+                if policy is WritePolicy.WRITE_THROUGH:
+                    self._copy_between(first, index, meta.key, cause="write-through")
+                elif policy is WritePolicy.WRITE_BACK:
+                    self._writeback.enqueue(first, index, meta)
+            return True
+
+    def _admit(self, index: int, meta: KVObjectMeta, fill: PayloadFill, *, cause: str) -> bool:
+        level = self.levels[index]
+        tier, name = level.tier, level.name
+        if tier.contains(meta.key):
+            level.policy.on_access(meta.key, self.clock())
+            return True
+        if level.config.ttl_s is not None and meta.ttl_s is None:
+            meta = meta.with_ttl(level.config.ttl_s)
+        quota = level.config.quota_for(meta.tenant)
+        if quota is not None:
+            if meta.size > quota:
+                self.metrics.rejections.labels(tier=name, reason="quota").inc()
+                return False
+            while tier.tenant_bytes(meta.tenant) + meta.size > quota:
+                if not self._evict_one(index, tenant=meta.tenant):
+                    self.metrics.rejections.labels(tier=name, reason="quota").inc()
+                    return False
+        slot = tier.prepare_store(meta)
+        while slot is None:
+            if tier.contains(meta.key) or meta.size > tier.capacity_bytes:
+                self.metrics.rejections.labels(tier=name, reason="no_room").inc()
+                return False
+            if not self._evict_one(index, tenant=None):
+                self.metrics.rejections.labels(tier=name, reason="no_room").inc()
+                return False
+            slot = tier.prepare_store(meta)
+        try:
+            fill(slot.buffer)
+        except BaseException:
+            tier.complete_store(slot, False)
+            raise
+        try:
+            ok = tier.complete_store(slot, True)
+        except TierError:
+            ok = False
+        if not ok:
+            self.metrics.write_failures.labels(tier=name).inc()
+            return False
+        level.policy.on_insert(slot.meta, self.clock())
+        self.metrics.stores.labels(tier=name, cause=cause).inc()
+        self._publish(level)
+        return True
+
+    def _copy_between(self, source: int, target: int, key: BlockKey, *, cause: str) -> bool:
+        src = self.levels[source].tier
+        lease = src.prepare_load(key)
+        if lease is None:
+            self._forget_if_gone(self.levels[source], key)
+            return False
+        try:
+            payload = lease.buffer
+
+            def fill(buffer: memoryview) -> None:
+                buffer[:] = payload
+
+            return self._admit(target, lease.meta, fill, cause=cause)
+        finally:
+            src.complete_load(lease)
+
+    # ---- eviction ---------------------------------------------------------------------------
+    def _evict_one(self, index: int, *, tenant: str | None) -> bool:
+        """Evict one victim of level ``index`` (demoting it if wanted). False: nothing to evict."""
+        level = self.levels[index]
+        while True:
+            victim = level.policy.victim(
+                self.clock(), tenant=tenant, can_evict=lambda k: level.tier.meta(k) is not None
+            )
+            if victim is None:
+                return False
+            if level.tier.meta(victim) is None:  # expired or invalidated behind the policy
+                level.policy.on_remove(victim)
+                continue
+            self._writeback.flush_source(index, victim)
+            outcome = self._demote(index, victim)
+            if level.tier.remove(victim):
+                level.policy.on_remove(victim)
+                self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
+                self._publish(level)
+                return True
+            return False  # pinned: the policy will offer it again later
+
+    def _demote(self, index: int, key: BlockKey) -> str:
+        for target in range(index + 1, len(self.levels)):
+            level = self.levels[target]
+            if not self._active(level, None):
+                continue
+            if level.tier.contains(key):
+                return "already_below"
+            policy = level.config.write_policy
+            if policy is WritePolicy.SELECTIVE and (
+                self._uses(key) < level.config.selective_min_uses
+            ):
+                return "dropped_low_value"
+            if self._copy_between(index, target, key, cause="demotion"):
+                return "demoted"
+            return "dropped"
+        return "dropped"
+
+    def _uses(self, key: BlockKey) -> int:
+        """Uses of an object so far: every put (a store or re-store) and every load."""
+        return self._use_counts.get(key, 0)
+
+    def _count_use(self, key: BlockKey) -> None:
+        self._use_counts[key] = self._use_counts.get(key, 0) + 1
+        if len(self._use_counts) > self._max_use_entries:
+            # forget the oldest counts of objects no level holds any more
+            for stale in [k for k in self._use_counts if not self._held_anywhere(k)]:
+                del self._use_counts[stale]
+            self._max_use_entries = max(self._max_use_entries, 2 * len(self._use_counts))
+
+    def _held_anywhere(self, key: BlockKey) -> bool:
+        return any(level.tier.meta(key) is not None for level in self.levels)
+
+    # ---- deletion ---------------------------------------------------------------------------
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove every replica of ``keys`` from every level; returns replicas removed."""
+        removed = 0
+        with self._lock:
+            for key in keys:
+                self._writeback.discard(key)
+                self._use_counts.pop(key, None)
+            for level in self.levels:
+                for key in keys:
+                    if level.tier.remove(key):
+                        level.policy.on_remove(key)
+                        removed += 1
+                self._publish(level)
+        return removed
+
+    # ---- internals --------------------------------------------------------------------------
+    def _forget_if_gone(self, level: Level, key: BlockKey) -> None:
+        if level.tier.meta(key) is None:
+            level.policy.on_remove(key)
+            self._publish(level)
+
+    def _publish(self, level: Level) -> None:
+        tier = level.tier
+        self.metrics.bytes.labels(tier=level.name).set(tier.used_bytes)
+        index = getattr(tier, "index", None)
+        if index is not None:
+            self.metrics.objects.labels(tier=level.name).set(len(index.records))

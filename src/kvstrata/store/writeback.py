@@ -1,0 +1,126 @@
+"""Write-back: a bounded queue of objects still to be copied to a lower level.
+
+Entries are (target level, key) → source level. The flusher thread copies the oldest entry
+through the store (under the store's lock, one object at a time, so the engine is never
+blocked for long). The bytes queued per target level are "at risk": a crash now loses them
+from that level (they are still in the faster, volatile level above), and are exported as
+``kvstrata_writeback_bytes_at_risk{tier}``. A full queue flushes its oldest entry
+synchronously — backpressure, never a silent drop. ``close()`` drains everything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta
+from kvstrata.telemetry.store_metrics import StoreMetrics
+
+if TYPE_CHECKING:
+    from kvstrata.store.tiered import TieredStore
+
+
+class WriteBackQueue:
+    def __init__(self, store: TieredStore, metrics: StoreMetrics) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._entries: OrderedDict[tuple[int, BlockKey], tuple[int, int]] = OrderedDict()
+        self._bytes: dict[int, int] = {}
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    # ---- producer side (called with the store lock held) --------------------------------
+    def enqueue(self, source: int, target: int, meta: KVObjectMeta) -> None:
+        with self._cond:
+            entry = (target, meta.key)
+            if entry in self._entries:
+                return
+            self._entries[entry] = (source, meta.size)
+            self._bytes[target] = self._bytes.get(target, 0) + meta.size
+            self._publish(target)
+            over = self._bytes[target] > self._store.levels[target].config.write_back_max_bytes
+            self._cond.notify()
+        if over:
+            self._flush_oldest(target)
+
+    def flush_source(self, source: int, key: BlockKey) -> None:
+        """The source is about to drop ``key``: write its pending copies now."""
+        targets = []
+        with self._cond:
+            for (target, entry_key), (entry_source, _) in self._entries.items():
+                if entry_key == key and entry_source == source:
+                    targets.append(target)
+        for target in targets:
+            self._flush_entry(target, key)
+
+    def discard(self, key: BlockKey) -> None:
+        """``key`` is being deleted everywhere: forget its pending copies."""
+        with self._cond:
+            for entry in [e for e in self._entries if e[1] == key]:
+                _, size = self._entries.pop(entry)
+                self._bytes[entry[0]] -= size
+                self._publish(entry[0])
+
+    def bytes_at_risk(self, target: int) -> int:
+        with self._cond:
+            return self._bytes.get(target, 0)
+
+    # ---- flushing ---------------------------------------------------------------------------
+    def _flush_oldest(self, target: int) -> None:
+        with self._cond:
+            key = next((k for t, k in self._entries if t == target), None)
+        if key is not None:
+            self._flush_entry(target, key)
+
+    def _flush_entry(self, target: int, key: BlockKey) -> bool:
+        with self._store._lock:
+            with self._cond:
+                item = self._entries.pop((target, key), None)
+                if item is None:
+                    return False
+                source, size = item
+                self._bytes[target] -= size
+                self._publish(target)
+            self._store._copy_between(source, target, key, cause="write-back")
+        return True
+
+    def drain(self) -> None:
+        while True:
+            with self._cond:
+                if not self._entries:
+                    return
+                target, key = next(iter(self._entries))
+            self._flush_entry(target, key)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="kvstrata-writeback", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.drain()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._entries and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                target, key = next(iter(self._entries))
+            self._flush_entry(target, key)
+
+    def _publish(self, target: int) -> None:
+        name = self._store.levels[target].name
+        self._metrics.bytes_at_risk.labels(tier=name).set(self._bytes.get(target, 0))
