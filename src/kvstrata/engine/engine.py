@@ -22,11 +22,12 @@ import torch
 from transformers import DynamicCache
 
 from kvstrata.engine.adapter import Adapter
+from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams, sample_next
-from kvstrata.engine.tiering import BlockInfo, RecomputeEstimate, StoreBridge
+from kvstrata.engine.tiering import RecomputeEstimate, StoreBridge
 from kvstrata.errors import ContextTooLong, EngineError, InvalidInput
 from kvstrata.identity import (
     DEFAULT_TENANT,
@@ -262,12 +263,19 @@ class ReferenceEngine:
                 held = held + promoted.block_ids
                 by_tier.update(promoted.tokens_by_tier)
             matched = len(held) * self.config.block_size
-            cache = self._cache_from_blocks(held)
+            cache = cache_from_blocks(self.pool, self.model.config, held)
             input_ids = torch.tensor([list(token_ids[matched:])], device=self.device)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             logits = out.logits[0, -1].float()
             if store:
-                self._store(keys, out.past_key_values, first_block=len(held), tenant=tenant)
+                store_blocks(
+                    self.pool,
+                    self.bridge,
+                    keys,
+                    out.past_key_values,
+                    first_block=len(held),
+                    tenant=tenant,
+                )
         except Exception:
             self.pool.release(held)
             raise
@@ -281,54 +289,6 @@ class ReferenceEngine:
             reuse_disabled=disabled,
             prefill_s=time.perf_counter() - started,
         )
-
-    def _cache_from_blocks(self, block_ids: list[int]) -> DynamicCache:
-        cache = DynamicCache(config=self.model.config)
-        if not block_ids:
-            return cache
-        kv = self.pool.gather(block_ids)  # [L, 2, H, T, D], one copy
-        for layer_idx, layer in enumerate(cache.layers):
-            k = kv[layer_idx, 0].unsqueeze(0)
-            v = kv[layer_idx, 1].unsqueeze(0)
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-        return cache
-
-    def _store(
-        self, keys: list[BlockKey], cache: DynamicCache, first_block: int, tenant: str
-    ) -> None:
-        """Write full blocks ``first_block..`` whose KV is in ``cache`` into the pool."""
-        block_size = self.config.block_size
-        cached_tokens = cache.get_seq_length()
-        last_block = min(len(keys), cached_tokens // block_size)
-        start = first_block
-        while start < last_block and self.pool.contains(keys[start]):
-            start += 1
-        new_ids: list[int] = []
-        for i in range(start, last_block):
-            if self.pool.contains(keys[i]):
-                break
-            parent = keys[i - 1] if i > 0 else None
-            block_id = self.pool.allocate(keys[i], parent, BlockInfo(tenant, i * block_size))
-            if block_id is None:
-                break
-            new_ids.append(block_id)
-        if not new_ids:
-            return
-        lo, hi = start * block_size, (start + len(new_ids)) * block_size
-        try:
-            for layer_idx, layer in enumerate(cache.layers):
-                self.pool.write_layer(
-                    layer_idx, new_ids, layer.keys[0, :, lo:hi], layer.values[0, :, lo:hi]
-                )
-        except Exception:
-            for block_id in reversed(new_ids):
-                self.pool.abort(block_id)
-            raise
-        for block_id in new_ids:
-            self.pool.commit(block_id)
-        if self.bridge is not None:
-            self.bridge.write_through(new_ids, keys, start, tenant)
 
     # ---- generation ---------------------------------------------------------------------
     def generate(
@@ -431,8 +391,13 @@ class ReferenceEngine:
                         # cache may then hold a partial step.
                         all_ids = gen.prompt_ids + gen.output_ids[:-1]
                         keys = self.block_keys(all_ids, gen.record.tenant)
-                        self._store(
-                            keys, cache, first_block=len(state.held_blocks), tenant=record.tenant
+                        store_blocks(
+                            self.pool,
+                            self.bridge,
+                            keys,
+                            cache,
+                            first_block=len(state.held_blocks),
+                            tenant=record.tenant,
                         )
                 finally:
                     self.pool.release(state.held_blocks)

@@ -32,6 +32,7 @@ from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ContextTooLong, InvalidInput
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.serve import protocol
+from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -58,7 +59,13 @@ ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(engine: ReferenceEngine, *, model_name: str, metrics: KvMetrics) -> FastAPI:
+def create_app(
+    engine: ReferenceEngine,
+    *,
+    model_name: str,
+    metrics: KvMetrics,
+    admin_token: str | None = None,
+) -> FastAPI:
     """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures."""
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
@@ -78,6 +85,7 @@ def create_app(engine: ReferenceEngine, *, model_name: str, metrics: KvMetrics) 
     app.exception_handler(ApiError)(protocol.api_error_handler)
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
     app.exception_handler(StarletteHTTPException)(protocol.http_error_handler)
+    register_admin(app, engine.bridge.store if engine.bridge is not None else None, admin_token)
 
     @app.post(COMPLETIONS, response_model=None)
     async def completions(
@@ -362,6 +370,8 @@ class _RequestCounter:
         finally:
             path = scope.get("path", "")
             endpoint = path if path in ENDPOINTS else "other"
+            if path.startswith(ADMIN_TIERS):
+                endpoint = ADMIN_TIERS
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 

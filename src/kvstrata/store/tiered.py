@@ -101,6 +101,10 @@ class TieredStore:
         for level in self.levels:
             level.tier.close()
 
+    def bytes_at_risk(self, index: int) -> int:
+        """Bytes queued for write-back into level ``index`` (lost there on a crash now)."""
+        return self._writeback.bytes_at_risk(index)
+
     def flush(self) -> None:
         self._writeback.drain()
 

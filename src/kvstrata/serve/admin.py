@@ -1,0 +1,79 @@
+"""Admin endpoints: the run-time rollback switch of every tier.
+
+``GET /admin/tiers`` lists the store's levels (enabled, write policy, bytes, bytes at risk);
+``POST /admin/tiers/{name}`` with ``{"enabled": false}`` stops reading and writing that tier
+at once, keeping its committed data so that ``{"enabled": true}`` brings it back. When the
+server was started with an admin token, these endpoints require ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse
+
+from kvstrata.store.tiered import TieredStore
+
+ADMIN_TIERS = "/admin/tiers"
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def tier_status(store: TieredStore) -> list[dict[str, Any]]:
+    out = []
+    for index, level in enumerate(store.levels):
+        out.append(
+            {
+                "name": level.name,
+                "enabled": level.enabled,
+                "write_policy": level.config.write_policy.value,
+                "used_bytes": level.tier.used_bytes,
+                "capacity_bytes": level.tier.capacity_bytes,
+                "bytes_at_risk": store.bytes_at_risk(index),
+                "fetch_s_per_byte": level.fetch_s_per_byte,
+            }
+        )
+    return out
+
+
+def register_admin(app: FastAPI, store: TieredStore | None, token: str | None) -> None:
+    def authorised(authorization: str | None) -> bool:
+        if token is None:
+            return True
+        expected = f"Bearer {token}"
+        return authorization is not None and hmac.compare_digest(authorization, expected)
+
+    @app.get(ADMIN_TIERS)
+    async def list_tiers(authorization: str | None = Header(default=None)) -> Any:
+        if not authorised(authorization):
+            return _error(401, "admin token required", "unauthorized")
+        return {"tiers": tier_status(store) if store is not None else []}
+
+    @app.post(ADMIN_TIERS + "/{name}")
+    async def set_tier(
+        name: str, request: Request, authorization: str | None = Header(default=None)
+    ) -> Any:
+        if not authorised(authorization):
+            return _error(401, "admin token required", "unauthorized")
+        if store is None:
+            return _error(404, "this server has no tiered store", "tier_not_found")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body must be JSON", "invalid_json")
+        enabled = body.get("enabled") if isinstance(body, dict) else None
+        if not isinstance(enabled, bool):
+            return _error(400, 'body must be {"enabled": true|false}', "invalid_value")
+        try:
+            await asyncio.to_thread(store.set_enabled, name, enabled)
+        except KeyError:
+            return _error(404, f"no tier named {name!r}", "tier_not_found")
+        return {"tiers": tier_status(store)}
