@@ -1,0 +1,309 @@
+"""Tier throughput against the raw medium, same bytes, same run: does a tier cost more than it must?
+
+What is measured, per object size (GB/s = 1e9 bytes/s, best of ``repeat`` rounds, each round
+touching every one of ``objects`` objects once):
+
+- ``host.get``: what a consumer does on a hit — ``prepare_load`` + copy the slot's bytes into a
+  destination torch tensor (as the engine copies into its pool) + ``complete_load``.
+  ``host.memcpy``: the same destination copy from a plain source tensor. ``host.ratio`` =
+  get / memcpy shows the tier's per-object overhead (goal ≥ 0.8 at 1–4 MiB).
+  ``host.put``: ``prepare_store`` + copy from a source tensor into the slot + ``complete_store``,
+  which includes the xxh3-128 digest check (no goal; reported).
+- ``disk.read``: ``prepare_load`` + ``complete_load`` — open, ``preadv`` into a pooled buffer and
+  verify the payload digest. ``disk.raw_read``: plain ``os.open`` + ``os.read`` + ``close`` of the
+  very same files — it allocates a fresh ``bytes`` per file, which is what "plain" costs.
+  ``disk.ratio`` = read / raw_read (goal ≥ 0.7 with verification on). Because that
+  allocation (page faults on fresh memory) can dominate, ``disk.raw_readinto`` (``preadv``
+  into one reused buffer aligned like the tier's, no digest) is reported too, with
+  ``disk.ratio_vs_readinto``: the tier's overhead over the cheapest possible read.
+  ``disk.get`` adds the copy into a destination tensor; ``disk.write`` is one durable
+  (fsync'd) store round.
+
+The page cache is warm by default (the files were just written), so disk numbers measure the
+read path and verification, not the device; ``cold=True`` drops each file's pages with
+``posix_fadvise(DONTNEED)`` before every read round, for both the tier and the raw reads.
+Rounds of the tier and of its baseline alternate, so both see the same machine state. Torch
+copies run on ``threads`` intra-op threads (default 1): on a small shared machine a parallel
+copy stalls whenever one of its threads is preempted, which measures the neighbours, not the
+tier; pass ``threads=0`` for torch's default. Every
+round's destination is checked against the source once, so a fast-but-wrong path cannot pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstrata.errors import InvalidInput
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, Representation, payload_digest
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.disk_format import aligned_buffer
+from kvstrata.tiers.host import HostTier
+
+MIB = 1 << 20
+
+
+def _gbps(total_bytes: int, seconds: float) -> float:
+    return total_bytes / max(seconds, 1e-12) / 1e9
+
+
+Moved = dict[str, tuple[int, float]]
+"""Per metric: (bytes moved, best seconds) — rates and ratios are derived from these."""
+
+
+def _time(fn: Callable[[], None], before: Callable[[], None] | None = None) -> float:
+    if before is not None:
+        before()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _metas(source: torch.Tensor, size: int) -> list[KVObjectMeta]:
+    rows = source.numpy()
+    return [
+        KVObjectMeta(
+            key=BlockKey(hashlib.blake2b(f"bench-{size}-{i}".encode(), digest_size=32).digest()),
+            parent=None,
+            tenant="bench",
+            representation=Representation("uint8", "raw", 1, (size,)),
+            size=size,
+            digest=payload_digest(rows[i]),
+            created_at=time.time(),
+        )
+        for i in range(rows.shape[0])
+    ]
+
+
+def _alternate(
+    runs: dict[str, Callable[[], None]], repeat: int, before: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """Best seconds of each run, rounds interleaved so every run sees the same conditions."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeat):
+        for name, fn in runs.items():
+            best[name] = min(best[name], _time(fn, before))
+    return best
+
+
+def _host(
+    source: torch.Tensor, dest: torch.Tensor, metas: list[KVObjectMeta], repeat: int
+) -> tuple[Moved, bool]:
+    count, size = source.shape
+    tier = HostTier(count * size, size)
+
+    def put() -> None:
+        for i, meta in enumerate(metas):
+            slot = tier.prepare_store(meta)
+            assert slot is not None
+            tier.tensor(slot).copy_(source[i])
+            if not tier.complete_store(slot, True):
+                raise AssertionError("host put failed verification")
+
+    def clear() -> None:
+        for meta in metas:
+            tier.remove(meta.key)
+
+    put_s = float("inf")
+    for _ in range(repeat):
+        clear()
+        put_s = min(put_s, _time(put))
+
+    def get() -> None:
+        for i, meta in enumerate(metas):
+            lease = tier.prepare_load(meta.key)
+            assert lease is not None
+            dest[i].copy_(tier.tensor(lease))
+            tier.complete_load(lease)
+
+    def memcpy() -> None:
+        for i in range(count):
+            dest[i].copy_(source[i])
+
+    dest.zero_()
+    get()
+    if not torch.equal(dest, source):
+        raise AssertionError("host get returned different bytes")
+    best = _alternate({"get": get, "memcpy": memcpy}, repeat)
+    total = count * size
+    tier.close()
+    moved = {"get": (total, best["get"]), "put": (total, put_s), "memcpy": (total, best["memcpy"])}
+    return moved, tier.pinned
+
+
+def _disk(
+    source: torch.Tensor,
+    dest: torch.Tensor,
+    metas: list[KVObjectMeta],
+    repeat: int,
+    directory: Path,
+    cold: bool,
+) -> Moved:
+    count, size = source.shape
+    rows, dest_rows = source.numpy(), dest.numpy()
+    tier = DiskTier(directory, count * size)
+    start = time.perf_counter()
+    for i, meta in enumerate(metas):
+        slot = tier.prepare_store(meta)
+        assert slot is not None
+        slot.buffer[:] = rows[i].data
+        if not tier.complete_store(slot, True):
+            raise AssertionError("disk put failed verification")
+    write_s = time.perf_counter() - start
+    files = [(tier.path_of(meta.key), tier.path_of(meta.key).stat().st_size) for meta in metas]
+    file_bytes = sum(length for _, length in files)
+    scratch = aligned_buffer(max(length for _, length in files)).data
+
+    def read() -> None:
+        for meta in metas:
+            lease = tier.prepare_load(meta.key)
+            if lease is None:
+                raise AssertionError("disk read failed verification")
+            tier.complete_load(lease)
+
+    def get() -> None:
+        for i, meta in enumerate(metas):
+            lease = tier.prepare_load(meta.key)
+            assert lease is not None
+            dest_rows[i] = np.frombuffer(lease.buffer, dtype=np.uint8)
+            tier.complete_load(lease)
+
+    def raw_read() -> None:
+        for path, length in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.read(fd, length)
+            finally:
+                os.close(fd)
+
+    def raw_readinto() -> None:
+        for path, length in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.preadv(fd, [scratch[:length]], 0)
+            finally:
+                os.close(fd)
+
+    def drop_cache() -> None:
+        for path, _ in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    dest.zero_()
+    get()
+    if not torch.equal(dest, source):
+        raise AssertionError("disk get returned different bytes")
+    best = _alternate(
+        {"read": read, "raw_read": raw_read, "raw_readinto": raw_readinto, "get": get},
+        repeat,
+        drop_cache if cold else None,
+    )
+    total = count * size
+    tier.close()
+    return {
+        "read": (total, best["read"]),
+        "raw_read": (file_bytes, best["raw_read"]),  # header + meta + payload: all it reads
+        "raw_readinto": (file_bytes, best["raw_readinto"]),
+        "get": (total, best["get"]),
+        "write": (total, write_s),
+    }
+
+
+def run_tier_bench(
+    sizes_mib: Sequence[float],
+    objects: int = 32,
+    repeat: int = 5,
+    directory: str | os.PathLike[str] | None = None,
+    cold: bool = False,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Run host and disk measurements for each object size; one JSON-ready dict."""
+    if not sizes_mib or any(s <= 0 for s in sizes_mib):
+        raise InvalidInput("sizes must be positive MiB values")
+    if objects <= 0 or repeat <= 0 or threads < 0:
+        raise InvalidInput("objects and repeat must be positive, threads non-negative")
+    saved_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        result = _run(sizes_mib, objects, repeat, directory, cold)
+    finally:
+        torch.set_num_threads(saved_threads)
+    result["torch_threads"] = threads or saved_threads
+    return result
+
+
+def _run(
+    sizes_mib: Sequence[float],
+    objects: int,
+    repeat: int,
+    directory: str | os.PathLike[str] | None,
+    cold: bool,
+) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-tiers-", dir=directory))
+    per_size: list[dict[str, Any]] = []
+    host_all: list[Moved] = []
+    disk_all: list[Moved] = []
+    pinned = False
+    try:
+        for mib in sizes_mib:
+            size = max(1, int(mib * MIB))
+            generator = torch.Generator().manual_seed(size)
+            source = torch.randint(0, 256, (objects, size), dtype=torch.uint8, generator=generator)
+            dest = torch.zeros_like(source)
+            metas = _metas(source, size)
+            host, pinned = _host(source, dest, metas, repeat)
+            disk = _disk(source, dest, metas, repeat, root / f"size-{size}", cold)
+            host_all.append(host)
+            disk_all.append(disk)
+            per_size.append(
+                {
+                    "size_mib": mib,
+                    "size_bytes": size,
+                    "host": _rates([host], ("get", "memcpy")),
+                    "disk": {
+                        **_rates([disk], ("read", "raw_read")),
+                        "ratio_vs_readinto": _rates([disk], ("read", "raw_readinto"))["ratio"],
+                    },
+                }
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "host": {**_rates(host_all, ("get", "memcpy")), "pinned": pinned},
+        "disk": {
+            **_rates(disk_all, ("read", "raw_read")),
+            "ratio_vs_readinto": _rates(disk_all, ("read", "raw_readinto"))["ratio"],
+            "verify": True,
+            "cold": cold,
+            "dir": str(root.parent),
+        },
+        "sizes": per_size,
+        "objects": objects,
+        "repeat": repeat,
+        "unit": "GB/s = 1e9 bytes/s; all sizes together = total bytes / total best time",
+    }
+
+
+def _rates(measured: Sequence[Moved], ratio: tuple[str, str]) -> dict[str, float]:
+    """``<metric>_gbps`` for each metric summed over sizes, and ``ratio`` = a / b."""
+    out: dict[str, float] = {}
+    for metric in measured[0]:
+        moved = sum(m[metric][0] for m in measured)
+        seconds = sum(m[metric][1] for m in measured)
+        out[f"{metric}_gbps"] = _gbps(moved, seconds)
+    out["ratio"] = out[f"{ratio[0]}_gbps"] / out[f"{ratio[1]}_gbps"]
+    return out

@@ -1,0 +1,71 @@
+"""``kvstrata bench tiers``: host slab and disk tier throughput against memcpy and raw reads."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvstrata.cli.output import emit
+from kvstrata.errors import InvalidInput
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "tiers", help="tier throughput: host get/put vs memcpy, disk read vs raw os.read"
+    )
+    parser.add_argument(
+        "--sizes", default="1,2,4", help="object sizes in MiB, comma separated (fractions allowed)"
+    )
+    parser.add_argument("--objects", type=int, default=32, help="objects per size")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds per measurement; best kept")
+    parser.add_argument("--dir", default=None, help="parent directory for the disk tier's files")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the files' page cache before each read round"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads for copies (0: default)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _parse_sizes(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise InvalidInput(f"--sizes must be comma-separated numbers of MiB, got {text!r}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.bench.tiers import run_tier_bench  # torch loads only when this bench runs
+
+    result = run_tier_bench(
+        _parse_sizes(args.sizes),
+        objects=args.objects,
+        repeat=args.repeat,
+        directory=args.dir,
+        cold=args.cold,
+        threads=args.threads,
+    )
+    rows = [
+        (label, tier, metric, value)
+        for label, entry in [
+            ("all sizes", result),
+            *((f"{s['size_mib']:g} MiB", s) for s in result["sizes"]),
+        ]
+        for tier in ("host", "disk")
+        for metric, value in entry[tier].items()
+        if metric.endswith("_gbps") or metric.startswith("ratio")
+    ]
+    emit(
+        result,
+        as_json=args.json,
+        title=(
+            f"kvstrata bench tiers ({result['objects']} objects per size, GB/s): "
+            f"host get/memcpy = {result['host']['ratio']:.2f}, "
+            f"disk read/raw = {result['disk']['ratio']:.2f}"
+        ),
+        columns=("size", "tier", "metric", "value"),
+        rows=rows,
+    )
+    return 0

@@ -1,0 +1,370 @@
+"""Local disk tier: one crash-safe file per object, found again and verified after a restart.
+
+Layout: ``root/objects/<first two hex digits>/<key hex>.kv`` (format: ``disk_format``), plus
+``root/LOCK``, held with ``flock`` so that two live tiers never share a directory (a recovery
+scan deletes temp files, which would destroy a live writer's work).
+
+Crash safety: an object is written to a temp file in its final directory, flushed and
+``fsync``'d, renamed over its final name and the directory is ``fsync``'d. ``rename`` is atomic,
+so a SIGKILL or a power cut at any point leaves either no ``.kv`` file or a complete one —
+never a torn object. Leftover ``*.tmp`` files are deleted by ``recover()``. With
+``durable=False`` the fsyncs are skipped: still safe against process death (the page cache
+survives it), not against power loss.
+
+Verification: ``recover()`` (run by the constructor) checks header, meta checksum, file size,
+that the file name matches the key, and the payload digest; anything else is deleted and
+counted in ``counters.invalidated`` — it never raises. ``prepare_load`` re-verifies the payload
+digest on every read, because disk bytes, unlike host memory, can rot or be touched by others:
+a mismatch marks the object INVALID, deletes the file, counts it and returns ``None``.
+
+Failures: an ``OSError`` while writing (ENOSPC, EFBIG, EIO …) removes the temp file, releases the
+reservation and raises ``TierError`` from ``complete_store`` — the medium failed, as the
+``Tier`` contract says; the slot is finished either way and other objects stay readable. An
+``OSError`` while reading an object is treated like corruption (invalidate, recompute).
+
+Capacity bounds the sum of payload sizes (``meta.size``), like every other tier; each file adds
+a header and meta JSON (well under 1 KiB) on top. Buffers for stores and loads come from a
+small pool of 64-byte aligned arrays and are reused, so steady-state I/O allocates no payload
+memory (and the kernel's page-cache copies stay on their fast path, see ``disk_format``).
+The default clock is wall time: objects outlive the process, so ``created_at``/TTL must be
+wall-clock seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
+from kvstrata.objects.model import ObjectRecord
+from kvstrata.tiers.base import LoadLease, StoreSlot, TierCounters, TierError, TierIndex
+from kvstrata.tiers.disk_format import (
+    OBJECT_SUFFIX,
+    TEMP_SUFFIX,
+    BufferPool,
+    encode_head,
+    fsync_dir,
+    parse_object,
+    read_exact,
+    write_atomic,
+)
+
+
+@dataclass
+class RecoveryReport:
+    """What ``recover()`` found: objects re-indexed, files deleted and why."""
+
+    recovered: int = 0
+    invalid: int = 0
+    temp_removed: int = 0
+    over_capacity: int = 0
+    expired: int = 0
+
+
+@dataclass
+class _Handle:
+    """Tier-private token of a slot or lease: its record and its pooled buffer."""
+
+    record: ObjectRecord
+    buffer: np.ndarray
+    done: bool = False
+
+
+class DiskTier:
+    """A bounded, crash-safe local-disk tier (see the module docstring for format and contract)."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        durable: bool = True,
+        clock: Callable[[], float] = time.time,
+        pooled_buffers: int = 8,
+    ) -> None:
+        self.root = Path(root_dir)
+        self.capacity_bytes = capacity_bytes
+        self.durable = durable
+        self._objects = self.root / "objects"
+        self._objects_prefix = str(self._objects) + os.sep
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index = TierIndex(capacity_bytes=capacity_bytes)
+        self._pool = BufferPool(pooled_buffers)
+        self._dropped: list[BlockKey] = []
+        self._known_dirs: set[str] = set()
+        self._temp_ids = itertools.count()
+        try:
+            self._objects.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: int | None = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise TierError(f"cannot open disk tier at {self.root}: {exc}") from exc
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise TierError(f"{self.root} is in use by another disk tier") from exc
+        try:
+            self.recovery = self.recover()
+        except (OSError, TierError) as exc:
+            self.close()
+            raise TierError(f"recovery of {self.root} failed: {exc}") from exc
+
+    # ---------------------------------------------------------------- read-only views
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    @property
+    def counters(self) -> TierCounters:
+        return self._index.counters
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._index.by_tenant.get(tenant, 0)
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._visible(key, self._clock()) is not None
+
+    def meta(self, key: BlockKey) -> KVObjectMeta | None:
+        with self._lock:
+            record = self._visible(key, self._clock())
+            return None if record is None else record.meta
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            now = self._clock()
+            snapshot = [k for k in list(self._index.records) if self._visible(k, now)]
+        return iter(snapshot)
+
+    def take_dropped(self) -> list[BlockKey]:
+        """Keys dropped by the tier itself (expired, invalidated) since the last call."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def path_of(self, key: BlockKey) -> Path:
+        return Path(self._path(key))
+
+    def _path(self, key: BlockKey) -> str:
+        """The object's file name as a plain string: pathlib costs microseconds per call."""
+        hexkey = key.hex()
+        return f"{self._objects_prefix}{hexkey[:2]}{os.sep}{hexkey}{OBJECT_SUFFIX}"
+
+    # ---------------------------------------------------------------- store
+
+    def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None:
+        with self._lock:
+            self._check_open()
+            record = self._index.reserve(meta)
+        if record is None:
+            return None
+        buf = self._pool.take(meta.size)
+        return StoreSlot(meta, buf.data[: meta.size], _Handle(record, buf))
+
+    def complete_store(self, slot: StoreSlot, success: bool) -> bool:
+        """Write the object durably; False for a cancelled or mismatching write.
+
+        Raises ``TierError`` when the medium fails; the slot is finished and nothing of the
+        object is left on disk or in the index.
+        """
+        handle = self._claim(slot.token)
+        meta = slot.meta
+        try:
+            if not success or payload_digest(slot.buffer) != meta.digest:
+                self._abort(handle, corrupt=success)
+                return False
+            try:
+                offset = self._write_file(meta, slot.buffer)
+            except OSError as exc:
+                self._abort(handle, corrupt=False)
+                raise TierError(f"writing {meta.key.hex()} failed: {exc}") from exc
+            with self._lock:
+                handle.record.extra["offset"] = offset
+                self._index.commit(meta.key, self._clock())
+            return True
+        finally:
+            self._pool.give(handle.buffer)
+
+    # ---------------------------------------------------------------- load
+
+    def prepare_load(self, key: BlockKey) -> LoadLease | None:
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            record = self._visible(key, now)
+            if record is None:
+                self._index.counters.misses += 1
+                return None
+            self._index.pin(record, now)
+        meta = record.meta
+        buf = self._pool.take(meta.size)
+        view = buf.data[: meta.size]
+        if self._read_verified(record, view):
+            return LoadLease(meta, view.toreadonly(), _Handle(record, buf))
+        self._pool.give(buf)
+        with self._lock:
+            if self._index.records.get(key) is record:
+                self._index.drop(key, invalid=True)
+                self._unlink(self._path(key))
+                self._dropped.append(key)
+        return None
+
+    def complete_load(self, lease: LoadLease) -> None:
+        handle = self._claim(lease.token)
+        with self._lock:
+            if self._index.records.get(lease.meta.key) is handle.record:
+                self._index.unpin(handle.record)
+        self._pool.give(handle.buffer)
+
+    # ---------------------------------------------------------------- removal
+
+    def remove(self, key: BlockKey) -> bool:
+        with self._lock:
+            if self._index.removable(key) is None:
+                return False
+            self._index.drop(key)
+            self._index.counters.removed += 1
+            # Under the lock: a re-store of the same key must not race with this unlink.
+            self._unlink(self._path(key))
+            return True
+
+    def close(self) -> None:
+        """Release the directory lock; committed objects stay on disk for the next tier."""
+        with self._lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- recovery
+
+    def recover(self) -> RecoveryReport:
+        """Rebuild the index from disk: keep verified objects, delete temp and invalid files.
+
+        Objects are admitted newest first; those that no longer fit the capacity (a smaller
+        tier reopened on a bigger directory) are deleted and counted as ``over_capacity``.
+        The constructor runs it; call it again only while no store is in flight, since it
+        deletes temp files.
+        """
+        report = RecoveryReport()
+        found: list[tuple[KVObjectMeta, int]] = []
+        scratch = bytearray()
+        for subdir in sorted(self._objects.iterdir()):
+            if not subdir.is_dir():
+                continue
+            self._known_dirs.add(subdir.name)
+            for path in sorted(subdir.iterdir()):
+                if path.name.endswith(TEMP_SUFFIX):
+                    self._unlink(path)
+                    report.temp_removed += 1
+                elif path.name.endswith(OBJECT_SUFFIX):
+                    parsed, scratch = parse_object(path, scratch)
+                    if parsed is None:
+                        self._unlink(path)
+                        report.invalid += 1
+                    else:
+                        found.append(parsed)
+        now = self._clock()
+        with self._lock:
+            self._index.counters.invalidated += report.invalid
+            for meta, offset in sorted(found, key=lambda item: -item[0].created_at):
+                if meta.key in self._index.records:
+                    continue  # recover() called twice: already indexed
+                if meta.expired(now):
+                    report.expired += 1
+                    self._unlink(self._path(meta.key))
+                    continue
+                record = self._index.reserve(meta)
+                if record is None:
+                    report.over_capacity += 1
+                    self._unlink(self._path(meta.key))
+                    continue
+                record.transition(ObjectState.COMMITTED)
+                record.last_access = now
+                record.extra["offset"] = offset
+                report.recovered += 1
+        return report
+
+    # ---------------------------------------------------------------- internals
+
+    def _write_file(self, meta: KVObjectMeta, payload: memoryview) -> int:
+        """Temp file → fsync → rename → fsync dir; returns the payload offset in the file."""
+        final = self.path_of(meta.key)
+        directory = final.parent
+        if directory.name not in self._known_dirs:
+            directory.mkdir(exist_ok=True)
+            if self.durable:
+                fsync_dir(self._objects)
+            self._known_dirs.add(directory.name)
+        head = encode_head(meta)
+        temp = directory / f".{final.stem}.{os.getpid()}.{next(self._temp_ids)}{TEMP_SUFFIX}"
+        write_atomic(final, temp, head, payload, durable=self.durable)
+        return len(head)
+
+    def _read_verified(self, record: ObjectRecord, view: memoryview) -> bool:
+        """Read the payload straight into ``view`` (no allocation) and check its digest."""
+        offset = int(record.extra["offset"])
+        if not read_exact(self._path(record.meta.key), offset, view):
+            return False
+        return payload_digest(view) == record.meta.digest
+
+    def _abort(self, handle: _Handle, *, corrupt: bool) -> None:
+        with self._lock:
+            key = handle.record.meta.key
+            if self._index.records.get(key) is not handle.record:
+                return
+            self._index.counters.store_failures += 1
+            if corrupt:
+                self._index.drop(key, invalid=True)
+            else:
+                handle.record.transition(ObjectState.INVALID)
+                self._index.drop(key)
+
+    def _claim(self, token: object) -> _Handle:
+        if not isinstance(token, _Handle):
+            raise TierError("handle does not belong to a disk tier")
+        if token.done:
+            raise TierError("slot or lease completed twice")
+        token.done = True
+        return token
+
+    def _visible(self, key: BlockKey, now: float) -> ObjectRecord | None:
+        """``TierIndex.visible`` plus deleting the file of an object it expired on sight."""
+        record = self._index.records.get(key)
+        visible = self._index.visible(key, now)
+        if visible is None and record is not None and key not in self._index.records:
+            self._unlink(self._path(key))
+            self._dropped.append(key)
+        return visible
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise TierError("disk tier is closed")
+
+    @staticmethod
+    def _unlink(path: str | Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise TierError(f"cannot delete {path}: {exc}") from exc

@@ -1,0 +1,189 @@
+"""The on-disk format of one KV object file (version 1), kept apart from the tier's behaviour.
+
+Little endian::
+
+    magic b"KVSTRATA" | u16 version | u16 flags (0) | u32 meta_len | u64 payload_len
+    | u64 xxh3-64(meta JSON) | meta JSON (KVObjectMeta.to_dict, payload digest inside) | payload
+
+The payload starts at a multiple of ``PAYLOAD_ALIGN`` (the meta JSON is padded with spaces) and
+the tier reads into buffers aligned the same way. Why: the kernel's page-cache → user copy is
+~2.5x slower on some CPUs when source and destination addresses differ by a small non-multiple
+of 64 modulo 4096 (measured here: 9 vs 22 GB/s when they differ by 16 — exactly what an
+mmap'd ``malloc`` buffer and a page-aligned payload produce); equal alignment avoids it.
+
+The meta checksum lets recovery reject a flipped bit in the metadata (which the payload digest
+does not cover); the exact file size rejects truncation and trailing garbage. Nothing here
+touches tier bookkeeping, so ``kvstrata inspect``-style tools can parse files without a tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvstrata.objects import KVObjectMeta, payload_digest
+
+MAGIC = b"KVSTRATA"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHHIQQ")
+OBJECT_SUFFIX = ".kv"
+TEMP_SUFFIX = ".tmp"
+_MAX_META_BYTES = 1 << 20
+PAYLOAD_ALIGN = 64
+
+
+def aligned_buffer(size: int) -> np.ndarray:
+    """A ``PAYLOAD_ALIGN``-aligned uint8 array of ``size`` bytes (a slice of a larger one)."""
+    raw = np.empty(size + PAYLOAD_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % PAYLOAD_ALIGN
+    return raw[start : start + size]
+
+
+class BufferPool:
+    """Reusable aligned arrays, so steady-state stores and loads allocate no payload memory."""
+
+    def __init__(self, max_pooled: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._max = max_pooled
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= size:
+                    return self._free.pop(i)
+        return aligned_buffer(size)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self._max:
+                self._free.append(buf)
+
+
+def encode_head(meta: KVObjectMeta) -> bytes:
+    """Header plus meta JSON, space-padded so the payload starts ``PAYLOAD_ALIGN``-aligned."""
+    meta_bytes = json.dumps(meta.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+    meta_bytes += b" " * (-(HEADER.size + len(meta_bytes)) % PAYLOAD_ALIGN)
+    header = HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, len(meta_bytes), meta.size, xxhash.xxh3_64_intdigest(meta_bytes)
+    )
+    return header + meta_bytes
+
+
+def write_atomic(
+    final: Path, temp: Path, head: bytes, payload: memoryview, *, durable: bool
+) -> None:
+    """Temp file → fsync → rename → fsync dir: ``final`` appears complete or not at all.
+
+    On any ``OSError`` whatever was created (temp or, after the rename, final) is removed and
+    the error re-raised, so a failed write leaves nothing behind.
+    """
+    renamed = False
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, head, payload)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+        renamed = True
+        if durable:
+            fsync_dir(final.parent)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            (final if renamed else temp).unlink()
+        raise
+
+
+def read_exact(path: str | Path, offset: int, view: memoryview) -> bool:
+    """Fill ``view`` from ``path`` at ``offset`` with ``preadv``; False on short read or error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                return False
+            done += n
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, head: bytes, payload: memoryview) -> None:
+    """``writev`` until every byte is written (regular files may still write short)."""
+    parts: list[memoryview] = [memoryview(head), payload]
+    while parts:
+        n = os.writev(fd, parts)
+        if n == 0:
+            raise OSError(errno.EIO, "write returned 0")
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse_object(
+    path: Path, scratch: bytearray
+) -> tuple[tuple[KVObjectMeta, int] | None, bytearray]:
+    """Validate one object file fully; returns (meta, payload offset) or None if invalid."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < HEADER.size:
+                return None, scratch
+            if len(scratch) < size:
+                scratch = bytearray(size)
+            view = memoryview(scratch)[:size]
+            if f.readinto(view) != size:
+                return None, scratch
+    except OSError:
+        return None, scratch
+    magic, version, _flags, meta_len, payload_len, meta_sum = HEADER.unpack_from(view)
+    offset = HEADER.size + meta_len
+    if (
+        magic != MAGIC
+        or version != FORMAT_VERSION
+        or meta_len > _MAX_META_BYTES
+        or size != offset + payload_len
+    ):
+        return None, scratch
+    meta_bytes = bytes(view[HEADER.size : offset])
+    if xxhash.xxh3_64_intdigest(meta_bytes) != meta_sum:
+        return None, scratch
+    try:
+        meta = KVObjectMeta.from_dict(json.loads(meta_bytes))
+    except (ValueError, KeyError, TypeError, AttributeError):  # well-checksummed nonsense
+        return None, scratch
+    if (
+        path.name != meta.key.hex() + OBJECT_SUFFIX
+        or path.parent.name != meta.key.hex()[:2]
+        or meta.size != payload_len
+        or payload_digest(view[offset:]) != meta.digest
+    ):
+        return None, scratch
+    return (meta, offset), scratch

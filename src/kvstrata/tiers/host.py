@@ -1,0 +1,257 @@
+"""Host DRAM tier: one preallocated slab of fixed-size slots.
+
+Why a slab: the hot path (demotion from the engine pool, promotion back into it) must not pay a
+Python/allocator round trip and page faults per object. The whole capacity is one torch uint8
+tensor allocated up front — pinned when CUDA is present so device↔host copies can be DMA'd
+asynchronously — and cut into ``slot_bytes`` slots. The store uses one slot size (the model's
+block object size); an object must fit into one slot.
+
+Zero copy: ``prepare_store`` hands out a writable memoryview of a free slot and
+``prepare_load`` a read-only memoryview of the slot itself; ``tensor(handle)`` gives the same
+bytes as a torch view of the slab, so the engine copies straight between its pool and the slab.
+
+Digests are verified once, at ``complete_store``: the slab is process-private memory, written
+only through a slot that is invisible until its digest verified, so a committed slot cannot be
+torn or changed by anyone else afterwards; re-hashing on every load would only guard against
+DRAM bit rot, which is ECC's job, at the price of a second full pass over the bytes.
+
+Thread safety: one lock guards the bookkeeping (the store may flush or demote from a background
+thread); digests and copies run outside it. A slot is recycled only after its object left the
+index, and an object being loaded is pinned, so a slot's bytes never change under a reader —
+as long as the reader stops using ``lease.buffer`` at ``complete_load``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstrata.errors import InvalidInput
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
+from kvstrata.objects.model import ObjectRecord
+from kvstrata.tiers.base import LoadLease, StoreSlot, TierCounters, TierError, TierIndex
+
+
+@dataclass
+class _Handle:
+    """Tier-private token of a slot or lease: which record and which slot it refers to."""
+
+    record: ObjectRecord
+    slot: int
+    done: bool = False
+
+
+class HostTier:
+    """A bounded DRAM tier over a preallocated (pinned when CUDA is present) slab.
+
+    ``capacity_bytes`` is rounded down to a whole number of slots. Byte accounting counts each
+    object's ``meta.size`` (not the slot size) so quotas match the other tiers; admission also
+    needs a free slot. ``prefault`` touches every page of an unpinned slab up front, so first
+    stores pay no page faults (a hidden allocation on the hot path).
+    """
+
+    name = "host"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slot_bytes: int,
+        *,
+        pin_memory: bool | None = None,
+        prefault: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if slot_bytes <= 0 or capacity_bytes < slot_bytes:
+            raise InvalidInput("need slot_bytes > 0 and capacity_bytes >= slot_bytes")
+        self.slot_bytes = slot_bytes
+        self.slots = capacity_bytes // slot_bytes
+        self.capacity_bytes = self.slots * slot_bytes
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        try:
+            self.slab: torch.Tensor = torch.empty(
+                self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned
+            )
+        except RuntimeError as exc:  # no CUDA driver, or the OS refused to lock the pages
+            raise TierError(f"cannot allocate a {self.capacity_bytes}-byte slab: {exc}") from exc
+        if prefault and not self.pinned:  # pinning already commits every page
+            self.slab.zero_()
+        self._view = self.slab.numpy().data
+        self._slot_views = [
+            self._view[i * slot_bytes : (i + 1) * slot_bytes] for i in range(self.slots)
+        ]
+        self._slot_tensors = [
+            self.slab[i * slot_bytes : (i + 1) * slot_bytes] for i in range(self.slots)
+        ]
+        # Pop from the end: the lowest slots are reused first, which keeps the slab's hot
+        # part small when the tier is mostly empty.
+        self._free = list(range(self.slots - 1, -1, -1))
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index = TierIndex(capacity_bytes=self.capacity_bytes)
+        self._dropped: list[BlockKey] = []
+        self._closed = False
+
+    # ---------------------------------------------------------------- read-only views
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    @property
+    def counters(self) -> TierCounters:
+        return self._index.counters
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._index.by_tenant.get(tenant, 0)
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._visible(key, self._clock()) is not None
+
+    def meta(self, key: BlockKey) -> KVObjectMeta | None:
+        with self._lock:
+            record = self._visible(key, self._clock())
+            return None if record is None else record.meta
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            now = self._clock()
+            snapshot = [k for k in list(self._index.records) if self._visible(k, now)]
+        return iter(snapshot)
+
+    def take_dropped(self) -> list[BlockKey]:
+        """Keys this tier dropped on its own (expired, invalidated) since the last call.
+
+        The store drains this to keep its eviction policy's bookkeeping in step.
+        """
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def tensor(self, handle: StoreSlot | LoadLease) -> torch.Tensor:
+        """A uint8 torch view of the slab bytes behind a slot or lease (``meta.size`` long).
+
+        Valid as long as the handle is: write into it only through a ``StoreSlot``.
+        """
+        if not isinstance(handle.token, _Handle):
+            raise TierError("handle does not belong to a host tier")
+        full = self._slot_tensors[handle.token.slot]
+        size = handle.meta.size
+        return full if size == self.slot_bytes else full[:size]
+
+    # ---------------------------------------------------------------- store
+
+    def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None:
+        if meta.size > self.slot_bytes or meta.size < 0:
+            raise InvalidInput(f"object of {meta.size} bytes does not fit a {self.slot_bytes} slot")
+        with self._lock:
+            self._check_open()
+            if not self._free:
+                return None
+            record = self._index.reserve(meta)
+            if record is None:
+                return None
+            slot = self._free.pop()
+            record.extra["slot"] = slot
+        view = self._slot_views[slot]
+        buffer = view if meta.size == self.slot_bytes else view[: meta.size]
+        return StoreSlot(meta=meta, buffer=buffer, token=_Handle(record, slot))
+
+    def complete_store(self, slot: StoreSlot, success: bool) -> bool:
+        handle = self._claim(slot.token)
+        verified = success and payload_digest(slot.buffer) == slot.meta.digest
+        with self._lock:
+            key = slot.meta.key
+            if self._index.records.get(key) is not handle.record:
+                raise TierError("slot no longer reserved in this tier")
+            if verified:
+                self._index.commit(key, self._clock())
+                return True
+            self._index.counters.store_failures += 1
+            if success:  # the caller wrote bytes that do not match the digest it announced
+                self._index.drop(key, invalid=True)
+            else:
+                handle.record.transition(ObjectState.INVALID)
+                self._index.drop(key)
+            self._free.append(handle.slot)
+            return False
+
+    # ---------------------------------------------------------------- load
+
+    def prepare_load(self, key: BlockKey) -> LoadLease | None:
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            record = self._visible(key, now)
+            if record is None:
+                self._index.counters.misses += 1
+                return None
+            self._index.pin(record, now)
+            slot = int(record.extra["slot"])
+        view = self._slot_views[slot]
+        size = record.meta.size
+        buffer = (view if size == self.slot_bytes else view[:size]).toreadonly()
+        return LoadLease(meta=record.meta, buffer=buffer, token=_Handle(record, slot))
+
+    def complete_load(self, lease: LoadLease) -> None:
+        handle = self._claim(lease.token)
+        with self._lock:
+            self._index.unpin(handle.record)
+
+    # ---------------------------------------------------------------- removal
+
+    def remove(self, key: BlockKey) -> bool:
+        with self._lock:
+            if self._index.removable(key) is None:
+                return False
+            record = self._index.drop(key)
+            assert record is not None
+            self._index.counters.removed += 1
+            self._free.append(int(record.extra["slot"]))
+            return True
+
+    def close(self) -> None:
+        """Refuse further stores and loads; the slab is freed with the tier object."""
+        with self._lock:
+            self._closed = True
+
+    def __enter__(self) -> HostTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _claim(self, token: Any) -> _Handle:
+        if not isinstance(token, _Handle):
+            raise TierError("handle does not belong to a host tier")
+        if token.done:
+            raise TierError("slot or lease completed twice")
+        token.done = True
+        return token
+
+    def _visible(self, key: BlockKey, now: float) -> ObjectRecord | None:
+        """``TierIndex.visible`` plus freeing the slot of an object it expired on sight."""
+        record = self._index.records.get(key)
+        visible = self._index.visible(key, now)
+        if visible is None and record is not None and key not in self._index.records:
+            self._free.append(int(record.extra["slot"]))
+            self._dropped.append(key)
+        return visible
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError("host tier is closed")
