@@ -72,7 +72,7 @@ class TieredStore:
         levels: Sequence[tuple[Tier, EvictionPolicy, TierConfig]],
         *,
         metrics: StoreMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.levels = [Level(tier, policy, config) for tier, policy, config in levels]
         self.metrics = metrics if metrics is not None else StoreMetrics()
@@ -288,6 +288,7 @@ class TieredStore:
     def _evict_one(self, index: int, *, tenant: str | None) -> bool:
         """Evict one victim of level ``index`` (demoting it if wanted). False: nothing to evict."""
         level = self.levels[index]
+        self._sync_dropped(level)
         while True:
             victim = level.policy.victim(
                 self.clock(), tenant=tenant, can_evict=lambda k: level.tier.meta(k) is not None
@@ -360,9 +361,12 @@ class TieredStore:
             level.policy.on_remove(key)
             self._publish(level)
 
+    def _sync_dropped(self, level: Level) -> None:
+        for key in level.tier.take_dropped():
+            level.policy.on_remove(key)
+            self.metrics.invalid.labels(tier=level.name, reason="dropped_by_tier").inc()
+
     def _publish(self, level: Level) -> None:
-        tier = level.tier
-        self.metrics.bytes.labels(tier=level.name).set(tier.used_bytes)
-        index = getattr(tier, "index", None)
-        if index is not None:
-            self.metrics.objects.labels(tier=level.name).set(len(index.records))
+        self._sync_dropped(level)
+        self.metrics.bytes.labels(tier=level.name).set(level.tier.used_bytes)
+        self.metrics.objects.labels(tier=level.name).set(level.tier.object_count)

@@ -16,7 +16,9 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   marks the object INVALID, removes it and counts it — the caller recomputes.
 - ``remove(key) -> bool``: drop a committed object (eviction, demotion, deletion). Returns
   False while the object is being loaded (pinned) or is absent.
-- ``contains``, ``meta``, ``keys``, ``used_bytes``, ``tenant_bytes``: read-only views.
+- ``contains``, ``meta``, ``keys``, ``used_bytes``, ``object_count``, ``tenant_bytes``,
+  ``counters``: read-only views; ``take_dropped`` drains the keys the tier dropped by itself
+  (expiry, invalidation) so that the owner can keep its policy in step.
 """
 
 from __future__ import annotations
@@ -60,7 +62,17 @@ class Tier(Protocol):
     @property
     def used_bytes(self) -> int: ...
 
+    @property
+    def object_count(self) -> int: ...
+
+    @property
+    def counters(self) -> TierCounters: ...
+
     def tenant_bytes(self, tenant: str) -> int: ...
+
+    def take_dropped(self) -> list[BlockKey]:
+        """Keys the tier dropped on its own (expired, invalidated) since the last call."""
+        ...
 
     def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None: ...
 

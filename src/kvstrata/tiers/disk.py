@@ -129,6 +129,10 @@ class DiskTier:
         return self._index.used_bytes
 
     @property
+    def object_count(self) -> int:
+        return len(self._index.records)
+
+    @property
     def counters(self) -> TierCounters:
         return self._index.counters
 

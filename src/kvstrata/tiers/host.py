@@ -65,7 +65,7 @@ class HostTier:
         *,
         pin_memory: bool | None = None,
         prefault: bool = True,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
             raise InvalidInput("need slot_bytes > 0 and capacity_bytes >= slot_bytes")
@@ -104,6 +104,10 @@ class HostTier:
     @property
     def used_bytes(self) -> int:
         return self._index.used_bytes
+
+    @property
+    def object_count(self) -> int:
+        return len(self._index.records)
 
     @property
     def counters(self) -> TierCounters:
