@@ -23,11 +23,12 @@ from transformers import DynamicCache
 
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
+from kvstrata.engine.costs import OnlineCostModel
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams, sample_next
-from kvstrata.engine.tiering import RecomputeEstimate, StoreBridge
+from kvstrata.engine.tiering import StoreBridge
 from kvstrata.errors import ContextTooLong, EngineError, InvalidInput
 from kvstrata.identity import (
     DEFAULT_TENANT,
@@ -39,6 +40,7 @@ from kvstrata.identity import (
     chain_keys,
     namespace_root,
 )
+from kvstrata.store.costmodel import DEFAULT_COST_MODEL
 from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
 
@@ -121,12 +123,6 @@ def pool_config_for(
     )
 
 
-def _no_estimate(tokens: int, context: int) -> float:
-    """Without a cost model, fetching is always assumed to pay (break-even by tokens only)."""
-    del tokens, context
-    return float("inf")
-
-
 def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,7 +142,7 @@ class ReferenceEngine:
         chat_template: str | None = None,
         pool: PagedKVPool | None = None,
         store: TieredStore | None = None,
-        recompute_estimate: RecomputeEstimate | None = None,
+        costs: OnlineCostModel | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
@@ -173,6 +169,7 @@ class ReferenceEngine:
         if pool is not None and pool.config != pool_config:
             raise EngineError("shared pool does not match this model's KV shape")
         self.pool = pool if pool is not None else PagedKVPool(pool_config, self.metrics)
+        self.costs = costs if costs is not None else OnlineCostModel(DEFAULT_COST_MODEL)
         self.bridge: StoreBridge | None = None
         if store is not None:
             self.bridge = StoreBridge(
@@ -180,11 +177,16 @@ class ReferenceEngine:
                 self.pool,
                 model_id=self.model_id,
                 metrics=self.metrics,
-                recompute_estimate=recompute_estimate or _no_estimate,
+                recompute_estimate=self.costs.marginal_s,
             )
         self.eos_token_ids = self._eos_ids()
         self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Flush write-back queues and close the tiers (the device pool needs nothing)."""
+        if self.bridge is not None:
+            self.bridge.store.close()
 
     # ---- tokenisation -------------------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -265,7 +267,11 @@ class ReferenceEngine:
             matched = len(held) * self.config.block_size
             cache = cache_from_blocks(self.pool, self.model.config, held)
             input_ids = torch.tensor([list(token_ids[matched:])], device=self.device)
+            forward_started = time.perf_counter()
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            self.costs.observe(
+                len(token_ids) - matched, matched, time.perf_counter() - forward_started
+            )
             logits = out.logits[0, -1].float()
             if store:
                 store_blocks(

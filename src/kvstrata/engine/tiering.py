@@ -96,8 +96,21 @@ class StoreBridge:
         self.store.put(meta, fill, RequestScope(tenant=info.tenant, model=self.model_id))
 
     def demote(self, evicted: EvictedBlock) -> None:
-        if isinstance(evicted.info, BlockInfo):
-            self._put(evicted.block_id, evicted.key, evicted.parent_key, evicted.info)
+        """The pool is evicting a block: keep it in the store unless it is there already or,
+        for a selective first level, has not been used often enough to be worth it."""
+        if not isinstance(evicted.info, BlockInfo) or not self.store.levels:
+            return
+        top = self.store.levels[0]
+        if top.tier.contains(evicted.key):
+            return
+        if (
+            top.config.write_policy is WritePolicy.SELECTIVE
+            and evicted.uses < top.config.selective_min_uses
+        ):
+            self.store.metrics.evictions.labels(tier="device", outcome="dropped_low_value").inc()
+            return
+        self._put(evicted.block_id, evicted.key, evicted.parent_key, evicted.info)
+        self.store.metrics.evictions.labels(tier="device", outcome="demoted").inc()
 
     def write_through(
         self, block_ids: Sequence[int], keys: Sequence[BlockKey], first: int, tenant: str
