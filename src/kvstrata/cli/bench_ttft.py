@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from kvstrata.cli.output import emit
@@ -15,7 +17,11 @@ def register(sub: Any) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model directory")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each kind")
-    parser.add_argument("--tier", choices=("device",), default="device", help="tier of the hit")
+    parser.add_argument(
+        "--tier", choices=("device", "host", "disk"), default="device", help="tier of the hit"
+    )
+    parser.add_argument("--cold", action="store_true", help="disk: drop the page cache first")
+    parser.add_argument("--disk-dir", type=Path, default=None, help="disk tier directory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
@@ -23,14 +29,35 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvstrata.bench.ttft import run_ttft
-    from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+    from kvstrata.engine.engine import EngineConfig, pool_config_for
+    from kvstrata.engine.factory import TierOptions, build_engine
     from kvstrata.engine.model_loader import load_model
 
+    loaded = load_model(args.model)
     blocks_needed = 2 * (args.tokens + 64) // args.block_size + 8
-    engine = ReferenceEngine(
-        load_model(args.model), EngineConfig(block_size=args.block_size, pool_blocks=blocks_needed)
-    )
-    result = run_ttft(engine, model=args.model, n_tokens=args.tokens, repeats=args.repeat)
+    block_bytes = pool_config_for(loaded, args.block_size, 1).bytes_per_block
+    with tempfile.TemporaryDirectory(prefix="kvstrata-ttft-") as scratch:
+        tiers = None
+        if args.tier != "device":
+            tiers = TierOptions(
+                host_bytes=blocks_needed * block_bytes,
+                disk_dir=(args.disk_dir or Path(scratch)) if args.tier == "disk" else None,
+                disk_bytes=blocks_needed * block_bytes,
+            )
+        engine = build_engine(
+            loaded, EngineConfig(block_size=args.block_size, pool_blocks=blocks_needed), tiers
+        )
+        try:
+            result = run_ttft(
+                engine,
+                model=args.model,
+                n_tokens=args.tokens,
+                repeats=args.repeat,
+                tier=args.tier,
+                cold=args.cold,
+            )
+        finally:
+            engine.close()
     data = result.to_dict()
     emit(
         data,
