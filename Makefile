@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
+DISK_DIR ?= $(HOME)/.cache/kvstrata/disk-tier
 
 .PHONY: venv run test test-fast lint clean
 
@@ -19,7 +20,8 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 run: venv
-	$(VENV)/bin/kvstrata serve --model smollm2 --host $(HOST) --port $(PORT)
+	$(VENV)/bin/kvstrata serve --model smollm2 --host $(HOST) --port $(PORT) \
+		--host-gib 2 --disk-dir $(DISK_DIR) --disk-gib 4
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

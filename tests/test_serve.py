@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from http_helpers import serving
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import load_model
 from kvstrata.serve.app import create_app
@@ -27,20 +25,6 @@ from kvstrata.telemetry import KvMetrics
 
 MODEL = "tiny"
 ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-class _ThreadedServer(uvicorn.Server):
-    """A uvicorn server that signals once startup (lifespan included) has finished."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets=sockets)
-        finally:
-            self.ready.set()
 
 
 @dataclass
@@ -55,23 +39,8 @@ def served() -> Iterator[Served]:
     metrics = KvMetrics()
     engine = ReferenceEngine(load_model(MODEL), EngineConfig(pool_blocks=256), metrics=metrics)
     app = create_app(engine, model_name=MODEL, metrics=metrics)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    server = _ThreadedServer(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        assert server.ready.wait(timeout=30), "server did not start in time"
-        assert server.started, "server failed to start"
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            yield Served(engine=engine, metrics=metrics, client=client)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-    assert not thread.is_alive(), "server did not shut down"
+    with serving(app) as client:
+        yield Served(engine=engine, metrics=metrics, client=client)
 
 
 def _chat_body(text: str, **extra: Any) -> dict[str, Any]:

@@ -10,10 +10,13 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
+from kvstrata.engine.factory import TierOptions
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
+from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 
 GIB = 1 << 30
 
@@ -44,7 +47,64 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    tiers = parser.add_argument_group("tiers (the tiered store below the device pool)")
+    tiers.add_argument("--host-gib", type=float, default=0.0, help="host DRAM tier (0: none)")
+    tiers.add_argument(
+        "--host-write-policy",
+        choices=[p.value for p in WritePolicy],
+        default=WritePolicy.WRITE_THROUGH.value,
+        help="device → host: copy at commit (write-through) or only on eviction",
+    )
+    tiers.add_argument("--disk-dir", type=Path, default=None, help="local disk tier directory")
+    tiers.add_argument("--disk-gib", type=float, default=0.0, help="disk tier size (0: none)")
+    tiers.add_argument(
+        "--disk-write-policy",
+        choices=[p.value for p in WritePolicy],
+        default=WritePolicy.WRITE_BACK.value,
+    )
+    tiers.add_argument("--tier-ttl-s", type=float, default=None, help="object TTL in the tiers")
+    tiers.add_argument("--eviction-policy", choices=["kvstrata", "lru"], default="kvstrata")
+    tiers.add_argument(
+        "--tier-tenants", default=None, help="comma list: only these tenants use the tiers"
+    )
+    tiers.add_argument(
+        "--tier-canary", type=float, default=1.0, help="share of requests that use the tiers"
+    )
+    tiers.add_argument(
+        "--min-reusable-tokens",
+        type=int,
+        default=0,
+        help="break-even: below this many reusable tokens from a tier, recompute",
+    )
+    tiers.add_argument("--admin-token", default=None, help="require this bearer token on /admin")
     parser.set_defaults(func=run)
+
+
+def tier_options(args: argparse.Namespace) -> TierOptions | None:
+    """The tiers asked for on the command line, or None for the device pool alone."""
+    if args.host_gib < 0 or args.disk_gib < 0:
+        raise InvalidInput("--host-gib and --disk-gib must be >= 0")
+    if (args.disk_gib > 0) != (args.disk_dir is not None):
+        raise InvalidInput("give both --disk-dir and --disk-gib, or neither")
+    if not 0.0 <= args.tier_canary <= 1.0:
+        raise InvalidInput("--tier-canary must lie in [0, 1]")
+    if args.host_gib == 0 and args.disk_gib == 0:
+        return None
+    tenants = frozenset(t for t in (args.tier_tenants or "").split(",") if t) or None
+    rollout = RolloutConfig(
+        tenants=tenants,
+        canary_fraction=args.tier_canary,
+        min_reusable_tokens=args.min_reusable_tokens,
+    )
+    ttl = args.tier_ttl_s
+    return TierOptions(
+        host_bytes=int(args.host_gib * GIB),
+        host=TierConfig("host", WritePolicy(args.host_write_policy), ttl, rollout=rollout),
+        disk_dir=args.disk_dir,
+        disk_bytes=int(args.disk_gib * GIB),
+        disk=TierConfig("disk", WritePolicy(args.disk_write_policy), ttl, rollout=rollout),
+        policy=args.eviction_policy,
+    )
 
 
 def pool_blocks_for(loaded: LoadedModel, block_size: int, pool_gib: float) -> int:
@@ -68,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+    from kvstrata.engine.engine import EngineConfig
+    from kvstrata.engine.factory import build_engine
     from kvstrata.engine.model_loader import load_model
     from kvstrata.serve.app import create_app
     from kvstrata.telemetry import KvMetrics
@@ -77,13 +138,25 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     blocks = pool_blocks_for(loaded, args.block_size, args.pool_gib)
     metrics = KvMetrics()
-    engine = ReferenceEngine(
-        loaded, EngineConfig(block_size=args.block_size, pool_blocks=blocks), metrics=metrics
+    engine = build_engine(
+        loaded,
+        EngineConfig(block_size=args.block_size, pool_blocks=blocks),
+        tier_options(args),
+        metrics=metrics,
     )
     name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, metrics=metrics)
+    app = create_app(engine, model_name=name, metrics=metrics, admin_token=args.admin_token)
     _banner(name, args.host, args.port, engine.device, blocks, args.block_size)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if engine.bridge is not None:
+        levels = ", ".join(
+            f"{lvl.name} {lvl.tier.capacity_bytes / GIB:.2f} GiB ({lvl.config.write_policy.value})"
+            for lvl in engine.bridge.store.levels
+        )
+        print(f'  tiers: {levels}; rollback: POST {{"enabled": false}} to /admin/tiers/NAME')
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()  # flush write-back queues to disk
     return 0
 
 

@@ -1,0 +1,48 @@
+"""A real uvicorn server in a background thread on a free 127.0.0.1 port, for HTTP tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+
+class ThreadedServer(uvicorn.Server):
+    """A uvicorn server that signals once startup (lifespan included) has finished."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.ready.set()
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[httpx.Client]:
+    """Run ``app`` until the block ends; yield an httpx client bound to it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = ThreadedServer(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert server.ready.wait(timeout=30), "server did not start in time"
+        assert server.started, "server failed to start"
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+    assert not thread.is_alive(), "server did not shut down"
