@@ -1,0 +1,178 @@
+"""Hypothesis drives the tiered store against a naive model of what must be visible.
+
+Invariants checked after every step:
+- a lookup never returns a PENDING, EXPIRED, INVALID, deleted or other tenant's object, and a
+  load never yields bytes other than those stored under that key;
+- tenant quotas are never exceeded on any tier;
+- every object committed to the write-through disk tier survives a crash (host lost, disk
+  re-opened and recovered).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, Representation, payload_digest
+from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.policies import LRUPolicy
+from kvstrata.store.tiered import RequestScope, TieredStore
+from kvstrata.store.value_policy import ValuePolicy
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.host import HostTier
+
+OBJ = 1024
+TTL = 50.0
+QUOTA = {"a": 3 * OBJ, "b": 6 * OBJ}
+TENANTS = ("a", "b")
+CHAINS = 3
+DEPTH = 4
+
+
+def key_of(tenant: str, chain: int, depth: int) -> BlockKey:
+    return BlockKey(f"{tenant}:{chain}:{depth}".encode().ljust(32, b"_"))
+
+
+def payload_of(key: BlockKey, version: int) -> bytes:
+    return (key + version.to_bytes(4, "little") * 8)[:OBJ].ljust(OBJ, b"\x01")
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvstrata-stateful-"))
+        self.now = 1000.0
+        self.version = 0
+        self.expected: dict[BlockKey, bytes] = {}  # the payload each key may ever be read as
+        self.deleted: set[BlockKey] = set()
+        self.written: set[BlockKey] = set()  # keys this machine wrote through to disk
+        # Corrupted on disk behind the store's back: lost until deleted (a re-put of the same
+        # key finds the copy present and, rightly, does not re-read it to check).
+        self.corrupted: set[BlockKey] = set()
+        self.store = self._open()
+
+    def clock(self) -> float:
+        return self.now
+
+    def _open(self) -> TieredStore:
+        host = HostTier(8 * OBJ, OBJ, clock=self.clock)
+        disk = DiskTier(self.dir, 12 * OBJ, durable=False, clock=self.clock)
+        levels = [
+            (
+                host,
+                ValuePolicy(demotion_fetch_s_per_byte=1e-9),
+                TierConfig("host", ttl_s=TTL, tenant_quota_bytes=QUOTA),
+            ),
+            (
+                disk,
+                LRUPolicy(),
+                TierConfig("disk", WritePolicy.WRITE_THROUGH, ttl_s=TTL, tenant_quota_bytes=QUOTA),
+            ),
+        ]
+        return TieredStore(levels, clock=self.clock)
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        chain=st.integers(0, CHAINS - 1),
+        depth=st.integers(0, DEPTH - 1),
+    )
+    def put(self, tenant: str, chain: int, depth: int) -> None:
+        parent = None
+        for d in range(depth + 1):
+            key = key_of(tenant, chain, d)
+            if key not in self.expected or key in self.deleted:
+                self.version += 1
+                self.expected[key] = payload_of(key, self.version)
+                self.deleted.discard(key)
+            payload = self.expected[key]
+            meta = KVObjectMeta(
+                key=key,
+                parent=parent,
+                tenant=tenant,
+                representation=Representation("uint8", "raw", 1, (OBJ,)),
+                size=OBJ,
+                digest=payload_digest(payload),
+                created_at=self.now,
+                position=d,
+                recompute_s=0.001 * (d + 1),
+            )
+
+            def fill(buffer: memoryview, data: bytes = payload) -> None:
+                buffer[:] = data
+
+            self.store.put(meta, fill, RequestScope(tenant))
+            if self.store.levels[1].tier.contains(key):
+                self.written.add(key)
+            parent = key
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        owner=st.sampled_from(TENANTS),
+        chain=st.integers(0, CHAINS - 1),
+    )
+    def lookup_and_load(self, tenant: str, owner: str, chain: int) -> None:
+        keys = [key_of(owner, chain, d) for d in range(DEPTH)]
+        found = self.store.lookup(keys, RequestScope(tenant))
+        if owner != tenant:
+            assert found == []
+        for located in found:
+            assert located.key not in self.deleted
+            with self.store.load(located, tenant) as lease:
+                if lease is not None:
+                    assert lease.meta.tenant == tenant
+                    assert not lease.meta.expired(self.now)
+                    assert bytes(lease.buffer) == self.expected[located.key]
+
+    @rule(seconds=st.sampled_from([1.0, 10.0, 30.0, 60.0]))
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(tenant=st.sampled_from(TENANTS), chain=st.integers(0, CHAINS - 1))
+    def delete(self, tenant: str, chain: int) -> None:
+        keys = [key_of(tenant, chain, d) for d in range(DEPTH)]
+        self.store.delete(keys)
+        self.deleted.update(keys)
+        self.corrupted.difference_update(keys)
+        assert self.store.lookup(keys, RequestScope(tenant)) == []
+
+    @precondition(lambda self: any(True for _ in self.store.levels[1].tier.keys()))
+    @rule(data=st.data())
+    def corrupt_a_disk_file(self, data: st.DataObject) -> None:
+        disk = self.store.levels[1].tier
+        assert isinstance(disk, DiskTier)
+        key = data.draw(st.sampled_from(sorted(disk.keys())))
+        path = disk.path_of(key)
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        self.corrupted.add(key)  # it may now legitimately disappear
+
+    @rule()
+    def crash(self) -> None:
+        disk = self.store.levels[1].tier
+        survivors = {k for k in disk.keys() if k in self.written and k not in self.corrupted}
+        disk.close()  # the process dies: the host tier's memory is simply gone
+        self.store = self._open()
+        recovered = set(self.store.levels[1].tier.keys())
+        assert survivors <= recovered
+
+    @invariant()
+    def quotas_hold(self) -> None:
+        for level in self.store.levels:
+            for tenant, quota in QUOTA.items():
+                assert level.tier.tenant_bytes(tenant) <= quota
+            assert level.tier.used_bytes <= level.tier.capacity_bytes
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+test_store_against_naive_model = StoreMachine.TestCase
