@@ -36,7 +36,7 @@ passes timed on a live engine; the tiered store calls it with the real engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -110,9 +110,7 @@ def smollm2_cpu() -> PrefillCostModel:
     """SmolLM2-135M fp32 on this machine's 2-core CPU, from the two reference timings."""
     ratio = SMOLLM2_ATTENTION_TO_LINEAR
     fresh_units = _REF_FRESH_TOKENS * (1.0 + ratio * _REF_FRESH_TOKENS / 2.0)
-    step_units = _REF_STEP_TOKENS * (
-        1.0 + ratio * (_REF_STEP_CONTEXT + _REF_STEP_TOKENS / 2.0)
-    )
+    step_units = _REF_STEP_TOKENS * (1.0 + ratio * (_REF_STEP_CONTEXT + _REF_STEP_TOKENS / 2.0))
     per_token_s = (_REF_FRESH_S - _REF_STEP_S) / (fresh_units - step_units)
     overhead_s = _REF_STEP_S - per_token_s * step_units
     return PrefillCostModel(
@@ -178,7 +176,42 @@ def calibrate(
     """
     if repeats < 1:
         raise InvalidInput(f"repeats must be >= 1, got {repeats}")
-    samples = [
-        (n, c, min(measure_fn(n, c) for _ in range(repeats))) for n, c in points
-    ]
+    samples = [(n, c, min(measure_fn(n, c) for _ in range(repeats))) for n, c in points]
     return fit(samples, kv_bytes_per_token=kv_bytes_per_token, name=name)
+
+
+def per_token(base: PrefillCostModel = DEFAULT_COST_MODEL) -> PrefillCostModel:
+    """``base`` without its attention term: every prompt token costs the same.
+
+    Under it a policy that maximises saved seconds maximises saved tokens, which is what
+    ``bench eviction`` counts; it is also the regime of large models at moderate context,
+    where the attention share of prefill is small.
+    """
+    return replace(base, attention_s=0.0, overhead_s=0.0, name="per-token")
+
+
+def llama3_8b_h100(mfu: float = 0.5) -> PrefillCostModel:
+    """A GPU-class profile from published numbers, not from a measurement here.
+
+    Llama-3.1-8B (8.03 B parameters, hidden 4,096, 32 layers, 8 KV heads of 128) in bf16 on
+    one H100 SXM (989 TFLOP/s dense bf16 peak), at ``mfu`` of peak — an assumption: prefill
+    of long prompts typically reaches about half of peak. Linear FLOPs 2 · params per token,
+    attention FLOPs 4 · hidden · layers per (token, context token); KV bytes per token
+    2 · 32 · 8 · 128 · 2 = 131,072.
+    """
+    flops_per_s = 989e12 * mfu
+    return PrefillCostModel(
+        per_token_s=2 * 8.03e9 / flops_per_s,
+        attention_s=4 * 4096 * 32 / flops_per_s,
+        overhead_s=0.0,
+        kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+        name="llama3-8b-h100",
+    )
+
+
+PROFILES: dict[str, Callable[[], PrefillCostModel]] = {
+    "smollm2-cpu": smollm2_cpu,
+    "per-token": per_token,
+    "llama3-8b-h100": llama3_8b_h100,
+}
+"""Cost models by name, for the command line."""

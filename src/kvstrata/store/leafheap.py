@@ -13,8 +13,10 @@ Data structures, all O(log n) amortised per event:
   present and the count is 0. Counting by parent key (present or not) keeps the count right
   when a child arrives before its parent (a lower tier can receive a demoted child first).
 * one binary heap of ``(priority, seq, key)`` per tenant, with lazy invalidation: an entry is
-  live iff the key is present, is a leaf, and ``seq`` is the key's current sequence number.
-  Every priority change and every "became a leaf again" pushes a fresh entry; dead entries
+  live iff the key is present, is a leaf, and ``(priority, seq)`` is the key's current entry.
+  Every priority change pushes an entry with a fresh ``seq``; a key that becomes a leaf
+  again re-pushes its current entry (an old copy may still sit in the heap: both are live
+  and identical, so the duplicate is harmless and dies with the key); dead entries
   are dropped when they reach the top, and a heap is rebuilt from its live entries once it
   holds more than twice as many entries as the tenant has objects (plus a constant), so
   memory stays O(n) and the rebuild cost is amortised over the pushes that caused it.
@@ -69,6 +71,10 @@ class LeafHeapPolicy:
     def _forget(self, key: BlockKey) -> None:
         """Drop subclass state of ``key`` (called from ``on_remove``, key still in _meta)."""
 
+    def _leaf_changed(self, key: BlockKey, is_leaf: bool) -> None:
+        """``key`` became a leaf, or stopped being one (removal included); for subclasses
+        that keep their own view of the leaves (sampling)."""
+
     # ---- the EvictionPolicy protocol -----------------------------------------------------
     def __len__(self) -> int:
         return len(self._meta)
@@ -86,6 +92,8 @@ class LeafHeapPolicy:
             return
         self._meta[key] = meta
         self._tenant_count[meta.tenant] = self._tenant_count.get(meta.tenant, 0) + 1
+        if not self._children.get(key):
+            self._leaf_changed(key, True)
         parent = meta.parent
         if parent is not None:
             count = self._children.get(parent, 0)
@@ -107,6 +115,8 @@ class LeafHeapPolicy:
         if meta is None:
             return
         self._forget(key)
+        if not self._children.get(key):
+            self._leaf_changed(key, False)
         del self._meta[key]
         del self._entry[key]
         tenant_count = self._tenant_count[meta.tenant] - 1
@@ -135,12 +145,24 @@ class LeafHeapPolicy:
         tenant: str | None = None,
         can_evict: Callable[[BlockKey], bool] | None = None,
     ) -> BlockKey | None:
+        expired = self._expired_victim(now, tenant, can_evict)
+        return expired if expired is not None else self._heap_victim(tenant, can_evict)
+
+    def _expired_victim(
+        self, now: float, tenant: str | None, can_evict: Callable[[BlockKey], bool] | None
+    ) -> BlockKey | None:
         self._drain_deadlines(now)
-        tenants = list(self._heaps) if tenant is None else [tenant]
+        tenants = list(self._expired_leaves) if tenant is None else [tenant]
         for name in tenants:
             for key in self._expired_leaves.get(name, {}):
                 if can_evict is None or can_evict(key):
                     return key
+        return None
+
+    def _heap_victim(
+        self, tenant: str | None, can_evict: Callable[[BlockKey], bool] | None
+    ) -> BlockKey | None:
+        tenants = list(self._heaps) if tenant is None else [tenant]
         best: HeapEntry | None = None
         for name in tenants:
             entry = self._top(name, can_evict)
@@ -165,14 +187,14 @@ class LeafHeapPolicy:
             self._heaps[tenant] = live
 
     def _became_leaf(self, key: BlockKey) -> None:
-        priority, _ = self._entry[key]
-        self._seq += 1
-        self._entry[key] = (priority, self._seq)
-        self._heap_push(key, priority, self._seq)
+        priority, seq = self._entry[key]
+        self._heap_push(key, priority, seq)
+        self._leaf_changed(key, True)
         if key in self._expired:
             self._expired_leaves.setdefault(self._meta[key].tenant, {})[key] = None
 
     def _lost_leaf(self, key: BlockKey) -> None:
+        self._leaf_changed(key, False)
         if key in self._expired:
             self._expired_leaves.get(self._meta[key].tenant, {}).pop(key, None)
 
@@ -181,7 +203,7 @@ class LeafHeapPolicy:
         current = self._entry.get(key)
         return (
             current is not None and current[1] == entry[1] and not self._children.get(key)
-        )
+        )  # seq values are unique per push, so equal seq means equal priority
 
     def _top(self, tenant: str, can_evict: Callable[[BlockKey], bool] | None) -> HeapEntry | None:
         heap = self._heaps.get(tenant)
