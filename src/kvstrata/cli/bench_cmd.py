@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstrata.cli import bench_hash, bench_reuse, bench_tiers, bench_ttft
+from kvstrata.cli import bench_eviction, bench_hash, bench_reuse, bench_tiers, bench_ttft
 
 
 def register(sub: Any) -> None:
@@ -14,4 +14,5 @@ def register(sub: Any) -> None:
     bench_reuse.register(bench_sub)
     bench_ttft.register(bench_sub)
     bench_hash.register(bench_sub)
+    bench_eviction.register(bench_sub)
     bench_tiers.register(bench_sub)

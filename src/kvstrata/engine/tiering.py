@@ -147,20 +147,29 @@ class StoreBridge:
         if fetch_s > recompute_s:
             self.store.metrics.recompute_decisions.labels(reason="fetch_slower").inc()
             return result
-        for offset, loc in enumerate(located):
-            i = first + offset
-            parent = keys[i - 1] if i > 0 else None
-            block_id = self.pool.allocate(loc.key, parent, BlockInfo(scope.tenant, i * size))
-            if block_id is None:
-                break
-            if not self._load_into(block_id, loc, scope.tenant):
-                self.pool.abort(block_id)
-                break
-            self.pool.commit(block_id)
-            self.pool.acquire([block_id])
-            result.block_ids.append(block_id)
-            name = self.store.levels[loc.level].name
-            result.tokens_by_tier[name] = result.tokens_by_tier.get(name, 0) + size
+        try:
+            for offset, loc in enumerate(located):
+                i = first + offset
+                parent = keys[i - 1] if i > 0 else None
+                block_id = self.pool.allocate(loc.key, parent, BlockInfo(scope.tenant, i * size))
+                if block_id is None:
+                    break
+                try:
+                    loaded = self._load_into(block_id, loc, scope.tenant)
+                except BaseException:
+                    self.pool.abort(block_id)
+                    raise
+                if not loaded:
+                    self.pool.abort(block_id)
+                    break
+                self.pool.commit(block_id)
+                self.pool.acquire([block_id])
+                result.block_ids.append(block_id)
+                name = self.store.levels[loc.level].name
+                result.tokens_by_tier[name] = result.tokens_by_tier.get(name, 0) + size
+        except BaseException:
+            self.pool.release(result.block_ids)  # the caller never learns of them
+            raise
         return result
 
     def _load_into(self, block_id: int, loc: Located, tenant: str) -> bool:

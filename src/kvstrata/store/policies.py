@@ -11,7 +11,8 @@ Leaf-only LRU equals plain LRU when a request touches its blocks tail-first: a b
 use is then never older than its children's, so the globally least recent block is always
 a leaf. ``kvstrata.bench.reuse`` touches head-first, which lets plain LRU evict a prefix's
 root while its descendants stay as unreachable orphans; on the Mooncake conversation trace
-the two differ by about 0.1 point of token hit rate.
+the two differ by 0.04 point of token hit rate at 10k blocks (21.57% vs 21.53%) and not at
+all at 100k; on document-heavy synthetic traces with small tiers, by up to 12%.
 """
 
 from __future__ import annotations
