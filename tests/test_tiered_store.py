@@ -16,16 +16,9 @@ from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
+from tier_helpers import FakeClock as Clock
 
 OBJ = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def chain(

@@ -23,7 +23,8 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -178,3 +179,68 @@ class TierIndex:
         if record is None or record.state is not ObjectState.COMMITTED or record.readers:
             return None
         return record
+
+
+class IndexedTierViews:
+    """The read-only half of a tier over a ``TierIndex``, shared by every tier.
+
+    A subclass sets ``_index``, ``_lock`` (a lock guarding the index), ``_clock`` and
+    ``_dropped`` (a list) and says in ``_release_expired`` how to free the medium of an
+    object that expired on sight (a slab slot, a file).
+    """
+
+    _index: TierIndex
+    _lock: threading.Lock
+    _clock: Callable[[], float]
+    _dropped: list[BlockKey]
+
+    def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
+        raise NotImplementedError
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    @property
+    def object_count(self) -> int:
+        return len(self._index.records)
+
+    @property
+    def counters(self) -> TierCounters:
+        return self._index.counters
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._index.by_tenant.get(tenant, 0)
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._visible(key, self._clock()) is not None
+
+    def meta(self, key: BlockKey) -> KVObjectMeta | None:
+        with self._lock:
+            record = self._visible(key, self._clock())
+            return None if record is None else record.meta
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            now = self._clock()
+            snapshot = [k for k in list(self._index.records) if self._visible(k, now)]
+        return iter(snapshot)
+
+    def take_dropped(self) -> list[BlockKey]:
+        """Keys this tier dropped on its own (expired, invalidated) since the last call.
+
+        The store drains this to keep its eviction policy's bookkeeping in step.
+        """
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _visible(self, key: BlockKey, now: float) -> ObjectRecord | None:
+        """``TierIndex.visible``, releasing the medium of an object it expired on sight."""
+        record = self._index.records.get(key)
+        visible = self._index.visible(key, now)
+        if visible is None and record is not None and key not in self._index.records:
+            self._release_expired(key, record)
+            self._dropped.append(key)
+        return visible

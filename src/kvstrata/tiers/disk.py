@@ -37,7 +37,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +46,7 @@ import numpy as np
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
-from kvstrata.tiers.base import LoadLease, StoreSlot, TierCounters, TierError, TierIndex
+from kvstrata.tiers.base import IndexedTierViews, LoadLease, StoreSlot, TierError, TierIndex
 from kvstrata.tiers.disk_format import (
     OBJECT_SUFFIX,
     TEMP_SUFFIX,
@@ -79,7 +79,7 @@ class _Handle:
     done: bool = False
 
 
-class DiskTier:
+class DiskTier(IndexedTierViews):
     """A bounded, crash-safe local-disk tier (see the module docstring for format and contract)."""
 
     name = "disk"
@@ -123,42 +123,6 @@ class DiskTier:
             raise TierError(f"recovery of {self.root} failed: {exc}") from exc
 
     # ---------------------------------------------------------------- read-only views
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    @property
-    def object_count(self) -> int:
-        return len(self._index.records)
-
-    @property
-    def counters(self) -> TierCounters:
-        return self._index.counters
-
-    def tenant_bytes(self, tenant: str) -> int:
-        return self._index.by_tenant.get(tenant, 0)
-
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return self._visible(key, self._clock()) is not None
-
-    def meta(self, key: BlockKey) -> KVObjectMeta | None:
-        with self._lock:
-            record = self._visible(key, self._clock())
-            return None if record is None else record.meta
-
-    def keys(self) -> Iterator[BlockKey]:
-        with self._lock:
-            now = self._clock()
-            snapshot = [k for k in list(self._index.records) if self._visible(k, now)]
-        return iter(snapshot)
-
-    def take_dropped(self) -> list[BlockKey]:
-        """Keys dropped by the tier itself (expired, invalidated) since the last call."""
-        with self._lock:
-            dropped, self._dropped = self._dropped, []
-        return dropped
 
     def path_of(self, key: BlockKey) -> Path:
         return Path(self._path(key))
@@ -351,14 +315,8 @@ class DiskTier:
         token.done = True
         return token
 
-    def _visible(self, key: BlockKey, now: float) -> ObjectRecord | None:
-        """``TierIndex.visible`` plus deleting the file of an object it expired on sight."""
-        record = self._index.records.get(key)
-        visible = self._index.visible(key, now)
-        if visible is None and record is not None and key not in self._index.records:
-            self._unlink(self._path(key))
-            self._dropped.append(key)
-        return visible
+    def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
+        self._unlink(self._path(key))
 
     def _check_open(self) -> None:
         if self._lock_fd is None:

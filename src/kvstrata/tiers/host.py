@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
-from kvstrata.tiers.base import LoadLease, StoreSlot, TierCounters, TierError, TierIndex
+from kvstrata.tiers.base import IndexedTierViews, LoadLease, StoreSlot, TierError, TierIndex
 
 
 @dataclass
@@ -47,7 +47,7 @@ class _Handle:
     done: bool = False
 
 
-class HostTier:
+class HostTier(IndexedTierViews):
     """A bounded DRAM tier over a preallocated (pinned when CUDA is present) slab.
 
     ``capacity_bytes`` is rounded down to a whole number of slots. Byte accounting counts each
@@ -102,47 +102,8 @@ class HostTier:
     # ---------------------------------------------------------------- read-only views
 
     @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    @property
-    def object_count(self) -> int:
-        return len(self._index.records)
-
-    @property
-    def counters(self) -> TierCounters:
-        return self._index.counters
-
-    @property
     def free_slots(self) -> int:
         return len(self._free)
-
-    def tenant_bytes(self, tenant: str) -> int:
-        return self._index.by_tenant.get(tenant, 0)
-
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return self._visible(key, self._clock()) is not None
-
-    def meta(self, key: BlockKey) -> KVObjectMeta | None:
-        with self._lock:
-            record = self._visible(key, self._clock())
-            return None if record is None else record.meta
-
-    def keys(self) -> Iterator[BlockKey]:
-        with self._lock:
-            now = self._clock()
-            snapshot = [k for k in list(self._index.records) if self._visible(k, now)]
-        return iter(snapshot)
-
-    def take_dropped(self) -> list[BlockKey]:
-        """Keys this tier dropped on its own (expired, invalidated) since the last call.
-
-        The store drains this to keep its eviction policy's bookkeeping in step.
-        """
-        with self._lock:
-            dropped, self._dropped = self._dropped, []
-        return dropped
 
     def tensor(self, handle: StoreSlot | LoadLease) -> torch.Tensor:
         """A uint8 torch view of the slab bytes behind a slot or lease (``meta.size`` long).
@@ -247,14 +208,8 @@ class HostTier:
         token.done = True
         return token
 
-    def _visible(self, key: BlockKey, now: float) -> ObjectRecord | None:
-        """``TierIndex.visible`` plus freeing the slot of an object it expired on sight."""
-        record = self._index.records.get(key)
-        visible = self._index.visible(key, now)
-        if visible is None and record is not None and key not in self._index.records:
-            self._free.append(int(record.extra["slot"]))
-            self._dropped.append(key)
-        return visible
+    def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
+        self._free.append(int(record.extra["slot"]))
 
     def _check_open(self) -> None:
         if self._closed:
