@@ -6,6 +6,8 @@ requested tenant, expired objects first. Only the *order* among the remaining le
 so the order is the one thing a subclass supplies: a float priority per key (lowest leaves
 first), recomputed only when the policy is told something (insert, access). Priorities are
 therefore static between events, which is what lets a heap find the victim in O(log n).
+A subclass whose order changes with time (``ValuePolicy``) ranks by sampling instead and
+keeps the heap in LRU order as its fallback.
 
 Data structures, all O(log n) amortised per event:
 

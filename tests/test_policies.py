@@ -1,0 +1,392 @@
+"""Eviction policies: one contract suite for every policy, then each policy's own behaviour.
+
+The contract is ``kvstrata.store.policy``'s: victims are present leaves that ``can_evict``
+accepts and that belong to the requested tenant, expired objects first, never a removed key.
+LRU is checked against a naive model with Hypothesis; ValuePolicy with scripted scenarios
+(reuse, recompute cost, size, demotion target); Belady on a hand-computed sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, Representation
+from kvstrata.store.belady import NEVER, BeladyPolicy, FutureAccesses
+from kvstrata.store.costmodel import (
+    DEFAULT_COST_MODEL,
+    PROFILES,
+    PrefillCostModel,
+    calibrate,
+    fit,
+    smollm2_cpu,
+)
+from kvstrata.store.policies import LRUPolicy, ValuePolicy
+from kvstrata.store.policy import EvictionPolicy
+from kvstrata.store.value_policy import HitDensity, age_bucket, use_class
+
+REPRESENTATION = Representation(dtype="float32", layout="test", block_size=16, shape=(16,))
+
+
+def key(number: int) -> BlockKey:
+    return BlockKey(number.to_bytes(8, "little"))
+
+
+def meta(
+    number: int,
+    parent: int | None = None,
+    *,
+    tenant: str = "t",
+    size: int = 1000,
+    recompute_s: float = 1.0,
+    ttl_s: float | None = None,
+    created_at: float = 0.0,
+) -> KVObjectMeta:
+    return KVObjectMeta(
+        key=key(number),
+        parent=None if parent is None else key(parent),
+        tenant=tenant,
+        representation=REPRESENTATION,
+        size=size,
+        digest=b"",
+        created_at=created_at,
+        ttl_s=ttl_s,
+        recompute_s=recompute_s,
+    )
+
+
+def _belady_never() -> BeladyPolicy:
+    return BeladyPolicy(lambda _key: NEVER)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "kvstrata": ValuePolicy,
+    "belady": _belady_never,
+}
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
+    return POLICIES[request.param]()
+
+
+def _tree(policy: EvictionPolicy) -> None:
+    """1 ← 2 ← 3 and 1 ← 4 ← 5: leaves 3 and 5."""
+    for number, parent in ((1, None), (2, 1), (3, 2), (4, 1), (5, 4)):
+        policy.on_insert(meta(number, parent), now=float(number))
+
+
+# ---- the contract, for every policy ----------------------------------------------------------
+def test_victims_are_leaves_and_drain_leaf_first(policy: EvictionPolicy) -> None:
+    _tree(policy)
+    parents = {2: 1, 3: 2, 4: 1, 5: 4}
+    present = {1, 2, 3, 4, 5}
+    while present:
+        victim = policy.victim(10.0)
+        assert victim is not None
+        number = int.from_bytes(victim, "little")
+        assert number in present
+        assert all(parents.get(child) != number for child in present), "not a leaf"
+        policy.on_remove(victim)
+        present.discard(number)
+    assert policy.victim(10.0) is None
+
+
+def test_can_evict_is_respected(policy: EvictionPolicy) -> None:
+    _tree(policy)
+    assert policy.victim(10.0, can_evict=lambda k: k not in {key(3), key(5)}) is None
+    assert policy.victim(10.0, can_evict=lambda k: k != key(3)) == key(5)
+
+
+def test_tenant_restricts_candidates(policy: EvictionPolicy) -> None:
+    policy.on_insert(meta(1, tenant="a"), now=1.0)
+    policy.on_insert(meta(2, tenant="b"), now=2.0)
+    policy.on_insert(meta(3, tenant="b"), now=3.0)
+    assert policy.victim(5.0, tenant="a") == key(1)
+    assert policy.victim(5.0, tenant="b") in {key(2), key(3)}
+    assert policy.victim(5.0, tenant="nobody") is None
+
+
+def test_expired_objects_go_first(policy: EvictionPolicy) -> None:
+    policy.on_insert(meta(1), now=0.0)
+    policy.on_insert(meta(2, ttl_s=5.0, created_at=8.0), now=8.0)  # newest, but expires at 13
+    policy.on_access(key(2), now=9.0)
+    assert policy.victim(12.0) == key(1)
+    assert policy.victim(13.0) == key(2)
+
+
+def test_expired_parent_waits_for_its_children(policy: EvictionPolicy) -> None:
+    policy.on_insert(meta(1, ttl_s=1.0), now=0.0)
+    policy.on_insert(meta(2, 1), now=0.0)
+    assert policy.victim(5.0) == key(2)
+    policy.on_remove(key(2))
+    assert policy.victim(5.0) == key(1)
+
+
+def test_removed_and_unknown_keys_are_ignored(policy: EvictionPolicy) -> None:
+    _tree(policy)
+    policy.on_remove(key(5))
+    policy.on_remove(key(5))
+    policy.on_remove(key(99))
+    policy.on_access(key(99), now=11.0)
+    seen = set()
+    while (victim := policy.victim(12.0)) is not None:
+        seen.add(victim)
+        policy.on_remove(victim)
+    assert key(5) not in seen and key(99) not in seen
+    assert seen == {key(1), key(2), key(3), key(4)}
+
+
+def test_child_arriving_before_parent_keeps_parent_interior(policy: EvictionPolicy) -> None:
+    policy.on_insert(meta(2, 1), now=1.0)  # a demoted child can land before its parent
+    policy.on_insert(meta(1), now=2.0)
+    assert policy.victim(3.0) == key(2)
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "access", "remove", "victim"]),
+        st.integers(min_value=0, max_value=11),
+        st.sampled_from(["a", "b", None]),
+        st.frozensets(st.integers(min_value=0, max_value=11), max_size=4),
+    ),
+    max_size=80,
+)
+
+
+def _parent_of(number: int) -> int | None:
+    return None if number < 3 else number // 3 - 1  # a forest: 0,1,2 roots; 3..11 below
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=60, deadline=None)
+@given(ops=operations)
+def test_contract_against_naive_model(
+    name: str, ops: list[tuple[str, int, str | None, frozenset[int]]]
+) -> None:
+    """Any interleaving: a victim is a present, evictable leaf of the tenant, or None only
+    when no such leaf exists. For LRU it is exactly the naive model's least recent leaf."""
+    policy = POLICIES[name]()
+    present: dict[int, str] = {}
+    last_touch: dict[int, int] = {}
+    clock = 0
+    for op, number, tenant, pinned in ops:
+        clock += 1
+        if op == "insert":
+            parent = _parent_of(number)
+            if number in present:
+                policy.on_insert(meta(number, parent, tenant=present[number]), now=float(clock))
+                last_touch[number] = clock
+            else:
+                owner = tenant or "a"
+                policy.on_insert(meta(number, parent, tenant=owner), now=float(clock))
+                present[number] = owner
+                last_touch[number] = clock
+        elif op == "access":
+            policy.on_access(key(number), now=float(clock))
+            if number in present:
+                last_touch[number] = clock
+        elif op == "remove":
+            policy.on_remove(key(number))
+            present.pop(number, None)
+            last_touch.pop(number, None)
+        else:
+            candidates = [
+                n
+                for n, owner in present.items()
+                if (tenant is None or owner == tenant)
+                and n not in pinned
+                and not any(_parent_of(child) == n for child in present)
+            ]
+            victim = policy.victim(
+                float(clock),
+                tenant=tenant,
+                can_evict=lambda k, pinned=pinned: int.from_bytes(k, "little") not in pinned,
+            )
+            if not candidates:
+                assert victim is None
+                continue
+            assert victim is not None
+            number_out = int.from_bytes(victim, "little")
+            assert number_out in candidates
+            if name == "lru":
+                assert number_out == min(candidates, key=lambda n: last_touch[n])
+
+
+# ---- LRU ---------------------------------------------------------------------------------------
+def test_lru_orders_leaves_by_last_use() -> None:
+    policy = LRUPolicy()
+    for number in (1, 2, 3):
+        policy.on_insert(meta(number), now=float(number))
+    policy.on_access(key(1), now=4.0)
+    assert policy.victim(5.0) == key(2)
+    policy.on_remove(key(2))
+    assert policy.victim(5.0) == key(3)
+
+
+# ---- ValuePolicy ------------------------------------------------------------------------------
+def test_use_classes_and_age_buckets_are_monotone() -> None:
+    assert [use_class(u) for u in (1, 2, 3, 4, 5, 6, 9, 10, 17, 18, 1000)] == [
+        0,
+        1,
+        2,
+        3,
+        3,
+        4,
+        4,
+        5,
+        5,
+        6,
+        6,
+    ]
+    buckets = [age_bucket(age) for age in (0.0, 0.5, 1.0, 10.0, 100.0, 1e4, 1e12)]
+    assert buckets == sorted(buckets) and buckets[0] == 0
+
+
+def test_hit_density_learns_that_reused_classes_are_worth_more() -> None:
+    density = HitDensity()
+    for index in range(3000):
+        # one-use objects: a third come back after 20 s, the rest leave unused at 30 s
+        density.record(0, 20.0 if index % 3 == 0 else 30.0, hit=index % 3 == 0)
+        density.record(1, 10.0, hit=True)  # two-use objects all come back after 10 s
+    density.reconfigure()
+    assert density.at(1, 5.0) > density.at(0, 5.0) > 0.0
+    assert density.at(0, 60.0) == 0.0  # older than anything ever seen: no hits ahead
+
+
+def _warm_reuse_history(policy: ValuePolicy, rounds: int = 40) -> float:
+    """Hot blocks 1000+ are reused every 10 s; cold blocks 2000+ are used once and leave
+    unused 10 s later (exit events of the one-use class)."""
+    now = 0.0
+    for number in range(1000, 1020):
+        policy.on_insert(meta(number), now)
+    cold = 2000
+    for _ in range(rounds):
+        now += 10.0
+        for number in range(1000, 1020):
+            policy.on_access(key(number), now)
+        for number in range(cold - 60, cold) if cold > 2000 else ():
+            policy.on_remove(key(number))
+        for _ in range(60):
+            policy.on_insert(meta(cold), now)
+            cold += 1
+    return now
+
+
+def test_value_policy_keeps_a_reused_block_over_a_one_hit_block() -> None:
+    policy = ValuePolicy()
+    now = _warm_reuse_history(policy)
+    for number in range(1000, 1020):
+        policy.on_remove(key(number))
+    policy.on_insert(meta(1), now)  # reused below
+    policy.on_access(key(1), now + 1.0)
+    policy.on_access(key(1), now + 2.0)
+    policy.on_insert(meta(2), now + 2.0)  # one use, and more recent
+    assert policy.victim(now + 4.0) == key(2)
+
+
+def test_value_policy_prefers_evicting_cheaper_recompute() -> None:
+    policy = ValuePolicy()
+    policy.on_insert(meta(1, recompute_s=2.0), now=0.0)
+    policy.on_insert(meta(2, recompute_s=1.0), now=0.0)
+    assert policy.victim(1.0) == key(2)
+
+
+def test_value_policy_evicts_larger_objects_first() -> None:
+    policy = ValuePolicy()
+    policy.on_insert(meta(1, size=2000), now=0.0)
+    policy.on_insert(meta(2, size=1000), now=0.0)
+    assert policy.victim(1.0) == key(1)
+
+
+def test_value_policy_prices_demotion_at_the_target_fetch_cost() -> None:
+    demoting = ValuePolicy(demotion_fetch_s_per_byte=1e-4)  # 0.1 s for 1000 bytes
+    assert demoting.saved_s(meta(1, recompute_s=5.0)) == pytest.approx(0.1)
+    assert demoting.saved_s(meta(1, recompute_s=0.05)) == pytest.approx(0.05)
+    assert ValuePolicy().saved_s(meta(1, recompute_s=5.0)) == 5.0
+    # both capped to the same fetch cost: the older one goes first
+    demoting.on_insert(meta(1, recompute_s=5.0), now=0.0)
+    demoting.on_insert(meta(2, recompute_s=9.0), now=1.0)
+    assert demoting.victim(2.0) == key(1)
+
+
+def test_value_policy_falls_back_when_samples_are_pinned() -> None:
+    policy = ValuePolicy(samples=1)
+    for number in range(50):
+        policy.on_insert(meta(number), now=float(number))
+    assert policy.victim(60.0, can_evict=lambda k: k == key(7)) == key(7)
+
+
+# ---- Belady -----------------------------------------------------------------------------------
+def test_belady_evicts_the_leaf_used_farthest_in_the_future() -> None:
+    # steps: A B C A C B D A (capacity 2); hand-computed optimal victims.
+    steps = [[1], [2], [3], [1], [3], [2], [4], [1]]
+    oracle: FutureAccesses[BlockKey] = FutureAccesses([[key(n) for n in s] for s in steps])
+    policy = BeladyPolicy(oracle.next_use)
+    resident: set[int] = set()
+    victims: list[int] = []
+    for step, (number,) in enumerate(steps):
+        oracle.advance(step)
+        if number in resident:
+            policy.on_access(key(number), float(step))
+            continue
+        if len(resident) == 2:
+            victim = policy.victim(float(step))
+            assert victim is not None
+            victims.append(int.from_bytes(victim, "little"))
+            resident.discard(victims[-1])
+            policy.on_remove(victim)
+        resident.add(number)
+        policy.on_insert(meta(number), float(step))
+    # at C: A next at 3, B at 5 → B. at B(5): A next 7, C never → C. at D: B never, A 7 → B.
+    assert victims == [2, 3, 2]
+
+
+def test_future_accesses_next_use() -> None:
+    oracle: FutureAccesses[str] = FutureAccesses([["a"], ["b", "a"], ["c"]])
+    oracle.advance(0)
+    assert oracle.next_use("a") == 1.0
+    assert oracle.next_use("c") == 2.0
+    oracle.advance(1)
+    assert oracle.next_use("a") == NEVER
+    assert oracle.next_use("zzz") == NEVER
+
+
+# ---- cost model -------------------------------------------------------------------------------
+def test_default_cost_model_reproduces_the_reference_timings() -> None:
+    model = smollm2_cpu()
+    assert model.prefill_s(2048, 0) == pytest.approx(3.9)
+    assert model.prefill_s(16, 2032) == pytest.approx(0.14)
+    assert model.kv_bytes_per_token == 46_080
+    assert model.per_token_s > 0 and model.attention_s > 0 and model.overhead_s > 0
+    assert model == DEFAULT_COST_MODEL
+    deep = model.block_recompute_s(512, 50_000)
+    assert deep > model.block_recompute_s(512, 0) > model.block_recompute_s(256, 0) > 0
+    assert model.block_recompute_s(0, 10) == 0.0
+    assert set(PROFILES) >= {"smollm2-cpu", "per-token"}
+
+
+def test_calibrate_recovers_a_known_engine() -> None:
+    truth = PrefillCostModel(per_token_s=2e-3, attention_s=4e-7, overhead_s=0.1)
+    calls: list[tuple[int, int]] = []
+
+    def measure(new_tokens: int, cached_tokens: int) -> float:
+        calls.append((new_tokens, cached_tokens))
+        return truth.prefill_s(new_tokens, cached_tokens)
+
+    fitted = calibrate(measure, repeats=2)
+    assert len(calls) == 2 * 7
+    assert fitted.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
+    assert fitted.attention_s == pytest.approx(truth.attention_s, rel=1e-6)
+    assert fitted.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
+
+
+def test_fit_never_returns_negative_terms() -> None:
+    samples = [(16, 0, 0.5), (512, 0, 0.4), (1024, 0, 0.45), (2048, 0, 0.5)]  # noise only
+    fitted = fit(samples)
+    assert min(fitted.per_token_s, fitted.attention_s, fitted.overhead_s) >= 0
