@@ -160,14 +160,9 @@ class PagedKVPool:
         if not self._free and not self._evict_one(protect=parent_id):
             return None
         block_id = self._free.pop()
-        block = self._blocks[block_id]
-        block.state = BlockState.PENDING
-        block.key = key
-        block.parent = parent_id
-        block.children = 0
-        block.refs = 0
-        block.uses = 1
-        block.info = info
+        self._blocks[block_id] = _Block(
+            state=BlockState.PENDING, key=key, parent=parent_id, uses=1, info=info
+        )
         if parent_id is not None:
             self._blocks[parent_id].children += 1
         self._pending[key] = block_id
@@ -294,14 +289,7 @@ class PagedKVPool:
         return evicted
 
     def _free_block(self, block_id: int) -> None:
-        block = self._blocks[block_id]
-        block.state = BlockState.FREE
-        block.key = None
-        block.parent = None
-        block.children = 0
-        block.refs = 0
-        block.uses = 0
-        block.info = None
+        self._blocks[block_id] = _Block()
         self._free.append(block_id)
 
     def _publish(self) -> None:

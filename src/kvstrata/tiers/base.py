@@ -197,6 +197,21 @@ class IndexedTierViews:
     def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
         raise NotImplementedError
 
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def _pin_visible(self, key: BlockKey) -> ObjectRecord | None:
+        """First half of ``prepare_load``: pin the committed, unexpired record (or count a miss)."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            record = self._visible(key, now)
+            if record is None:
+                self._index.counters.misses += 1
+                return None
+            self._index.pin(record, now)
+            return record
+
     @property
     def used_bytes(self) -> int:
         return self._index.used_bytes

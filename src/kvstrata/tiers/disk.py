@@ -170,14 +170,9 @@ class DiskTier(IndexedTierViews):
     # ---------------------------------------------------------------- load
 
     def prepare_load(self, key: BlockKey) -> LoadLease | None:
-        with self._lock:
-            self._check_open()
-            now = self._clock()
-            record = self._visible(key, now)
-            if record is None:
-                self._index.counters.misses += 1
-                return None
-            self._index.pin(record, now)
+        record = self._pin_visible(key)
+        if record is None:
+            return None
         meta = record.meta
         buf = self._pool.take(meta.size)
         view = buf.data[: meta.size]

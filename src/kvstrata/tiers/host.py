@@ -156,15 +156,10 @@ class HostTier(IndexedTierViews):
     # ---------------------------------------------------------------- load
 
     def prepare_load(self, key: BlockKey) -> LoadLease | None:
-        with self._lock:
-            self._check_open()
-            now = self._clock()
-            record = self._visible(key, now)
-            if record is None:
-                self._index.counters.misses += 1
-                return None
-            self._index.pin(record, now)
-            slot = int(record.extra["slot"])
+        record = self._pin_visible(key)
+        if record is None:
+            return None
+        slot = int(record.extra["slot"])
         view = self._slot_views[slot]
         size = record.meta.size
         buffer = (view if size == self.slot_bytes else view[:size]).toreadonly()
