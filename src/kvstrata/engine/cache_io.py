@@ -46,22 +46,22 @@ def store_blocks(
     while start < last_block and pool.contains(keys[start]):
         start += 1
     new_ids: list[int] = []
-    for i in range(start, last_block):
-        if pool.contains(keys[i]):
-            break
-        parent = keys[i - 1] if i > 0 else None
-        block_id = pool.allocate(keys[i], parent, BlockInfo(tenant, i * block_size))
-        if block_id is None:
-            break
-        new_ids.append(block_id)
-    if not new_ids:
-        return
-    lo, hi = start * block_size, (start + len(new_ids)) * block_size
     try:
+        for i in range(start, last_block):
+            if pool.contains(keys[i]):
+                break
+            parent = keys[i - 1] if i > 0 else None
+            block_id = pool.allocate(keys[i], parent, BlockInfo(tenant, i * block_size))
+            if block_id is None:
+                break
+            new_ids.append(block_id)
+        if not new_ids:
+            return
+        lo, hi = start * block_size, (start + len(new_ids)) * block_size
         for layer_idx, layer in enumerate(cache.layers):
             pool.write_layer(layer_idx, new_ids, layer.keys[0, :, lo:hi], layer.values[0, :, lo:hi])
-    except Exception:
-        for block_id in reversed(new_ids):
+    except BaseException:
+        for block_id in reversed(new_ids):  # nothing half-written stays behind
             pool.abort(block_id)
         raise
     for block_id in new_ids:

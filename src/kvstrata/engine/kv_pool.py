@@ -254,39 +254,46 @@ class PagedKVPool:
     def _evict_one(self, protect: int | None) -> bool:
         deferred: list[tuple[int, int]] = []
         evicted = False
-        while self._evictable:
-            last_used, block_id = heapq.heappop(self._evictable)
-            block = self._blocks[block_id]
-            stale = (
-                block.state is not BlockState.COMMITTED
-                or block.refs
-                or block.children
-                or block.last_used != last_used
-            )
-            if stale:
-                continue
-            if block_id == protect:
-                deferred.append((last_used, block_id))
-                continue
-            assert block.key is not None
-            if self.on_evict is not None:
-                parent_key = self._blocks[block.parent].key if block.parent is not None else None
-                self.on_evict(EvictedBlock(block_id, block.key, parent_key, block.uses, block.info))
-            del self._by_key[block.key]
-            parent_id = block.parent
-            self._free_block(block_id)
-            if parent_id is not None:
-                self._blocks[parent_id].children -= 1
-                self._maybe_evictable(parent_id)
-            self.evictions += 1
-            if self.metrics is not None:
-                self.metrics.pool_evictions.inc()
-            evicted = True
-            break
-        for item in deferred:
-            heapq.heappush(self._evictable, item)
-        self._publish()
+        try:
+            while self._evictable:
+                last_used, block_id = heapq.heappop(self._evictable)
+                block = self._blocks[block_id]
+                stale = (
+                    block.state is not BlockState.COMMITTED
+                    or block.refs
+                    or block.children
+                    or block.last_used != last_used
+                )
+                if stale:
+                    continue
+                if block_id == protect:
+                    deferred.append((last_used, block_id))
+                    continue
+                self._evict(block_id)
+                evicted = True
+                break
+        finally:
+            for item in deferred:
+                heapq.heappush(self._evictable, item)
+            self._publish()
         return evicted
+
+    def _evict(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.key is not None
+        if self.on_evict is not None:
+            parent_key = self._blocks[block.parent].key if block.parent is not None else None
+            # Demotion is best effort: the hook must not raise (the bridge counts failures).
+            self.on_evict(EvictedBlock(block_id, block.key, parent_key, block.uses, block.info))
+        del self._by_key[block.key]
+        parent_id = block.parent
+        self._free_block(block_id)
+        if parent_id is not None:
+            self._blocks[parent_id].children -= 1
+            self._maybe_evictable(parent_id)
+        self.evictions += 1
+        if self.metrics is not None:
+            self.metrics.pool_evictions.inc()
 
     def _free_block(self, block_id: int) -> None:
         self._blocks[block_id] = _Block()

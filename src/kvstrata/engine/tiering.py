@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.engine.kv_pool import EvictedBlock, PagedKVPool
+from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.store.config import WritePolicy
@@ -32,6 +34,7 @@ RecomputeEstimate = Callable[[int, int], float]
 """Seconds to prefill ``n`` tokens at context offset ``c`` on this engine."""
 
 BLOCK_LAYOUT = "kvstrata.block.v1[L,2,H,B,D]"
+logger = logging.getLogger("kvstrata.engine")
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,14 @@ class StoreBridge:
         pool.on_evict = self.demote
 
     # ---- device → store ---------------------------------------------------------------------
-    def _put(self, block_id: int, key: BlockKey, parent: BlockKey | None, info: BlockInfo) -> None:
+    def _put(
+        self,
+        block_id: int,
+        key: BlockKey,
+        parent: BlockKey | None,
+        info: BlockInfo,
+        uses: int = 1,
+    ) -> None:
         self._staging.copy_(self.pool.block_view(block_id))
         payload = self._staging.view(torch.uint8).numpy().reshape(-1)
         meta = KVObjectMeta(
@@ -93,7 +103,8 @@ class StoreBridge:
         def fill(buffer: memoryview) -> None:
             buffer[:] = payload.data
 
-        self.store.put(meta, fill, RequestScope(tenant=info.tenant, model=self.model_id))
+        scope = RequestScope(tenant=info.tenant, model=self.model_id)
+        self.store.put(meta, fill, scope, uses=uses)
 
     def demote(self, evicted: EvictedBlock) -> None:
         """The pool is evicting a block: keep it in the store unless it is there already or,
@@ -109,7 +120,13 @@ class StoreBridge:
         ):
             self.store.metrics.evictions.labels(tier="device", outcome="dropped_low_value").inc()
             return
-        self._put(evicted.block_id, evicted.key, evicted.parent_key, evicted.info)
+        try:
+            self._put(evicted.block_id, evicted.key, evicted.parent_key, evicted.info, evicted.uses)
+        except KvstrataError:
+            # Demotion is best effort: the block is dropped, the pool must still free it.
+            logger.exception("demotion of an evicted device block failed")
+            self.store.metrics.evictions.labels(tier="device", outcome="demotion_failed").inc()
+            return
         self.store.metrics.evictions.labels(tier="device", outcome="demoted").inc()
 
     def write_through(

@@ -44,11 +44,19 @@ class RolloutConfig:
     canary_fraction: float = 1.0
     min_reusable_tokens: int = 0
 
-    def admits(self, *, tenant: str, model: str, request_id: str | None) -> bool:
-        """Does this request use the tier? (``enabled`` is checked by the store at run time.)"""
+    def targets(self, *, tenant: str, model: str) -> bool:
+        """Is this tenant's / model's data in the tier's narrow target at all?"""
         if self.tenants is not None and tenant not in self.tenants:
             return False
-        if self.models is not None and model not in self.models:
+        return self.models is None or model in self.models
+
+    def admits(self, *, tenant: str, model: str, request_id: str | None) -> bool:
+        """Does this request use the tier? (``enabled`` is checked by the store at run time.)
+
+        Background movements (demotion, write-back, selective admission) have no request:
+        they check ``targets`` only, so the canary share applies to requests, not objects.
+        """
+        if not self.targets(tenant=tenant, model=model):
             return False
         if self.canary_fraction >= 1.0:
             return True

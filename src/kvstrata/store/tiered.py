@@ -122,12 +122,22 @@ class TieredStore:
             self.metrics.tier_enabled.labels(tier=name).set(1 if enabled else 0)
 
     def _active(self, level: Level, scope: RequestScope | None) -> bool:
+        """Does this request use the level? (None: an owner-less operation, e.g. tests.)"""
         if not level.enabled or not level.config.rollout.enabled:
             return False
         if scope is None:
             return True
         return level.config.rollout.admits(
             tenant=scope.tenant, model=scope.model, request_id=scope.request_id
+        )
+
+    def _accepts(self, level: Level, meta: KVObjectMeta) -> bool:
+        """May a background movement (demotion, write-back, selective) put ``meta`` here?"""
+        rollout = level.config.rollout
+        return (
+            level.enabled
+            and rollout.enabled
+            and rollout.targets(tenant=meta.tenant, model=meta.model)
         )
 
     # ---- lookup and load --------------------------------------------------------------------
@@ -187,43 +197,59 @@ class TieredStore:
                     if level.fetch_s_per_byte == 0.0
                     else (1 - _FETCH_EWMA) * level.fetch_s_per_byte + _FETCH_EWMA * per_byte
                 )
-                self._after_use(located.level, located.key)
+                self._after_use(located.level, lease.meta)
 
-    def _after_use(self, index: int, key: BlockKey) -> None:
+    def _after_use(self, index: int, meta: KVObjectMeta) -> None:
         """Selective levels below admit an object once it has proven its value."""
         for target_index in range(index + 1, len(self.levels)):
             target = self.levels[target_index]
-            if target.config.write_policy is not WritePolicy.SELECTIVE or not self._active(
-                target, None
-            ):
+            if target.config.write_policy is not WritePolicy.SELECTIVE:
                 continue
-            if target.tier.contains(key) or self._uses(key) < target.config.selective_min_uses:
+            if not self._accepts(target, meta) or target.tier.contains(meta.key):
                 continue
-            self._copy_between(index, target_index, key, cause="selective")
+            if self._proven_for(target, meta.key):
+                self._copy_between(index, target_index, meta.key, cause="selective")
 
     # ---- writes -----------------------------------------------------------------------------
-    def put(self, meta: KVObjectMeta, fill: PayloadFill, scope: RequestScope | None = None) -> bool:
+    def put(
+        self,
+        meta: KVObjectMeta,
+        fill: PayloadFill,
+        scope: RequestScope | None = None,
+        *,
+        uses: int = 1,
+    ) -> bool:
         """An object enters the store (write-through from the device pool, or its demotion).
 
-        Lands in the fastest active level; lower levels follow their write policies.
-        Returns whether any level admitted it.
+        ``uses`` is how often it was used before it got here (the device pool counts them).
+        It lands in the fastest active level that wants it — a selective level only once the
+        object has been used ``selective_min_uses`` times — and the lower levels follow their
+        write policies. Returns whether any level admitted it.
         """
         with self._lock:
-            self._count_use(meta.key)
-            active = [i for i, lvl in enumerate(self.levels) if self._active(lvl, scope)]
-            if not active:
+            self._count_use(meta.key, uses)
+            eligible = [
+                i
+                for i, lvl in enumerate(self.levels)
+                if self._active(lvl, scope) and self._proven_for(lvl, meta.key)
+            ]
+            if not eligible:
                 return False
-            first = active[0]
+            first = eligible[0]
             if not self._admit(first, meta, fill, cause="put"):
                 # could not land in the fastest level: try the next ones directly
-                return any(self._admit(i, meta, fill, cause="put") for i in active[1:])
-            for index in active[1:]:
-                policy = self.levels[index].config.write_policy
-                if policy is WritePolicy.WRITE_THROUGH:
-                    self._copy_between(first, index, meta.key, cause="write-through")
-                elif policy is WritePolicy.WRITE_BACK:
+                return any(self._admit(i, meta, fill, cause="put") for i in eligible[1:])
+            for index in eligible[1:]:
+                if self.levels[index].config.write_policy is WritePolicy.WRITE_BACK:
                     self._writeback.enqueue(first, index, meta)
+                else:  # write-through, or selective with the uses it asks for
+                    self._copy_between(first, index, meta.key, cause="write-through")
             return True
+
+    def _proven_for(self, level: Level, key: BlockKey) -> bool:
+        if level.config.write_policy is not WritePolicy.SELECTIVE:
+            return True
+        return self._uses(key) >= level.config.selective_min_uses
 
     def _admit(self, index: int, meta: KVObjectMeta, fill: PayloadFill, *, cause: str) -> bool:
         level = self.levels[index]
@@ -231,8 +257,13 @@ class TieredStore:
         if tier.contains(meta.key):
             level.policy.on_access(meta.key, self.clock())
             return True
-        if level.config.ttl_s is not None and meta.ttl_s is None:
-            meta = meta.with_ttl(level.config.ttl_s)
+        # The key may have just expired here (dropped on sight): let the policy forget the old
+        # object before it learns of the new one.
+        self._sync_dropped(level)
+        if tier.reserved(meta.key):  # pending, or expired but still pinned by a reader
+            self.metrics.rejections.labels(tier=name, reason="busy").inc()
+            return False
+        meta = meta.with_ttl(level.config.ttl_s)  # each level's own TTL, not the source's
         quota = level.config.quota_for(meta.tenant)
         if quota is not None:
             if meta.size > quota:
@@ -242,15 +273,19 @@ class TieredStore:
                 if not self._evict_one(index, tenant=meta.tenant):
                     self.metrics.rejections.labels(tier=name, reason="quota").inc()
                     return False
-        slot = tier.prepare_store(meta)
-        while slot is None:
-            if tier.contains(meta.key) or meta.size > tier.capacity_bytes:
-                self.metrics.rejections.labels(tier=name, reason="no_room").inc()
-                return False
-            if not self._evict_one(index, tenant=None):
-                self.metrics.rejections.labels(tier=name, reason="no_room").inc()
-                return False
+        try:
             slot = tier.prepare_store(meta)
+            while slot is None:
+                if tier.reserved(meta.key) or meta.size > tier.capacity_bytes:
+                    self.metrics.rejections.labels(tier=name, reason="no_room").inc()
+                    return False
+                if not self._evict_one(index, tenant=None):
+                    self.metrics.rejections.labels(tier=name, reason="no_room").inc()
+                    return False
+                slot = tier.prepare_store(meta)
+        except TierError:
+            self.metrics.write_failures.labels(tier=name).inc()
+            return False
         try:
             fill(slot.buffer)
         except BaseException:
@@ -291,35 +326,38 @@ class TieredStore:
         self._sync_dropped(level)
         while True:
             victim = level.policy.victim(
-                self.clock(), tenant=tenant, can_evict=lambda k: level.tier.meta(k) is not None
+                self.clock(), tenant=tenant, can_evict=level.tier.evictable
             )
             if victim is None:
                 return False
-            if level.tier.meta(victim) is None:  # expired or invalidated behind the policy
+            meta = level.tier.meta(victim)
+            if meta is None:  # expired or invalidated behind the policy
                 level.policy.on_remove(victim)
                 continue
             self._writeback.flush_source(index, victim)
-            outcome = self._demote(index, victim)
-            if level.tier.remove(victim):
+            outcome = self._demote(index, meta)
+            try:
+                removed = level.tier.remove(victim)
+            except TierError:
+                self.metrics.write_failures.labels(tier=level.name).inc()
+                removed = False
+            if removed:
                 level.policy.on_remove(victim)
                 self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
                 self._publish(level)
                 return True
-            return False  # pinned: the policy will offer it again later
+            return False  # pinned since the check, or the medium failed: give up this round
 
-    def _demote(self, index: int, key: BlockKey) -> str:
+    def _demote(self, index: int, meta: KVObjectMeta) -> str:
         for target in range(index + 1, len(self.levels)):
             level = self.levels[target]
-            if not self._active(level, None):
+            if not self._accepts(level, meta):
                 continue
-            if level.tier.contains(key):
+            if level.tier.contains(meta.key):
                 return "already_below"
-            policy = level.config.write_policy
-            if policy is WritePolicy.SELECTIVE and (
-                self._uses(key) < level.config.selective_min_uses
-            ):
+            if not self._proven_for(level, meta.key):
                 return "dropped_low_value"
-            if self._copy_between(index, target, key, cause="demotion"):
+            if self._copy_between(index, target, meta.key, cause="demotion"):
                 return "demoted"
             return "dropped"
         return "dropped"
@@ -328,8 +366,8 @@ class TieredStore:
         """Uses of an object so far: every put (a store or re-store) and every load."""
         return self._use_counts.get(key, 0)
 
-    def _count_use(self, key: BlockKey) -> None:
-        self._use_counts[key] = self._use_counts.get(key, 0) + 1
+    def _count_use(self, key: BlockKey, uses: int = 1) -> None:
+        self._use_counts[key] = self._use_counts.get(key, 0) + uses
         if len(self._use_counts) > self._max_use_entries:
             # forget the oldest counts of objects no level holds any more
             for stale in [k for k in self._use_counts if not self._held_anywhere(k)]:
@@ -363,6 +401,8 @@ class TieredStore:
 
     def _sync_dropped(self, level: Level) -> None:
         for key in level.tier.take_dropped():
+            if level.tier.reserved(key):
+                continue  # stored again since it was dropped: the policy's entry is live
             level.policy.on_remove(key)
             self.metrics.invalid.labels(tier=level.name, reason="dropped_by_tier").inc()
 

@@ -10,16 +10,20 @@ synchronously — backpressure, never a silent drop. ``close()`` drains everythi
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.telemetry.store_metrics import StoreMetrics
 
 if TYPE_CHECKING:
     from kvstrata.store.tiered import TieredStore
+
+logger = logging.getLogger("kvstrata.store")
 
 
 class WriteBackQueue:
@@ -76,7 +80,10 @@ class WriteBackQueue:
             self._flush_entry(target, key)
 
     def _flush_entry(self, target: int, key: BlockKey) -> bool:
-        with self._store._lock:
+        """Copy one queued object down. A tier switched off (rollback) or out of the object's
+        target gets nothing: the entry is dropped, the object stays in the level above."""
+        store = self._store
+        with store._lock:
             with self._cond:
                 item = self._entries.pop((target, key), None)
                 if item is None:
@@ -84,8 +91,16 @@ class WriteBackQueue:
                 source, size = item
                 self._bytes[target] -= size
                 self._publish(target)
-            self._store._copy_between(source, target, key, cause="write-back")
-        return True
+            level = store.levels[target]
+            meta = store.levels[source].tier.meta(key)
+            if meta is None or not store._accepts(level, meta):
+                return False
+            try:
+                return store._copy_between(source, target, key, cause="write-back")
+            except KvstrataError:
+                logger.exception("write-back of an object to %s failed", level.name)
+                self._metrics.write_failures.labels(tier=level.name).inc()
+                return False
 
     def drain(self) -> None:
         while True:
@@ -119,7 +134,10 @@ class WriteBackQueue:
                 if self._closing:
                     return
                 target, key = next(iter(self._entries))
-            self._flush_entry(target, key)
+            try:
+                self._flush_entry(target, key)
+            except Exception:  # keep flushing: one bad object must not stop write-back
+                logger.exception("write-back flusher: unexpected error")
 
     def _publish(self, target: int) -> None:
         name = self._store.levels[target].name

@@ -17,8 +17,9 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
 - ``remove(key) -> bool``: drop a committed object (eviction, demotion, deletion). Returns
   False while the object is being loaded (pinned) or is absent.
 - ``contains``, ``meta``, ``keys``, ``used_bytes``, ``object_count``, ``tenant_bytes``,
-  ``counters``: read-only views; ``take_dropped`` drains the keys the tier dropped by itself
-  (expiry, invalidation) so that the owner can keep its policy in step.
+  ``counters``, ``evictable``, ``reserved``: read-only views; ``take_dropped`` drains the
+  keys the tier dropped by itself (expiry, invalidation) so that the owner can keep its
+  policy in step.
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ class Tier(Protocol):
 
     def take_dropped(self) -> list[BlockKey]:
         """Keys the tier dropped on its own (expired, invalidated) since the last call."""
+        ...
+
+    def evictable(self, key: BlockKey) -> bool:
+        """Committed, unexpired and not pinned: ``remove`` would succeed now."""
+        ...
+
+    def reserved(self, key: BlockKey) -> bool:
+        """The key occupies room in any state (pending, committed, expired but still pinned)."""
         ...
 
     def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None: ...
@@ -241,6 +250,15 @@ class IndexedTierViews:
             now = self._clock()
             snapshot = [k for k in list(self._index.records) if self._visible(k, now)]
         return iter(snapshot)
+
+    def evictable(self, key: BlockKey) -> bool:
+        with self._lock:
+            record = self._visible(key, self._clock())
+            return record is not None and record.readers == 0
+
+    def reserved(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._index.records
 
     def take_dropped(self) -> list[BlockKey]:
         """Keys this tier dropped on its own (expired, invalidated) since the last call.

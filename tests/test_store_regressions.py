@@ -1,0 +1,154 @@
+"""Regression tests for bugs a review found in the store/engine seams (each failed before)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.engine.engine import EngineConfig
+from kvstrata.engine.factory import TierOptions, build_engine
+from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.engine.sampling import SamplingParams
+from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
+from kvstrata.store.policies import LRUPolicy
+from kvstrata.store.tiered import RequestScope, TieredStore
+from kvstrata.tiers.base import TierError
+from kvstrata.tiers.host import HostTier
+from test_tiered_store import OBJ, chain, filler, make_store
+from tier_helpers import FakeClock
+
+
+def test_restoring_expired_keys_keeps_the_policy_in_step() -> None:
+    clock = FakeClock()
+    policy = LRUPolicy()
+    host = HostTier(4 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, policy, TierConfig("host", ttl_s=10))], clock=clock)
+    objs = [chain(f"k{i}", 1, created_at=clock())[0] for i in range(4)]
+    for meta, payload in objs:
+        store.put(meta, filler(payload))
+    clock.now += 20
+    for meta, payload in objs:
+        store.put(replace(meta, created_at=clock()), filler(payload))
+    assert host.object_count == len(policy) == 4
+    meta, payload = chain("new", 1, created_at=clock())[0]
+    assert store.put(meta, filler(payload))  # the policy can still evict
+
+
+def test_a_pinned_victim_does_not_block_eviction(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = make_store(tmp_path, clock, host_objects=4)
+    objs = [chain(f"p{i}", 1)[0] for i in range(4)]
+    for meta, payload in objs:
+        clock.now += 1
+        store.put(meta, filler(payload))
+    oldest = store.lookup([objs[0][0].key], RequestScope("t0"))[0]
+    with store.load(oldest, "t0") as lease:  # the LRU victim is pinned by a reader
+        assert lease is not None
+        meta, payload = chain("late", 1)[0]
+        assert store.put(meta, filler(payload))
+    store.close()
+
+
+def test_background_movements_respect_rollout_and_the_switch(tmp_path: Path) -> None:
+    clock = FakeClock()
+    disk = TierConfig(
+        "disk", WritePolicy.WRITE_BACK, rollout=RolloutConfig(tenants=frozenset({"a"}))
+    )
+    store = make_store(tmp_path, clock, host_objects=2, disk=disk)
+    for meta, payload in chain("b", 4, tenant="b"):
+        store.put(meta, filler(payload))  # demotions of tenant b must not reach disk
+    assert store.levels[1].tier.tenant_bytes("b") == 0
+    a_objs = chain("a", 2, tenant="a")
+    store.set_enabled("host", True)
+    for meta, payload in a_objs:
+        store.put(meta, filler(payload))
+    store.set_enabled("disk", False)
+    store.flush()  # the rollback switch: a disabled tier is not written either
+    assert store.levels[1].tier.object_count == 0
+    store.close()
+
+
+def test_each_level_applies_its_own_ttl(tmp_path: Path) -> None:
+    clock = FakeClock()
+    host = TierConfig("host", ttl_s=10.0)
+    store = make_store(tmp_path, clock, host=host)  # disk: write-through, no TTL
+    meta, payload = chain("t", 1, created_at=clock())[0]
+    store.put(meta, filler(payload))
+    clock.now += 20
+    found = store.lookup([meta.key], RequestScope("t0"))
+    assert [f.level for f in found] == [1]
+    store.close()
+
+
+def test_write_back_flusher_survives_a_medium_failure(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = make_store(tmp_path, clock, disk=TierConfig("disk", WritePolicy.WRITE_BACK))
+    disk = store.levels[1].tier
+    original = disk.prepare_store
+    calls = {"n": 0}
+
+    def flaky(meta):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TierError("EIO (injected)")
+        return original(meta)
+
+    disk.prepare_store = flaky  # type: ignore[method-assign]
+    objs = chain("w", 3)
+    for meta, payload in objs:
+        store.put(meta, filler(payload))
+    store.flush()
+    assert store.metrics.value("kvstrata_tier_write_failures_total", {"tier": "disk"}) == 1
+    assert store.bytes_at_risk(1) == 0
+    assert disk.object_count == 2  # the failed one is lost to disk, the others went on
+    store.close()
+
+
+def test_a_failed_demotion_does_not_wedge_the_pool(tiny_model: LoadedModel) -> None:
+    def toks(n: int, seed: int) -> list[int]:
+        return [int(t) for t in np.random.default_rng(seed).integers(10, 40000, size=n)]
+
+    block = 2 * 2 * 2 * 16 * 16 * 4
+    engine = build_engine(
+        tiny_model,
+        EngineConfig(block_size=16, pool_blocks=8),
+        TierOptions(host_bytes=64 * block, host=TierConfig("host", WritePolicy.WRITE_BACK)),
+    )
+    one = SamplingParams(max_tokens=1)
+    engine.generate(toks(120, 1), one).run()
+    assert engine.bridge is not None
+    host = engine.bridge.store.levels[0].tier
+    original = host.prepare_store
+    calls = {"n": 0}
+
+    def flaky(meta):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise TierError("EIO (injected)")
+        return original(meta)
+
+    host.prepare_store = flaky  # type: ignore[method-assign]
+    prompt = toks(120, 2)
+    engine.generate(prompt, one).run()
+    host.prepare_store = original  # type: ignore[method-assign]
+    assert engine.pool._pending == {}
+    assert engine.generate(prompt, one).run().record.matched_tokens == 112
+    engine.pool.clear()
+    assert engine.pool.blocks_used == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", [WritePolicy.SELECTIVE])
+def test_put_fallback_does_not_bypass_a_selective_level(
+    tmp_path: Path, policy: WritePolicy
+) -> None:
+    clock = FakeClock()
+    store = make_store(tmp_path, clock, disk=TierConfig("disk", policy))
+    store.set_enabled("host", False)
+    meta, payload = chain("s", 1)[0]
+    assert not store.put(meta, filler(payload))  # first use: a selective disk says no
+    assert store.put(meta, filler(payload))  # second use: admitted
+    store.close()
