@@ -113,7 +113,7 @@ def test_corrupt_disk_object_is_recomputed_and_counted(engine: ReferenceEngine) 
     assert cached.output_ids == fresh.output_ids
     assert (
         store.metrics.value(
-            "kvstrata_tier_invalidated_total", {"tier": "disk", "reason": "load_failed"}
+            "kvstrata_tier_invalidated_total", {"tier": "disk", "reason": "digest_mismatch"}
         )
         == 1
     )

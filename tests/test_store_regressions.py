@@ -152,3 +152,23 @@ def test_put_fallback_does_not_bypass_a_selective_level(
     assert not store.put(meta, filler(payload))  # first use: a selective disk says no
     assert store.put(meta, filler(payload))  # second use: admitted
     store.close()
+
+
+def test_delete_while_a_reader_holds_the_object(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = make_store(tmp_path, clock)
+    objs = chain("d", 2)
+    for meta, payload in objs:
+        store.put(meta, filler(payload))
+    keys = [m.key for m, _ in objs]
+    located = store.lookup(keys, RequestScope("t0"))
+    with store.load(located[0], "t0") as lease:
+        assert lease is not None
+        removed = store.delete(keys)
+        assert removed == 3  # host and disk copies of block 1, the disk copy of block 0
+        assert store.lookup(keys, RequestScope("t0")) == []  # invisible at once
+        meta, payload = objs[0]
+        assert not store.put(meta, filler(payload))  # no resurrection while it is going
+    assert not any(level.tier.reserved(keys[0]) for level in store.levels)
+    assert store.put(objs[0][0], filler(objs[0][1]))  # a fresh computation may store it again
+    store.close()

@@ -284,7 +284,7 @@ def test_bit_flip_on_disk_is_detected_and_counted(tmp_path: Path, clock: Clock) 
         assert lease is None
     assert (
         store.metrics.value(
-            "kvstrata_tier_invalidated_total", {"tier": "disk", "reason": "load_failed"}
+            "kvstrata_tier_invalidated_total", {"tier": "disk", "reason": "digest_mismatch"}
         )
         == 1
     )

@@ -21,11 +21,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.levels import Level, Located, RequestScope, UseCounter
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
@@ -35,35 +35,6 @@ PayloadFill = Callable[[memoryview], None]
 """Fills a writable buffer of exactly ``meta.size`` bytes with an object's payload."""
 
 _FETCH_EWMA = 0.2  # weight of the newest measurement in a level's fetch-cost estimate
-
-
-@dataclass
-class Level:
-    tier: Tier
-    policy: EvictionPolicy
-    config: TierConfig
-    enabled: bool = True
-    fetch_s_per_byte: float = 0.0  # measured (EWMA of loads); 0 until the first load
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-
-@dataclass(frozen=True)
-class Located:
-    key: BlockKey
-    level: int
-    meta: KVObjectMeta
-
-
-@dataclass(frozen=True)
-class RequestScope:
-    """Who asks: tier rollout targets tenants, models and a canary share of request ids."""
-
-    tenant: str
-    model: str = ""
-    request_id: str | None = None
 
 
 class TieredStore:
@@ -79,8 +50,9 @@ class TieredStore:
         self.clock = clock
         self._lock = threading.RLock()
         self._writeback = WriteBackQueue(self, self.metrics)
-        self._use_counts: dict[BlockKey, int] = {}
-        self._max_use_entries = 1 << 16
+        self._uses = UseCounter(self._held_anywhere)
+        # Deleted while a reader had them pinned: invisible now, removed when the pin ends.
+        self._pending_delete: set[BlockKey] = set()
         now = clock()
         for level in self.levels:
             for key in list(level.tier.keys()):  # objects recovered from a durable medium
@@ -154,6 +126,8 @@ class TieredStore:
         return found
 
     def _locate(self, key: BlockKey, active: list[int], tenant: str) -> Located | None:
+        if key in self._pending_delete:
+            return None
         for index in active:
             tier = self.levels[index].tier
             if tier.contains(key):
@@ -171,11 +145,13 @@ class TieredStore:
         level = self.levels[located.level]
         started = time.perf_counter()
         with self._lock:
+            invalid_before = level.tier.counters.invalidated
             lease = level.tier.prepare_load(located.key)
             if lease is None:
                 self._forget_if_gone(level, located.key)
-                self.metrics.invalid.labels(tier=level.name, reason="load_failed").inc()
-            elif lease.meta.tenant != tenant:
+                if level.tier.counters.invalidated > invalid_before:
+                    self.metrics.invalid.labels(tier=level.name, reason="digest_mismatch").inc()
+            elif lease.meta.tenant != tenant or located.key in self._pending_delete:
                 level.tier.complete_load(lease)
                 lease = None
         if lease is None:
@@ -184,20 +160,26 @@ class TieredStore:
         try:
             yield lease
         finally:
-            seconds = time.perf_counter() - started
             with self._lock:
                 level.tier.complete_load(lease)
-                self._count_use(located.key)
-                level.policy.on_access(located.key, self.clock())
-                self.metrics.hits.labels(tier=level.name).inc()
-                self.metrics.fetched_bytes.labels(tier=level.name).inc(lease.meta.size)
-                per_byte = seconds / max(lease.meta.size, 1)
-                level.fetch_s_per_byte = (
-                    per_byte
-                    if level.fetch_s_per_byte == 0.0
-                    else (1 - _FETCH_EWMA) * level.fetch_s_per_byte + _FETCH_EWMA * per_byte
-                )
-                self._after_use(located.level, lease.meta)
+                if located.key in self._pending_delete:
+                    self._finish_delete(located.key)
+                else:
+                    self._record_hit(located, lease.meta, time.perf_counter() - started)
+
+    def _record_hit(self, located: Located, meta: KVObjectMeta, seconds: float) -> None:
+        level = self.levels[located.level]
+        self._uses.add(located.key)
+        level.policy.on_access(located.key, self.clock())
+        self.metrics.hits.labels(tier=level.name).inc()
+        self.metrics.fetched_bytes.labels(tier=level.name).inc(meta.size)
+        per_byte = seconds / max(meta.size, 1)
+        level.fetch_s_per_byte = (
+            per_byte
+            if level.fetch_s_per_byte == 0.0
+            else (1 - _FETCH_EWMA) * level.fetch_s_per_byte + _FETCH_EWMA * per_byte
+        )
+        self._after_use(located.level, meta)
 
     def _after_use(self, index: int, meta: KVObjectMeta) -> None:
         """Selective levels below admit an object once it has proven its value."""
@@ -227,7 +209,7 @@ class TieredStore:
         write policies. Returns whether any level admitted it.
         """
         with self._lock:
-            self._count_use(meta.key, uses)
+            self._uses.add(meta.key, uses)
             eligible = [
                 i
                 for i, lvl in enumerate(self.levels)
@@ -249,11 +231,14 @@ class TieredStore:
     def _proven_for(self, level: Level, key: BlockKey) -> bool:
         if level.config.write_policy is not WritePolicy.SELECTIVE:
             return True
-        return self._uses(key) >= level.config.selective_min_uses
+        return self._uses.get(key) >= level.config.selective_min_uses
 
     def _admit(self, index: int, meta: KVObjectMeta, fill: PayloadFill, *, cause: str) -> bool:
         level = self.levels[index]
         tier, name = level.tier, level.name
+        if meta.key in self._pending_delete:
+            self.metrics.rejections.labels(tier=name, reason="being_deleted").inc()
+            return False
         if tier.contains(meta.key):
             level.policy.on_access(meta.key, self.clock())
             return True
@@ -304,6 +289,8 @@ class TieredStore:
         return True
 
     def _copy_between(self, source: int, target: int, key: BlockKey, *, cause: str) -> bool:
+        if key in self._pending_delete:
+            return False  # never copy what is being deleted
         src = self.levels[source].tier
         lease = src.prepare_load(key)
         if lease is None:
@@ -318,6 +305,8 @@ class TieredStore:
             return self._admit(target, lease.meta, fill, cause=cause)
         finally:
             src.complete_load(lease)
+            if key in self._pending_delete:
+                self._finish_delete(key)
 
     # ---- eviction ---------------------------------------------------------------------------
     def _evict_one(self, index: int, *, tenant: str | None) -> bool:
@@ -362,35 +351,35 @@ class TieredStore:
             return "dropped"
         return "dropped"
 
-    def _uses(self, key: BlockKey) -> int:
-        """Uses of an object so far: every put (a store or re-store) and every load."""
-        return self._use_counts.get(key, 0)
-
-    def _count_use(self, key: BlockKey, uses: int = 1) -> None:
-        self._use_counts[key] = self._use_counts.get(key, 0) + uses
-        if len(self._use_counts) > self._max_use_entries:
-            # forget the oldest counts of objects no level holds any more
-            for stale in [k for k in self._use_counts if not self._held_anywhere(k)]:
-                del self._use_counts[stale]
-            self._max_use_entries = max(self._max_use_entries, 2 * len(self._use_counts))
-
     def _held_anywhere(self, key: BlockKey) -> bool:
         return any(level.tier.meta(key) is not None for level in self.levels)
 
     # ---- deletion ---------------------------------------------------------------------------
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        """Remove every replica of ``keys`` from every level; returns replicas removed."""
+        """Remove every replica of ``keys`` from every level; returns replicas removed now.
+
+        A replica pinned by a reader cannot go at once: its key becomes invisible to lookup
+        and loads immediately, and the replica is removed when the last reader finishes.
+        """
         removed = 0
         with self._lock:
             for key in keys:
                 self._writeback.discard(key)
-                self._use_counts.pop(key, None)
-            for level in self.levels:
-                for key in keys:
-                    if level.tier.remove(key):
-                        level.policy.on_remove(key)
-                        removed += 1
+                self._uses.forget(key)
+                removed += self._finish_delete(key)
+        return removed
+
+    def _finish_delete(self, key: BlockKey) -> int:
+        removed = 0
+        for level in self.levels:
+            if level.tier.remove(key):
+                level.policy.on_remove(key)
+                removed += 1
                 self._publish(level)
+        if any(level.tier.reserved(key) for level in self.levels):
+            self._pending_delete.add(key)
+        else:
+            self._pending_delete.discard(key)
         return removed
 
     # ---- internals --------------------------------------------------------------------------
