@@ -14,16 +14,16 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
 from kvstrata.engine.costs import OnlineCostModel
+from kvstrata.engine.generation import Generation, Prefill
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
@@ -55,55 +55,6 @@ class EngineConfig:
     tenant_secret: bytes = b""
     max_model_len: int | None = None  # None → the model's max_position_embeddings
     reuse: bool = True  # False: never look up or store (the fresh-prefill baseline)
-
-
-@dataclass
-class Prefill:
-    """State after a prompt was processed: logits of its last token and the attention cache."""
-
-    logits: torch.Tensor
-    cache: DynamicCache
-    matched_tokens: int
-    matched_by_tier: dict[str, int]
-    keys: list[BlockKey]
-    held_blocks: list[int]
-    reuse_disabled: ReuseDisabled | None
-    prefill_s: float
-
-
-@dataclass
-class Generation:
-    """A running or finished generation; iterate it to get token ids one by one."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    record: RequestRecord
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    step_logits: list[torch.Tensor] = field(default_factory=list)
-    _iterator: Iterator[int] | None = None
-
-    _running: Iterator[int] | None = None
-
-    def __iter__(self) -> Iterator[int]:
-        if self._iterator is None:
-            raise EngineError("generation already consumed")
-        iterator, self._iterator = self._iterator, None
-        self._running = iterator
-        return iterator
-
-    def run(self) -> Generation:
-        for _ in self:
-            pass
-        return self
-
-    def close(self) -> None:
-        """Stop early (stop string, client gone): releases the engine and keeps the KV so far."""
-        iterator = self._iterator if self._iterator is not None else self._running
-        self._iterator = None
-        if isinstance(iterator, Generator):
-            iterator.close()
 
 
 def pool_config_for(
