@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvstrata.engine.engine import Generation, ReferenceEngine
+from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ContextTooLong, InvalidInput
 from kvstrata.identity import DEFAULT_TENANT

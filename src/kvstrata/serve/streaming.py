@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvstrata.engine.engine import Generation
+from kvstrata.engine.generation import Generation
 from kvstrata.errors import EngineError
 
 T = TypeVar("T")
