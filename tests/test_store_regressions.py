@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +21,19 @@ from kvstrata.tiers.base import TierError
 from kvstrata.tiers.host import HostTier
 from test_tiered_store import OBJ, chain, filler, make_store
 from tier_helpers import FakeClock
+
+
+def failing_on_call(function: Callable[..., Any], nth: int) -> Callable[..., Any]:
+    """``function``, except that its ``nth`` call raises a medium error (EIO)."""
+    calls = {"n": 0}
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise TierError("EIO (injected)")
+        return function(*args, **kwargs)
+
+    return wrapper
 
 
 def test_restoring_expired_keys_keeps_the_policy_in_step() -> None:
@@ -87,16 +102,7 @@ def test_write_back_flusher_survives_a_medium_failure(tmp_path: Path) -> None:
     clock = FakeClock()
     store = make_store(tmp_path, clock, disk=TierConfig("disk", WritePolicy.WRITE_BACK))
     disk = store.levels[1].tier
-    original = disk.prepare_store
-    calls = {"n": 0}
-
-    def flaky(meta):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise TierError("EIO (injected)")
-        return original(meta)
-
-    disk.prepare_store = flaky  # type: ignore[method-assign]
+    disk.prepare_store = failing_on_call(disk.prepare_store, 1)  # type: ignore[method-assign]
     objs = chain("w", 3)
     for meta, payload in objs:
         store.put(meta, filler(payload))
@@ -122,15 +128,7 @@ def test_a_failed_demotion_does_not_wedge_the_pool(tiny_model: LoadedModel) -> N
     assert engine.bridge is not None
     host = engine.bridge.store.levels[0].tier
     original = host.prepare_store
-    calls = {"n": 0}
-
-    def flaky(meta):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise TierError("EIO (injected)")
-        return original(meta)
-
-    host.prepare_store = flaky  # type: ignore[method-assign]
+    host.prepare_store = failing_on_call(original, 2)  # type: ignore[method-assign]
     prompt = toks(120, 2)
     engine.generate(prompt, one).run()
     host.prepare_store = original  # type: ignore[method-assign]
