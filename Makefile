@@ -26,6 +26,7 @@ run: venv
 lint: venv
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy --strict src/kvstrata
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         "results": [verdict_dict(v) for v in verdicts],
         "summary": summary,
     }
-    rows = [
+    rows: list[tuple[object, ...]] = [
         (v.line, v.tenant, v.prompt_tokens, v.matched_tokens, v.max_abs_logit_diff, v.greedy_equal)
         for v in verdicts
     ]

@@ -18,12 +18,17 @@ from kvstrata.engine.tiering import BlockInfo, StoreBridge
 from kvstrata.identity import BlockKey
 
 
+def _full_attention_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's per-layer K/V holders (the fingerprint admits full attention only)."""
+    return list(cache.layers)
+
+
 def cache_from_blocks(pool: PagedKVPool, model_config: Any, block_ids: list[int]) -> DynamicCache:
     cache = DynamicCache(config=model_config)
     if not block_ids:
         return cache
     kv = pool.gather(block_ids)  # [L, 2, H, T, D], one copy
-    for layer_idx, layer in enumerate(cache.layers):
+    for layer_idx, layer in enumerate(_full_attention_layers(cache)):
         k = kv[layer_idx, 0].unsqueeze(0)
         v = kv[layer_idx, 1].unsqueeze(0)
         layer.lazy_initialization(k, v)
@@ -58,7 +63,7 @@ def store_blocks(
         if not new_ids:
             return
         lo, hi = start * block_size, (start + len(new_ids)) * block_size
-        for layer_idx, layer in enumerate(cache.layers):
+        for layer_idx, layer in enumerate(_full_attention_layers(cache)):
             pool.write_layer(layer_idx, new_ids, layer.keys[0, :, lo:hi], layer.values[0, :, lo:hi])
     except BaseException:
         for block_id in reversed(new_ids):  # nothing half-written stays behind

@@ -41,7 +41,8 @@ from kvstrata.identity import (
     namespace_root,
 )
 from kvstrata.store.costmodel import DEFAULT_COST_MODEL
-from kvstrata.store.tiered import RequestScope, TieredStore
+from kvstrata.store.levels import RequestScope
+from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
 
 _MAX_CACHED_ROOTS = 4096

@@ -86,7 +86,7 @@ def _convert_smollm2(final: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = "SmolLM2-135M-Instruct"
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -119,7 +119,7 @@ def _build_tiny(final: Path, tokenizer_dir: Path) -> None:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         # Larger-than-default weights give peaked, input-sensitive logits, so that a reuse bug
         # shows up as a different greedy continuation rather than noise around a flat one.
@@ -165,5 +165,5 @@ def load_model(name_or_path: str, *, attn_implementation: str = "sdpa") -> Loade
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation=attn_implementation
     )
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path)

@@ -27,7 +27,8 @@ from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.store.config import WritePolicy
-from kvstrata.store.tiered import Located, RequestScope, TieredStore
+from kvstrata.store.levels import Located, RequestScope
+from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics
 
 RecomputeEstimate = Callable[[int, int], float]

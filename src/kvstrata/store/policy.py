@@ -24,7 +24,9 @@ from kvstrata.objects import KVObjectMeta
 
 
 class EvictionPolicy(Protocol):
-    name: str
+    @property
+    def name(self) -> str:
+        """The policy's name in benchmarks and metrics (a class attribute is fine)."""
 
     def on_insert(self, meta: KVObjectMeta, now: float) -> None:
         """An object became COMMITTED in this tier."""
