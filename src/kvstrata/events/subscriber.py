@@ -1,0 +1,247 @@
+"""Gap-aware subscriber for the KV event plane (wire protocol in :mod:`.publisher`).
+
+Why it exists: an index built from events is only as right as the stream is complete. The
+subscriber checks every sequence number; on a gap it asks the publisher's replay socket for
+the missing batches before delivering anything newer, so consumers see batches in order. If
+replay cannot cover the gap (no replay socket, timeout, or the batches were already evicted
+from the publisher's buffer) it reports ``resync_needed`` instead of guessing.
+
+Bad input never raises here: malformed frames, undecodable payloads and unknown events are
+counted in :class:`EventPlaneStats` and skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Final, Self
+
+import zmq
+
+from kvstrata.events.publisher import END_SEQ
+from kvstrata.events.schema import (
+    EventDecodeError,
+    KVEventBatch,
+    UnknownEventError,
+    decode_batch,
+)
+
+_SEQ_BYTES: Final = 8
+
+
+@dataclass
+class EventPlaneStats:
+    """Counters a consumer owns and exports; nothing global."""
+
+    batches: int = 0
+    events: int = 0
+    malformed_messages: int = 0
+    malformed_events: int = 0
+    unknown_events: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    missed_batches: int = 0
+    replay_requests: int = 0
+    replayed_batches: int = 0
+    resyncs_needed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedBatch:
+    """A decoded batch with its sequence number; ``replayed`` if it came over the replay socket."""
+
+    seq: int
+    batch: KVEventBatch
+    replayed: bool = False
+
+
+@dataclass
+class PollResult:
+    """What one ``poll`` delivered, in sequence order, and whether the stream lost data.
+
+    ``resync_needed`` means a gap could not be filled by replay: the consumer must rebuild the
+    publisher's state another way (a full dump) before trusting its index again.
+    """
+
+    batches: list[ReceivedBatch] = field(default_factory=list)
+    resync_needed: bool = False
+
+
+class ZmqEventSubscriber:
+    """Receives, orders and decodes one publisher's batches; single-threaded, no background I/O.
+
+    ``expected_seq`` is the first sequence number the consumer needs (vLLM starts at 0); a
+    later first arrival is a gap. ``None`` accepts whatever arrives first (a consumer that
+    will resync anyway). ``bind=True`` is for real vLLM, which connects to a ``tcp://host:port``
+    endpoint rather than binding it.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        bind: bool = False,
+        expected_seq: int | None = 0,
+        replay_timeout_s: float = 1.0,
+        max_batches_per_poll: int = 1024,
+        stats: EventPlaneStats | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._bind = bind
+        self._expected = expected_seq
+        self._replay_timeout_s = replay_timeout_s
+        self._max_batches = max_batches_per_poll
+        self.stats = stats if stats is not None else EventPlaneStats()
+        self._context = context
+        self._sub: zmq.Socket[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The live endpoint (resolved to the real port after ``start`` when binding ``:*``)."""
+        return self._endpoint
+
+    @property
+    def expected_seq(self) -> int | None:
+        return self._expected
+
+    def start(self) -> Self:
+        sub = self._ctx().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if self._bind:
+            if self._endpoint.startswith("tcp://") and self._endpoint.endswith(":*"):
+                port = sub.bind_to_random_port(self._endpoint[:-2])
+                self._endpoint = f"{self._endpoint[:-2]}:{port}"
+            else:
+                sub.bind(self._endpoint)
+        else:
+            sub.connect(self._endpoint)
+        self._sub = sub
+        return self
+
+    def close(self) -> None:
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def poll(self, timeout_ms: int = 0) -> PollResult:
+        """Wait up to ``timeout_ms`` for traffic, then take what is queued (bounded per call)."""
+        sub = self._sub
+        if sub is None:
+            raise RuntimeError("subscriber is not started")
+        result = PollResult()
+        if not sub.poll(timeout_ms):
+            return result
+        handled = 0
+        while handled < self._max_batches and sub.poll(0):
+            self._handle_live(sub.recv_multipart(), result)
+            handled += 1
+        return result
+
+    def _handle_live(self, frames: list[bytes], result: PollResult) -> None:
+        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+            self.stats.malformed_messages += 1
+            return
+        _, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big")
+        if self._expected is not None and seq < self._expected:
+            self.stats.duplicates += 1
+            return
+        if self._expected is not None and seq > self._expected:
+            self._fill_gap(seq, result)
+            if seq < self._expected:
+                self.stats.duplicates += 1  # replay already delivered it
+                return
+        self._accept(seq, payload, result, replayed=False)
+
+    def _accept(self, seq: int, payload: bytes, result: PollResult, *, replayed: bool) -> None:
+        """Advance past ``seq`` even if its payload is bad: replaying it would not fix it."""
+        self._expected = seq + 1
+        try:
+            decoded = decode_batch(payload)
+        except EventDecodeError:
+            self.stats.malformed_messages += 1
+            return
+        for error in decoded.skipped:
+            if isinstance(error, UnknownEventError):
+                self.stats.unknown_events += 1
+            else:
+                self.stats.malformed_events += 1
+        self.stats.batches += 1
+        self.stats.events += len(decoded.batch.events)
+        if replayed:
+            self.stats.replayed_batches += 1
+        result.batches.append(ReceivedBatch(seq=seq, batch=decoded.batch, replayed=replayed))
+
+    def _fill_gap(self, live_seq: int, result: PollResult) -> None:
+        """Replay ``[expected, live_seq)``; flag a resync for whatever replay cannot cover."""
+        assert self._expected is not None
+        self.stats.gaps += 1
+        self.stats.missed_batches += live_seq - self._expected
+        replies = self._request_replay(self._expected)
+        lost = replies is None
+        for seq, payload in replies or []:
+            if seq >= live_seq:
+                break
+            if seq < self._expected:
+                continue
+            if seq > self._expected:
+                lost = True  # the oldest missing batches were already evicted
+            self._accept(seq, payload, result, replayed=True)
+        if self._expected < live_seq:
+            lost = True
+            self._expected = live_seq
+        if lost:
+            self.stats.resyncs_needed += 1
+            result.resync_needed = True
+
+    def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
+        """Ask the ROUTER for batches from ``start_seq``; ``None`` if unanswered in time.
+
+        A fresh DEALER per request, closed afterwards, so a late answer to a timed-out request
+        can never be mistaken for the answer to the next one.
+        """
+        if self._replay_endpoint is None:
+            return None
+        self.stats.replay_requests += 1
+        dealer = self._ctx().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self._replay_endpoint)
+            dealer.send_multipart((b"", start_seq.to_bytes(_SEQ_BYTES, "big")))
+            replies: list[tuple[int, bytes]] = []
+            deadline = time.monotonic() + self._replay_timeout_s
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not dealer.poll(int(remaining * 1000) + 1):
+                    break
+                frames = dealer.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+                    self.stats.malformed_messages += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == END_SEQ:
+                    return replies
+                replies.append((seq, frames[2]))
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _ctx(self) -> zmq.Context[zmq.Socket[bytes]]:
+        return self._context or zmq.Context.instance()

@@ -1,0 +1,265 @@
+"""The ZMQ event plane over real sockets on 127.0.0.1: delivery, bad input, gaps and replay.
+
+Synchronisation is by polling with timeouts: the publisher's XPUB reports when a subscription
+has landed, and the subscriber is polled until the expected batches arrive or a deadline passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+import zmq
+
+from kvstrata.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    ReceivedBatch,
+    ZmqEventPublisher,
+    ZmqEventSubscriber,
+    encode_batch,
+    make_batch,
+)
+
+TIMEOUT_S = 3.0
+TOPIC = "kv"
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def _stored(block_hash: int) -> BlockStored:
+    return BlockStored([block_hash], None, [1, 2, 3, 4], 4, None, "GPU", None)
+
+
+def _receive(
+    sub: ZmqEventSubscriber, count: int, *, resync: list[bool] | None = None
+) -> list[ReceivedBatch]:
+    """Poll until ``count`` batches arrived; fail at the deadline instead of hanging."""
+    received: list[ReceivedBatch] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(received) < count and time.monotonic() < deadline:
+        result = sub.poll(timeout_ms=50)
+        received.extend(result.batches)
+        if resync is not None and result.resync_needed:
+            resync.append(True)
+    assert len(received) == count, f"got {[batch.seq for batch in received]}"
+    return received
+
+
+def _wait_subscribed(xpub: zmq.Socket[bytes]) -> None:
+    assert xpub.poll(int(TIMEOUT_S * 1000)), "no subscription reached the publisher"
+    assert xpub.recv()[:1] == b"\x01"
+
+
+@contextmanager
+def _serving(publisher: ZmqEventPublisher) -> Iterator[None]:
+    """Answer replay requests on a thread of the test's own, as an engine's loop would."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            publisher.serve_replay(timeout_ms=10)
+
+    thread = threading.Thread(target=loop, name="replay-server")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(TIMEOUT_S)
+
+
+def test_malformed_messages_are_counted_and_skipped(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    topic = TOPIC.encode()
+    good = encode_batch(make_batch([_stored(1)], ts=1.0))
+    unknown = msgspec.msgpack.encode([1.0, [{"type": "Teleported"}, {"type": "AllBlocksCleared"}]])
+    wrong_types = msgspec.msgpack.encode(
+        [1.0, [{"type": "BlockRemoved", "block_hashes": "x", "medium": 3}]]
+    )
+    with ZmqEventSubscriber(f"tcp://127.0.0.1:{port}", topic=TOPIC, context=ctx) as sub:
+        _wait_subscribed(xpub)
+        xpub.send_multipart([topic, _seq(0), good])
+        xpub.send_multipart([topic, _seq(1), b"\xc1 garbage"])
+        xpub.send_multipart([topic, b"\x00\x02", good])  # 2-byte seq
+        xpub.send_multipart([topic, _seq(2)])  # truncated: no payload frame
+        xpub.send_multipart([topic, _seq(2), msgspec.msgpack.encode(["wrong", "tag"])])
+        xpub.send_multipart([topic, _seq(3), unknown])
+        xpub.send_multipart([topic, _seq(4), wrong_types])
+        xpub.send_multipart([topic, _seq(5), good])
+        received = _receive(sub, 4)
+    xpub.close(linger=0)
+    assert [batch.seq for batch in received] == [0, 3, 4, 5]
+    assert received[1].batch.events == [AllBlocksCleared()]
+    assert received[2].batch.events == []
+    assert received[3].batch.events == [_stored(1)]
+    stats = sub.stats
+    assert (stats.malformed_messages, stats.unknown_events, stats.malformed_events) == (4, 1, 1)
+    assert (stats.gaps, stats.resyncs_needed, stats.batches) == (0, 0, 4)
+
+
+def test_publisher_round_trips_every_event(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events: list[KVEvent] = [
+        _stored(7),
+        BlockRemoved([7], "GPU", namespace="t1"),
+        AllBlocksCleared(),
+    ]
+    with (
+        ZmqEventPublisher(
+            "tcp://127.0.0.1:*", topic=TOPIC, worker_id="w0", epoch=3, context=ctx
+        ) as publisher,
+        ZmqEventSubscriber(publisher.endpoint, topic=TOPIC, context=ctx) as sub,
+    ):
+        assert publisher.wait_for_subscriber(TIMEOUT_S)
+        assert publisher.publish(events, ts=5.0) == 0
+        (received,) = _receive(sub, 1)
+    assert received.batch == make_batch(events, ts=5.0, worker_id="w0", epoch=3)
+    assert not received.replayed
+
+
+def test_late_subscriber_fills_gap_by_replay(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, context=ctx
+    ) as publisher:
+        for block_hash in range(3):
+            publisher.publish([_stored(block_hash)], ts=float(block_hash))  # nobody listening
+        assert publisher.replay_endpoint is not None
+        with (
+            ZmqEventSubscriber(
+                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
+            ) as sub,
+            _serving(publisher),
+        ):
+            assert publisher.wait_for_subscriber(TIMEOUT_S)
+            publisher.publish([_stored(3)], ts=3.0)
+            resync: list[bool] = []
+            received = _receive(sub, 4, resync=resync)
+    assert [(batch.seq, batch.replayed) for batch in received] == [
+        (0, True),
+        (1, True),
+        (2, True),
+        (3, False),
+    ]
+    assert [batch.batch.events for batch in received] == [[_stored(n)] for n in range(4)]
+    assert resync == []
+    stats = sub.stats
+    assert (stats.gaps, stats.missed_batches, stats.replay_requests) == (1, 3, 1)
+    assert (stats.replayed_batches, stats.resyncs_needed, stats.duplicates) == (3, 0, 0)
+
+
+def test_gap_older_than_buffer_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, buffer_steps=2, context=ctx
+    ) as publisher:
+        for block_hash in range(5):
+            publisher.publish([_stored(block_hash)])  # seq 0..4; seq 5 will evict all but 4
+        assert publisher.replay_endpoint is not None
+        with (
+            ZmqEventSubscriber(
+                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
+            ) as sub,
+            _serving(publisher),
+        ):
+            assert publisher.wait_for_subscriber(TIMEOUT_S)
+            publisher.publish([_stored(5)])
+            resync: list[bool] = []
+            received = _receive(sub, 2, resync=resync)
+    assert [(batch.seq, batch.replayed) for batch in received] == [(4, True), (5, False)]
+    assert resync == [True]
+    assert sub.stats.resyncs_needed == 1 and sub.expected_seq == 6
+
+
+def test_gap_without_replay_socket_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(make_batch([AllBlocksCleared()], ts=0.0))
+    with ZmqEventSubscriber(f"tcp://127.0.0.1:{port}", context=ctx) as sub:
+        _wait_subscribed(xpub)
+        for seq in (0, 2, 3):  # seq 1 dropped on the publisher side
+            xpub.send_multipart([b"", _seq(seq), payload])
+        resync: list[bool] = []
+        received = _receive(sub, 3, resync=resync)
+    xpub.close(linger=0)
+    assert [batch.seq for batch in received] == [0, 2, 3]
+    assert resync == [True]
+    assert (sub.stats.gaps, sub.stats.missed_batches, sub.stats.replay_requests) == (1, 1, 0)
+
+
+def test_unanswered_replay_times_out_into_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    mute_router = ctx.socket(zmq.ROUTER)
+    replay_port = mute_router.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(make_batch([], ts=0.0))
+    with ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{replay_port}",
+        replay_timeout_s=0.2,
+        context=ctx,
+    ) as sub:
+        _wait_subscribed(xpub)
+        xpub.send_multipart([b"", _seq(4), payload])
+        resync: list[bool] = []
+        received = _receive(sub, 1, resync=resync)
+    for socket in (xpub, mute_router):
+        socket.close(linger=0)
+    assert received[0].seq == 4 and resync == [True]
+    assert sub.stats.replay_requests == 1
+
+
+def test_replay_socket_ignores_bad_requests(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=4, context=ctx
+    ) as publisher:
+        for _ in range(2):
+            publisher.publish([AllBlocksCleared()])
+        assert publisher.replay_endpoint is not None
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", b"\x01"])  # seq not 8 bytes
+        assert publisher.serve_replay(timeout_ms=int(TIMEOUT_S * 1000)) == 0
+        dealer.send_multipart([b"", _seq(1)])
+        assert publisher.serve_replay(timeout_ms=int(TIMEOUT_S * 1000)) == 1
+        frames = [dealer.recv_multipart() for _ in range(2)]
+        dealer.close(linger=0)
+    assert [frame[1] for frame in frames] == [_seq(1), (-1).to_bytes(8, "big", signed=True)]
+    assert frames[1][2] == b""
+
+
+def test_binding_subscriber_accepts_connecting_publisher(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """vLLM connects to a ``tcp://host:port`` endpoint, so the consumer must bind.
+
+    A connecting publisher gets no subscription notice to wait on, so the test re-sends seq 0
+    until it lands; the subscriber counts the extra copies as duplicates.
+    """
+    payload = encode_batch(make_batch([], ts=0.0))
+    with ZmqEventSubscriber("tcp://127.0.0.1:*", bind=True, context=ctx) as sub:
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(sub.endpoint)
+        received: list[ReceivedBatch] = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while not received and time.monotonic() < deadline:
+            pub.send_multipart([b"", _seq(0), payload])
+            received = sub.poll(timeout_ms=20).batches
+        pub.send_multipart([b"", _seq(1), payload])
+        received += _receive(sub, 1)
+        pub.close(linger=0)
+    assert [batch.seq for batch in received] == [0, 1]
