@@ -234,7 +234,7 @@ class ReferenceEngine:
                     first_block=len(held),
                     tenant=tenant,
                 )
-        except Exception:
+        except BaseException:
             self.pool.release(held)
             raise
         return Prefill(
