@@ -181,3 +181,33 @@ def test_invalid_input_raises() -> None:
             hasher.hashes(bad)
     with pytest.raises(IdentityError):
         hasher.hashes(np.zeros((2, 2), dtype=np.uint32))
+
+
+@given(
+    seed=st.integers(0, MASK64),
+    split=st.integers(0, 6),
+    n_blocks=st.integers(0, 8),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+@settings(max_examples=60, deadline=None)
+def test_extend_from_parent_equals_whole_chain(
+    seed: int, split: int, n_blocks: int, block_size: int
+) -> None:
+    from kvstrata.identity.router_hash import mix64, unmix64
+
+    tokens = _tokens(n_blocks * block_size, seed=seed % 1000)
+    hasher = RouterHasher(seed, block_size)
+    whole = [int(h) for h in hasher.hashes(tokens)]
+    split = min(split, n_blocks)
+    parent = whole[split - 1] if split else None
+    tail = [int(h) for h in hasher.extend(parent, tokens[split * block_size :])]
+    assert tail == whole[split:]
+    assert unmix64(mix64(seed)) == seed
+
+
+def test_extend_from_a_wrong_parent_changes_every_hash() -> None:
+    hasher = RouterHasher(3, 16)
+    tokens = _tokens(64)
+    whole = hasher.hashes(tokens)
+    other = hasher.extend(int(whole[0]) ^ 1, tokens[16:])
+    assert not set(int(h) for h in other) & set(int(h) for h in whole)

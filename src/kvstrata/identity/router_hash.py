@@ -49,6 +49,8 @@ P_INV = pow(P, -1, 1 << 64)
 C1 = 0xFF51AFD7ED558CCD
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
+_MIX1_INV = pow(_MIX1, -1, 1 << 64)
+_MIX2_INV = pow(_MIX2, -1, 1 << 64)
 _MAX_TOKEN = 2**32 - 1
 _CHUNK_TOKENS = 16384
 """Tokens per chunk of the content hash: 128 KiB of uint64 scratch stays in L2 cache."""
@@ -62,6 +64,21 @@ def mix64(value: int) -> int:
     z = ((z ^ (z >> 30)) * _MIX1) & MASK64
     z = ((z ^ (z >> 27)) * _MIX2) & MASK64
     return z ^ (z >> 31)
+
+
+def _unshift_xor(z: int, shift: int) -> int:
+    """Invert ``z ^= z >> shift`` on 64 bits (each pass recovers ``shift`` more top bits)."""
+    result = z
+    for _ in range(64 // shift):
+        result = z ^ (result >> shift)
+    return result & MASK64
+
+
+def unmix64(value: int) -> int:
+    """The inverse of :func:`mix64`: recovers the chain state ``r_j`` from ``hash_j``."""
+    z = _unshift_xor(value & MASK64, 31)
+    z = _unshift_xor((z * _MIX2_INV) & MASK64, 27)
+    return _unshift_xor((z * _MIX1_INV) & MASK64, 30)
 
 
 def _mix64_inplace(z: RouterHashes) -> RouterHashes:
@@ -205,4 +222,27 @@ class RouterHasher:
         np.cumsum(content, dtype=np.uint64, out=content)
         content *= self._pow[:n_blocks]
         content += self._offset[:n_blocks]
+        return _mix64_inplace(content)
+
+    def extend(self, parent_hash: int | None, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
+        """Hashes of the full blocks of ``tokens`` following the block hashed ``parent_hash``.
+
+        ``hash_j = mix(r_j)`` and ``mix`` is a bijection, so a parent's published hash gives
+        back its chain state and the chain continues from there without the earlier tokens:
+        this is how an index turns a ``BlockStored`` event (parent hash + the new blocks'
+        tokens) into router hashes. ``None`` starts a chain, as :meth:`hashes` does.
+        """
+        if parent_hash is None:
+            return self.hashes(tokens)
+        if not 0 <= parent_hash <= MASK64:
+            raise IdentityError("parent router hash must be a 64-bit unsigned int")
+        content = self.block_content_hashes(tokens)
+        n_blocks = len(content)
+        self._ensure_tables(n_blocks)
+        content *= self._inv_pow[:n_blocks]
+        np.cumsum(content, dtype=np.uint64, out=content)
+        content *= self._pow[:n_blocks]
+        # r_{k+j} = P^(j+1) * r_k + sum_{i<=j} P^(j-i) b_i  (pow[j] * P = P^(j+1))
+        start = np.uint64((unmix64(parent_hash) * P) & MASK64)
+        content += self._pow[:n_blocks] * start
         return _mix64_inplace(content)

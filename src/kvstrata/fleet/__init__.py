@@ -1,0 +1,1 @@
+"""The fleet: router front door, worker processes and the event plane (``kvstrata up``)."""

@@ -1,0 +1,534 @@
+"""The global index: which worker holds which prefix block, in which tier.
+
+Why it is keyed by *router* hashes and not by the engines' own block hashes: a router must
+hash every request, and vLLM's sha256 or kvstrata's BLAKE3 keys are several times slower than
+the vectorised router hash (:mod:`kvstrata.identity.router_hash`). As Dynamo's indexer does, the
+index therefore recomputes its own chained hash from the ``token_ids`` each ``BlockStored``
+event carries, continuing the parent's chain (``RouterHasher.extend``), and keeps, per worker,
+the mapping engine hash → router hash so that ``BlockRemoved`` (which carries engine hashes
+only) can be applied. Router hashes are seeded per namespace root (model fingerprint + tenant
+salt), so a tenant's request can never match another tenant's blocks: they hash differently.
+
+Two consistency modes, always visible in :class:`IndexStats` and in metrics:
+
+- ``exact``: built from events. The owner (the fleet's event loop) feeds batches in sequence
+  order; a gap the publisher could not replay makes the owner call :meth:`mark_inconsistent`
+  (the worker's entries stop counting at once) and then :meth:`replace_worker` with the
+  worker's dump. A batch with a new ``epoch`` (engine restart) drops the worker's entries.
+- ``approximate``: no events; the router records its own decisions (:meth:`record_route`),
+  which expire after a TTL (Dynamo's ``ApproxKvIndexer`` default, 120 s).
+
+Storage: one dict router hash → packed int, 4 bits per worker slot (one bit per medium), so a
+lookup is one dict probe per block for all workers at once, and a longest-prefix match over
+16 workers is a handful of numpy operations on the probed values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.events.schema import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+from kvstrata.identity.keys import (
+    DEFAULT_TENANT,
+    FingerprintDigest,
+    NamespaceRoot,
+    TenantNamespace,
+    namespace_root,
+)
+from kvstrata.identity.router_hash import RouterHasher, RouterHashes
+
+_BITS_PER_SLOT: Final = 4
+_SLOT_MASK: Final = (1 << _BITS_PER_SLOT) - 1
+_NUMPY_SLOTS: Final = 64 // _BITS_PER_SLOT
+"""Up to 16 worker slots pack into one uint64: the vectorised match path."""
+
+
+class Medium(IntEnum):
+    """Where a worker holds a block, fastest first (the bit index inside a worker's nibble)."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+    REMOTE = 3
+
+
+MEDIUM_ALIASES: Final[dict[str, Medium]] = {
+    "device": Medium.DEVICE,
+    "gpu": Medium.DEVICE,
+    "cuda": Medium.DEVICE,
+    "host": Medium.HOST,
+    "cpu": Medium.HOST,
+    "dram": Medium.HOST,
+    "disk": Medium.DISK,
+    "local_disk": Medium.DISK,
+    "remote": Medium.REMOTE,
+    "redis": Medium.REMOTE,
+    "valkey": Medium.REMOTE,
+}
+"""Event ``medium`` strings: kvstrata's tier names plus vLLM's ``GPU``/``CPU`` (any case)."""
+
+
+def parse_medium(name: str | None) -> Medium | None:
+    """``None`` (vLLM before it sent a medium) means the device pool; unknown names → None."""
+    if name is None:
+        return Medium.DEVICE
+    return MEDIUM_ALIASES.get(name.lower())
+
+
+class ConsistencyMode(StrEnum):
+    EXACT = "exact"
+    APPROXIMATE = "approximate"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A worker's longest cached prefix of a request, in blocks, split by fastest medium."""
+
+    worker_id: str
+    blocks: int
+    tier_blocks: tuple[int, int, int, int]
+    """Blocks held at best in device, host, disk, remote (sums to ``blocks``)."""
+    predicted: bool = False
+    """True in approximate mode: the router's own guess, not a reported fact."""
+
+
+@dataclass
+class IndexStats:
+    """Counters and lag samples the fleet exports as metrics; owned, never global."""
+
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    duplicate_stores: int = 0
+    unknown_removals: int = 0
+    orphan_blocks: int = 0
+    """Stored blocks whose parent the worker never reported: unplaceable, skipped."""
+    bad_events: int = 0
+    """Token count or block size disagree with the hashes; skipped."""
+    unknown_mediums: int = 0
+    clears: int = 0
+    epoch_changes: int = 0
+    stale_entries_dropped: int = 0
+    resyncs: int = 0
+    inconsistent_marks: int = 0
+    routes_recorded: int = 0
+    predictions_expired: int = 0
+    lag_samples: deque[float] = field(default_factory=lambda: deque(maxlen=8192))
+
+    def lag_quantile(self, q: float) -> float | None:
+        if not self.lag_samples:
+            return None
+        return float(np.quantile(np.fromiter(self.lag_samples, dtype=np.float64), q))
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    slot: int
+    epoch: int | None = None
+    consistent: bool = True
+    held: dict[BlockHash, int] = field(default_factory=dict)
+    """engine hash → (router hash << 4) | medium bits."""
+    per_medium: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+
+
+class GlobalIndex:
+    """Block → (worker, medium) for one model, with per-worker longest-prefix matching.
+
+    Not thread-safe: one owner (an event loop thread, or the simulator) calls every method.
+    """
+
+    def __init__(
+        self,
+        fingerprint: FingerprintDigest,
+        block_size: int,
+        *,
+        mode: ConsistencyMode = ConsistencyMode.EXACT,
+        tenant_secret: bytes = b"",
+        approx_ttl_s: float = 120.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.mode = mode
+        self.approx_ttl_s = approx_ttl_s
+        self.stats = IndexStats()
+        self._secret = tenant_secret
+        self._clock = clock
+        self._hashers: dict[str, RouterHasher] = {}
+        self._entries: dict[int, int] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._approx: dict[int, dict[int, float]] = {}
+        self._approx_writes = 0
+
+    # ---------------------------------------------------------------- hashing
+    def hasher(self, tenant: str | None) -> RouterHasher:
+        """The router hasher of a tenant's namespace (kept: it caches its power tables)."""
+        name = tenant or DEFAULT_TENANT
+        hasher = self._hashers.get(name)
+        if hasher is None:
+            hasher = RouterHasher.for_root(self.root(name), self.block_size)
+            self._hashers[name] = hasher
+        return hasher
+
+    def root(self, tenant: str) -> NamespaceRoot:
+        return namespace_root(self.fingerprint, TenantNamespace.for_tenant(tenant, self._secret))
+
+    def request_hashes(
+        self, tenant: str | None, tokens: Sequence[int] | np.ndarray
+    ) -> RouterHashes:
+        """Router hashes of a request's full blocks in its tenant's namespace."""
+        return self.hasher(tenant).hashes(tokens)
+
+    # ---------------------------------------------------------------- workers
+    @property
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def add_worker(self, worker_id: str, epoch: int | None = None) -> None:
+        """Register a worker (idempotent); a different epoch drops what it held."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+            self._workers[worker_id] = _Worker(worker_id, slot, epoch)
+        elif epoch is not None and worker.epoch is not None and epoch != worker.epoch:
+            self._new_epoch(worker, epoch)
+        elif worker.epoch is None:
+            worker.epoch = epoch
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def remove_worker(self, worker_id: str) -> int:
+        """Forget a worker (dead or drained): drop its entries; returns how many."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return 0
+        dropped = self._drop_entries(worker)
+        self._drop_predictions(worker.slot)
+        self._free_slots.append(worker.slot)
+        return dropped
+
+    def epoch(self, worker_id: str) -> int | None:
+        worker = self._workers.get(worker_id)
+        return None if worker is None else worker.epoch
+
+    def is_consistent(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker.consistent
+
+    def mark_inconsistent(self, worker_id: str) -> None:
+        """The worker's stream lost events: stop trusting its entries until a resync."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.consistent:
+            worker.consistent = False
+            self.stats.inconsistent_marks += 1
+
+    def replace_worker(
+        self,
+        worker_id: str,
+        epoch: int | None,
+        events: Iterable[KVEvent],
+        *,
+        ts: float | None = None,
+    ) -> None:
+        """Resync: replace everything known about a worker with its dump."""
+        self.add_worker(worker_id)
+        worker = self._workers[worker_id]
+        self.stats.stale_entries_dropped += self._drop_entries(worker)
+        worker.epoch = epoch
+        worker.consistent = True
+        self.stats.resyncs += 1
+        for event in events:
+            self._apply_event(worker, event)
+        if ts is not None:
+            self.stats.lag_samples.append(max(0.0, self._clock() - ts))
+
+    def blocks_held(self, worker_id: str) -> tuple[int, int, int, int]:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return (0, 0, 0, 0)
+        a, b, c, d = worker.per_medium
+        return (a, b, c, d)
+
+    def __len__(self) -> int:
+        """Distinct router hashes held by any worker (exact entries)."""
+        return len(self._entries)
+
+    # ---------------------------------------------------------------- events
+    def apply_batch(self, worker_id: str, batch: KVEventBatch) -> None:
+        """Apply one in-order batch from ``worker_id``'s stream (exact mode)."""
+        self.add_worker(worker_id)
+        worker = self._workers[worker_id]
+        if batch.epoch is not None and worker.epoch != batch.epoch:
+            if worker.epoch is not None:
+                self._new_epoch(worker, batch.epoch)
+            worker.epoch = batch.epoch
+        for event in batch.events:
+            self._apply_event(worker, event)
+        self.stats.batches += 1
+        self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))
+
+    def _new_epoch(self, worker: _Worker, epoch: int) -> None:
+        """An engine restart: everything the old incarnation reported is stale."""
+        self.stats.epoch_changes += 1
+        self.stats.stale_entries_dropped += self._drop_entries(worker)
+        worker.epoch = epoch
+        worker.consistent = True
+
+    def _apply_event(self, worker: _Worker, event: KVEvent) -> None:
+        self.stats.events += 1
+        if isinstance(event, BlockStored):
+            self._stored(worker, event)
+        elif isinstance(event, BlockRemoved):
+            self._removed(worker, event)
+        elif isinstance(event, AllBlocksCleared):
+            self.stats.clears += 1
+            self._drop_entries(worker)
+
+    def _stored(self, worker: _Worker, event: BlockStored) -> None:
+        medium = parse_medium(event.medium)
+        n = len(event.block_hashes)
+        if medium is None:
+            self.stats.unknown_mediums += 1
+            return
+        if event.block_size != self.block_size or len(event.token_ids) != n * self.block_size:
+            self.stats.bad_events += 1
+            return
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            packed = worker.held.get(event.parent_block_hash)
+            if packed is None:
+                self.stats.orphan_blocks += n
+                return
+            parent = packed >> _BITS_PER_SLOT
+        router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
+        self.store_hashes(worker.worker_id, router, medium, engine_hashes=event.block_hashes)
+
+    def _removed(self, worker: _Worker, event: BlockRemoved) -> None:
+        medium = parse_medium(event.medium)
+        if medium is None:
+            self.stats.unknown_mediums += 1
+            return
+        self.remove_hashes(worker.worker_id, event.block_hashes, medium)
+
+    # ---------------------------------------------------------------- direct API
+    def store_hashes(
+        self,
+        worker_id: str,
+        router_hashes: Sequence[int],
+        medium: Medium,
+        *,
+        engine_hashes: Sequence[BlockHash] | None = None,
+    ) -> None:
+        """Record blocks by router hash; the simulator calls this directly (engine = router)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            self.add_worker(worker_id)
+            worker = self._workers[worker_id]
+        keys: Sequence[BlockHash] = router_hashes if engine_hashes is None else engine_hashes
+        medium_bit = 1 << medium
+        entry_bit = medium_bit << (worker.slot * _BITS_PER_SLOT)
+        entries = self._entries
+        held = worker.held
+        for engine_hash, router_hash in zip(keys, router_hashes, strict=True):
+            packed = held.get(engine_hash)
+            if packed is not None:
+                if packed >> _BITS_PER_SLOT != router_hash:
+                    # The engine reused a hash for other content: forget the old placement.
+                    self._forget(worker, engine_hash, packed)
+                    packed = None
+                elif packed & medium_bit:
+                    self.stats.duplicate_stores += 1
+                    continue
+            held[engine_hash] = (packed or (router_hash << _BITS_PER_SLOT)) | medium_bit
+            entries[router_hash] = entries.get(router_hash, 0) | entry_bit
+            worker.per_medium[medium] += 1
+            self.stats.blocks_stored += 1
+
+    def remove_hashes(
+        self, worker_id: str, engine_hashes: Sequence[BlockHash], medium: Medium
+    ) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            self.stats.unknown_removals += len(engine_hashes)
+            return
+        medium_bit = 1 << medium
+        entry_bit = medium_bit << (worker.slot * _BITS_PER_SLOT)
+        for engine_hash in engine_hashes:
+            packed = worker.held.get(engine_hash)
+            if packed is None or not packed & medium_bit:
+                self.stats.unknown_removals += 1
+                continue
+            router_hash = packed >> _BITS_PER_SLOT
+            remaining = packed & ~medium_bit
+            if remaining & _SLOT_MASK:
+                worker.held[engine_hash] = remaining
+            else:
+                del worker.held[engine_hash]
+            self._clear_entry_bits(router_hash, entry_bit)
+            worker.per_medium[medium] -= 1
+            self.stats.blocks_removed += 1
+
+    def _forget(self, worker: _Worker, engine_hash: BlockHash, packed: int) -> None:
+        router_hash = packed >> _BITS_PER_SLOT
+        for medium in Medium:
+            if packed & (1 << medium):
+                worker.per_medium[medium] -= 1
+        self._clear_entry_bits(router_hash, (packed & _SLOT_MASK) << (worker.slot * _BITS_PER_SLOT))
+        del worker.held[engine_hash]
+
+    def _clear_entry_bits(self, router_hash: int, bits: int) -> None:
+        value = self._entries.get(router_hash, 0) & ~bits
+        if value:
+            self._entries[router_hash] = value
+        else:
+            self._entries.pop(router_hash, None)
+
+    def _drop_entries(self, worker: _Worker) -> int:
+        shift = worker.slot * _BITS_PER_SLOT
+        keep = ~(_SLOT_MASK << shift)
+        entries = self._entries
+        for packed in worker.held.values():
+            router_hash = packed >> _BITS_PER_SLOT
+            value = entries.get(router_hash, 0) & keep
+            if value:
+                entries[router_hash] = value
+            else:
+                entries.pop(router_hash, None)
+        dropped = len(worker.held)
+        worker.held.clear()
+        worker.per_medium = [0, 0, 0, 0]
+        return dropped
+
+    # ---------------------------------------------------------------- approximate mode
+    def record_route(
+        self, worker_id: str, router_hashes: Sequence[int], now: float | None = None
+    ) -> None:
+        """Approximate mode: assume ``worker_id`` will hold these blocks for ``approx_ttl_s``."""
+        self.add_worker(worker_id)
+        slot = self._workers[worker_id].slot
+        expires = (self._clock() if now is None else now) + self.approx_ttl_s
+        approx = self._approx
+        for router_hash in router_hashes:
+            holders = approx.get(router_hash)
+            if holders is None:
+                approx[router_hash] = {slot: expires}
+            else:
+                holders[slot] = expires
+        self.stats.routes_recorded += 1
+        self._approx_writes += len(router_hashes)
+        if self._approx_writes > 2 * len(approx) + 4096:
+            self.expire_predictions(now)
+
+    def expire_predictions(self, now: float | None = None) -> int:
+        """Drop expired predictions (lookups ignore them anyway); returns how many."""
+        now = self._clock() if now is None else now
+        expired = 0
+        for router_hash in list(self._approx):
+            holders = self._approx[router_hash]
+            for slot in [s for s, t in holders.items() if t <= now]:
+                del holders[slot]
+                expired += 1
+            if not holders:
+                del self._approx[router_hash]
+        self._approx_writes = 0
+        self.stats.predictions_expired += expired
+        return expired
+
+    def _drop_predictions(self, slot: int) -> None:
+        for router_hash in list(self._approx):
+            holders = self._approx[router_hash]
+            holders.pop(slot, None)
+            if not holders:
+                del self._approx[router_hash]
+
+    # ---------------------------------------------------------------- lookup
+    def match(
+        self, router_hashes: RouterHashes | Sequence[int], *, now: float | None = None
+    ) -> dict[str, PrefixMatch]:
+        """Every known worker's longest cached prefix of the request (0 blocks if none).
+
+        Workers marked inconsistent (lost events, resync pending) match nothing: when unsure,
+        the router must assume a recompute.
+        """
+        if self.mode is ConsistencyMode.APPROXIMATE:
+            return self._match_approx(router_hashes, self._clock() if now is None else now)
+        hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
+        get = self._entries.get
+        values = [get(h, 0) for h in hashes]
+        result: dict[str, PrefixMatch] = {}
+        first = values[0] if values else 0
+        use_numpy = self._next_slot <= _NUMPY_SLOTS
+        packed: npt.NDArray[np.uint64] | None = None
+        for worker in self._workers.values():
+            shift = worker.slot * _BITS_PER_SLOT
+            if not worker.consistent or not (first >> shift) & _SLOT_MASK:
+                result[worker.worker_id] = PrefixMatch(worker.worker_id, 0, (0, 0, 0, 0))
+                continue
+            if use_numpy:
+                if packed is None:
+                    packed = np.array(values, dtype=np.uint64)
+                nibbles = (packed >> np.uint64(shift)) & np.uint64(_SLOT_MASK)
+            else:
+                nibbles = np.array([(v >> shift) & _SLOT_MASK for v in values], dtype=np.uint64)
+            result[worker.worker_id] = _prefix_of(worker.worker_id, nibbles)
+        return result
+
+    def _match_approx(
+        self, router_hashes: RouterHashes | Sequence[int], now: float
+    ) -> dict[str, PrefixMatch]:
+        hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
+        depth: dict[int, int] = {}
+        live: set[int] | None = None
+        for i, router_hash in enumerate(hashes):
+            holders = self._approx.get(router_hash)
+            current = {s for s, t in holders.items() if t > now} if holders else set()
+            live = current if live is None else live & current
+            if not live:
+                break
+            for slot in live:
+                depth[slot] = i + 1
+        return {
+            worker.worker_id: PrefixMatch(
+                worker.worker_id,
+                depth.get(worker.slot, 0),
+                (depth.get(worker.slot, 0), 0, 0, 0),
+                predicted=True,
+            )
+            for worker in self._workers.values()
+        }
+
+
+def _prefix_of(worker_id: str, nibbles: npt.NDArray[np.uint64]) -> PrefixMatch:
+    """Longest run of present blocks from the start, counted by each block's fastest medium."""
+    absent = np.flatnonzero(nibbles == 0)
+    depth = int(absent[0]) if len(absent) else len(nibbles)
+    run = nibbles[:depth]
+    device = int(np.count_nonzero(run & np.uint64(1)))
+    host = int(np.count_nonzero((run & np.uint64(3)) == 2))
+    disk = int(np.count_nonzero((run & np.uint64(7)) == 4))
+    remote = depth - device - host - disk
+    return PrefixMatch(worker_id, depth, (device, host, disk, remote))

@@ -1,0 +1,29 @@
+"""Cache-aware routing: TTFT estimates per worker, hot-prefix spill-over, and baselines."""
+
+from kvstrata.router.core import Router
+from kvstrata.router.costs import CostProfile, OnlinePrefillFit, PrefillModel
+from kvstrata.router.model import (
+    NoWorkerAvailable,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerEstimate,
+    WorkerLoad,
+)
+from kvstrata.router.policies import POLICIES, HotPrefixConfig, KvstrataPolicy
+
+__all__ = [
+    "POLICIES",
+    "CostProfile",
+    "HotPrefixConfig",
+    "KvstrataPolicy",
+    "NoWorkerAvailable",
+    "OnlinePrefillFit",
+    "PrefillModel",
+    "RouteDecision",
+    "RouteRequest",
+    "Router",
+    "RoutingPolicy",
+    "WorkerEstimate",
+    "WorkerLoad",
+]

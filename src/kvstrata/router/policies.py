@@ -1,0 +1,382 @@
+"""Placement policies: kvstrata's TTFT estimate and the baselines it is measured against.
+
+Every policy sees the same inputs (the index's per-worker prefix matches and each worker's
+load) and returns an explained :class:`RouteDecision`, so the live router and the simulator
+run exactly this code. Baselines follow their public documentation:
+
+- ``round-robin`` and ``least-loaded`` (fewest queued + running requests);
+- ``prefix-affinity``: the longest cached prefix, ties to the least loaded;
+- ``dynamo``: Dynamo's KV router cost
+  ``prefill_load_scale · max(prefill_blocks − overlap_credit, 0) + decode_blocks``, where
+  ``prefill_blocks`` counts the request's blocks plus the worker's queued prefill blocks, the
+  overlap credit weighs cached blocks by tier (device 1.0, host 0.75, disk 0.25) and
+  ``decode_blocks`` are the worker's active KV blocks; lowest cost wins;
+- ``llm-d``: the scorer sum ``2·prefix_hit_ratio + 1·(1 − kv_utilisation) + 1·queue_score``,
+  where ``queue_score`` is 1 for the shortest queue and 0 for the longest; highest wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kvstrata.index.core import PrefixMatch
+from kvstrata.router.costs import CostProfile
+from kvstrata.router.model import (
+    NoWorkerAvailable,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerEstimate,
+    WorkerLoad,
+)
+
+_NO_MATCH: Final = (0, 0, 0, 0)
+
+
+def _healthy(loads: Sequence[WorkerLoad]) -> list[WorkerLoad]:
+    healthy = [load for load in loads if load.healthy]
+    if not healthy:
+        raise NoWorkerAvailable("no healthy worker")
+    return healthy
+
+
+def _match(matches: Mapping[str, PrefixMatch], worker_id: str) -> PrefixMatch:
+    return matches.get(worker_id) or PrefixMatch(worker_id, 0, _NO_MATCH)
+
+
+class TtftEstimator:
+    """Estimated time to first token of a request on a worker (see :mod:`.costs`).
+
+    ``queue + min(fetch + prefill of the missing tokens, prefill of everything) +
+    interference``: a worker recomputes rather than fetch when fetching is slower, as the
+    engine's break-even rule does. The last prompt token is always computed.
+    """
+
+    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
+        self.profiles = profiles
+
+    def estimate(
+        self,
+        request: RouteRequest,
+        match: PrefixMatch,
+        load: WorkerLoad,
+        score: float | None = None,
+    ) -> WorkerEstimate:
+        profile = self.profiles(load.worker_id)
+        prompt = max(request.prompt_tokens, 1)
+        cached = min(match.blocks * profile.block_size, prompt - 1)
+        prefill_s = profile.prefill.seconds(prompt - cached, cached)
+        fetch_s = profile.fetch_s(match.tier_blocks)
+        full_s = profile.prefill.seconds(prompt, 0)
+        if fetch_s + prefill_s > full_s:
+            prefill_s, fetch_s = full_s, 0.0
+        interference_s = load.active_decodes * profile.decode_interference_s
+        ttft = load.queued_s + prefill_s + fetch_s + interference_s
+        return WorkerEstimate(
+            worker_id=load.worker_id,
+            matched_blocks=match.blocks,
+            tier_blocks=match.tier_blocks,
+            queue_s=load.queued_s,
+            prefill_s=prefill_s,
+            fetch_s=fetch_s,
+            interference_s=interference_s,
+            ttft_s=ttft,
+            score=ttft if score is None else score,
+        )
+
+
+class _Popularity:
+    """Exponentially decayed request counts per prefix (half-life in the caller's seconds)."""
+
+    def __init__(self, half_life_s: float, max_entries: int = 100_000) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._counts: dict[int, tuple[float, float]] = {}
+        self._max = max_entries
+
+    def hit(self, key: int, now: float) -> float:
+        count, last = self._counts.get(key, (0.0, now))
+        count = count * math.exp(-self._rate * max(0.0, now - last)) + 1.0
+        if len(self._counts) >= self._max and key not in self._counts:
+            self._counts.clear()  # crude but bounded; popular prefixes re-earn their count fast
+        self._counts[key] = (count, now)
+        return count
+
+
+@dataclass(frozen=True, slots=True)
+class HotPrefixConfig:
+    """When a popular prefix's best holder counts as overloaded and the request spills over.
+
+    A prefix is popular after ``min_requests`` (decayed, ``half_life_s``) requests probed at
+    ``probe_tokens``; its holder is overloaded when its queue exceeds
+    ``queue_factor`` × the mean queue of healthy workers + ``min_queue_s``.
+    """
+
+    probe_tokens: int = 1024
+    half_life_s: float = 30.0
+    min_requests: float = 4.0
+    queue_factor: float = 1.5
+    min_queue_s: float = 0.25
+
+
+class KvstrataPolicy:
+    """Lowest estimated TTFT, with hot-prefix spill-over (the second home for a prefix)."""
+
+    name = "kvstrata"
+
+    def __init__(
+        self,
+        profiles: Callable[[str], CostProfile],
+        *,
+        hot: HotPrefixConfig | None = None,
+    ) -> None:
+        self.estimator = TtftEstimator(profiles)
+        self.hot = hot or HotPrefixConfig()
+        self._popularity = _Popularity(self.hot.half_life_s)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        matches: Mapping[str, PrefixMatch],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        healthy = _healthy(loads)
+        estimates = [
+            self.estimator.estimate(request, _match(matches, load.worker_id), load)
+            for load in healthy
+        ]
+        # Lowest TTFT; ties go to the longer cached prefix, then the shorter queue.
+        ranked = sorted(estimates, key=lambda e: (e.ttft_s, -e.matched_blocks, e.queue_s))
+        best, reason = ranked[0], "lowest_ttft"
+        holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
+        if holder.matched_blocks > 0 and len(estimates) > 1:
+            spill = self._spill_target(request, holder, estimates, ranked)
+            if spill is not None:
+                best, reason = spill, f"hot_prefix_spill:{holder.worker_id}"
+        return RouteDecision(
+            request_id=request.request_id,
+            policy=self.name,
+            worker_id=best.worker_id,
+            reason=reason,
+            predicted_ttft_s=best.ttft_s,
+            matched_blocks=best.matched_blocks,
+            estimates=tuple(estimates),
+        )
+
+    def _spill_target(
+        self,
+        request: RouteRequest,
+        holder: WorkerEstimate,
+        estimates: list[WorkerEstimate],
+        ranked: list[WorkerEstimate],
+    ) -> WorkerEstimate | None:
+        """The best non-holder if the prefix is popular and its holder overloaded, else None."""
+        blocks = len(request.hashes)
+        if not blocks:
+            return None
+        block_size = self.estimator.profiles(holder.worker_id).block_size
+        probe = min(blocks, max(1, self.hot.probe_tokens // block_size)) - 1
+        popularity = self._popularity.hit(int(request.hashes[probe]), request.arrival_s)
+        if popularity < self.hot.min_requests or ranked[0].worker_id != holder.worker_id:
+            return None
+        mean_queue = sum(e.queue_s for e in estimates) / len(estimates)
+        if holder.queue_s <= self.hot.queue_factor * mean_queue + self.hot.min_queue_s:
+            return None
+        others = [e for e in ranked if e.matched_blocks < holder.matched_blocks]
+        return others[0] if others else None
+
+
+class RoundRobinPolicy:
+    name = "round-robin"
+
+    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
+        self.estimator = TtftEstimator(profiles)
+        self._counter = itertools.count()
+
+    def choose(
+        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        healthy = _healthy(loads)
+        pick = healthy[next(self._counter) % len(healthy)]
+        return _decide(
+            self.name, request, matches, healthy, self.estimator, pick.worker_id, "next_in_turn"
+        )
+
+
+class LeastLoadedPolicy:
+    name = "least-loaded"
+
+    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
+        self.estimator = TtftEstimator(profiles)
+
+    def choose(
+        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        healthy = _healthy(loads)
+        pick = min(healthy, key=lambda w: (w.queued_requests + w.active_decodes, w.queued_s))
+        return _decide(
+            self.name, request, matches, healthy, self.estimator, pick.worker_id, "fewest_requests"
+        )
+
+
+class PrefixAffinityPolicy:
+    name = "prefix-affinity"
+
+    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
+        self.estimator = TtftEstimator(profiles)
+
+    def choose(
+        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        healthy = _healthy(loads)
+        pick = max(
+            healthy,
+            key=lambda w: (
+                _match(matches, w.worker_id).blocks,
+                -(w.queued_requests + w.active_decodes),
+            ),
+        )
+        return _decide(
+            self.name, request, matches, healthy, self.estimator, pick.worker_id, "longest_prefix"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DynamoWeights:
+    """Dynamo KV router defaults: overlap credit per tier and the prefill load scale."""
+
+    prefill_load_scale: float = 1.0
+    device_credit: float = 1.0
+    host_credit: float = 0.75
+    disk_credit: float = 0.25
+    remote_credit: float = 0.0
+
+
+class DynamoLinearPolicy:
+    name = "dynamo"
+
+    def __init__(
+        self, profiles: Callable[[str], CostProfile], weights: DynamoWeights | None = None
+    ) -> None:
+        self.estimator = TtftEstimator(profiles)
+        self.weights = weights or DynamoWeights()
+
+    def cost(self, request: RouteRequest, match: PrefixMatch, load: WorkerLoad) -> float:
+        w = self.weights
+        block_size = self.estimator.profiles(load.worker_id).block_size
+        device, host, disk, remote = match.tier_blocks
+        credit = w.device_credit * device + w.host_credit * host + w.disk_credit * disk
+        credit += w.remote_credit * remote
+        request_blocks = math.ceil(request.prompt_tokens / block_size)
+        prefill_blocks = request_blocks + load.queued_prefill_tokens / block_size
+        return w.prefill_load_scale * max(prefill_blocks - credit, 0.0) + load.active_kv_blocks
+
+    def choose(
+        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        healthy = _healthy(loads)
+        scores = {w.worker_id: self.cost(request, _match(matches, w.worker_id), w) for w in healthy}
+        pick = min(healthy, key=lambda w: scores[w.worker_id])
+        return _decide(
+            self.name,
+            request,
+            matches,
+            healthy,
+            self.estimator,
+            pick.worker_id,
+            "lowest_cost",
+            scores,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LlmdWeights:
+    prefix: float = 2.0
+    kv_utilisation: float = 1.0
+    queue: float = 1.0
+
+
+class LlmdScorerPolicy:
+    name = "llm-d"
+
+    def __init__(
+        self, profiles: Callable[[str], CostProfile], weights: LlmdWeights | None = None
+    ) -> None:
+        self.estimator = TtftEstimator(profiles)
+        self.weights = weights or LlmdWeights()
+
+    def choose(
+        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        healthy = _healthy(loads)
+        w = self.weights
+        block_size = self.estimator.profiles(healthy[0].worker_id).block_size
+        total_blocks = max(1, request.prompt_tokens // block_size)
+        queues = [load.queued_requests for load in healthy]
+        low, high = min(queues), max(queues)
+        scores: dict[str, float] = {}
+        for load in healthy:
+            hit_ratio = min(1.0, _match(matches, load.worker_id).blocks / total_blocks)
+            queue_score = 1.0 if high == low else (high - load.queued_requests) / (high - low)
+            scores[load.worker_id] = (
+                w.prefix * hit_ratio
+                + w.kv_utilisation * (1.0 - load.kv_utilisation)
+                + w.queue * queue_score
+            )
+        pick = max(healthy, key=lambda load: scores[load.worker_id])
+        return _decide(
+            self.name,
+            request,
+            matches,
+            healthy,
+            self.estimator,
+            pick.worker_id,
+            "highest_score",
+            scores,
+        )
+
+
+def _decide(
+    policy: str,
+    request: RouteRequest,
+    matches: Mapping[str, PrefixMatch],
+    healthy: Sequence[WorkerLoad],
+    estimator: TtftEstimator,
+    worker_id: str,
+    reason: str,
+    scores: Mapping[str, float] | None = None,
+) -> RouteDecision:
+    """A baseline's decision, with the same TTFT estimates kvstrata's shows (for comparison)."""
+    estimates = tuple(
+        estimator.estimate(
+            request,
+            _match(matches, load.worker_id),
+            load,
+            None if scores is None else scores[load.worker_id],
+        )
+        for load in healthy
+    )
+    chosen = next(e for e in estimates if e.worker_id == worker_id)
+    return RouteDecision(
+        request_id=request.request_id,
+        policy=policy,
+        worker_id=worker_id,
+        reason=reason,
+        predicted_ttft_s=chosen.ttft_s,
+        matched_blocks=chosen.matched_blocks,
+        estimates=estimates,
+    )
+
+
+POLICIES: Final[dict[str, Callable[[Callable[[str], CostProfile]], RoutingPolicy]]] = {
+    "kvstrata": KvstrataPolicy,
+    "round-robin": RoundRobinPolicy,
+    "least-loaded": LeastLoadedPolicy,
+    "prefix-affinity": PrefixAffinityPolicy,
+    "dynamo": DynamoLinearPolicy,
+    "llm-d": LlmdScorerPolicy,
+}
+"""Policy name → constructor taking the per-worker cost profile lookup."""
