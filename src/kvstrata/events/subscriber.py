@@ -110,6 +110,12 @@ class ZmqEventSubscriber:
     def expected_seq(self) -> int | None:
         return self._expected
 
+    def resume_from(self, seq: int) -> None:
+        """Expect ``seq`` next: after a full dump taken at ``seq``, older batches are duplicates."""
+        if seq < 0:
+            raise ValueError("sequence numbers are non-negative")
+        self._expected = seq
+
     def start(self) -> Self:
         sub = self._ctx().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from kvstrata.identity.router_hash import RouterHashes
 from kvstrata.index.core import PrefixMatch
 
 
@@ -16,7 +17,8 @@ class RouteRequest:
     request_id: str
     tenant: str
     prompt_tokens: int
-    hashes: Sequence[int]
+    hashes: Sequence[int] | RouterHashes
+    """Router hashes of the full blocks (a numpy array from the hasher, or plain ints)."""
     expected_output_tokens: int = 0
     arrival_s: float = 0.0
     """Arrival time on the caller's clock (wall or simulated): popularity decays with it."""

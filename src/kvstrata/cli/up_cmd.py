@@ -1,0 +1,129 @@
+"""``kvstrata up`` (router + N worker processes) and ``kvstrata router`` (attach to workers).
+
+Both serve the same front door (:mod:`kvstrata.fleet.frontdoor`); ``up`` also starts and
+watches the workers. ``kvstrata router --worker URL …`` is how a restarted router rebuilds its
+index from workers that kept running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstrata.errors import InvalidInput
+
+_log = logging.getLogger(__name__)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="front door bind address")
+    parser.add_argument("--port", type=int, default=8000, help="front door port (default: 8000)")
+    parser.add_argument("--policy", default="kvstrata", help="routing policy (default: kvstrata)")
+    parser.add_argument(
+        "--index",
+        choices=["exact", "approximate"],
+        default="exact",
+        help="global index from KV events (exact) or from routing decisions (approximate)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def register(sub: Any) -> None:
+    up = sub.add_parser(
+        "up",
+        help="serve a fleet: cache-aware router + N worker processes + the KV event plane",
+        description="One OpenAI-compatible front door routing to N `kvstrata serve` workers.",
+    )
+    _common(up)
+    up.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
+    up.add_argument("--model", default="smollm2", help="smollm2 | tiny | PATH (default: smollm2)")
+    up.add_argument("--pool-gib", type=float, default=0.25, help="device pool per worker (GiB)")
+    up.add_argument("--host-gib", type=float, default=0.5, help="host tier per worker (GiB)")
+    up.add_argument("--restart-workers", action="store_true", help="restart workers that exit")
+    up.add_argument("--log-dir", type=Path, default=None, help="write each worker's log here")
+    up.set_defaults(func=run_up)
+
+    router = sub.add_parser(
+        "router",
+        help="serve the cache-aware front door for already running workers",
+        description="Attach to running `kvstrata serve --events-endpoint …` workers.",
+    )
+    _common(router)
+    router.add_argument("--worker", action="append", required=True, help="worker base URL")
+    router.add_argument(
+        "--model", default="smollm2", help="tokenizer source: smollm2 | tiny | PATH"
+    )
+    router.set_defaults(func=run_router)
+
+
+def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
+    import uvicorn
+
+    from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
+    from kvstrata.fleet.frontdoor import Fleet, FleetConfig, FleetTokenizer, create_frontdoor_app
+    from kvstrata.index.core import ConsistencyMode
+
+    model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)
+    config = FleetConfig(policy=args.policy, mode=ConsistencyMode(args.index), worker_urls=urls)
+    fleet = Fleet(FleetTokenizer(model_dir), config)
+    for url in urls:
+        fleet.attach(url)
+    app = create_frontdoor_app(fleet)
+    print(f"kvstrata router on http://{args.host}:{args.port} → {len(urls)} workers", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise InvalidInput("--port must lie in 1..65535")
+    from kvstrata.router.policies import POLICIES
+
+    if args.policy not in POLICIES:
+        raise InvalidInput(f"--policy must be one of {', '.join(POLICIES)}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.workers < 1:
+        raise InvalidInput("--workers must be at least 1")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
+    from kvstrata.fleet.supervisor import Supervisor, WorkerSpec, free_port
+
+    if args.model in MODEL_NAMES:
+        ensure_checkpoint(args.model)  # convert once, before N workers race to do it
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    specs = [
+        WorkerSpec(
+            worker_id=f"w{i}",
+            port=free_port(args.host),
+            model=args.model,
+            host=args.host,
+            pool_gib=args.pool_gib,
+            host_gib=args.host_gib,
+            log_path=None if args.log_dir is None else args.log_dir / f"w{i}.log",
+        )
+        for i in range(args.workers)
+    ]
+    supervisor = Supervisor(specs, restart=args.restart_workers)
+    started = time.monotonic()
+    supervisor.start()
+    print(f"{args.workers} workers ready in {time.monotonic() - started:.1f} s", flush=True)
+    try:
+        _serve_frontdoor(args, supervisor.urls)
+    finally:
+        supervisor.stop()
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    _check(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    _serve_frontdoor(args, [url.rstrip("/") for url in args.worker])
+    return 0

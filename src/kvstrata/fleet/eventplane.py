@@ -1,0 +1,184 @@
+"""The router's event loop: one subscriber per worker, applied in order to the global index.
+
+Attach protocol (also how a restarted router rebuilds its index from the workers):
+
+1. connect a SUB socket to the worker's live endpoint (nothing is read yet);
+2. take the worker's dump (``/kv/dump``: every resident block, and the live sequence number
+   ``S`` it corresponds to) and replace the worker's entries with it;
+3. expect ``S`` next: older batches that were queued meanwhile are duplicates of the dump,
+   and a later one is a gap that the replay socket fills.
+
+A gap that replay cannot fill marks the worker inconsistent at once (its entries stop counting
+in lookups: when unsure, recompute) and is repaired by a new dump. All ZMQ sockets live on the
+loop's own thread; other threads only enqueue commands. The index is shared with the request
+path under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import httpx
+
+from kvstrata.events.subscriber import EventPlaneStats, ZmqEventSubscriber
+from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, fetch_dump
+from kvstrata.index.core import GlobalIndex
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    info: WorkerInfo
+    subscriber: ZmqEventSubscriber
+
+
+class EventPlane:
+    """Owns the subscribers; ``attach``/``detach`` may be called from any thread."""
+
+    def __init__(
+        self,
+        index: GlobalIndex,
+        lock: threading.Lock,
+        *,
+        subscribe_settle_s: float = 0.2,
+        replay_timeout_s: float = 1.0,
+        on_resync: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.lock = lock
+        self.stats = EventPlaneStats()
+        self.resyncs: dict[str, int] = {}
+        self._settle_s = subscribe_settle_s
+        self._replay_timeout_s = replay_timeout_s
+        self._on_resync = on_resync
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.Queue[tuple[str, object, Future[object]]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http = httpx.Client(timeout=30.0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstrata-events", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        for stream in self._streams.values():
+            stream.subscriber.close()
+        self._streams.clear()
+        self._http.close()
+
+    # ------------------------------------------------------------------ commands
+    def attach(self, info: WorkerInfo, timeout_s: float = 30.0) -> None:
+        """Subscribe to a worker and load its dump; replaces any previous stream for it."""
+        self._submit("attach", info).result(timeout=timeout_s)
+
+    def detach(self, worker_id: str, timeout_s: float = 10.0) -> None:
+        """Close the worker's stream and drop its index entries (dead or drained worker)."""
+        self._submit("detach", worker_id).result(timeout=timeout_s)
+
+    def attached(self) -> list[str]:
+        return list(self._streams)
+
+    def _submit(self, kind: str, arg: object) -> Future[object]:
+        future: Future[object] = Future()
+        if self._thread is None:
+            raise RuntimeError("event plane is not started")
+        self._commands.put((kind, arg, future))
+        return future
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands()
+            busy = False
+            for worker_id, stream in list(self._streams.items()):
+                try:
+                    busy |= self._poll(worker_id, stream)
+                except Exception:  # never let one worker's stream stop the loop
+                    _log.exception("event stream of %s failed; resyncing", worker_id)
+                    self._resync(worker_id, stream, "error")
+            if not busy:
+                time.sleep(0.005)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "attach":
+                    assert isinstance(arg, WorkerInfo)
+                    self._attach(arg)
+                else:
+                    assert isinstance(arg, str)
+                    self._detach(arg)
+                future.set_result(None)
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _attach(self, info: WorkerInfo) -> None:
+        self._detach(info.worker_id)
+        subscriber = ZmqEventSubscriber(
+            info.events_endpoint,
+            info.replay_endpoint,
+            expected_seq=None,
+            replay_timeout_s=self._replay_timeout_s,
+            stats=self.stats,
+        ).start()
+        time.sleep(self._settle_s)  # let the subscription reach the publisher
+        stream = _Stream(info, subscriber)
+        try:
+            self._load_dump(info.worker_id, stream)
+        except Exception:
+            subscriber.close()
+            raise
+        self._streams[info.worker_id] = stream
+
+    def _detach(self, worker_id: str) -> None:
+        stream = self._streams.pop(worker_id, None)
+        if stream is not None:
+            stream.subscriber.close()
+        with self.lock:
+            self.index.remove_worker(worker_id)
+
+    def _load_dump(self, worker_id: str, stream: _Stream) -> None:
+        dump = fetch_dump(self._http, stream.info.base_url)
+        with self.lock:
+            self.index.replace_worker(worker_id, dump.epoch, dump.events, ts=dump.ts)
+        stream.subscriber.resume_from(dump.next_seq)
+
+    def _poll(self, worker_id: str, stream: _Stream) -> bool:
+        result = stream.subscriber.poll(0)
+        if result.batches:
+            with self.lock:
+                for received in result.batches:
+                    self.index.apply_batch(worker_id, received.batch)
+        if result.resync_needed:
+            self._resync(worker_id, stream, "gap")
+        return bool(result.batches) or result.resync_needed
+
+    def _resync(self, worker_id: str, stream: _Stream, reason: str) -> None:
+        with self.lock:
+            self.index.mark_inconsistent(worker_id)
+        self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
+        if self._on_resync is not None:
+            self._on_resync(worker_id, reason)
+        try:
+            self._load_dump(worker_id, stream)
+        except (httpx.HTTPError, WorkerProtocolError) as exc:
+            # Stays inconsistent (matches nothing); the health loop will detach or re-attach.
+            _log.warning("resync of %s failed: %s", worker_id, exc)

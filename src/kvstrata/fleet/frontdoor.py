@@ -1,0 +1,503 @@
+"""The fleet's front door: one OpenAI-compatible endpoint that routes each request to a worker.
+
+Per request: validate the body with the same models a worker uses (a malformed request is a
+400 here and never reaches a worker), tokenize it exactly as the worker will (same tokenizer
+files, same chat template), hash its full blocks in the tenant's namespace, ask the router,
+and proxy the request unchanged to the chosen worker. A worker that cannot be reached is
+marked unhealthy, its index entries are dropped, and the request goes to the next best worker
+(safe: nothing was returned to the client yet). Workers answer everything else themselves,
+including their own exactness guarantees: the router only decides *where*, never *what*.
+
+Health: a background task polls each worker's ``/kv/info``. An unreachable worker is
+detached (entries dropped, no traffic); a reachable one with a new epoch (restarted) is
+re-attached from its dump; a recovered one is attached again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from kvstrata.fleet.eventplane import EventPlane
+from kvstrata.fleet.metrics import FleetMetrics
+from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, WorkerState, default_profile
+from kvstrata.identity import DEFAULT_TENANT
+from kvstrata.index.core import ConsistencyMode, GlobalIndex
+from kvstrata.router.core import Router
+from kvstrata.router.costs import CostProfile
+from kvstrata.router.model import NoWorkerAvailable, RouteDecision, RouteRequest
+from kvstrata.router.policies import POLICIES
+from kvstrata.serve.protocol import (
+    MAX_TENANT_CHARS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    error_response,
+)
+
+_log = logging.getLogger(__name__)
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+TENANT_HEADER = "X-Kvstrata-Tenant"
+WORKER_HEADER = "X-Kvstrata-Worker"
+
+
+class FleetTokenizer:
+    """Tokenizes as ``ReferenceEngine.encode_prompt`` / ``encode_chat`` do (tested equal)."""
+
+    def __init__(self, model_dir: Path, chat_template: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.chat_template = chat_template
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self.chat_template,
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass
+class FleetConfig:
+    policy: str = "kvstrata"
+    mode: ConsistencyMode = ConsistencyMode.EXACT
+    health_interval_s: float = 0.5
+    health_failures: int = 2
+    max_attempts: int = 3
+    request_timeout_s: float = 600.0
+    tenant_secret: bytes = b""
+    worker_urls: list[str] = field(default_factory=list)
+
+
+class Fleet:
+    """The router process's state: workers, index, event plane, router, metrics."""
+
+    def __init__(self, tokenizer: FleetTokenizer, config: FleetConfig) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r}; known: {', '.join(POLICIES)}")
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = FleetMetrics()
+        self.lock = threading.Lock()
+        self.workers: dict[str, WorkerState] = {}
+        self.urls: dict[str, str] = {}  # base URL → worker id (for re-attachment)
+        self.index: GlobalIndex | None = None
+        self.router: Router | None = None
+        self.events: EventPlane | None = None
+        self._http = httpx.Client(timeout=10.0)
+
+    # ------------------------------------------------------------------ workers
+    def _profile(self, worker_id: str) -> CostProfile:
+        state = self.workers.get(worker_id)
+        if state is None:
+            raise KeyError(worker_id)
+        return state.profile()
+
+    def _ensure_index(self, info: WorkerInfo) -> GlobalIndex:
+        if self.index is None:
+            self.index = GlobalIndex(
+                info.fingerprint,
+                info.block_size,
+                mode=self.config.mode,
+                tenant_secret=self.config.tenant_secret,
+            )
+            self.router = Router(self.index, POLICIES[self.config.policy](self._profile))
+            self.events = EventPlane(self.index, self.lock)
+            self.metrics.export_index(self.index, self.events.stats, self.lock)
+            self.events.start()
+        elif info.fingerprint != self.index.fingerprint or info.block_size != self.index.block_size:
+            raise WorkerProtocolError(
+                f"worker {info.worker_id} serves another model or block size than the fleet"
+            )
+        return self.index
+
+    def attach(self, base_url: str) -> WorkerInfo:
+        """Read a worker's identity and attach its event stream (or, approximate: just add it)."""
+        from kvstrata.fleet.workers import fetch_info
+
+        info = fetch_info(self._http, base_url)
+        index = self._ensure_index(info)
+        previous = self.workers.get(info.worker_id)
+        if self.config.mode is ConsistencyMode.EXACT:
+            assert self.events is not None
+            self.events.attach(info)
+        else:
+            with self.lock:
+                index.add_worker(info.worker_id, info.epoch)
+        state = WorkerState(info, default_profile(info.block_size))
+        if previous is not None:  # keep what was learned about this machine's speed
+            state.prefill_fit = previous.prefill_fit
+            state.decode_step_s = previous.decode_step_s
+        self.workers[info.worker_id] = state
+        self.urls[base_url] = info.worker_id
+        self.metrics.worker_healthy.labels(info.worker_id).set(1)
+        self.metrics.worker_events.labels(info.worker_id, "attached").inc()
+        return info
+
+    def mark_dead(self, worker_id: str) -> None:
+        state = self.workers.get(worker_id)
+        if state is None or not state.healthy:
+            return
+        state.healthy = False
+        self.metrics.worker_healthy.labels(worker_id).set(0)
+        self.metrics.worker_events.labels(worker_id, "detached").inc()
+        if self.events is not None:
+            self.events.detach(worker_id)
+        elif self.index is not None:
+            with self.lock:
+                self.index.remove_worker(worker_id)
+        _log.warning("worker %s is unreachable: no more traffic, index entries dropped", worker_id)
+
+    def check_health(self) -> None:
+        """One health round (blocking; run off the event loop)."""
+        from kvstrata.fleet.workers import fetch_info
+
+        for url in list(self.config.worker_urls):
+            worker_id = self.urls.get(url)
+            state = self.workers.get(worker_id) if worker_id else None
+            try:
+                info = fetch_info(self._http, url)
+            except (httpx.HTTPError, WorkerProtocolError):
+                if state is not None:
+                    state.failures += 1
+                    if state.failures >= self.config.health_failures:
+                        self.mark_dead(state.worker_id)
+                continue
+            if state is None or not state.healthy or info.epoch != state.info.epoch:
+                if state is not None and info.epoch != state.info.epoch:
+                    self.metrics.worker_events.labels(info.worker_id, "epoch_changed").inc()
+                try:
+                    self.attach(url)
+                except (httpx.HTTPError, WorkerProtocolError, TimeoutError) as exc:
+                    _log.warning("attaching %s failed: %s", url, exc)
+                    continue
+            self.workers[info.worker_id].failures = 0
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+        self._http.close()
+
+    # ------------------------------------------------------------------ routing
+    def route(
+        self, request_id: str, tenant: str, tokens: list[int], max_tokens: int | None, record: bool
+    ) -> RouteDecision:
+        if self.router is None or self.index is None:
+            raise NoWorkerAvailable("no worker attached")
+        now = time.time()
+        loads = [state.load() for state in self.workers.values()]
+        with self.lock:
+            hashes = self.index.request_hashes(tenant, tokens)
+            request = RouteRequest(
+                request_id=request_id,
+                tenant=tenant,
+                prompt_tokens=len(tokens),
+                hashes=hashes,
+                expected_output_tokens=max_tokens or 0,
+                arrival_s=now,
+            )
+            return self.router.route(request, loads, now=now, record=record)
+
+
+def tenant_of(body: SamplingRequest, header: str | None) -> str:
+    """Body extension or header (they must agree), else the default — as a worker decides."""
+    if header is not None and not 0 < len(header) <= MAX_TENANT_CHARS:
+        raise ApiError(400, f"{TENANT_HEADER} must be 1..{MAX_TENANT_CHARS} characters")
+    if body.kvstrata_tenant is not None and header is not None and body.kvstrata_tenant != header:
+        raise ApiError(400, "kvstrata_tenant conflicts with the X-Kvstrata-Tenant header")
+    return body.kvstrata_tenant or header or DEFAULT_TENANT
+
+
+def _parse(endpoint: str, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = ChatCompletionRequest if endpoint == CHAT else CompletionRequest
+    try:
+        body = model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()))
+        raise ApiError(400, f"{param}: {first.get('msg')}", param=param or None) from exc
+    return body, payload
+
+
+def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
+    if isinstance(body, ChatCompletionRequest):
+        return fleet.tokenizer.encode_chat(body.template_messages())
+    assert isinstance(body, CompletionRequest)
+    prompt = body.prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return [int(t) for t in prompt]
+    return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
+
+
+def create_frontdoor_app(fleet: Fleet) -> FastAPI:
+    client: httpx.AsyncClient | None = None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        nonlocal client
+        client = httpx.AsyncClient(timeout=fleet.config.request_timeout_s)
+        health = asyncio.create_task(_health_loop(fleet))
+        try:
+            yield
+        finally:
+            health.cancel()
+            await client.aclose()
+            fleet.close()
+
+    app = FastAPI(title="kvstrata router", lifespan=lifespan)
+
+    async def handle(endpoint: str, request: Request) -> Response:
+        assert client is not None
+        request_id = uuid.uuid4().hex
+        try:
+            body, payload = _parse(endpoint, await request.body())
+            tenant = tenant_of(body, request.headers.get(TENANT_HEADER))
+            tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
+        except ApiError as exc:
+            fleet.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return error_response(exc)
+        response = await _forward(
+            fleet, client, endpoint, request_id, tenant, tokens, body, payload
+        )
+        fleet.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.post(COMPLETIONS, response_model=None)
+    async def completions(request: Request) -> Response:
+        return await handle(COMPLETIONS, request)
+
+    @app.post(CHAT, response_model=None)
+    async def chat(request: Request) -> Response:
+        return await handle(CHAT, request)
+
+    @app.post("/debug/route", response_model=None)
+    async def debug_route(request: Request) -> Response:
+        """Explain where a completion or chat body would go, without sending it."""
+        raw = await request.body()
+        endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
+        try:
+            body, _ = _parse(endpoint, raw)
+            tenant = tenant_of(body, request.headers.get(TENANT_HEADER))
+            tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
+            decision = fleet.route("debug", tenant, tokens, body.requested_max_tokens(), False)
+        except ApiError as exc:
+            return error_response(exc)
+        except NoWorkerAvailable as exc:
+            return error_response(ApiError(503, str(exc), type="server_error"))
+        return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
+
+    @app.get("/debug/route", response_model=None)
+    async def debug_route_get(prompt: str, tenant: str = DEFAULT_TENANT) -> Response:
+        tokens = await asyncio.to_thread(fleet.tokenizer.encode_prompt, prompt)
+        try:
+            decision = fleet.route("debug", tenant, tokens, None, False)
+        except NoWorkerAvailable as exc:
+            return error_response(ApiError(503, str(exc), type="server_error"))
+        return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
+
+    @app.get("/fleet/workers")
+    async def workers() -> dict[str, Any]:
+        index = fleet.index
+        out = []
+        for state in fleet.workers.values():
+            held = index.blocks_held(state.worker_id) if index is not None else (0, 0, 0, 0)
+            out.append(
+                {
+                    "worker_id": state.worker_id,
+                    "url": state.info.base_url,
+                    "healthy": state.healthy,
+                    "epoch": state.info.epoch,
+                    "inflight": state.inflight(),
+                    "consistent": index.is_consistent(state.worker_id) if index else False,
+                    "blocks": dict(zip(("device", "host", "disk", "remote"), held, strict=True)),
+                    "prefill_samples": state.prefill_fit.samples,
+                }
+            )
+        return {"mode": fleet.config.mode.value, "policy": fleet.config.policy, "workers": out}
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = sum(state.healthy for state in fleet.workers.values())
+        status = 200 if healthy else 503
+        return JSONResponse(
+            {"status": "ok" if healthy else "no_workers", "workers": healthy}, status
+        )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert client is not None
+        for state in fleet.workers.values():
+            if state.healthy:
+                upstream = await client.get(f"{state.info.base_url}/v1/models")
+                return Response(
+                    upstream.content, upstream.status_code, media_type="application/json"
+                )
+        return error_response(ApiError(503, "no worker available", type="server_error"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for state in fleet.workers.values():
+            fleet.metrics.worker_inflight.labels(state.worker_id).set(state.inflight())
+        return Response(generate_latest(fleet.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _health_loop(fleet: Fleet) -> None:
+    while True:
+        try:
+            await asyncio.to_thread(fleet.check_health)
+        except Exception:
+            _log.exception("health round failed")
+        await asyncio.sleep(fleet.config.health_interval_s)
+
+
+async def _forward(
+    fleet: Fleet,
+    client: httpx.AsyncClient,
+    endpoint: str,
+    request_id: str,
+    tenant: str,
+    tokens: list[int],
+    body: SamplingRequest,
+    payload: dict[str, Any],
+) -> Response:
+    """Route and proxy; on a connection failure, mark the worker dead and try the next best."""
+    max_tokens = body.requested_max_tokens()
+    for _attempt in range(fleet.config.max_attempts):
+        try:
+            decision = await asyncio.to_thread(
+                fleet.route, request_id, tenant, tokens, max_tokens, True
+            )
+        except NoWorkerAvailable as exc:
+            return error_response(ApiError(503, str(exc), type="server_error"))
+        worker_id = decision.worker_id
+        state = fleet.workers[worker_id]
+        block_size = state.info.block_size
+        cached = min(decision.matched_blocks * block_size, max(0, len(tokens) - 1))
+        chosen = next(e for e in decision.estimates if e.worker_id == worker_id)
+        started = time.time()
+        state.begin(
+            request_id, len(tokens), cached, chosen.prefill_s + chosen.fetch_s, max_tokens, started
+        )
+        fleet.metrics.decisions.labels(
+            worker_id, decision.policy, decision.reason.split(":")[0]
+        ).inc()
+        fleet.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
+        fleet.metrics.predicted_matched.labels(worker_id).inc(cached)
+        fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
+        alone = state.running_alone()
+        url = f"{state.info.base_url}{endpoint}"
+        headers = {TENANT_HEADER: tenant}
+        try:
+            upstream_request = client.build_request("POST", url, json=payload, headers=headers)
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.TransportError as exc:
+            state.finish(request_id, time.time(), None, None)
+            fleet.metrics.retries.labels(worker_id).inc()
+            _log.warning("worker %s failed (%s); re-routing %s", worker_id, exc, request_id)
+            await asyncio.to_thread(fleet.mark_dead, worker_id)
+            continue
+        extra = {WORKER_HEADER: worker_id}
+        if body.stream and upstream.status_code == 200:
+            return StreamingResponse(
+                _relay(fleet, state, upstream, request_id, decision, alone, started),
+                status_code=200,
+                media_type="text/event-stream",
+                headers=extra,
+            )
+        try:
+            content = await upstream.aread()
+        finally:
+            await upstream.aclose()
+        now = time.time()
+        completion = _usage_of(content)
+        if completion is not None:
+            fleet.metrics.matched.labels(worker_id).inc(completion[1])
+        state.finish(request_id, now, None if completion is None else completion[0], None)
+        return Response(
+            content,
+            upstream.status_code,
+            media_type=upstream.headers.get("content-type", "application/json"),
+            headers=extra,
+        )
+    return error_response(ApiError(503, "no worker could take the request", type="server_error"))
+
+
+async def _relay(
+    fleet: Fleet,
+    state: WorkerState,
+    upstream: httpx.Response,
+    request_id: str,
+    decision: RouteDecision,
+    alone: bool,
+    started: float,
+) -> AsyncIterator[bytes]:
+    ttft: float | None = None
+    completion: tuple[int, int] | None = None
+    try:
+        async for chunk in upstream.aiter_raw():
+            if ttft is None:
+                ttft = state.first_token(request_id, time.time(), alone=alone)
+                if ttft is not None:
+                    fleet.metrics.actual_ttft.observe(ttft)
+                    if decision.predicted_ttft_s > 0:
+                        fleet.metrics.ttft_ratio.observe(ttft / decision.predicted_ttft_s)
+            if b'"usage"' in chunk:
+                completion = _usage_in_sse(chunk) or completion
+            yield chunk
+    finally:
+        await upstream.aclose()
+        if completion is not None:
+            fleet.metrics.matched.labels(state.worker_id).inc(completion[1])
+        state.finish(request_id, time.time(), None if completion is None else completion[0], ttft)
+        del started
+
+
+def _usage_of(content: bytes) -> tuple[int, int] | None:
+    """(completion_tokens, cached_tokens) from a worker's JSON answer, if it has usage."""
+    try:
+        usage = json.loads(content).get("usage")
+        return int(usage["completion_tokens"]), int(
+            usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        )
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _usage_in_sse(chunk: bytes) -> tuple[int, int] | None:
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            found = _usage_of(line[len(b"data: ") :])
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,164 @@
+"""Worker processes for ``kvstrata up``: start, wait until ready, watch, restart, stop.
+
+Each worker is a real ``kvstrata serve`` child process with its own engine, device pool,
+host tier and event publisher, on a port chosen here. Its ZMQ endpoints take random ports;
+the router learns them from ``/kv/info``. A worker that dies is noticed twice over: by this
+supervisor (the process exited) and by the router's health loop (it stops answering); with
+``restart=True`` it is started again on the same port, as a new incarnation (new epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+_log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class WorkerSpec:
+    """How to start one worker; ``extra_args`` go to ``kvstrata serve`` unchanged."""
+
+    worker_id: str
+    port: int
+    model: str = "tiny"
+    host: str = "127.0.0.1"
+    pool_gib: float = 0.25
+    host_gib: float = 0.5
+    extra_args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "kvstrata.cli.main",
+            "serve",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--pool-gib",
+            str(self.pool_gib),
+            "--host-gib",
+            str(self.host_gib),
+            "--worker-id",
+            self.worker_id,
+            "--events-endpoint",
+            f"tcp://{self.host}:*",
+            "--replay-endpoint",
+            f"tcp://{self.host}:*",
+            "--log-level",
+            "warning",
+            *self.extra_args,
+        ]
+
+
+class WorkerProcess:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL  # noqa: SIM115
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            self.spec.command(), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until ``/kv/info`` answers; raises if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    code = None if self.process is None else self.process.returncode
+                    raise RuntimeError(f"worker {self.spec.worker_id} exited with {code}")
+                try:
+                    if client.get(f"{self.spec.url}/kv/info").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"worker {self.spec.worker_id} not ready after {timeout_s} s")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process is not None and self.alive():
+            self.process.send_signal(sig)
+            self.process.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is None or not self.alive():
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+class Supervisor:
+    """Starts N workers (in parallel), then restarts any that exits while ``restart`` is on."""
+
+    def __init__(self, specs: list[WorkerSpec], *, restart: bool = False) -> None:
+        self.workers = [WorkerProcess(spec) for spec in specs]
+        self.restart = restart
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.spec.url for w in self.workers]
+
+    def start(self, ready_timeout_s: float = 300.0) -> None:
+        for worker in self.workers:
+            worker.start()
+        for worker in self.workers:
+            worker.wait_ready(ready_timeout_s)
+        self._thread = threading.Thread(target=self._watch, name="kvstrata-supervisor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            for worker in self.workers:
+                if worker.alive() or self._stop.is_set():
+                    continue
+                code = None if worker.process is None else worker.process.returncode
+                _log.warning("worker %s exited (%s)", worker.spec.worker_id, code)
+                if self.restart:
+                    worker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for worker in self.workers:
+            worker.stop()

@@ -1,0 +1,233 @@
+"""What the router knows about each worker: its identity (``/kv/info``), its KV dump, its load.
+
+A worker is a ``kvstrata serve`` process started with an events endpoint. The router talks
+to it over plain HTTP (``/kv/info``, ``/kv/dump``, ``/health``, the OpenAI endpoints) and
+listens to its ZMQ event stream. Everything here validates what the worker sends: a worker
+that answers garbage is treated as unreachable, never trusted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvstrata.errors import InvalidInput
+from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
+from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.router.costs import CostProfile, OnlinePrefillFit, PrefillModel
+from kvstrata.router.model import WorkerLoad
+
+NEXT_SEQ_HEADER = "X-Kvstrata-Next-Seq"
+EPOCH_HEADER = "X-Kvstrata-Epoch"
+
+
+class WorkerProtocolError(InvalidInput):
+    """A worker's ``/kv/info`` or ``/kv/dump`` answer is not what the protocol says."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    base_url: str
+    epoch: int
+    model: str
+    fingerprint: FingerprintDigest
+    block_size: int
+    events_endpoint: str
+    replay_endpoint: str | None
+    next_seq: int
+
+    @classmethod
+    def from_json(cls, base_url: str, body: Any) -> WorkerInfo:
+        try:
+            fingerprint = bytes.fromhex(body["fingerprint"])
+            info = cls(
+                worker_id=str(body["worker_id"]),
+                base_url=base_url,
+                epoch=int(body["epoch"]),
+                model=str(body["model"]),
+                fingerprint=FingerprintDigest(fingerprint),
+                block_size=int(body["block_size"]),
+                events_endpoint=str(body["events_endpoint"]),
+                replay_endpoint=(
+                    None if body.get("replay_endpoint") is None else str(body["replay_endpoint"])
+                ),
+                next_seq=int(body.get("next_seq", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
+        if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
+            raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
+        return info
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDump:
+    epoch: int
+    next_seq: int
+    events: list[KVEvent]
+    ts: float
+
+
+def fetch_info(client: httpx.Client, base_url: str) -> WorkerInfo:
+    response = client.get(f"{base_url}/kv/info")
+    response.raise_for_status()
+    return WorkerInfo.from_json(base_url, response.json())
+
+
+def fetch_dump(client: httpx.Client, base_url: str) -> WorkerDump:
+    """The worker's full resident state as events, and the live seq it corresponds to."""
+    response = client.get(f"{base_url}/kv/dump")
+    response.raise_for_status()
+    try:
+        next_seq = int(response.headers[NEXT_SEQ_HEADER])
+        epoch = int(response.headers[EPOCH_HEADER])
+        decoded = decode_batch(response.content)
+    except (KeyError, ValueError, EventDecodeError) as exc:
+        raise WorkerProtocolError(f"bad /kv/dump from {base_url}: {exc!r}") from exc
+    return WorkerDump(epoch, next_seq, list(decoded.batch.events), decoded.batch.ts)
+
+
+@dataclass
+class _InFlight:
+    prompt_tokens: int
+    new_tokens: int
+    cached_tokens: int
+    predicted_prefill_s: float
+    expected_output: int
+    started: float
+    first_token: bool = False
+
+
+@dataclass
+class WorkerState:
+    """The router's live view of one worker: health, in-flight requests and learned costs.
+
+    The reference engine runs one engine call at a time, so a request queues behind the
+    prefills of those ahead of it and shares decode steps with those already decoding;
+    ``load()`` turns that into the :class:`WorkerLoad` the policies read.
+    """
+
+    info: WorkerInfo
+    profile_prior: CostProfile
+    healthy: bool = True
+    failures: int = 0
+    prefill_fit: OnlinePrefillFit = field(init=False)
+    decode_step_s: float = 0.02
+    mean_output_tokens: float = 64.0
+    kv_blocks_capacity: int = 0
+    _inflight: dict[str, _InFlight] = field(default_factory=dict)
+    _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def profile(self) -> CostProfile:
+        return self.profile_prior.with_prefill(self.prefill_fit.model())
+
+    def begin(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        predicted_prefill_s: float,
+        max_tokens: int | None,
+        now: float,
+    ) -> None:
+        expected = int(self.mean_output_tokens)
+        if max_tokens is not None:
+            expected = min(expected, max_tokens)
+        with self._lock:
+            self._inflight[request_id] = _InFlight(
+                prompt_tokens,
+                prompt_tokens - cached_tokens,
+                cached_tokens,
+                predicted_prefill_s,
+                expected,
+                now,
+            )
+
+    def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
+        """Mark the first token; learn the prefill model from it if nothing else was running."""
+        with self._lock:
+            flight = self._inflight.get(request_id)
+            if flight is None or flight.first_token:
+                return None
+            flight.first_token = True
+        ttft = now - flight.started
+        if alone:
+            self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)
+        return ttft
+
+    def finish(
+        self,
+        request_id: str,
+        now: float,
+        completion_tokens: int | None,
+        ttft_s: float | None,
+    ) -> None:
+        with self._lock:
+            flight = self._inflight.pop(request_id, None)
+        if flight is None or completion_tokens is None:
+            return
+        self._recent_outputs.append(completion_tokens)
+        self.mean_output_tokens = sum(self._recent_outputs) / len(self._recent_outputs)
+        if ttft_s is not None and completion_tokens > 1:
+            step = (now - flight.started - ttft_s) / (completion_tokens - 1)
+            if step > 0:
+                self.decode_step_s = 0.8 * self.decode_step_s + 0.2 * step
+
+    def running_alone(self) -> bool:
+        with self._lock:
+            return len(self._inflight) <= 1
+
+    def load(self) -> WorkerLoad:
+        with self._lock:
+            flights = list(self._inflight.values())
+        queued = [f for f in flights if not f.first_token]
+        decoding = [f for f in flights if f.first_token]
+        # Decode steps of the requests already running interleave with the queued prefills.
+        queued_s = sum(f.predicted_prefill_s for f in queued)
+        queued_s += (
+            sum(f.expected_output for f in decoding) * self.decode_step_s / max(1, len(decoding))
+        )
+        active_blocks = sum(f.prompt_tokens + f.expected_output for f in flights)
+        active_blocks //= self.info.block_size
+        capacity = self.kv_blocks_capacity
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            queued_requests=len(queued),
+            queued_prefill_tokens=sum(f.new_tokens for f in queued),
+            queued_s=queued_s,
+            active_decodes=len(decoding),
+            active_kv_blocks=active_blocks,
+            kv_utilisation=min(1.0, active_blocks / capacity) if capacity else 0.0,
+            healthy=self.healthy,
+        )
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+
+def default_profile(block_size: int) -> CostProfile:
+    """A prior for a CPU reference worker until its own requests refit the prefill model.
+
+    SmolLM2 on 2 cores: ~4.7 s for a ~2k-token prompt (``bench ttft``), i.e. ~2.3 ms/token;
+    host-tier fetches ran at about the recompute rate's 1/25 per token.
+    """
+    return CostProfile(
+        prefill=PrefillModel(overhead_s=0.02, per_token_s=2.3e-3, per_token_ctx_s=0.0),
+        fetch_s_per_block=(0.0, block_size * 9e-5, block_size * 1.2e-4, block_size * 4e-4),
+        decode_interference_s=0.0,
+        block_size=block_size,
+    )
