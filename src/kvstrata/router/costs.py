@@ -43,15 +43,36 @@ class CostProfile:
     ``fetch_s_per_block[m]`` is what it costs to bring one block from medium ``m`` into the
     device pool (0 for the device itself); ``decode_interference_s`` is the prefill slow-down
     each running decode adds (they share the forward passes).
+
+    Chunked prefill (``prefill_chunk_tokens > 0``, as vLLM and Sarathi-Serve schedule it): a
+    prefill of ``n`` new tokens runs as ``ceil(n / chunk)`` iterations, each of which also
+    runs one decode step of the worker's batch, ``decode_step_base_s +
+    decode_interference_s · active_decodes``; with no decode running nothing is added.
+    ``prefill_chunk_tokens = 0`` keeps the unchunked rule ``active · decode_interference_s``.
     """
 
     prefill: PrefillModel = field(default_factory=PrefillModel)
     fetch_s_per_block: tuple[float, float, float, float] = (0.0, 2e-4, 1e-3, 4e-3)
     decode_interference_s: float = 0.0
     block_size: int = 16
+    decode_step_base_s: float = 0.0
+    prefill_chunk_tokens: int = 0
 
     def fetch_s(self, tier_blocks: tuple[int, int, int, int]) -> float:
         return sum(n * s for n, s in zip(tier_blocks, self.fetch_s_per_block, strict=True))
+
+    def decode_step_s(self, active_decodes: int) -> float:
+        """One decode iteration of a batch of ``active_decodes`` sequences."""
+        return self.decode_step_base_s + self.decode_interference_s * active_decodes
+
+    def interference_s(self, new_tokens: int, active_decodes: int) -> float:
+        """What running decodes add to a prefill of ``new_tokens`` (see the class docstring)."""
+        if active_decodes <= 0:
+            return 0.0
+        if self.prefill_chunk_tokens <= 0:
+            return active_decodes * self.decode_interference_s
+        chunks = -(-max(new_tokens, 1) // self.prefill_chunk_tokens)
+        return chunks * self.decode_step_s(active_decodes)
 
     def with_prefill(self, prefill: PrefillModel) -> CostProfile:
         return replace(self, prefill=prefill)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from kvstrata.index.core import PrefixMatch
@@ -35,6 +35,9 @@ from kvstrata.router.model import (
 )
 
 _NO_MATCH: Final = (0, 0, 0, 0)
+
+DEFAULT_WORK_WEIGHT: Final = 1.0
+"""KvstrataPolicy's charge per second of prefill work it adds (tuned with ``kvstrata sim``)."""
 
 
 def _healthy(loads: Sequence[WorkerLoad]) -> list[WorkerLoad]:
@@ -74,7 +77,7 @@ class TtftEstimator:
         full_s = profile.prefill.seconds(prompt, 0)
         if fetch_s + prefill_s > full_s:
             prefill_s, fetch_s = full_s, 0.0
-        interference_s = load.active_decodes * profile.decode_interference_s
+        interference_s = profile.interference_s(prompt - cached, load.active_decodes)
         ttft = load.queued_s + prefill_s + fetch_s + interference_s
         return WorkerEstimate(
             worker_id=load.worker_id,
@@ -123,7 +126,14 @@ class HotPrefixConfig:
 
 
 class KvstrataPolicy:
-    """Lowest estimated TTFT, with hot-prefix spill-over (the second home for a prefix)."""
+    """Lowest estimated TTFT plus the work it adds, with hot-prefix spill-over.
+
+    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure TTFT-greedy placement
+    ignores what a choice costs *later* requests: recomputing a prefix another worker holds
+    adds its prefill seconds to that worker's queue (everyone behind it waits) and a second
+    copy of the prefix to a cache, so the next turns of other conversations miss more. The
+    ``work_weight`` term charges that externality; 0 is plain lowest-TTFT.
+    """
 
     name = "kvstrata"
 
@@ -132,9 +142,11 @@ class KvstrataPolicy:
         profiles: Callable[[str], CostProfile],
         *,
         hot: HotPrefixConfig | None = None,
+        work_weight: float = DEFAULT_WORK_WEIGHT,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
         self.hot = hot or HotPrefixConfig()
+        self.work_weight = work_weight
         self._popularity = _Popularity(self.hot.half_life_s)
 
     def choose(
@@ -144,13 +156,15 @@ class KvstrataPolicy:
         loads: Sequence[WorkerLoad],
     ) -> RouteDecision:
         healthy = _healthy(loads)
-        estimates = [
-            self.estimator.estimate(request, _match(matches, load.worker_id), load)
-            for load in healthy
-        ]
-        # Lowest TTFT; ties go to the longer cached prefix, then the shorter queue.
-        ranked = sorted(estimates, key=lambda e: (e.ttft_s, -e.matched_blocks, e.queue_s))
-        best, reason = ranked[0], "lowest_ttft"
+        weight = self.work_weight
+        estimates = []
+        for load in healthy:
+            estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
+            score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
+            estimates.append(replace(estimate, score=score))
+        # Lowest score; ties go to the longer cached prefix, then the shorter queue.
+        ranked = sorted(estimates, key=lambda e: (e.score, -e.matched_blocks, e.queue_s))
+        best, reason = ranked[0], "lowest_ttft_plus_work"
         holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
         if holder.matched_blocks > 0 and len(estimates) > 1:
             spill = self._spill_target(request, holder, estimates, ranked)

@@ -1,0 +1,353 @@
+"""The discrete-event loop: arrivals → the real router → simulated workers → the real index.
+
+One run = one routing policy over one trace. Everything that decides is project code:
+
+* placement: ``kvstrata.router.Router`` with a policy from ``router.policies.POLICIES``,
+  given the workers' :class:`~kvstrata.router.costs.CostProfile` (optionally perturbed by
+  ``estimate_noise``: each worker's prefill coefficients are multiplied by a lognormal
+  factor drawn once per worker, so the router's estimates are wrong while the simulator
+  executes the true model). Without noise the kvstrata policy has an *accurate* cost model —
+  a best case for a TTFT-estimating policy that a live fleet only approaches by refitting;
+* what the router believes: ``kvstrata.index.GlobalIndex`` in ``exact`` mode fed by the
+  workers' own stores and evictions through ``store_hashes``/``remove_hashes`` (immediately,
+  or ``event_lag_s`` later), or in ``approximate`` mode from the router's own decisions;
+* what a worker holds: ``kvstrata.store`` eviction policy objects (``lru`` or the
+  ``kvstrata`` value policy) per tier (:mod:`kvstrata.sim.worker`).
+
+Events live in one heap of ``(time, seq, kind, worker, version)``; ``seq`` orders equal
+times deterministically, and a worker's decode completion is rescheduled with a new version
+whenever its decode rate changes (stale versions are skipped). Arrivals are merged from the
+sorted trace rather than pushed, and processed after every event at the same instant.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+from typing import Final
+
+from kvstrata.errors import InvalidInput
+from kvstrata.identity import DEFAULT_TENANT, BlockKey
+from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index.core import ConsistencyMode, GlobalIndex, Medium
+from kvstrata.objects import KVObjectMeta, Representation
+from kvstrata.router import POLICIES, CostProfile, KvstrataPolicy, Router, RouteRequest
+from kvstrata.sim.profiles import BLOCK_TOKENS, SimProfile
+from kvstrata.sim.trace import SimRequest
+from kvstrata.sim.worker import Job, SimWorker
+from kvstrata.store.policies import LRUPolicy, ValuePolicy
+from kvstrata.store.policy import EvictionPolicy
+
+EVICTION_POLICIES: Final = ("lru", "kvstrata")
+_FINGERPRINT = FingerprintDigest(b"kvstrata.sim".ljust(32, b"\0"))
+
+
+class _Kind(IntEnum):
+    PREFILL_DONE = 0
+    DECODE = 1
+    INDEX = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Everything one run needs besides the trace and the routing policy."""
+
+    profile: SimProfile
+    workers: int = 16
+    device_eviction: str = "lru"
+    host_eviction: str = "lru"
+    index_mode: ConsistencyMode = ConsistencyMode.EXACT
+    event_lag_s: float = 0.0
+    estimate_noise: float = 0.0
+    seed: int = 0
+    work_weight: float | None = None
+    """Override of ``KvstrataPolicy.work_weight`` (None: the policy's default)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise InvalidInput(f"workers must be >= 1, got {self.workers}")
+        for name in (self.device_eviction, self.host_eviction):
+            if name not in EVICTION_POLICIES:
+                raise InvalidInput(f"unknown eviction policy {name!r}; {EVICTION_POLICIES}")
+        if self.event_lag_s < 0 or self.estimate_noise < 0:
+            raise InvalidInput("event lag and estimate noise must be >= 0")
+
+
+@dataclass
+class RunResult:
+    """Raw outcome of one policy's run (``report`` turns it into the JSON figures)."""
+
+    policy: str
+    ttft_s: list[float]
+    prefill_s: list[float]
+    hit_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    busy_s: list[float]
+    first_arrival_s: float
+    last_prefill_end_s: float
+    last_done_s: float
+    device_evictions: int
+    host_evictions: int
+    predicted_ttft_s: list[float] = field(default_factory=list)
+
+
+def build_metas(
+    requests: Sequence[SimRequest], profile: SimProfile
+) -> tuple[dict[int, BlockKey], dict[BlockKey, KVObjectMeta], dict[BlockKey, int]]:
+    """One ``KVObjectMeta`` per distinct block id (parent = previous block of its chain)."""
+    representation = Representation(
+        dtype="bfloat16", layout="sim", block_size=BLOCK_TOKENS, shape=(BLOCK_TOKENS,)
+    )
+    size = profile.block_bytes
+    keys: dict[int, BlockKey] = {}
+    metas: dict[BlockKey, KVObjectMeta] = {}
+    for request in requests:
+        parent: BlockKey | None = None
+        for position, block in enumerate(request.hashes):
+            key = keys.get(block)
+            if key is None:
+                key = BlockKey(block.to_bytes(16, "little", signed=True))
+                keys[block] = key
+                metas[key] = KVObjectMeta(
+                    key=key,
+                    parent=parent,
+                    tenant=DEFAULT_TENANT,
+                    representation=representation,
+                    size=size,
+                    digest=b"",
+                    created_at=0.0,
+                    position=position * BLOCK_TOKENS,
+                    recompute_s=profile.block_recompute_s(position * BLOCK_TOKENS),
+                )
+            parent = key
+    return keys, metas, {key: block for block, key in keys.items()}
+
+
+def _eviction_policy(name: str, profile: SimProfile, *, device: bool, seed: int) -> EvictionPolicy:
+    if name == "lru":
+        return LRUPolicy()
+    # A device victim is still in the host tier (write-through): losing it costs a fetch.
+    fetch = profile.cost.fetch_s_per_block[Medium.HOST] / profile.block_bytes
+    return ValuePolicy(demotion_fetch_s_per_byte=fetch if device else None, seed=seed)
+
+
+def router_profiles(config: SimConfig) -> Callable[[str], CostProfile]:
+    """The router's per-worker cost profiles: the true one, or a perturbed copy per worker."""
+    true = config.profile.cost
+    if config.estimate_noise <= 0:
+        return lambda _worker_id: true
+    rng = random.Random(config.seed * 7919 + 17)
+    noisy: dict[str, CostProfile] = {}
+    for i in range(config.workers):
+        factor = math.exp(rng.gauss(0.0, config.estimate_noise))
+        prefill = replace(
+            true.prefill,
+            per_token_s=true.prefill.per_token_s * factor,
+            per_token_ctx_s=true.prefill.per_token_ctx_s * factor,
+        )
+        noisy[f"w{i}"] = true.with_prefill(prefill)
+    return lambda worker_id: noisy.get(worker_id, true)
+
+
+class Simulation:
+    """One policy over one trace; ``run()`` once."""
+
+    def __init__(
+        self,
+        requests: Sequence[SimRequest],
+        policy: str,
+        config: SimConfig,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise InvalidInput(
+                f"unknown routing policy {policy!r}; expected one of {list(POLICIES)}"
+            )
+        too_big = [r.index for r in requests if r.kv_blocks > config.profile.device_blocks]
+        if too_big:
+            raise InvalidInput(
+                f"{len(too_big)} request(s) need more than the device pool's "
+                f"{config.profile.device_blocks} blocks (first: #{too_big[0]})"
+            )
+        self.requests = requests
+        self.policy_name = policy
+        self.config = config
+        self.now = 0.0
+        self._progress = progress
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._block_keys, metas, block_ids = build_metas(requests, config.profile)
+        self.index = GlobalIndex(
+            _FINGERPRINT, BLOCK_TOKENS, mode=config.index_mode, clock=lambda: self.now
+        )
+        self._pending_index: dict[int, tuple[str, list[int], Medium, bool]] = {}
+        self._exact = config.index_mode is ConsistencyMode.EXACT
+        report = self._report if self._exact else _ignore_report
+        self.workers: list[SimWorker] = []
+        for i in range(config.workers):
+            worker_id = f"w{i}"
+            self.index.add_worker(worker_id)
+            self.workers.append(
+                SimWorker(
+                    worker_id,
+                    config.profile,
+                    device_policy=_eviction_policy(
+                        config.device_eviction, config.profile, device=True, seed=config.seed + i
+                    ),
+                    host_policy=_eviction_policy(
+                        config.host_eviction, config.profile, device=False, seed=config.seed + i
+                    ),
+                    metas=metas,
+                    block_ids=block_ids,
+                    report=report,
+                )
+            )
+        self._by_id = {w.worker_id: n for n, w in enumerate(self.workers)}
+        profiles = router_profiles(config)
+        routing = (
+            KvstrataPolicy(profiles, work_weight=config.work_weight)
+            if policy == KvstrataPolicy.name and config.work_weight is not None
+            else POLICIES[policy](profiles)
+        )
+        self.router = Router(self.index, routing, keep_decisions=1)
+        self.jobs: list[Job] = []
+        self._predicted: list[float] = []
+
+    # ---------------------------------------------------------------- index reports
+    def _report(
+        self, worker_id: str, ids: list[int], medium: Medium, stored: bool, now: float
+    ) -> None:
+        if self.config.event_lag_s <= 0.0:
+            self._apply(worker_id, ids, medium, stored)
+            return
+        self._seq += 1
+        self._pending_index[self._seq] = (worker_id, ids, medium, stored)
+        heapq.heappush(
+            self._heap, (now + self.config.event_lag_s, self._seq, _Kind.INDEX, -1, self._seq)
+        )
+
+    def _apply(self, worker_id: str, ids: list[int], medium: Medium, stored: bool) -> None:
+        if stored:
+            self.index.store_hashes(worker_id, ids, medium)
+        else:
+            self.index.remove_hashes(worker_id, ids, medium)
+
+    # ---------------------------------------------------------------- loop
+    def _push(self, at: float, kind: _Kind, worker: int, version: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, worker, version))
+
+    def _schedule_decode(self, n: int) -> None:
+        worker = self.workers[n]
+        at = worker.next_decode_s(self.now)
+        if at is not None:
+            self._push(at, _Kind.DECODE, n, worker.decode_version)
+
+    def _start(self, n: int) -> None:
+        worker = self.workers[n]
+        end = worker.try_start(self.now)
+        if end is not None:
+            self._push(end, _Kind.PREFILL_DONE, n)
+        self._schedule_decode(n)
+
+    def _handle(self, kind: int, n: int, version: int) -> None:
+        if kind == _Kind.INDEX:
+            self._apply(*self._pending_index.pop(version))
+            return
+        worker = self.workers[n]
+        if kind == _Kind.PREFILL_DONE:
+            worker.finish_prefill(self.now)
+            self._start(n)
+        elif kind == _Kind.DECODE:
+            if version != worker.decode_version:
+                return
+            worker.finish_decodes(self.now)
+            self._start(n)
+
+    def run(self) -> RunResult:
+        heap = self._heap
+        total = len(self.requests)
+        for count, request in enumerate(self.requests):
+            while heap and heap[0][0] <= request.arrival_s:
+                at, _, kind, n, version = heapq.heappop(heap)
+                self.now = at
+                self._handle(kind, n, version)
+            self.now = max(self.now, request.arrival_s)
+            self._arrive(request)
+            if self._progress is not None and (count + 1) % 256 == 0:
+                self._progress(count + 1)
+        while heap:
+            at, _, kind, n, version = heapq.heappop(heap)
+            self.now = at
+            self._handle(kind, n, version)
+        if self._progress is not None:
+            self._progress(total)
+        return self._result()
+
+    def _arrive(self, request: SimRequest) -> None:
+        now = self.now
+        loads = [worker.load(now) for worker in self.workers]
+        route = RouteRequest(
+            request_id=str(request.index),
+            tenant=DEFAULT_TENANT,
+            prompt_tokens=request.prompt_tokens,
+            hashes=request.hashes,
+            expected_output_tokens=request.output_tokens,
+            arrival_s=now,
+        )
+        decision = self.router.route(route, loads, now=now)
+        n = self._by_id[decision.worker_id]
+        chosen = next(e for e in decision.estimates if e.worker_id == decision.worker_id)
+        cached = request.hit_tokens(chosen.matched_blocks)
+        job = Job(
+            request=request,
+            keys=tuple(self._block_keys[h] for h in request.hashes),
+            estimate_s=chosen.prefill_s + chosen.fetch_s + chosen.interference_s,
+            predicted_new_tokens=request.prompt_tokens - cached,
+        )
+        self.jobs.append(job)
+        self._predicted.append(decision.predicted_ttft_s)
+        self.workers[n].enqueue(job)
+        self._start(n)
+
+    def _result(self) -> RunResult:
+        jobs = self.jobs
+        unfinished = sum(1 for job in jobs if not job.finished)
+        if unfinished:
+            raise RuntimeError(f"simulation ended with {unfinished} unfinished requests")
+        return RunResult(
+            policy=self.policy_name,
+            ttft_s=[job.ttft_s for job in jobs],
+            prefill_s=[job.prefill_s for job in jobs],
+            hit_tokens=sum(job.hit_tokens for job in jobs),
+            prompt_tokens=sum(job.request.prompt_tokens for job in jobs),
+            output_tokens=sum(job.request.output_tokens for job in jobs),
+            busy_s=[worker.busy_s for worker in self.workers],
+            first_arrival_s=self.requests[0].arrival_s if self.requests else 0.0,
+            last_prefill_end_s=max((j.start_s + j.prefill_s for j in jobs), default=0.0),
+            last_done_s=max((j.done_s for j in jobs), default=0.0),
+            device_evictions=sum(w.device_evictions for w in self.workers),
+            host_evictions=sum(w.host_evictions for w in self.workers),
+            predicted_ttft_s=self._predicted,
+        )
+
+
+def _ignore_report(
+    worker_id: str, ids: list[int], medium: Medium, stored: bool, now: float
+) -> None:
+    """Approximate mode: workers report nothing; the router's decisions are the index."""
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    policy: str,
+    config: SimConfig,
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    return Simulation(requests, policy, config, progress=progress).run()

@@ -1,0 +1,330 @@
+"""One simulated worker: device KV pool + host tier driven by the store's policy objects.
+
+Service model (times from the worker's :class:`~kvstrata.sim.profiles.SimProfile`):
+
+* **Prefill queue, FIFO, one prefill at a time.** A prefill starts when the previous one has
+  finished and the device pool has room for the request's KV. At its start the worker looks
+  up its *own* caches (not the index: the index is only the router's belief): the longest
+  prefix of the request's full blocks present in the device pool or, failing that, in the
+  host tier. Host blocks are fetched (``fetch_s_per_block[HOST]`` each) unless fetching plus
+  the shorter prefill is slower than recomputing everything (the engine's break-even rule),
+  then the uncached tokens are computed: ``PrefillModel.seconds(new, cached)``.
+* **Chunked prefill interferes with decode.** With ``b`` decodes running, the prefill of
+  ``n`` new tokens takes ``ceil(n / chunk)`` iterations, each also running one decode step
+  (``CostProfile.interference_s``); decodes advance one token per iteration meanwhile. The
+  batch size is taken at the prefill's start (decodes only join when a prefill *ends*, so
+  it can only shrink during one; the small overestimate is accepted).
+* **Decode is a continuous batch.** Outside prefills the batch runs back-to-back steps of
+  ``decode_step_base_s + decode_interference_s · batch`` seconds. A request needs
+  ``output_tokens − 1`` steps after its prefill produced the first token. Steps are not
+  simulated one by one: a virtual step counter advances at the current rate and the next
+  completion is rescheduled whenever the rate changes.
+* **TTFT** = arrival → end of the request's prefill (queueing, fetch, prefill, interference).
+* **KV occupancy.** A running request pins its prompt's cached blocks in the device pool and
+  holds ``kv_blocks − full blocks`` private blocks (partial last block + output) until its
+  decode ends. Its full blocks stay cached afterwards, evictable.
+* **Tiers.** Device → host is write-through (as the real store's default): every block the
+  device stores is also stored in (or touched in) the host tier, so losing a device block
+  costs a fetch, not a recompute. Each tier evicts by its own policy object
+  (``kvstrata.store`` LRU or the value policy); victims are leaves and never pinned blocks.
+* **Reports.** Stores are reported to the index when the prefill that computed them ends;
+  evictions when they happen (the simulation may delay both by an event lag).
+
+Utilisation: the fraction of time a prefill is in progress (its fetch, compute and the decode
+steps interleaved with its chunks). Decodes run beside prefills and never delay a TTFT except
+through that interference, so this is the resource TTFT queues on.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstrata.identity import BlockKey
+from kvstrata.index.core import Medium
+from kvstrata.objects import KVObjectMeta
+from kvstrata.router.model import WorkerLoad
+from kvstrata.sim.profiles import SimProfile
+from kvstrata.sim.trace import SimRequest
+from kvstrata.store.policy import EvictionPolicy
+
+Reporter = Callable[[str, list[int], Medium, bool, float], None]
+"""(worker id, block ids, medium, stored?, now) → the index (or a delayed event)."""
+
+
+@dataclass(slots=True)
+class Job:
+    """A request in flight on a worker, and what happened to it."""
+
+    request: SimRequest
+    keys: tuple[BlockKey, ...]
+    estimate_s: float
+    predicted_new_tokens: int
+    start_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    hit_tokens: int = 0
+    device_hit_blocks: int = 0
+    host_hit_blocks: int = 0
+    finish_steps: float = 0.0
+    done_s: float = 0.0
+    finished: bool = False
+
+
+class SimWorker:
+    """State machine of one worker; the simulation calls it in time order."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        profile: SimProfile,
+        *,
+        device_policy: EvictionPolicy,
+        host_policy: EvictionPolicy,
+        metas: dict[BlockKey, KVObjectMeta],
+        block_ids: dict[BlockKey, int],
+        report: Reporter,
+    ) -> None:
+        self.worker_id = worker_id
+        self.profile = profile
+        self.cost = profile.cost
+        self.device_capacity = profile.device_blocks
+        self.host_capacity = profile.host_blocks
+        self.device_policy = device_policy
+        self.host_policy = host_policy
+        self._metas = metas
+        self._ids = block_ids
+        self._report = report
+        self.device: set[BlockKey] = set()
+        self.host: set[BlockKey] = set()
+        self.pins: dict[BlockKey, int] = {}
+        self.private_blocks = 0
+        self.active_kv_blocks = 0
+        self.queue: deque[Job] = deque()
+        self.queued_s = 0.0
+        self.queued_new_tokens = 0
+        self.current: Job | None = None
+        self.current_end_s = 0.0
+        self.blocked = False
+        self.decoding: list[tuple[float, int, Job]] = []
+        self.steps = 0.0
+        self.step_rate = 0.0
+        self._prefill_step_rate = 0.0
+        self._last_s = 0.0
+        self.decode_version = 0
+        self.busy_s = 0.0
+        self.device_evictions = 0
+        self.host_evictions = 0
+
+    # ---------------------------------------------------------------- router's view
+    def load(self, now: float) -> WorkerLoad:
+        running = self.current is not None
+        queued_s = self.queued_s + (max(0.0, self.current_end_s - now) if running else 0.0)
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            queued_requests=len(self.queue) + (1 if running else 0),
+            queued_prefill_tokens=self.queued_new_tokens,
+            queued_s=queued_s,
+            active_decodes=len(self.decoding),
+            active_kv_blocks=self.active_kv_blocks,
+            kv_utilisation=min(1.0, self.active_kv_blocks / max(self.device_capacity, 1)),
+        )
+
+    def enqueue(self, job: Job) -> None:
+        self.queue.append(job)
+        self.queued_s += job.estimate_s
+        self.queued_new_tokens += job.predicted_new_tokens
+
+    # ---------------------------------------------------------------- prefill
+    def try_start(self, now: float) -> float | None:
+        """Start the head of the queue if possible; returns its end time (None: nothing)."""
+        if self.current is not None or not self.queue:
+            return None
+        job = self.queue[0]
+        request = job.request
+        keys = job.keys
+        device, host = self.device, self.host
+        device_hits = host_hits = 0
+        for key in keys:
+            if key in device:
+                device_hits += 1
+            elif key in host:
+                host_hits += 1
+            else:
+                break
+        matched = device_hits + host_hits
+        pins = self.pins
+        present = [key for key in keys if key in device]
+        for key in present:
+            pins[key] = pins.get(key, 0) + 1
+        private = request.kv_blocks - len(keys)
+        need = len(keys) - len(present) + private
+        if not self._make_device_room(need, now):
+            for key in present:
+                self._unpin(key)
+            self.blocked = True
+            return None
+        self.blocked = False
+        self.queue.popleft()
+        self.queued_s = max(0.0, self.queued_s - job.estimate_s)
+        self.queued_new_tokens = max(0, self.queued_new_tokens - job.predicted_new_tokens)
+
+        model = self.cost.prefill
+        prompt = request.prompt_tokens
+        cached = request.hit_tokens(matched)
+        prefill_s = model.seconds(prompt - cached, cached)
+        fetch_s = host_hits * self.cost.fetch_s_per_block[Medium.HOST]
+        full_s = model.seconds(prompt, 0)
+        if fetch_s + prefill_s > full_s:
+            prefill_s, fetch_s, cached, matched = full_s, 0.0, 0, 0
+            device_hits = host_hits = 0
+        batch = len(self.decoding)
+        interference_s = self.cost.interference_s(prompt - cached, batch)
+        duration = fetch_s + prefill_s + interference_s
+        job.start_s = now
+        job.prefill_s = duration
+        job.hit_tokens = cached
+        job.device_hit_blocks = device_hits
+        job.host_hit_blocks = host_hits
+
+        self._store(job, now)
+        self.private_blocks += private
+        self.active_kv_blocks += request.kv_blocks
+        self._advance(now)
+        self.current = job
+        self.current_end_s = now + duration
+        if batch and self.cost.prefill_chunk_tokens > 0:
+            chunks = -(-max(prompt - cached, 1) // self.cost.prefill_chunk_tokens)
+            self._prefill_step_rate = chunks / duration
+        else:
+            self._prefill_step_rate = 0.0
+        self._update_rate()
+        self.busy_s += duration
+        return self.current_end_s
+
+    def _store(self, job: Job, now: float) -> None:
+        """Pin the request's blocks in the device pool and write them through to host."""
+        device, host, pins = self.device, self.host, self.pins
+        device_policy, host_policy, metas = self.device_policy, self.host_policy, self._metas
+        for key in job.keys:
+            if key in device:
+                device_policy.on_access(key, now)
+            else:
+                device.add(key)
+                pins[key] = pins.get(key, 0) + 1
+                device_policy.on_insert(metas[key], now)
+        if self.host_capacity <= 0:
+            return
+        mine = frozenset(job.keys)
+        for key in job.keys:
+            if key in host:
+                host_policy.on_access(key, now)
+                continue
+            if len(host) >= self.host_capacity and not self._evict_host(now, mine):
+                break
+            host.add(key)
+            host_policy.on_insert(metas[key], now)
+
+    def finish_prefill(self, now: float) -> Job:
+        job = self.current
+        assert job is not None, "finish_prefill without a running prefill"
+        self.current = None
+        job.ttft_s = now - job.request.arrival_s
+        ids = [self._ids[key] for key in job.keys]
+        if ids:
+            self._report(self.worker_id, ids, Medium.DEVICE, True, now)
+            if self.host_capacity > 0:
+                self._report(self.worker_id, ids, Medium.HOST, True, now)
+        self._advance(now)
+        self._prefill_step_rate = 0.0
+        remaining = job.request.output_tokens - 1
+        if remaining <= 0:
+            self._release(job, now)
+        else:
+            job.finish_steps = self.steps + remaining
+            heapq.heappush(self.decoding, (job.finish_steps, job.request.index, job))
+        self._update_rate()
+        return job
+
+    # ---------------------------------------------------------------- decode
+    def next_decode_s(self, now: float) -> float | None:
+        if not self.decoding or self.step_rate <= 0.0:
+            return None
+        return now + max(0.0, self.decoding[0][0] - self.steps) / self.step_rate
+
+    def finish_decodes(self, now: float) -> list[Job]:
+        self._advance(now)
+        done: list[Job] = []
+        while self.decoding and self.decoding[0][0] <= self.steps + 1e-6:
+            job = heapq.heappop(self.decoding)[2]
+            self._release(job, now)
+            done.append(job)
+        self._update_rate()
+        return done
+
+    def _release(self, job: Job, now: float) -> None:
+        job.done_s = now
+        job.finished = True
+        for key in job.keys:
+            self._unpin(key)
+        self.private_blocks -= job.request.kv_blocks - len(job.keys)
+        self.active_kv_blocks -= job.request.kv_blocks
+
+    def _advance(self, now: float) -> None:
+        if now > self._last_s:
+            self.steps += (now - self._last_s) * self.step_rate
+            self._last_s = now
+
+    def _update_rate(self) -> None:
+        self.decode_version += 1
+        batch = len(self.decoding)
+        if not batch:
+            self.step_rate = 0.0
+        elif self.current is not None and self._prefill_step_rate > 0.0:
+            self.step_rate = self._prefill_step_rate
+        elif self.current is not None:
+            self.step_rate = 0.0  # unchunked prefill: decodes wait for it
+        else:
+            self.step_rate = 1.0 / self.cost.decode_step_s(batch)
+
+    # ---------------------------------------------------------------- space
+    def _unpin(self, key: BlockKey) -> None:
+        count = self.pins[key] - 1
+        if count:
+            self.pins[key] = count
+        else:
+            del self.pins[key]
+
+    def _device_evictable(self, key: BlockKey) -> bool:
+        return key not in self.pins
+
+    def _make_device_room(self, need: int, now: float) -> bool:
+        removed: list[int] = []
+        ok = True
+        while len(self.device) + self.private_blocks + need > self.device_capacity:
+            victim = self.device_policy.victim(now, can_evict=self._device_evictable)
+            if victim is None:
+                ok = False
+                break
+            self.device.remove(victim)
+            self.device_policy.on_remove(victim)
+            removed.append(self._ids[victim])
+        if removed:
+            self.device_evictions += len(removed)
+            self._report(self.worker_id, removed, Medium.DEVICE, False, now)
+        return ok
+
+    def _evict_host(self, now: float, protected: frozenset[BlockKey]) -> bool:
+        victim = self.host_policy.victim(now, can_evict=lambda key: key not in protected)
+        if victim is None:
+            return False
+        self.host.remove(victim)
+        self.host_policy.on_remove(victim)
+        self.host_evictions += 1
+        self._report(self.worker_id, [self._ids[victim]], Medium.HOST, False, now)
+        return True
+
+    def fits_alone(self, request: SimRequest) -> bool:
+        return request.kv_blocks <= self.device_capacity
