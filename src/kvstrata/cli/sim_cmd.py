@@ -123,20 +123,21 @@ def run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             on_step=lambda step: console.log(f"rate search: {step}"),
         )
+    parallel = args.jobs > 1 and len(policies) > 1
     with Progress(console=console, disable=args.quiet, transient=True) as bar:
-        tasks = {
-            name: bar.add_task(name, total=len(policies) if args.jobs > 1 else len(trace))
-            for name in (["policies"] if args.jobs > 1 else policies)
-        }
-        current = iter(policies)
-        state = {"policy": next(current)}
+        if parallel:
+            tasks = {"policies": bar.add_task("policies", total=len(policies))}
+        else:
+            tasks = {name: bar.add_task(name, total=len(trace)) for name in policies}
+        state = {"policy": policies[0]}
 
         def on_done(name: str) -> None:
-            if args.jobs > 1:
+            if parallel:
                 bar.advance(tasks["policies"])
-            else:
-                bar.update(tasks[name], completed=len(trace))
-                state["policy"] = next(current, name)
+                return
+            bar.update(tasks[name], completed=len(trace))
+            following = policies.index(name) + 1
+            state["policy"] = policies[min(following, len(policies) - 1)]
 
         def progress(done: int) -> None:
             bar.update(tasks[state["policy"]], completed=done)
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             rate_scale=rate_scale,
             source=source,
-            jobs=args.jobs,
+            jobs=args.jobs if parallel else 1,
             on_done=on_done,
             progress=progress,
         )

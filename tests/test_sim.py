@@ -1,0 +1,222 @@
+"""``kvstrata sim``: determinism, conservation, hit-rate bound, policy ordering, CLI and plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli.main import main
+from kvstrata.index.core import ConsistencyMode
+from kvstrata.router.costs import CostProfile
+from kvstrata.sim.cluster import SimConfig, simulate
+from kvstrata.sim.profiles import gpu_a100_8b, reference_cpu
+from kvstrata.sim.report import summarize
+from kvstrata.sim.trace import (
+    SimRequest,
+    infinite_cache_hit_rate,
+    parse_window,
+    prepare,
+    select_window,
+)
+from kvstrata.workloads.mooncake import TraceRequest
+from kvstrata.workloads.synthetic import generate, preset, write_trace
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
+CONVERSATION = MOONCAKE / "conversation_trace.jsonl"
+
+
+def _chat(seed: int = 1, duration_s: float = 240.0, rate: float = 1.0) -> list[TraceRequest]:
+    config = replace(preset("chat", seed), duration_s=duration_s, conversation_rate_per_s=rate)
+    return generate(config)
+
+
+def _docs(seed: int = 2) -> list[TraceRequest]:
+    """Prefix-heavy: most conversations quote one of a few popular documents."""
+    config = replace(
+        preset("docs", seed), duration_s=300.0, conversation_rate_per_s=2.0, documents=40
+    )
+    return generate(config)
+
+
+def _config(**kwargs: object) -> SimConfig:
+    profile = gpu_a100_8b().with_capacities(256, 1024)
+    return SimConfig(profile=profile, workers=4, **kwargs)  # type: ignore[arg-type]
+
+
+def test_same_seed_same_result() -> None:
+    requests = prepare(_chat(), rate_scale=4.0)
+    config = _config(host_eviction="kvstrata", seed=3)
+    first = summarize(simulate(requests, "kvstrata", config))
+    second = summarize(simulate(requests, "kvstrata", config))
+    assert first == second
+
+
+@pytest.mark.parametrize("policy", ["kvstrata", "round-robin", "llm-d", "dynamo"])
+def test_every_request_completes_and_ttft_covers_its_prefill(policy: str) -> None:
+    requests = prepare(_chat(), rate_scale=8.0)
+    result = simulate(requests, policy, _config())
+    assert len(result.ttft_s) == len(requests)
+    assert all(t >= p - 1e-9 for t, p in zip(result.ttft_s, result.prefill_s, strict=True))
+    assert all(p > 0 for p in result.prefill_s)
+    assert result.prompt_tokens == sum(r.prompt_tokens for r in requests)
+    assert result.last_done_s >= max(r.arrival_s for r in requests)
+
+
+def test_one_worker_with_an_infinite_cache_reaches_the_bound() -> None:
+    requests = prepare(_chat(), rate_scale=1.0)
+    profile = gpu_a100_8b().with_capacities(10**7, 10**7)
+    result = simulate(requests, "round-robin", SimConfig(profile=profile, workers=1))
+    bound = infinite_cache_hit_rate(requests)
+    assert bound > 0.2
+    assert result.hit_tokens / result.prompt_tokens == pytest.approx(bound, abs=1e-12)
+
+
+def test_hit_tokens_count_full_blocks_and_never_the_last_token() -> None:
+    request = SimRequest(0, 0.0, prompt_tokens=1024, output_tokens=1, hashes=(1, 2))
+    assert request.hit_tokens(2) == 1023
+    assert request.hit_tokens(1) == 512
+    (partial,) = prepare([TraceRequest(0, 1000, 5, (7, 8))], 1.0)
+    assert partial.hashes == (7,)  # the partial last block is never cacheable
+
+
+def test_kvstrata_beats_round_robin_on_a_prefix_heavy_trace() -> None:
+    requests = prepare(_docs(), rate_scale=3.0)
+    config = _config()
+    kvstrata = summarize(simulate(requests, "kvstrata", config))
+    round_robin = summarize(simulate(requests, "round-robin", config))
+    assert kvstrata["hit_rate"] > round_robin["hit_rate"] + 0.05
+    assert kvstrata["ttft_mean_s"] < round_robin["ttft_mean_s"]
+    assert kvstrata["ttft_p99_s"] <= round_robin["ttft_p99_s"]
+
+
+def test_index_modes_and_event_lag_run_the_same_trace() -> None:
+    requests = prepare(_chat(), rate_scale=4.0)
+    for config in (
+        _config(index_mode=ConsistencyMode.APPROXIMATE),
+        _config(event_lag_s=0.5),
+        _config(estimate_noise=0.3),
+    ):
+        result = simulate(requests, "kvstrata", config)
+        assert len(result.ttft_s) == len(requests)
+        assert result.hit_tokens > 0
+
+
+def test_reference_cpu_profile_is_slower_than_the_gpu_one() -> None:
+    cpu, gpu = reference_cpu().cost.prefill, gpu_a100_8b().cost.prefill
+    assert cpu.seconds(2048) > 10 * gpu.seconds(2048)
+    assert cpu.seconds(2048) == pytest.approx(3.9, rel=0.01)  # the measured reference point
+
+
+def test_chunked_interference() -> None:
+    profile = CostProfile(
+        decode_interference_s=0.001, decode_step_base_s=0.01, prefill_chunk_tokens=2048
+    )
+    assert profile.interference_s(5000, 0) == 0.0
+    assert profile.interference_s(5000, 4) == pytest.approx(3 * (0.01 + 0.004))
+    unchunked = CostProfile(decode_interference_s=0.002)
+    assert unchunked.interference_s(5000, 4) == pytest.approx(0.008)
+
+
+def test_time_window() -> None:
+    requests = [TraceRequest(ms, 10, 1, (1,)) for ms in (0, 1000, 2000, 3000)]
+    assert parse_window("1:3") == (1.0, 3.0)
+    assert parse_window("2:") == (2.0, None)
+    assert [r.timestamp_ms for r in select_window(requests, 1.0, 3.0)] == [1000, 2000]
+    shifted = prepare(select_window(requests, 1.0, None), rate_scale=2.0)
+    assert [r.arrival_s for r in shifted] == [0.0, 0.5, 1.0]
+
+
+def test_cli_prints_the_json_report_and_writes_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "chat.jsonl"
+    write_trace(trace, _chat(duration_s=120.0))
+    plot = tmp_path / "ttft.png"
+    code = main(
+        [
+            "sim",
+            "--trace",
+            str(trace),
+            "--workers",
+            "4",
+            "--device-blocks",
+            "256",
+            "--host-blocks",
+            "1024",
+            "--policies",
+            "all",
+            "--rate-scale",
+            "4",
+            "--jobs",
+            "1",
+            "--json",
+            "--quiet",
+            "--plot",
+            str(plot),
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    for field in (
+        "trace",
+        "requests",
+        "workers",
+        "rate_scale",
+        "infinite_cache_hit_rate",
+        "best_baseline",
+        "kvstrata_p99_vs_best_baseline",
+        "kvstrata_hit_rate_vs_infinite",
+        "goal_met",
+    ):
+        assert field in report
+    assert set(report["policies"]) == {
+        "kvstrata",
+        "round-robin",
+        "least-loaded",
+        "prefix-affinity",
+        "dynamo",
+        "llm-d",
+    }
+    for figures in report["policies"].values():
+        for field in (
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "throughput_tok_s",
+            "hit_rate",
+            "load_imbalance",
+            "utilisation",
+        ):
+            assert figures[field] is not None
+    assert plot.stat().st_size > 10_000
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rate_search_reports_its_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "chat.jsonl"
+    write_trace(trace, _chat(duration_s=120.0))
+    argv = ["sim", "--trace", str(trace), "--workers", "2", "--policies", "kvstrata,llm-d"]
+    argv += ["--device-blocks", "256", "--target-utilisation", "0.5", "--jobs", "1", "--json"]
+    assert main([*argv, "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rate_search"]
+    assert report["best_baseline"] == "llm-d"
+    assert report["rate_scale"] in [step["rate_scale"] for step in report["rate_search"]]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared Mooncake trace not present")
+def test_whole_conversation_trace_at_the_documented_setting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["sim", "--trace", str(CONVERSATION), "--workers", "16", "--policies", "all"]
+    assert main([*argv, "--rate-scale", "2.5", "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 12031
+    assert 0.3 < report["infinite_cache_hit_rate"] < 0.4
+    assert len(report["policies"]) == 6
+    assert isinstance(report["goal_met"], bool)
