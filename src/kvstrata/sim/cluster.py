@@ -89,7 +89,7 @@ class RunResult:
     output_tokens: int
     busy_s: list[float]
     first_arrival_s: float
-    last_prefill_end_s: float
+    window_end_s: float
     last_done_s: float
     device_evictions: int
     host_evictions: int
@@ -313,8 +313,26 @@ class Simulation:
         )
         self.jobs.append(job)
         self._predicted.append(decision.predicted_ttft_s)
+        job.worker = n
         self.workers[n].enqueue(job)
         self._start(n)
+
+    def _window_end(self) -> float:
+        """Last arrival; with one instant of arrivals, the last prefill end instead."""
+        if not self.requests:
+            return 0.0
+        first, last = self.requests[0].arrival_s, self.requests[-1].arrival_s
+        if last > first:
+            return last
+        return max((j.start_s + j.prefill_s for j in self.jobs), default=last)
+
+    def _busy_in_window(self) -> list[float]:
+        """Per worker, prefill-busy seconds inside the arrival window (see ``worker``)."""
+        end = self._window_end()
+        busy = [0.0] * len(self.workers)
+        for job in self.jobs:
+            busy[job.worker] += max(0.0, min(job.start_s + job.prefill_s, end) - job.start_s)
+        return busy
 
     def _result(self) -> RunResult:
         jobs = self.jobs
@@ -328,9 +346,9 @@ class Simulation:
             hit_tokens=sum(job.hit_tokens for job in jobs),
             prompt_tokens=sum(job.request.prompt_tokens for job in jobs),
             output_tokens=sum(job.request.output_tokens for job in jobs),
-            busy_s=[worker.busy_s for worker in self.workers],
+            busy_s=self._busy_in_window(),
             first_arrival_s=self.requests[0].arrival_s if self.requests else 0.0,
-            last_prefill_end_s=max((j.start_s + j.prefill_s for j in jobs), default=0.0),
+            window_end_s=self._window_end(),
             last_done_s=max((j.done_s for j in jobs), default=0.0),
             device_evictions=sum(w.device_evictions for w in self.workers),
             host_evictions=sum(w.host_evictions for w in self.workers),

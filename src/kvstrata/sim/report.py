@@ -6,7 +6,7 @@ Figures per policy (all in simulated time):
 * ``throughput_tok_s`` — (prompt + generated tokens) / (first arrival → last completion);
 * ``hit_rate`` — prompt tokens served from any cache tier / prompt tokens;
 * ``utilisation`` — mean over workers of the prefill-busy fraction (``kvstrata.sim.worker``)
-  over first arrival → last prefill end; ``load_imbalance`` = max / mean of it;
+  over first → last arrival; ``load_imbalance`` = max / mean of it;
 * ``ttft_prediction_mae_s`` — the router's predicted TTFT vs the simulated one.
 
 ``best_baseline`` is the non-kvstrata policy with the lowest ``ttft_p99_s``. The goal
@@ -87,7 +87,7 @@ def run_policies(
 def summarize(result: RunResult) -> dict[str, Any]:
     ttft = np.asarray(result.ttft_s, dtype=np.float64)
     predicted = np.asarray(result.predicted_ttft_s, dtype=np.float64)
-    span = max(result.last_prefill_end_s - result.first_arrival_s, 1e-9)
+    span = max(result.window_end_s - result.first_arrival_s, 1e-9)
     busy = np.asarray(result.busy_s, dtype=np.float64) / span
     mean_util = float(busy.mean()) if len(busy) else 0.0
     makespan = max(result.last_done_s - result.first_arrival_s, 1e-9)

@@ -30,9 +30,11 @@ Service model (times from the worker's :class:`~kvstrata.sim.profiles.SimProfile
 * **Reports.** Stores are reported to the index when the prefill that computed them ends;
   evictions when they happen (the simulation may delay both by an event lag).
 
-Utilisation: the fraction of time a prefill is in progress (its fetch, compute and the decode
-steps interleaved with its chunks). Decodes run beside prefills and never delay a TTFT except
-through that interference, so this is the resource TTFT queues on.
+Utilisation: the fraction of the arrival window (first → last arrival) during which a
+prefill is in progress (its fetch, compute and the decode steps interleaved with its chunks);
+work left after the last arrival (draining a backlog) is not counted, so an overloaded
+cluster shows ~100%, not a diluted figure. Decodes run beside prefills and never delay a
+TTFT except through that interference, so this is the resource TTFT queues on.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Job:
     finish_steps: float = 0.0
     done_s: float = 0.0
     finished: bool = False
+    worker: int = -1
 
 
 class SimWorker:
