@@ -20,17 +20,21 @@ Two consistency modes, always visible in :class:`IndexStats` and in metrics:
 
 Storage: one dict router hash → packed int, 4 bits per worker slot (one bit per medium), so a
 lookup is one dict probe per block for all workers at once, and a longest-prefix match over
-16 workers is a handful of numpy operations on the probed values.
+16 workers is a handful of numpy operations on the probed values. Per worker, engine hash →
+router hash; when two engine hashes of one worker name the same router hash (vLLM's
+``cache_salt`` changes engine hashes, not tokens) the worker's bit stays set until the last
+of them is removed.
 """
 
 from __future__ import annotations
 
+import array
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +59,17 @@ from kvstrata.identity.router_hash import RouterHasher, RouterHashes
 _BITS_PER_SLOT: Final = 4
 _SLOT_MASK: Final = (1 << _BITS_PER_SLOT) - 1
 _NUMPY_SLOTS: Final = 64 // _BITS_PER_SLOT
-"""Up to 16 worker slots pack into one uint64: the vectorised match path."""
+"""16 worker slots pack into one uint64 word; more slots take several words per block."""
+_MASK64: Final = (1 << 64) - 1
+_LOW_BITS: Final = np.uint64(0x1111_1111_1111_1111)
+"""Bit 0 of every nibble: one presence bit per slot."""
+_LANE_MASK: Final = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
+_ONE: Final = np.uint64(1)
+_TWO: Final = np.uint64(2)
+_THREE: Final = np.uint64(3)
+_PROBE_CHUNK: Final = 512
+"""Blocks probed between checks for a block nobody holds (where every prefix ends)."""
+_NO_TIERS: Final = (0, 0, 0, 0)
 
 
 class Medium(IntEnum):
@@ -146,6 +160,12 @@ class _Worker:
     held: dict[BlockHash, int] = field(default_factory=dict)
     """engine hash → (router hash << 4) | medium bits."""
     per_medium: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    aliases: dict[int, int] = field(default_factory=dict)
+    """(router hash << 2) | medium → engine hashes beyond the first that place it there.
+
+    Two engine hashes can name the same router hash on one worker (vLLM's ``cache_salt`` or a
+    LoRA changes engine hashes, not tokens); the entry bit must outlive the first removal.
+    """
 
 
 class GlobalIndex:
@@ -352,21 +372,32 @@ class GlobalIndex:
         medium_bit = 1 << medium
         entry_bit = medium_bit << (worker.slot * _BITS_PER_SLOT)
         entries = self._entries
+        entries_get = entries.get
         held = worker.held
+        held_get = held.get
+        placed = 0
         for engine_hash, router_hash in zip(keys, router_hashes, strict=True):
-            packed = held.get(engine_hash)
-            if packed is not None:
-                if packed >> _BITS_PER_SLOT != router_hash:
-                    # The engine reused a hash for other content: forget the old placement.
-                    self._forget(worker, engine_hash, packed)
-                    packed = None
-                elif packed & medium_bit:
-                    self.stats.duplicate_stores += 1
-                    continue
-            held[engine_hash] = (packed or (router_hash << _BITS_PER_SLOT)) | medium_bit
-            entries[router_hash] = entries.get(router_hash, 0) | entry_bit
-            worker.per_medium[medium] += 1
-            self.stats.blocks_stored += 1
+            packed = held_get(engine_hash)
+            if packed is None:
+                held[engine_hash] = (router_hash << _BITS_PER_SLOT) | medium_bit
+            elif packed >> _BITS_PER_SLOT != router_hash:
+                # The engine reused a hash for other content: forget the old placement.
+                self._forget(worker, engine_hash, packed)
+                held[engine_hash] = (router_hash << _BITS_PER_SLOT) | medium_bit
+            elif packed & medium_bit:
+                self.stats.duplicate_stores += 1
+                continue
+            else:
+                held[engine_hash] = packed | medium_bit
+            value = entries_get(router_hash, 0)
+            if value & entry_bit:
+                alias = (router_hash << 2) | medium
+                worker.aliases[alias] = worker.aliases.get(alias, 0) + 1
+            else:
+                entries[router_hash] = value | entry_bit
+            placed += 1
+        worker.per_medium[medium] += placed
+        self.stats.blocks_stored += placed
 
     def remove_hashes(
         self, worker_id: str, engine_hashes: Sequence[BlockHash], medium: Medium
@@ -388,20 +419,30 @@ class GlobalIndex:
                 worker.held[engine_hash] = remaining
             else:
                 del worker.held[engine_hash]
-            self._clear_entry_bits(router_hash, entry_bit)
+            self._release(worker, router_hash, medium, entry_bit)
             worker.per_medium[medium] -= 1
             self.stats.blocks_removed += 1
 
     def _forget(self, worker: _Worker, engine_hash: BlockHash, packed: int) -> None:
         router_hash = packed >> _BITS_PER_SLOT
+        shift = worker.slot * _BITS_PER_SLOT
         for medium in Medium:
             if packed & (1 << medium):
                 worker.per_medium[medium] -= 1
-        self._clear_entry_bits(router_hash, (packed & _SLOT_MASK) << (worker.slot * _BITS_PER_SLOT))
+                self._release(worker, router_hash, medium, (1 << medium) << shift)
         del worker.held[engine_hash]
 
-    def _clear_entry_bits(self, router_hash: int, bits: int) -> None:
-        value = self._entries.get(router_hash, 0) & ~bits
+    def _release(self, worker: _Worker, router_hash: int, medium: int, entry_bit: int) -> None:
+        """An engine hash stopped placing ``router_hash`` in ``medium``: clear if the last."""
+        alias = (router_hash << 2) | medium
+        others = worker.aliases.get(alias)
+        if others:
+            if others == 1:
+                del worker.aliases[alias]
+            else:
+                worker.aliases[alias] = others - 1
+            return
+        value = self._entries.get(router_hash, 0) & ~entry_bit
         if value:
             self._entries[router_hash] = value
         else:
@@ -420,6 +461,7 @@ class GlobalIndex:
                 entries.pop(router_hash, None)
         dropped = len(worker.held)
         worker.held.clear()
+        worker.aliases.clear()
         worker.per_medium = [0, 0, 0, 0]
         return dropped
 
@@ -472,29 +514,27 @@ class GlobalIndex:
         """Every known worker's longest cached prefix of the request (0 blocks if none).
 
         Workers marked inconsistent (lost events, resync pending) match nothing: when unsure,
-        the router must assume a recompute.
+        the router must assume a recompute. Probing stops at the first block no worker holds
+        (no prefix can reach past it); the rest is a few numpy passes over the packed values
+        for all workers at once (:func:`_slot_prefixes`).
         """
         if self.mode is ConsistencyMode.APPROXIMATE:
             return self._match_approx(router_hashes, self._clock() if now is None else now)
         hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
-        get = self._entries.get
-        values = [get(h, 0) for h in hashes]
-        result: dict[str, PrefixMatch] = {}
-        first = values[0] if values else 0
-        use_numpy = self._next_slot <= _NUMPY_SLOTS
-        packed: npt.NDArray[np.uint64] | None = None
+        values = _probe(self._entries, hashes)
+        live = 0
         for worker in self._workers.values():
-            shift = worker.slot * _BITS_PER_SLOT
-            if not worker.consistent or not (first >> shift) & _SLOT_MASK:
-                result[worker.worker_id] = PrefixMatch(worker.worker_id, 0, (0, 0, 0, 0))
+            if worker.consistent:
+                live |= 1 << (worker.slot * _BITS_PER_SLOT)
+        counts = _slot_prefixes(values, self._next_slot, live) if values and live else None
+        result: dict[str, PrefixMatch] = {}
+        for worker in self._workers.values():
+            if counts is None or not counts[0, worker.slot]:
+                result[worker.worker_id] = PrefixMatch(worker.worker_id, 0, _NO_TIERS)
                 continue
-            if use_numpy:
-                if packed is None:
-                    packed = np.array(values, dtype=np.uint64)
-                nibbles = (packed >> np.uint64(shift)) & np.uint64(_SLOT_MASK)
-            else:
-                nibbles = np.array([(v >> shift) & _SLOT_MASK for v in values], dtype=np.uint64)
-            result[worker.worker_id] = _prefix_of(worker.worker_id, nibbles)
+            depth, device, host, disk = (int(c) for c in counts[:, worker.slot])
+            tiers = (device, host, disk, depth - device - host - disk)
+            result[worker.worker_id] = PrefixMatch(worker.worker_id, depth, tiers)
         return result
 
     def _match_approx(
@@ -522,13 +562,66 @@ class GlobalIndex:
         }
 
 
-def _prefix_of(worker_id: str, nibbles: npt.NDArray[np.uint64]) -> PrefixMatch:
-    """Longest run of present blocks from the start, counted by each block's fastest medium."""
-    absent = np.flatnonzero(nibbles == 0)
-    depth = int(absent[0]) if len(absent) else len(nibbles)
-    run = nibbles[:depth]
-    device = int(np.count_nonzero(run & np.uint64(1)))
-    host = int(np.count_nonzero((run & np.uint64(3)) == 2))
-    disk = int(np.count_nonzero((run & np.uint64(7)) == 4))
-    remote = depth - device - host - disk
-    return PrefixMatch(worker_id, depth, (device, host, disk, remote))
+def _probe(entries: dict[int, int], hashes: Sequence[int]) -> list[int]:
+    """The packed values of the request's blocks, up to (without) the first block nobody holds."""
+    get = entries.get
+    values: list[int] = []
+    for start in range(0, len(hashes), _PROBE_CHUNK):
+        chunk: list[int | None] = list(map(get, hashes[start : start + _PROBE_CHUNK]))
+        if None in chunk:
+            values.extend(cast(list[int], chunk[: chunk.index(None)]))
+            break
+        values.extend(cast(list[int], chunk))
+    return values
+
+
+def _slot_prefixes(values: list[int], slots: int, live: int) -> npt.NDArray[np.int64]:
+    """``[4, slots]``: per slot, prefix depth and its blocks at best on device, host, disk.
+
+    ``live`` has bit ``4·slot`` set for every slot that may match. Values wider than one
+    uint64 (more than 16 slots) are split into 64-bit words through their bytes; each word is
+    then handled alike: a slot's block is present when its nibble is non-zero, a running AND
+    of presence gives the prefix (prefix-closed by construction), and masked bit counts per
+    nibble give the depth and the fastest-medium split.
+    """
+    words = max(1, -(-slots // _NUMPY_SLOTS))
+    if words == 1:  # array.array converts a list of ints faster than numpy does
+        packed = np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
+    else:
+        width = 8 * words
+        raw = b"".join(v.to_bytes(width, "little") for v in values)
+        packed = np.frombuffer(raw, dtype="<u8").reshape(-1, words)
+    counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
+    for word in range(words):
+        v = np.ascontiguousarray(packed[:, word], dtype=np.uint64)
+        mask = np.uint64((live >> (64 * word)) & _MASK64)
+        if not mask:
+            continue
+        present = (v | (v >> _ONE) | (v >> _TWO) | (v >> _THREE)) & _LOW_BITS
+        alive = np.bitwise_and.accumulate(present) & mask
+        device = v & alive
+        host = (v >> _ONE) & ~v & alive
+        disk = (v >> _TWO) & ~(v >> _ONE) & ~v & alive
+        columns = slice(word * _NUMPY_SLOTS, (word + 1) * _NUMPY_SLOTS)
+        for row, bits in enumerate((alive, device, host, disk)):
+            counts[row, columns] = _nibble_bit_counts(bits)
+    return counts[:, :slots]
+
+
+def _nibble_bit_counts(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    """How many values have bit ``4·s`` set, for each of the 16 nibbles ``s``.
+
+    Even and odd nibbles are moved into separate byte lanes; up to 255 one-bit values then sum
+    without carrying across lanes, and the lanes are read back as bytes.
+    """
+    n = len(bits)
+    pad = (-n) % 255
+    if pad:
+        bits = np.concatenate([bits, np.zeros(pad, dtype=np.uint64)])
+    rows = bits.reshape(-1, 255)
+    counts = np.empty(_NUMPY_SLOTS, dtype=np.int64)
+    for parity in (0, 1):
+        lanes = ((rows >> np.uint64(4 * parity)) & _LANE_MASK).sum(axis=1, dtype=np.uint64)
+        per_byte = lanes.astype("<u8").view(np.uint8).reshape(-1, 8).sum(axis=0, dtype=np.int64)
+        counts[parity::2] = per_byte
+    return counts
