@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstrata.cli import bench_eviction, bench_hash, bench_reuse, bench_tiers, bench_ttft
+from kvstrata.cli import (
+    bench_eviction,
+    bench_hash,
+    bench_index,
+    bench_reuse,
+    bench_tiers,
+    bench_ttft,
+)
 
 
 def register(sub: Any) -> None:
@@ -16,3 +23,4 @@ def register(sub: Any) -> None:
     bench_hash.register(bench_sub)
     bench_eviction.register(bench_sub)
     bench_tiers.register(bench_sub)
+    bench_index.register(bench_sub)

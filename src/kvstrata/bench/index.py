@@ -1,0 +1,421 @@
+"""Global index throughput: how fast events apply, how fast a long request is looked up.
+
+The index is filled the way a fleet fills it: every worker's engine emits one batch per step
+with one ``BlockStored`` per running request (chunked prefill: up to ``step_tokens`` new
+tokens per request and step, chained to the previous chunk by its parent hash). Requests
+share prefixes (system prompts, documents) drawn by a Zipf law and then add a tail of their
+own; a worker stores a shared prefix only the first time it sees it. Two long documents of
+``request_tokens`` tokens are held, at several depths and in device and host tiers, by a few
+workers each: they are the requests looked up, so every lookup walks the full request (no
+early exit at a block nobody holds), the worst case for the index.
+
+Figures:
+
+- ``events_blocks_per_s``: blocks of ``BlockStored`` events applied per second of
+  ``apply_batch`` (router hashing of the event tokens included; building the events is not).
+- ``hash_ms`` / ``hash_p99_ms``: router hashes of the request (a Python list of token ids, as a
+  router receives it); ``blake3_hash_ms``: BLAKE3 storage keys of the same tokens, what hashing
+  with the workers' own keys would cost instead.
+- ``lookup_p50_ms`` / ``lookup_p99_ms``: ``match`` over the request's hashes (every worker's
+  longest prefix and its split by tier); ``lookup_with_hash_*``: hashing and match together.
+- The peer, in the same run on the same events: ``NaiveIndex``, one plain dict per worker
+  (engine hash → router hash, router hash → medium bits) and a per-worker walk until the first
+  miss. ``naive_*`` figures and the ratios naive / kvstrata (> 1: the index is faster).
+- ``index_blocks`` (placements: a block held by two workers counts twice), ``index_entries``
+  (distinct blocks), ``rss_mb`` (resident memory the index added while it was filled: an upper
+  bound, as freed event objects stay in the allocator's pools) and ``bytes_per_block``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.errors import InvalidInput
+from kvstrata.events.schema import BlockHash, BlockStored, KVEvent, KVEventBatch
+from kvstrata.identity.keys import FingerprintDigest, chain_keys
+from kvstrata.index.core import GlobalIndex, parse_medium
+
+VOCAB_SIZE = 151_936
+FINGERPRINT = FingerprintDigest(bytes(range(32)))
+
+
+@dataclass(frozen=True)
+class IndexBenchConfig:
+    """What to build; the defaults are the issue's target (≥ 1M blocks, 16 workers, 128k)."""
+
+    blocks: int = 1 << 20
+    """Fill until the index holds at least this many distinct blocks."""
+    workers: int = 16
+    request_tokens: int = 131_072
+    repeats: int = 100
+    block_size: int = 16
+    step_tokens: int = 512
+    """New tokens per request and engine step (chunked prefill): one event's size."""
+    running_requests: int = 8
+    """Requests per engine step, i.e. events per batch."""
+    prefixes: int = 1024
+    prefix_blocks: tuple[int, int] = (8, 256)
+    tail_blocks: tuple[int, int] = (8, 128)
+    zipf: float = 1.1
+    seed: int = 0
+    naive: bool = True
+
+    def check(self) -> None:
+        if self.block_size <= 0 or self.workers <= 0 or self.repeats <= 0 or self.blocks < 0:
+            raise InvalidInput("block size, workers and repeats must be positive")
+        if self.request_tokens < self.block_size:
+            raise InvalidInput("the request needs at least one full block of tokens")
+        if self.step_tokens < self.block_size or self.running_requests <= 0:
+            raise InvalidInput("an engine step must store at least one block")
+
+
+@dataclass
+class IndexBenchResult:
+    workers: int
+    block_size: int
+    request_tokens: int
+    request_blocks: int
+    repeats: int
+    index_blocks: int
+    index_entries: int
+    batches: int
+    events: int
+    blocks_per_event: float
+    apply_s: float
+    events_blocks_per_s: float
+    matched_blocks: list[int]
+    """Per worker (descending), the blocks of the looked-up requests held (the last lookup)."""
+    peer_agrees: bool | None
+    """Every lookup's per-worker depth and tier split equal the peer's (None: no peer)."""
+    hash_ms: float
+    hash_p99_ms: float
+    blake3_hash_ms: float
+    lookup_p50_ms: float
+    lookup_p99_ms: float
+    lookup_with_hash_p50_ms: float
+    lookup_with_hash_p99_ms: float
+    rss_mb: float
+    bytes_per_block: float
+    naive: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        naive = body.pop("naive")
+        body.update(naive)
+        return body
+
+
+# ------------------------------------------------------------------------------ the peer
+class NaiveIndex:
+    """The obvious index: per worker, engine hash → router hash and router hash → medium bits.
+
+    It places ``BlockStored`` events exactly as :class:`GlobalIndex` does (same router hashes,
+    continued from the parent) so both hold the same blocks; only the data layout differs.
+    """
+
+    def __init__(self, index: GlobalIndex) -> None:
+        self._hasher = index.hasher(None)
+        self.engine: dict[str, dict[BlockHash, int]] = {}
+        self.held: dict[str, dict[int, int]] = {}
+
+    def apply_batch(self, worker_id: str, batch: KVEventBatch) -> None:
+        engine = self.engine.setdefault(worker_id, {})
+        held = self.held.setdefault(worker_id, {})
+        for event in batch.events:
+            if not isinstance(event, BlockStored):
+                continue
+            medium = parse_medium(event.medium)
+            if medium is None:
+                continue
+            parent = None
+            if event.parent_block_hash is not None:
+                parent = engine.get(event.parent_block_hash)
+                if parent is None:
+                    continue
+            routers = self._hasher.extend(parent, event.token_ids).tolist()
+            bit = 1 << medium
+            for engine_hash, router in zip(event.block_hashes, routers, strict=True):
+                engine[engine_hash] = router
+                held[router] = held.get(router, 0) | bit
+
+    def match(self, hashes: list[int]) -> dict[str, tuple[int, list[int]]]:
+        result: dict[str, tuple[int, list[int]]] = {}
+        for worker_id, held in self.held.items():
+            tiers = [0, 0, 0, 0]
+            depth = 0
+            for router in hashes:
+                bits = held.get(router)
+                if not bits:
+                    break
+                tiers[_FASTEST[bits]] += 1
+                depth += 1
+            result[worker_id] = (depth, tiers)
+        return result
+
+
+_FASTEST = [0] + [(b & -b).bit_length() - 1 for b in range(1, 16)]
+"""Medium bits → the fastest medium among them."""
+
+
+# ------------------------------------------------------------------------------ workload
+@dataclass(eq=False)
+class _Request:
+    """A request's blocks still to store: (tokens, engine hashes, parent) segments."""
+
+    tokens: npt.NDArray[np.uint32]
+    hashes: npt.NDArray[np.uint64]
+    parent: int | None
+    medium: str = "GPU"
+    prefix: int | None = None
+    document: bool = False
+
+
+class _Workload:
+    """Deterministic engine steps of every worker (the same sequence for index and peer)."""
+
+    def __init__(self, config: IndexBenchConfig) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        bs = config.block_size
+        low, high = config.prefix_blocks
+        lengths = self.rng.integers(low, high + 1, size=config.prefixes)
+        self.prefix_tokens = [self._tokens(int(n) * bs) for n in lengths]
+        self.prefix_hashes = [self._hashes(int(n)) for n in lengths]
+        ranks = np.arange(1, config.prefixes + 1, dtype=np.float64)
+        weights = ranks**-config.zipf
+        self.prefix_p = weights / weights.sum()
+        request_blocks = config.request_tokens // bs
+        self.documents = [self._tokens(request_blocks * bs) for _ in range(2)]
+        self.document_hashes = [self._hashes(request_blocks) for _ in range(2)]
+        self.steps_per_chunk = max(1, config.step_tokens // bs)
+        self.pending_documents = 0
+        """Document requests not yet fully stored (lookups need them complete)."""
+
+    def _tokens(self, n: int) -> npt.NDArray[np.uint32]:
+        return self.rng.integers(0, VOCAB_SIZE, size=n, dtype=np.uint32)
+
+    def _hashes(self, n: int) -> npt.NDArray[np.uint64]:
+        return self.rng.integers(0, 2**63, size=n, dtype=np.uint64)
+
+    def _documents(self, workers: list[str]) -> dict[str, list[_Request]]:
+        """Each document on up to four workers: full, 3/4, 1/2, 1/4 deep; the first also on host."""
+        queued: dict[str, list[_Request]] = {w: [] for w in workers}
+        blocks = len(self.document_hashes[0])
+        bs = self.config.block_size
+        for d, (toks, hashes) in enumerate(zip(self.documents, self.document_hashes, strict=True)):
+            for k in range(4):
+                worker = workers[(d + 2 * k) % len(workers)]
+                depth = max(1, blocks * (4 - k) // 4)
+                for medium in ("GPU", "CPU") if k == 0 else ("GPU",):
+                    queued[worker].append(
+                        _Request(toks[: depth * bs], hashes[:depth], None, medium, document=True)
+                    )
+                    self.pending_documents += 1
+        return queued
+
+    def batches(self, workers: list[str]) -> Iterator[tuple[str, KVEventBatch]]:
+        """Round-robin over workers, one engine step each, for ever (the caller stops)."""
+        config = self.config
+        bs = config.block_size
+        queued = self._documents(workers)
+        running: dict[str, list[_Request]] = {w: [] for w in workers}
+        held: dict[str, set[int]] = {w: set() for w in workers}
+        in_flight: dict[str, set[int]] = {w: set() for w in workers}
+        ts = 0.0
+        while True:
+            for worker in workers:
+                active = running[worker]
+                while len(active) < config.running_requests:
+                    active.append(
+                        queued[worker].pop(0)
+                        if queued[worker]
+                        else self._new_request(held[worker], in_flight[worker])
+                    )
+                events: list[KVEvent] = []
+                for request in active:
+                    n = min(self.steps_per_chunk, len(request.hashes))
+                    chunk = request.hashes[:n].tolist()
+                    events.append(
+                        BlockStored(
+                            block_hashes=chunk,
+                            parent_block_hash=request.parent,
+                            token_ids=request.tokens[: n * bs].tolist(),
+                            block_size=bs,
+                            lora_id=None,
+                            medium=request.medium,
+                            lora_name=None,
+                        )
+                    )
+                    request.parent = chunk[-1]
+                    request.hashes = request.hashes[n:]
+                    request.tokens = request.tokens[n * bs :]
+                for request in [r for r in active if not len(r.hashes)]:
+                    active.remove(request)
+                    self.pending_documents -= request.document
+                    if request.prefix is not None:
+                        in_flight[worker].discard(request.prefix)
+                ts += 0.001
+                yield worker, KVEventBatch(ts=ts, events=events)
+
+    def _new_request(self, held: set[int], in_flight: set[int]) -> _Request:
+        """A shared prefix (stored first if this worker lacks it) and a tail of its own."""
+        config = self.config
+        prefix = int(self.rng.choice(len(self.prefix_p), p=self.prefix_p))
+        low, high = config.tail_blocks
+        tail = int(self.rng.integers(low, high + 1))
+        tail_tokens, tail_hashes = self._tokens(tail * config.block_size), self._hashes(tail)
+        if prefix in in_flight:  # another running request is storing it: start a fresh chain
+            return _Request(tail_tokens, tail_hashes, None)
+        parent = int(self.prefix_hashes[prefix][-1])
+        if prefix in held:
+            return _Request(tail_tokens, tail_hashes, parent)
+        held.add(prefix)
+        in_flight.add(prefix)
+        return _Request(
+            np.concatenate([self.prefix_tokens[prefix], tail_tokens]),
+            np.concatenate([self.prefix_hashes[prefix], tail_hashes]),
+            None,
+            prefix=prefix,
+        )
+
+
+# ------------------------------------------------------------------------------ measuring
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: peak RSS, KiB on Linux/BSD
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _fill(
+    apply: Callable[[str, KVEventBatch], None],
+    workload: _Workload,
+    workers: list[str],
+    done: Callable[[int], bool],
+) -> tuple[float, int, int, int]:
+    """Apply batches until ``done(batches)``; returns apply seconds, batches, events, blocks."""
+    seconds = 0.0
+    batches = events = blocks = 0
+    steps = workload.batches(workers)
+    while not done(batches):
+        worker, batch = next(steps)
+        start = time.perf_counter()
+        apply(worker, batch)
+        seconds += time.perf_counter() - start
+        batches += 1
+        events += len(batch.events)
+        blocks += sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+    return seconds, batches, events, blocks
+
+
+def _quantiles_ms(samples: list[float]) -> tuple[float, float]:
+    values = np.array(samples) * 1e3
+    return float(np.quantile(values, 0.5)), float(np.quantile(values, 0.99))
+
+
+def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
+    """Fill the index (and the peer), then time hashing and lookups of the long requests."""
+    config = config or IndexBenchConfig()
+    config.check()
+    workers = [f"worker-{i:02d}" for i in range(config.workers)]
+    index = GlobalIndex(FINGERPRINT, config.block_size, clock=lambda: 0.0)
+    gc.collect()
+    rss_before = _rss_bytes()
+    workload = _Workload(config)
+    apply_s, batches, events, blocks = _fill(
+        index.apply_batch,
+        workload,
+        workers,
+        lambda _: len(index) >= config.blocks and not workload.pending_documents,
+    )
+    gc.collect()
+    rss_added = max(0, _rss_bytes() - rss_before)
+    index_blocks = sum(sum(index.blocks_held(w)) for w in workers)
+
+    naive_figures: dict[str, float] = {}
+    peer: NaiveIndex | None = None
+    if config.naive:
+        peer = NaiveIndex(index)
+        naive_apply_s, *_ = _fill(peer.apply_batch, _Workload(config), workers, batches.__le__)
+        naive_figures["naive_events_blocks_per_s"] = blocks / max(naive_apply_s, 1e-9)
+
+    requests = [doc.tolist() for doc in workload.documents]
+    root = index.root("default")
+    hash_s, lookup_s, both_s, naive_s, blake3_s = [], [], [], [], []
+    matched: list[int] = []
+    agrees: bool | None = None if peer is None else True
+    for i in range(config.repeats):
+        tokens = requests[i % len(requests)]
+        start = time.perf_counter()
+        hashes = index.request_hashes(None, tokens)
+        hashed = time.perf_counter()
+        found = index.match(hashes)
+        done = time.perf_counter()
+        hash_s.append(hashed - start)
+        lookup_s.append(done - hashed)
+        both_s.append(done - start)
+        matched = sorted((m.blocks for m in found.values()), reverse=True)
+        if peer is not None:
+            plain = hashes.tolist()
+            start = time.perf_counter()
+            theirs = peer.match(plain)
+            naive_s.append(time.perf_counter() - start)
+            ours = {w: (m.blocks, list(m.tier_blocks)) for w, m in found.items()}
+            agrees = agrees and ours == theirs
+        if i < min(config.repeats, 10):
+            start = time.perf_counter()
+            chain_keys(root, tokens, config.block_size)
+            blake3_s.append(time.perf_counter() - start)
+
+    hash_p50, hash_p99 = _quantiles_ms(hash_s)
+    lookup_p50, lookup_p99 = _quantiles_ms(lookup_s)
+    both_p50, both_p99 = _quantiles_ms(both_s)
+    blake3_ms = float(np.median(blake3_s)) * 1e3
+    if naive_s:
+        naive_p50, naive_p99 = _quantiles_ms(naive_s)
+        naive_figures.update(
+            naive_lookup_p50_ms=naive_p50,
+            naive_lookup_p99_ms=naive_p99,
+            lookup_speedup_p99=naive_p99 / max(lookup_p99, 1e-9),
+            apply_speedup=(blocks / max(apply_s, 1e-9))
+            / max(naive_figures["naive_events_blocks_per_s"], 1e-9),
+        )
+    return IndexBenchResult(
+        workers=config.workers,
+        block_size=config.block_size,
+        request_tokens=config.request_tokens,
+        request_blocks=config.request_tokens // config.block_size,
+        repeats=config.repeats,
+        index_blocks=index_blocks,
+        index_entries=len(index),
+        batches=batches,
+        events=events,
+        blocks_per_event=blocks / max(events, 1),
+        apply_s=apply_s,
+        events_blocks_per_s=blocks / max(apply_s, 1e-9),
+        matched_blocks=matched,
+        peer_agrees=agrees,
+        hash_ms=hash_p50,
+        hash_p99_ms=hash_p99,
+        blake3_hash_ms=blake3_ms,
+        lookup_p50_ms=lookup_p50,
+        lookup_p99_ms=lookup_p99,
+        lookup_with_hash_p50_ms=both_p50,
+        lookup_with_hash_p99_ms=both_p99,
+        rss_mb=rss_added / 2**20,
+        bytes_per_block=rss_added / max(index_blocks, 1),
+        naive=naive_figures,
+    )
+
+
+__all__ = ["IndexBenchConfig", "IndexBenchResult", "NaiveIndex", "run_index_bench"]

@@ -1,0 +1,71 @@
+"""``kvstrata bench index``: event apply rate and long-request lookup time of the global index."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvstrata.bench.index import IndexBenchConfig, run_index_bench
+from kvstrata.cli.output import emit
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "index", help="global index: BlockStored apply rate, lookup latency vs a plain-dict peer"
+    )
+    defaults = IndexBenchConfig()
+    parser.add_argument(
+        "--blocks", type=int, default=defaults.blocks, help="fill until this many distinct blocks"
+    )
+    parser.add_argument("--workers", type=int, default=defaults.workers, help="worker count")
+    parser.add_argument(
+        "--request-tokens",
+        type=int,
+        default=defaults.request_tokens,
+        help="tokens of the looked-up request",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=defaults.repeats, help="lookups timed (p50/p99 over them)"
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
+    parser.add_argument("--no-naive", action="store_true", help="skip the plain-dict peer")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    result = run_index_bench(
+        IndexBenchConfig(
+            blocks=args.blocks,
+            workers=args.workers,
+            request_tokens=args.request_tokens,
+            repeats=args.repeats,
+            seed=args.seed,
+            naive=not args.no_naive,
+        )
+    ).to_dict()
+    naive = result.get
+    rows = [
+        (
+            "apply BlockStored (blocks/s)",
+            result["events_blocks_per_s"],
+            naive("naive_events_blocks_per_s"),
+        ),
+        ("lookup p50 (ms)", result["lookup_p50_ms"], naive("naive_lookup_p50_ms")),
+        ("lookup p99 (ms)", result["lookup_p99_ms"], naive("naive_lookup_p99_ms")),
+        ("hash request (ms)", result["hash_ms"], result["blake3_hash_ms"]),
+        ("hash + lookup p99 (ms)", result["lookup_with_hash_p99_ms"], None),
+        ("index blocks / distinct", result["index_blocks"], result["index_entries"]),
+        ("bytes per block (RSS)", result["bytes_per_block"], None),
+    ]
+    emit(
+        result,
+        as_json=args.json,
+        title=(
+            f"kvstrata bench index: {result['workers']} workers, "
+            f"{result['request_tokens']}-token request, peer = plain dicts (hash row: BLAKE3)"
+        ),
+        columns=("figure", "kvstrata", "peer"),
+        rows=[(name, ours, "-" if peer is None else peer) for name, ours, peer in rows],
+    )
+    return 0
