@@ -1,7 +1,8 @@
 """``kvstrata serve``: the reference engine behind an OpenAI-compatible HTTP API.
 
 The device pool is sized in GiB and converted to blocks from the model's KV bytes per
-block, so the same flag means the same memory for every model.
+block, so the same flag means the same memory for every model. With ``--events-endpoint`` the
+worker publishes its KV events (every tier) over ZMQ and serves ``/kv/info`` and ``/kv/dump``.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvstrata.engine.factory import TierOptions
+from kvstrata.engine.kv_events import KVEventsConfig
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
@@ -77,6 +80,26 @@ def register(sub: Any) -> None:
         help="break-even: below this many reusable tokens from a tier, recompute",
     )
     tiers.add_argument("--admin-token", default=None, help="require this bearer token on /admin")
+    events = parser.add_argument_group("KV events (what this worker holds, for a fleet index)")
+    events.add_argument(
+        "--events-endpoint",
+        default=None,
+        help="ZMQ endpoint to publish KV events on, e.g. tcp://127.0.0.1:* (random port); "
+        "unset: no events",
+    )
+    events.add_argument(
+        "--replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint answering replay requests for missed batches",
+    )
+    events.add_argument(
+        "--worker-id", default=None, help="this worker's id in events (default: HOSTNAME:PORT)"
+    )
+    events.add_argument(
+        "--debug-endpoints",
+        action="store_true",
+        help="serve POST /kv/debug/drop-events (event gap injection, for recovery tests)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -107,6 +130,26 @@ def tier_options(args: argparse.Namespace) -> TierOptions | None:
     )
 
 
+def events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    """The KV event plane asked for on the command line, or None (no events)."""
+    if args.events_endpoint is None:
+        if args.replay_endpoint is not None or args.worker_id is not None:
+            raise InvalidInput("--replay-endpoint and --worker-id need --events-endpoint")
+        return None
+    for flag, value in (
+        ("--events-endpoint", args.events_endpoint),
+        ("--replay-endpoint", args.replay_endpoint),
+    ):
+        if value is not None and "://" not in value:
+            raise InvalidInput(
+                f"{flag} must be a ZMQ endpoint like tcp://127.0.0.1:*, got {value!r}"
+            )
+    if args.worker_id is not None and not args.worker_id.strip():
+        raise InvalidInput("--worker-id must not be empty")
+    worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
+    return KVEventsConfig(args.events_endpoint, args.replay_endpoint, worker_id=worker_id)
+
+
 def pool_blocks_for(loaded: LoadedModel, block_size: int, pool_gib: float) -> int:
     """How many KV blocks of this model fit in ``pool_gib`` GiB (fp32 KV, as the engine keeps)."""
     from kvstrata.engine.engine import pool_config_for
@@ -130,33 +173,60 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstrata.engine.engine import EngineConfig
     from kvstrata.engine.factory import build_engine
+    from kvstrata.engine.kv_events import KVEventEmitter
     from kvstrata.engine.model_loader import load_model
     from kvstrata.serve.app import create_app
     from kvstrata.telemetry import KvMetrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    tiers = tier_options(args)
+    events_options = events_config(args)
     loaded = load_model(args.model)
     blocks = pool_blocks_for(loaded, args.block_size, args.pool_gib)
     metrics = KvMetrics()
-    engine = build_engine(
-        loaded,
-        EngineConfig(block_size=args.block_size, pool_blocks=blocks),
-        tier_options(args),
-        metrics=metrics,
-    )
-    name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, metrics=metrics, admin_token=args.admin_token)
-    _banner(name, args.host, args.port, engine.device, blocks, args.block_size)
-    if engine.bridge is not None:
-        levels = ", ".join(
-            f"{lvl.name} {lvl.tier.capacity_bytes / GIB:.2f} GiB ({lvl.config.write_policy.value})"
-            for lvl in engine.bridge.store.levels
-        )
-        print(f'  tiers: {levels}; rollback: POST {{"enabled": false}} to /admin/tiers/NAME')
+    emitter = None
+    if events_options is not None:
+        emitter = KVEventEmitter.from_config(events_options, block_size=args.block_size).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        engine = build_engine(
+            loaded,
+            EngineConfig(block_size=args.block_size, pool_blocks=blocks),
+            tiers,
+            metrics=metrics,
+            events=emitter,
+        )
+        try:
+            name = args.served_model_name or args.model
+            app = create_app(
+                engine,
+                model_name=name,
+                metrics=metrics,
+                admin_token=args.admin_token,
+                debug_endpoints=args.debug_endpoints,
+            )
+            _banner(name, args.host, args.port, engine.device, blocks, args.block_size)
+            if engine.bridge is not None:
+                levels = ", ".join(
+                    f"{lvl.name} {lvl.tier.capacity_bytes / GIB:.2f} GiB "
+                    f"({lvl.config.write_policy.value})"
+                    for lvl in engine.bridge.store.levels
+                )
+                print(
+                    f'  tiers: {levels}; rollback: POST {{"enabled": false}} to /admin/tiers/NAME'
+                )
+            if emitter is not None:
+                publisher = emitter.publisher
+                print(
+                    f"  KV events: worker {emitter.worker_id!r} epoch {emitter.epoch} on "
+                    f"{publisher.endpoint} (replay {publisher.replay_endpoint}); /kv/info, /kv/dump"
+                )
+            sys.stdout.flush()
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            engine.close()  # flush write-back queues to disk (and publish what that stored)
     finally:
-        engine.close()  # flush write-back queues to disk
+        if emitter is not None:
+            emitter.close()
     return 0
 
 

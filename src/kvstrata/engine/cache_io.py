@@ -14,7 +14,7 @@ from typing import Any
 from transformers import DynamicCache
 
 from kvstrata.engine.kv_pool import PagedKVPool
-from kvstrata.engine.tiering import BlockInfo, StoreBridge
+from kvstrata.engine.tiering import BlockInfo, StoreBridge, block_tokens
 from kvstrata.identity import BlockKey
 
 
@@ -43,8 +43,13 @@ def store_blocks(
     cache: DynamicCache,
     first_block: int,
     tenant: str,
+    token_ids: Sequence[int] | None = None,
 ) -> None:
-    """Write full blocks ``first_block..`` whose KV is in ``cache`` into the pool."""
+    """Write full blocks ``first_block..`` whose KV is in ``cache`` into the pool.
+
+    ``token_ids`` is the sequence ``keys`` were chained from: each block keeps its own tokens
+    (for the store's metas and for KV events).
+    """
     block_size = pool.config.block_size
     last_block = min(len(keys), cache.get_seq_length() // block_size)
     start = first_block
@@ -56,7 +61,8 @@ def store_blocks(
             if pool.contains(keys[i]):
                 break
             parent = keys[i - 1] if i > 0 else None
-            block_id = pool.allocate(keys[i], parent, BlockInfo(tenant, i * block_size))
+            info = BlockInfo(tenant, i * block_size, block_tokens(token_ids, i, block_size))
+            block_id = pool.allocate(keys[i], parent, info)
             if block_id is None:
                 break
             new_ids.append(block_id)
@@ -72,4 +78,4 @@ def store_blocks(
     for block_id in new_ids:
         pool.commit(block_id)
     if bridge is not None:
-        bridge.write_through(new_ids, keys, start, tenant)
+        bridge.write_through(new_ids, keys, start, tenant, token_ids)

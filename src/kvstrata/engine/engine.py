@@ -25,6 +25,7 @@ from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
 from kvstrata.engine.costs import OnlineCostModel
 from kvstrata.engine.generation import Generation, Prefill
 from kvstrata.engine.hf_identity import fingerprint_model
+from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams, sample_next
@@ -95,7 +96,10 @@ class ReferenceEngine:
         pool: PagedKVPool | None = None,
         store: TieredStore | None = None,
         costs: OnlineCostModel | None = None,
+        events: KVEventEmitter | None = None,
     ) -> None:
+        """``events``: publish KV events of the pool and the store (None: no events, no cost).
+        The caller starts and closes the emitter; the engine attaches it and flushes it."""
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.model = loaded.model
@@ -131,6 +135,9 @@ class ReferenceEngine:
                 metrics=self.metrics,
                 recompute_estimate=self.costs.marginal_s,
             )
+        self.events = events
+        if events is not None:
+            events.attach(self.pool, store)
         self.eos_token_ids = self._eos_ids()
         self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
         self._lock = threading.Lock()
@@ -139,6 +146,12 @@ class ReferenceEngine:
         """Flush write-back queues and close the tiers (the device pool needs nothing)."""
         if self.bridge is not None:
             self.bridge.store.close()
+        self._flush_events()  # what the write-back drain just stored
+
+    def _flush_events(self) -> None:
+        """Publish this step's KV events as one batch (on the engine thread, as ZMQ needs)."""
+        if self.events is not None:
+            self.events.flush()
 
     # ---- tokenisation -------------------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -213,7 +226,7 @@ class ReferenceEngine:
         try:
             if lookup and self.bridge is not None and len(held) < max_blocks:
                 scope = RequestScope(tenant=tenant, model=self.model_id, request_id=request_id)
-                promoted = self.bridge.promote(keys[:max_blocks], len(held), scope)
+                promoted = self.bridge.promote(keys[:max_blocks], len(held), scope, token_ids)
                 held = held + promoted.block_ids
                 by_tier.update(promoted.tokens_by_tier)
             matched = len(held) * self.config.block_size
@@ -233,10 +246,13 @@ class ReferenceEngine:
                     out.past_key_values,
                     first_block=len(held),
                     tenant=tenant,
+                    token_ids=token_ids,
                 )
         except BaseException:
             self.pool.release(held)
+            self._flush_events()
             raise
+        self._flush_events()
         return Prefill(
             logits=logits,
             cache=out.past_key_values,
@@ -356,9 +372,11 @@ class ReferenceEngine:
                             cache,
                             first_block=len(state.held_blocks),
                             tenant=record.tenant,
+                            token_ids=all_ids,
                         )
                 finally:
                     self.pool.release(state.held_blocks)
+                    self._flush_events()
                 record.output_tokens = len(gen.output_ids)
                 record.finish_reason = gen.finish_reason
 

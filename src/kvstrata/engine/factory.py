@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstrata.engine.costs import OnlineCostModel
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine, pool_config_for
+from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.store.config import TierConfig, WritePolicy
@@ -91,9 +92,10 @@ def build_engine(
     *,
     metrics: KvMetrics | None = None,
     cost_model: PrefillCostModel | None = None,
+    events: KVEventEmitter | None = None,
 ) -> ReferenceEngine:
     metrics = metrics if metrics is not None else KvMetrics()
     block_bytes = pool_config_for(loaded, config.block_size, 1).bytes_per_block
     store = build_store(block_bytes, tiers, metrics.registry) if tiers is not None else None
     costs = OnlineCostModel(cost_model or DEFAULT_COST_MODEL)
-    return ReferenceEngine(loaded, config, metrics=metrics, store=store, costs=costs)
+    return ReferenceEngine(loaded, config, metrics=metrics, store=store, costs=costs, events=events)

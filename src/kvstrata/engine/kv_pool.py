@@ -10,7 +10,9 @@ Bookkeeping (pure Python, no I/O):
 - committed blocks are found by their chained ``BlockKey``; ``acquire`` / ``release`` count
   readers, and a referenced block is never evicted;
 - eviction takes the least recently used *leaf* (no cached children, no readers), so a
-  block is never evicted before its descendants and the pool stays prefix-closed.
+  block is never evicted before its descendants and the pool stays prefix-closed;
+- an optional ``listener`` hears of every commit and every eviction (KV events); with none
+  set the pool pays nothing for it. ``committed_blocks`` lists what is resident, parents first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -74,6 +77,27 @@ class EvictedBlock:
 EvictionHook = Callable[[EvictedBlock], None]
 
 
+@dataclass(frozen=True)
+class ResidentBlock:
+    """A committed block as listeners and snapshots see it (``info`` is the owner's data)."""
+
+    key: BlockKey
+    parent_key: BlockKey | None
+    info: object
+
+
+class PoolListener(Protocol):
+    """Hears the pool's visible changes, on the thread that makes them (the engine's).
+
+    ``block_evicted`` runs after ``on_evict`` (demotion), so a listener sees the copy into a
+    lower tier before the device copy goes. Neither call may raise.
+    """
+
+    def block_committed(self, block: ResidentBlock) -> None: ...
+
+    def block_evicted(self, block: ResidentBlock) -> None: ...
+
+
 class PoolStateError(RuntimeError):
     """An illegal pool transition (a bug in the caller, never an expected outcome)."""
 
@@ -90,6 +114,7 @@ class PagedKVPool:
         self.config = config
         self.metrics = metrics
         self.on_evict = on_evict  # demotion: called before an evicted block's bytes are reused
+        self.listener: PoolListener | None = None
         shape = (
             config.num_layers,
             2,
@@ -184,6 +209,8 @@ class PagedKVPool:
         self._by_key[block.key] = block_id
         self._maybe_evictable(block_id)
         self._publish()
+        if self.listener is not None:
+            self.listener.block_committed(self._resident(block))
 
     def abort(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -241,9 +268,25 @@ class PagedKVPool:
         return len(self._free)
 
     def clear(self) -> None:
-        """Drop every unreferenced committed block (leaf first)."""
+        """Drop every unreferenced committed block (leaf first), one eviction at a time, so
+        demotion and listeners see each block go (blocks held by readers stay)."""
         while self._evict_one(protect=None):
             pass
+
+    def committed_blocks(self) -> list[ResidentBlock]:
+        """Every committed block, each after its parent (ordered by depth in its chain)."""
+        depth: dict[int, int] = {}
+        for start in self._by_key.values():
+            path: list[int] = []
+            block_id: int | None = start
+            while block_id is not None and block_id not in depth:
+                path.append(block_id)
+                block_id = self._blocks[block_id].parent
+            base = -1 if block_id is None else depth[block_id]
+            for offset, walked in enumerate(reversed(path), start=1):
+                depth[walked] = base + offset
+        ids = sorted(self._by_key.values(), key=lambda block_id: (depth[block_id], block_id))
+        return [self._resident(self._blocks[block_id]) for block_id in ids]
 
     # ---- internals ----------------------------------------------------------------------
     def _maybe_evictable(self, block_id: int) -> None:
@@ -285,6 +328,8 @@ class PagedKVPool:
             parent_key = self._blocks[block.parent].key if block.parent is not None else None
             # Demotion is best effort: the hook must not raise (the bridge counts failures).
             self.on_evict(EvictedBlock(block_id, block.key, parent_key, block.uses, block.info))
+        if self.listener is not None:
+            self.listener.block_evicted(self._resident(block))
         del self._by_key[block.key]
         parent_id = block.parent
         self._free_block(block_id)
@@ -294,6 +339,11 @@ class PagedKVPool:
         self.evictions += 1
         if self.metrics is not None:
             self.metrics.pool_evictions.inc()
+
+    def _resident(self, block: _Block) -> ResidentBlock:
+        assert block.key is not None
+        parent_key = self._blocks[block.parent].key if block.parent is not None else None
+        return ResidentBlock(block.key, parent_key, block.info)
 
     def _free_block(self, block_id: int) -> None:
         self._blocks[block_id] = _Block()

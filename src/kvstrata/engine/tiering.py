@@ -1,6 +1,8 @@
 """The engine's side of the tiered store: demotion, write-through, promotion, break-even.
 
-- Every pool block carries ``BlockInfo`` (tenant, first token position). When the pool evicts
+- Every pool block carries ``BlockInfo`` (tenant, first token position, its tokens). The tokens
+  travel into every stored object's meta so that KV events from any tier can carry them (a
+  fleet index hashes tokens itself); they are freed with the block. When the pool evicts
   a block, ``demote`` copies it into the store (the store's first level decides whether to
   keep it: a selective level wants ``selective_min_uses`` uses first).
 - With a write-through first level, ``write_through`` copies blocks as soon as they commit.
@@ -42,6 +44,15 @@ logger = logging.getLogger("kvstrata.engine")
 class BlockInfo:
     tenant: str
     position: int
+    tokens: tuple[int, ...] | None = None
+
+
+def block_tokens(token_ids: Sequence[int] | None, index: int, size: int) -> tuple[int, ...] | None:
+    """Tokens of full block ``index`` of ``token_ids`` (None when the caller has none)."""
+    if token_ids is None:
+        return None
+    tokens = tuple(int(t) for t in token_ids[index * size : (index + 1) * size])
+    return tokens if len(tokens) == size else None
 
 
 @dataclass
@@ -99,6 +110,7 @@ class StoreBridge:
             position=info.position,
             recompute_s=self.recompute_estimate(self.pool.config.block_size, info.position),
             model=self.model_id,
+            tokens=info.tokens,
         )
 
         def fill(buffer: memoryview) -> None:
@@ -131,9 +143,15 @@ class StoreBridge:
         self.store.metrics.evictions.labels(tier="device", outcome="demoted").inc()
 
     def write_through(
-        self, block_ids: Sequence[int], keys: Sequence[BlockKey], first: int, tenant: str
+        self,
+        block_ids: Sequence[int],
+        keys: Sequence[BlockKey],
+        first: int,
+        tenant: str,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
-        """Copy freshly committed blocks ``keys[first:first+len(block_ids)]`` into the store."""
+        """Copy freshly committed blocks ``keys[first:first+len(block_ids)]`` into the store
+        (``token_ids``: the sequence the keys were chained from, recorded in each meta)."""
         if not self.store.levels:
             return
         top = self.store.levels[0]
@@ -143,11 +161,19 @@ class StoreBridge:
         for offset, block_id in enumerate(block_ids):
             i = first + offset
             parent = keys[i - 1] if i > 0 else None
-            self._put(block_id, keys[i], parent, BlockInfo(tenant, i * size))
+            info = BlockInfo(tenant, i * size, block_tokens(token_ids, i, size))
+            self._put(block_id, keys[i], parent, info)
 
     # ---- store → device ---------------------------------------------------------------------
-    def promote(self, keys: Sequence[BlockKey], first: int, scope: RequestScope) -> Promotion:
-        """Load blocks ``keys[first:]`` from the store into the pool (committed, acquired)."""
+    def promote(
+        self,
+        keys: Sequence[BlockKey],
+        first: int,
+        scope: RequestScope,
+        token_ids: Sequence[int] | None = None,
+    ) -> Promotion:
+        """Load blocks ``keys[first:]`` from the store into the pool (committed, acquired);
+        ``token_ids`` (the prompt the keys came from) become the pool blocks' tokens."""
         result = Promotion(block_ids=[], tokens_by_tier={})
         located = self.store.lookup(keys[first:], scope)
         if not located:
@@ -169,7 +195,8 @@ class StoreBridge:
             for offset, loc in enumerate(located):
                 i = first + offset
                 parent = keys[i - 1] if i > 0 else None
-                block_id = self.pool.allocate(loc.key, parent, BlockInfo(scope.tenant, i * size))
+                info = BlockInfo(scope.tenant, i * size, block_tokens(token_ids, i, size))
+                block_id = self.pool.allocate(loc.key, parent, info)
                 if block_id is None:
                     break
                 try:

@@ -9,6 +9,8 @@ Wire protocol (vLLM's ``ZmqEventPublisher``, so either side can talk to real vLL
 Neither class starts a thread: the owner calls ``start()``, drives ``serve_replay()`` / ``poll()``
 from its own loop and calls ``close()``. The publisher uses an XPUB socket (wire-compatible with
 PUB) so that ``wait_for_subscriber`` can tell when a subscription has landed instead of sleeping.
+``drop_next`` is a test hook: the next batches skip the live send (and, if asked, the replay
+buffer too), which is how recovery tests inject a gap into a real stream.
 The subscriber never raises on bad input: it counts and skips (see :class:`EventPlaneStats`).
 """
 
@@ -77,6 +79,8 @@ class ZmqEventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._next_seq = 0
         self._lock = threading.Lock()
+        self._drop_remaining = 0
+        self._drop_evicts_replay = False
 
     @property
     def endpoint(self) -> str:
@@ -90,6 +94,26 @@ class ZmqEventPublisher:
     @property
     def next_seq(self) -> int:
         return self._next_seq
+
+    @property
+    def worker_id(self) -> str | None:
+        return self._worker_id
+
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    def drop_next(self, count: int, *, evict_replay: bool = False) -> None:
+        """Test hook: the next ``count`` batches take a seq but are not sent live.
+
+        They stay in the replay buffer (a subscriber fills the gap by replay) unless
+        ``evict_replay``, when they are never buffered either (replay cannot fill it: the
+        subscriber must resync). Call it from the thread that publishes.
+        """
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        self._drop_remaining = count
+        self._drop_evicts_replay = evict_replay
 
     def start(self) -> Self:
         """Bind the live XPUB and, if configured, the replay ROUTER."""
@@ -136,9 +160,14 @@ class ZmqEventPublisher:
         pub = self._require(self._pub)
         seq = self._next_seq
         payload = encode_batch(batch)
-        pub.send_multipart((self._topic, _seq_to_bytes(seq), payload))
-        with self._lock:
-            self._buffer.append((seq, payload))
+        dropped = self._drop_remaining > 0
+        if dropped:
+            self._drop_remaining -= 1
+        else:
+            pub.send_multipart((self._topic, _seq_to_bytes(seq), payload))
+        if not (dropped and self._drop_evicts_replay):
+            with self._lock:
+                self._buffer.append((seq, payload))
         self._next_seq += 1
         return seq
 

@@ -45,6 +45,7 @@ _BLOCK_TAG = b"kvstrata.block.v1\x00"
 _CONTENT_TAG = b"kvstrata.content.v1\x00"
 _TENANT_TAG = b"kvstrata.tenant.v1\x00"
 _MAX_TOKEN = 2**32 - 1
+_MASK64 = (1 << 64) - 1
 _U32 = struct.Struct("<I")
 
 
@@ -182,3 +183,16 @@ def content_hash(block_tokens: Sequence[int] | np.ndarray) -> ContentHash:
     """Position-free hash of one block's tokens (for non-prefix reuse and dedup stats)."""
     data = canonical_token_bytes(block_tokens)
     return ContentHash(blake3(_CONTENT_TAG + _u32(len(data) // 4) + data).digest())
+
+
+def event_block_hash(key: BlockKey) -> int:
+    """The int a KV event carries for ``key``: the low 64 bits, big-endian, of its bytes.
+
+    Why this form: it is what vLLM puts in its events by default (``vllm_event_int``), so one
+    consumer decodes kvstrata and vLLM block hashes alike. It is a lossy *name* for the block
+    on the wire (collisions cost a routing mistake, never a wrong hit: workers re-check the
+    full 32-byte key before using any KV).
+    """
+    if len(key) != KEY_BYTES:
+        raise IdentityError(f"block key must be {KEY_BYTES} bytes, got {len(key)}")
+    return int.from_bytes(key, "big") & _MASK64

@@ -103,6 +103,10 @@ class KVObjectMeta:
     tiers and policies use it to keep prefix closure (leaves leave first).
     ``recompute_tokens`` / ``position`` let a policy price what a hit saves: the block's
     tokens must be recomputed at that depth of the context if it is lost.
+    ``tokens`` are the block's own token ids: KV events carry them so that a fleet index can
+    compute its own router hashes for blocks found in any tier. ``None`` for objects written
+    before tokens were recorded (old disk files); such objects serve hits but are never
+    announced in events.
     """
 
     key: BlockKey
@@ -116,6 +120,7 @@ class KVObjectMeta:
     position: int = 0  # index of the block's first token in its sequence
     recompute_s: float = 0.0  # measured prefill time this block saves when hit
     model: str = ""
+    tokens: tuple[int, ...] | None = None
 
     def expires_at(self) -> float | None:
         return None if self.ttl_s is None else self.created_at + self.ttl_s
@@ -140,6 +145,7 @@ class KVObjectMeta:
             "position": self.position,
             "recompute_s": self.recompute_s,
             "model": self.model,
+            "tokens": list(self.tokens) if self.tokens is not None else None,
         }
 
     @classmethod
@@ -157,7 +163,19 @@ class KVObjectMeta:
             position=int(data.get("position", 0)),
             recompute_s=float(data.get("recompute_s", 0.0)),
             model=str(data.get("model", "")),
+            tokens=_tokens_from(data.get("tokens")),
         )
+
+
+def _tokens_from(value: Any) -> tuple[int, ...] | None:
+    """Token ids from a meta dict; absent (an old file) → None, anything but ints raises."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ValueError(f"meta 'tokens' must be a list of ints, got {value!r:.80}")
+    return tuple(value)
 
 
 @dataclass

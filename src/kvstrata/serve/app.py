@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app over one ``ReferenceEngine``.
 
 ``create_app`` builds a FastAPI app with ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health`` and ``/metrics``. Every engine call (tokenising, prefill,
+``/v1/models``, ``/health``, ``/metrics`` and the worker's KV state (``/kv/info``, ``/kv/dump``,
+see ``kv_state``; with an engine that publishes KV events, the lifespan also runs its replay
+thread and idle flush). Every engine call (tokenising, prefill,
 decoding) runs on the single engine thread of an ``EngineWorker`` that the app's lifespan
 starts and closes; the event loop never computes. Errors are answered in OpenAI's shape:
 bad input is a 400, an unknown model a 404, and anything unexpected inside the engine a
@@ -34,6 +36,7 @@ from kvstrata.errors import ContextTooLong, InvalidInput
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
+from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
 from kvstrata.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -57,6 +60,9 @@ logger = logging.getLogger("kvstrata.serve")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"})
+KV_ENDPOINTS = frozenset(
+    {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events"}
+)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -66,19 +72,28 @@ def create_app(
     model_name: str,
     metrics: KvMetrics,
     admin_token: str | None = None,
+    debug_endpoints: bool = False,
 ) -> FastAPI:
-    """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures."""
+    """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures.
+
+    ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests).
+    """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
     worker = EngineWorker()
     service = _Service(engine, model_name, worker)
+    kv_runtime = KvStateRuntime(engine.events, worker) if engine.events is not None else None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        if kv_runtime is not None:
+            kv_runtime.start()
         try:
             yield
         finally:
+            if kv_runtime is not None:
+                await kv_runtime.close()
             worker.close()
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
@@ -87,6 +102,7 @@ def create_app(
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
     app.exception_handler(StarletteHTTPException)(protocol.http_error_handler)
     register_admin(app, engine.bridge.store if engine.bridge is not None else None, admin_token)
+    register_kv_state(app, engine, worker, model_name=model_name, debug_endpoints=debug_endpoints)
 
     @app.post(COMPLETIONS, response_model=None)
     async def completions(
@@ -373,6 +389,8 @@ class _RequestCounter:
             endpoint = path if path in ENDPOINTS else "other"
             if path.startswith(ADMIN_TIERS):
                 endpoint = ADMIN_TIERS
+            elif path.startswith(KV_PREFIX + "/"):
+                endpoint = path if path in KV_ENDPOINTS else "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 

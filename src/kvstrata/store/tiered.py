@@ -12,7 +12,9 @@ Invariants kept here:
 - tenant quotas are hard limits at admission: a tenant over its quota evicts its own objects
   first, and an object that cannot fit is not admitted;
 - eviction asks the level's policy for a leaf victim, and demotes it to the next level when
-  that level's write policy wants it, before dropping it.
+  that level's write policy wants it, before dropping it;
+- an optional ``listener`` (``store.listener.StoreListener``) hears every commit into and
+  every removal from a level, under the store lock; ``resident`` lists what every level holds.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.levels import Level, Located, RequestScope, UseCounter
+from kvstrata.store.listener import StoreListener
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
@@ -53,6 +56,7 @@ class TieredStore:
         self._uses = UseCounter(self._held_anywhere)
         # Deleted while a reader had them pinned: invisible now, removed when the pin ends.
         self._pending_delete: set[BlockKey] = set()
+        self.listener: StoreListener | None = None
         now = clock()
         for level in self.levels:
             for key in list(level.tier.keys()):  # objects recovered from a durable medium
@@ -79,6 +83,21 @@ class TieredStore:
 
     def flush(self) -> None:
         self._writeback.drain()
+
+    def exclusive(self) -> AbstractContextManager[bool]:
+        """Hold the store lock: no put, eviction, expiry or write-back runs meanwhile, so a
+        snapshot of ``resident`` plus what a listener heard so far is consistent."""
+        return self._lock
+
+    def resident(self) -> list[tuple[str, list[KVObjectMeta]]]:
+        """Every level's name and the metas of its committed, unexpired objects."""
+        with self._lock:
+            out = []
+            for level in self.levels:
+                metas = [level.tier.meta(key) for key in level.tier.keys()]
+                out.append((level.name, [meta for meta in metas if meta is not None]))
+                self._sync_dropped(level)  # report what expired on sight just now
+            return out
 
     def level_index(self, name: str) -> int:
         for index, level in enumerate(self.levels):
@@ -284,6 +303,8 @@ class TieredStore:
             self.metrics.write_failures.labels(tier=name).inc()
             return False
         level.policy.on_insert(slot.meta, self.clock())
+        if self.listener is not None:
+            self.listener.object_stored(name, slot.meta)
         self.metrics.stores.labels(tier=name, cause=cause).inc()
         self._publish(level)
         return True
@@ -332,6 +353,8 @@ class TieredStore:
                 removed = False
             if removed:
                 level.policy.on_remove(victim)
+                if self.listener is not None:
+                    self.listener.object_removed(level.name, victim, meta)
                 self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
                 self._publish(level)
                 return True
@@ -372,8 +395,11 @@ class TieredStore:
     def _finish_delete(self, key: BlockKey) -> int:
         removed = 0
         for level in self.levels:
+            meta = level.tier.meta(key) if self.listener is not None else None
             if level.tier.remove(key):
                 level.policy.on_remove(key)
+                if self.listener is not None:
+                    self.listener.object_removed(level.name, key, meta)
                 removed += 1
                 self._publish(level)
         if any(level.tier.reserved(key) for level in self.levels):
@@ -393,6 +419,8 @@ class TieredStore:
             if level.tier.reserved(key):
                 continue  # stored again since it was dropped: the policy's entry is live
             level.policy.on_remove(key)
+            if self.listener is not None:
+                self.listener.object_removed(level.name, key, None)
             self.metrics.invalid.labels(tier=level.name, reason="dropped_by_tier").inc()
 
     def _publish(self, level: Level) -> None:

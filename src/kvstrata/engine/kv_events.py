@@ -1,0 +1,353 @@
+"""KV events of one worker: what every tier holds, as a sequenced stream plus on-demand dumps.
+
+Why: a fleet index decides which worker holds which prefix from these events alone. So every
+change of residency is announced, for every tier, with the block's tokens (the index computes
+its own router hashes from ``token_ids``):
+
+- device pool commit → ``BlockStored(medium="device")``; pool eviction → ``BlockRemoved
+  (medium="device")``. ``pool.clear()`` evicts block by block, so a clear is reported as one
+  ``BlockRemoved`` per block (never ``AllBlocksCleared``: blocks held by readers stay).
+- a store level commits an object → ``BlockStored(medium=<level name>)`` (``"host"``,
+  ``"disk"``); eviction, demotion, expiry, invalidation or deletion → ``BlockRemoved``.
+
+Block hashes are ``event_block_hash(key)`` (low 64 bits of the BLAKE3 key, as vLLM does),
+``parent_block_hash`` is the parent key's, ``namespace`` the tenant name. Events are buffered
+(store changes may come from the write-back flusher thread, so the buffer is locked) and the
+engine thread publishes them as one batch per engine step with ``flush()``: ZMQ sockets stay on
+one thread. Consecutive blocks of one chain are merged into one event, as vLLM does.
+
+``snapshot()`` is the recovery path: under the store lock it publishes what is buffered, lists
+every resident block as ``BlockStored`` events (parents first) and reads the next live sequence
+number, so dump + live stream from ``next_seq`` = the worker's state. Objects whose meta has no
+tokens (written by older versions) serve hits but are never announced; they are counted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import zmq
+
+from kvstrata.engine.kv_pool import PagedKVPool, ResidentBlock
+from kvstrata.engine.tiering import BlockInfo
+from kvstrata.errors import InvalidInput
+from kvstrata.events import BlockRemoved, BlockStored, KVEvent, ZmqEventPublisher
+from kvstrata.identity import BlockKey
+from kvstrata.identity.keys import event_block_hash
+from kvstrata.objects import KVObjectMeta
+from kvstrata.store.tiered import TieredStore
+
+DEVICE_MEDIUM = "device"
+T = TypeVar("T")
+
+
+def new_epoch() -> int:
+    """A random 63-bit incarnation id: a restarted worker never reuses its predecessor's."""
+    return secrets.randbits(63)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where a worker publishes (parsed once at the edge, e.g. ``kvstrata serve`` flags)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    worker_id: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+
+
+@dataclass
+class EmitterStats:
+    """What the emitter did; exported by its owner."""
+
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    unannounced_without_tokens: int = 0  # stored blocks left out of events (no tokens known)
+
+
+@dataclass(frozen=True)
+class EventSnapshot:
+    """Every resident block as ``BlockStored`` events, consistent with live seq ``next_seq``.
+
+    ``skipped_without_tokens`` counts resident store objects that had to be left out.
+    """
+
+    next_seq: int
+    epoch: int
+    events: list[KVEvent]
+    skipped_without_tokens: int = 0
+
+
+@dataclass
+class _Run:
+    """A buffered event under construction: consecutive blocks of one chain merge into it."""
+
+    stored: bool
+    medium: str
+    namespace: str | None
+    hashes: list[int]
+    parent: int | None = None
+    tokens: list[int] = field(default_factory=list)
+
+    def extend(self, stored: bool, medium: str, namespace: str | None, parent: int | None) -> bool:
+        if (stored, medium, namespace) != (self.stored, self.medium, namespace):
+            return False
+        return not stored or parent == self.hashes[-1]
+
+    def event(self, block_size: int) -> KVEvent:
+        if not self.stored:
+            return BlockRemoved(list(self.hashes), self.medium, namespace=self.namespace)
+        return BlockStored(
+            block_hashes=list(self.hashes),
+            parent_block_hash=self.parent,
+            token_ids=list(self.tokens),
+            block_size=block_size,
+            lora_id=None,
+            medium=self.medium,
+            lora_name=None,
+            namespace=self.namespace,
+        )
+
+
+class _Builder:
+    """Appends blocks to a list of runs, merging a child into its parent's run."""
+
+    def __init__(self) -> None:
+        self.runs: list[_Run] = []
+
+    def stored(
+        self,
+        medium: str,
+        namespace: str,
+        key: BlockKey,
+        parent: BlockKey | None,
+        tokens: Sequence[int],
+    ) -> None:
+        block_hash = event_block_hash(key)
+        parent_hash = event_block_hash(parent) if parent is not None else None
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last.extend(True, medium, namespace, parent_hash):
+            last.hashes.append(block_hash)
+            last.tokens.extend(tokens)
+            return
+        self.runs.append(_Run(True, medium, namespace, [block_hash], parent_hash, list(tokens)))
+
+    def removed(self, medium: str, namespace: str | None, key: BlockKey) -> None:
+        block_hash = event_block_hash(key)
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last.extend(False, medium, namespace, None):
+            last.hashes.append(block_hash)
+            return
+        self.runs.append(_Run(False, medium, namespace, [block_hash]))
+
+    def events(self, block_size: int) -> list[KVEvent]:
+        return [run.event(block_size) for run in self.runs]
+
+
+class KVEventEmitter:
+    """Turns pool and store changes into KV events and publishes them on the engine thread.
+
+    Lifecycle: build (``from_config`` or with a publisher), ``start()`` (binds the sockets),
+    hand it to the engine (which calls ``attach``), ``close()`` after the engine is closed.
+    Implements ``PoolListener`` and ``StoreListener``.
+    """
+
+    def __init__(self, publisher: ZmqEventPublisher, *, block_size: int) -> None:
+        if publisher.epoch is None:
+            raise ValueError("the publisher needs an epoch (see new_epoch)")
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
+        self.publisher = publisher
+        self.block_size = block_size
+        self.stats = EmitterStats()
+        self._lock = threading.Lock()
+        self._buffer = _Builder()
+        self._pool: PagedKVPool | None = None
+        self._store: TieredStore | None = None
+        self._started = False
+        # Tenant of each store object we know, per level: a tier that drops an object by itself
+        # (expiry, bad digest) reports only its key, and BlockRemoved must name the namespace.
+        self._store_tenants: dict[tuple[str, BlockKey], str] = {}
+
+    @classmethod
+    def from_config(cls, config: KVEventsConfig, *, block_size: int) -> KVEventEmitter:
+        """An emitter with a fresh epoch; ``start()`` binds its sockets."""
+        publisher = ZmqEventPublisher(
+            config.endpoint,
+            config.replay_endpoint,
+            topic=config.topic,
+            buffer_steps=config.buffer_steps,
+            worker_id=config.worker_id,
+            epoch=new_epoch(),
+        )
+        return cls(publisher, block_size=block_size)
+
+    @property
+    def epoch(self) -> int:
+        epoch = self.publisher.epoch
+        assert epoch is not None
+        return epoch
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.publisher.worker_id
+
+    @property
+    def pending(self) -> bool:
+        """Events wait for the next ``flush``."""
+        with self._lock:
+            return bool(self._buffer.runs)
+
+    def start(self) -> KVEventEmitter:
+        """Bind the live (and replay) sockets; a bad or busy endpoint is an ``InvalidInput``."""
+        try:
+            self.publisher.start()
+        except zmq.ZMQError as exc:
+            self.publisher.close()
+            endpoints = f"{self.publisher.endpoint!r}, {self.publisher.replay_endpoint!r}"
+            raise InvalidInput(f"cannot bind the KV event endpoints {endpoints}: {exc}") from exc
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Close the sockets; later ``flush`` calls discard (nobody can hear them any more)."""
+        self._started = False
+        self.publisher.close()
+
+    def attach(self, pool: PagedKVPool, store: TieredStore | None) -> None:
+        """Listen to ``pool`` and ``store`` (the engine calls this once, before any request)."""
+        if self._pool is not None:
+            raise ValueError("this emitter is already attached to an engine")
+        self._pool = pool
+        self._store = store
+        pool.listener = self
+        if store is not None:
+            for name, metas in store.resident():  # e.g. recovered from disk
+                for meta in metas:
+                    self._store_tenants[(name, meta.key)] = meta.tenant
+            store.listener = self
+
+    # ---- PoolListener (engine thread) ---------------------------------------------------------
+    def block_committed(self, block: ResidentBlock) -> None:
+        info = block.info
+        if not isinstance(info, BlockInfo) or info.tokens is None:
+            self.stats.unannounced_without_tokens += 1
+            return
+        with self._lock:
+            buffer = self._buffer
+            buffer.stored(DEVICE_MEDIUM, info.tenant, block.key, block.parent_key, info.tokens)
+            self.stats.blocks_stored += 1
+
+    def block_evicted(self, block: ResidentBlock) -> None:
+        info = block.info
+        tenant = info.tenant if isinstance(info, BlockInfo) else None
+        with self._lock:
+            self._buffer.removed(DEVICE_MEDIUM, tenant, block.key)
+            self.stats.blocks_removed += 1
+
+    # ---- StoreListener (any thread, under the store lock) --------------------------------------
+    def object_stored(self, tier: str, meta: KVObjectMeta) -> None:
+        with self._lock:
+            self._store_tenants[(tier, meta.key)] = meta.tenant
+            if meta.tokens is None:
+                self.stats.unannounced_without_tokens += 1
+                return
+            self._buffer.stored(tier, meta.tenant, meta.key, meta.parent, meta.tokens)
+            self.stats.blocks_stored += 1
+
+    def object_removed(self, tier: str, key: BlockKey, meta: KVObjectMeta | None) -> None:
+        with self._lock:
+            known = self._store_tenants.pop((tier, key), None)
+            tenant = meta.tenant if meta is not None else known
+            self._buffer.removed(tier, tenant, key)
+            self.stats.blocks_removed += 1
+
+    # ---- publishing (engine thread) -----------------------------------------------------------
+    def flush(self) -> int | None:
+        """Publish what is buffered as one batch; its seq, or None when nothing was buffered."""
+        with self._lock:
+            if not self._buffer.runs:
+                return None
+            buffered, self._buffer = self._buffer, _Builder()
+        if not self._started:
+            return None
+        events = buffered.events(self.block_size)
+        seq = self.publisher.publish(events)
+        self.stats.batches += 1
+        self.stats.events += len(events)
+        return seq
+
+    def snapshot(self) -> EventSnapshot:
+        """Every block resident now, with the live seq the stream continues from (engine thread).
+
+        Holding the store lock, nothing can change a tier or reach the buffer in between, and
+        the pool only changes on this (the engine) thread: every batch before ``next_seq`` is
+        reflected in the dump, every later one describes a later change.
+        """
+        store = self._store
+        guard: AbstractContextManager[object] = (
+            store.exclusive() if store is not None else nullcontext()
+        )
+        builder = _Builder()
+        skipped = 0
+        with guard:
+            self.flush()
+            if self._pool is not None:
+                skipped += self._dump_pool(self._pool, builder)
+            if store is not None:
+                for name, metas in store.resident():
+                    skipped += self._dump_level(name, metas, builder)
+            next_seq = self.publisher.next_seq
+        return EventSnapshot(next_seq, self.epoch, builder.events(self.block_size), skipped)
+
+    def _dump_pool(self, pool: PagedKVPool, builder: _Builder) -> int:
+        skipped = 0
+        blocks = pool.committed_blocks()
+        for block in _chain_order(blocks, lambda b: b.key, lambda b: b.parent_key):
+            info = block.info
+            if not isinstance(info, BlockInfo) or info.tokens is None:
+                skipped += 1
+                continue
+            builder.stored(DEVICE_MEDIUM, info.tenant, block.key, block.parent_key, info.tokens)
+        return skipped
+
+    @staticmethod
+    def _dump_level(name: str, metas: list[KVObjectMeta], builder: _Builder) -> int:
+        skipped = 0
+        for meta in _chain_order(metas, lambda m: m.key, lambda m: m.parent):
+            if meta.tokens is None:
+                skipped += 1
+                continue
+            builder.stored(name, meta.tenant, meta.key, meta.parent, meta.tokens)
+        return skipped
+
+
+def _chain_order(
+    items: Iterable[T],
+    key_of: Callable[[T], BlockKey],
+    parent_of: Callable[[T], BlockKey | None],
+) -> Iterator[T]:
+    """Depth first over the chains: every item after its parent (when present), and a child
+    right after its parent where possible, so chains merge into few events."""
+    by_key = {key_of(item): item for item in items}
+    children: dict[BlockKey, list[T]] = {}
+    roots: list[T] = []
+    for item in by_key.values():
+        parent = parent_of(item)
+        if parent is not None and parent in by_key:
+            children.setdefault(parent, []).append(item)
+        else:
+            roots.append(item)
+    stack = list(reversed(roots))
+    while stack:
+        item = stack.pop()
+        yield item
+        stack.extend(reversed(children.get(key_of(item), [])))

@@ -1,0 +1,168 @@
+"""The worker's KV state over HTTP, and the threads that keep its event stream flowing.
+
+Why here: a fleet index learns a worker's blocks from its live KV events and, after losing
+some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. Endpoints:
+
+- ``GET /kv/info``: worker id, epoch, model name, fingerprint (hex digest), block size, the
+  bound live/replay endpoints (random ports resolved), the next live seq and the media.
+- ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
+  events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
+  consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
+  and ``X-Kvstrata-Skipped-Without-Tokens``. Taken on the engine thread, so no publish
+  interleaves.
+- ``POST /kv/debug/drop-events?count=N[&evict_replay=1]`` (only with ``debug_endpoints``):
+  the next N batches get a seq but are not sent live (and with ``evict_replay`` are not kept
+  for replay either), to inject a gap in recovery tests.
+
+``KvStateRuntime`` runs beside the engine worker: a thread answering replay requests (it only
+touches the publisher's ROUTER socket) and an idle flush that publishes events the store made
+off the engine thread (write-back) when no request comes to flush them. Both stop on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import Any, Final
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, Response
+
+from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.kv_events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
+from kvstrata.events import encode_batch, make_batch
+from kvstrata.serve.streaming import EngineWorker
+
+KV_PREFIX: Final = "/kv"
+NEXT_SEQ_HEADER: Final = "X-Kvstrata-Next-Seq"
+EPOCH_HEADER: Final = "X-Kvstrata-Epoch"
+SKIPPED_HEADER: Final = "X-Kvstrata-Skipped-Without-Tokens"
+MSGPACK: Final = "application/msgpack"
+_REPLAY_POLL_MS: Final = 100
+_IDLE_FLUSH_S: Final = 0.1
+logger = logging.getLogger("kvstrata.serve")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    }
+    return JSONResponse(body, status_code=status)
+
+
+class KvStateRuntime:
+    """The replay thread and the idle flush of one worker's emitter; ``start``/``close``."""
+
+    def __init__(self, emitter: KVEventEmitter, worker: EngineWorker) -> None:
+        self.emitter = emitter
+        self.worker = worker
+        self._stop = threading.Event()
+        self._replay: threading.Thread | None = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start both; call from the running event loop (the app's lifespan)."""
+        self._stop.clear()
+        self._replay = threading.Thread(
+            target=self._serve_replay, name="kvstrata-kv-replay", daemon=True
+        )
+        self._replay.start()
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_idle())
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        if self._replay is not None:
+            await asyncio.to_thread(self._replay.join)
+            self._replay = None
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            self.emitter.publisher.serve_replay(timeout_ms=_REPLAY_POLL_MS)
+
+    async def _flush_idle(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(_IDLE_FLUSH_S)
+            if self.emitter.pending:
+                try:
+                    await self.worker.call(self.emitter.flush)
+                except Exception:  # keep flushing later; a request's flush may succeed
+                    logger.exception("publishing buffered KV events failed")
+
+
+def register_kv_state(
+    app: FastAPI,
+    engine: ReferenceEngine,
+    worker: EngineWorker,
+    *,
+    model_name: str,
+    debug_endpoints: bool = False,
+) -> None:
+    """Add the ``/kv`` endpoints (404 with a clear message when the engine has no emitter)."""
+    emitter = engine.events
+
+    def no_events() -> JSONResponse:
+        message = "this worker publishes no KV events (start it with --events-endpoint)"
+        return _error(404, message, "kv_events_disabled")
+
+    @app.get(KV_PREFIX + "/info", response_model=None)
+    async def kv_info() -> Response:
+        if emitter is None:
+            return no_events()
+        return JSONResponse(kv_info_body(engine, emitter, model_name))
+
+    @app.get(KV_PREFIX + "/dump", response_model=None)
+    async def kv_dump() -> Response:
+        if emitter is None:
+            return no_events()
+        snapshot: EventSnapshot = await worker.call(emitter.snapshot)
+        batch = make_batch(snapshot.events, worker_id=emitter.worker_id, epoch=snapshot.epoch)
+        headers = {
+            NEXT_SEQ_HEADER: str(snapshot.next_seq),
+            EPOCH_HEADER: str(snapshot.epoch),
+            SKIPPED_HEADER: str(snapshot.skipped_without_tokens),
+        }
+        return Response(encode_batch(batch), media_type=MSGPACK, headers=headers)
+
+    if not debug_endpoints:
+        return
+
+    @app.post(KV_PREFIX + "/debug/drop-events", response_model=None)
+    async def drop_events(
+        count: int = Query(ge=0), evict_replay: bool = Query(default=False)
+    ) -> Response:
+        if emitter is None:
+            return no_events()
+
+        def arm() -> int:
+            emitter.publisher.drop_next(count, evict_replay=evict_replay)
+            return emitter.publisher.next_seq
+
+        next_seq = await worker.call(arm)  # the publishing thread owns the drop counter
+        return JSONResponse({"dropping": count, "evict_replay": evict_replay, "next_seq": next_seq})
+
+
+def kv_info_body(
+    engine: ReferenceEngine, emitter: KVEventEmitter, model_name: str
+) -> dict[str, Any]:
+    publisher = emitter.publisher
+    tiers = [DEVICE_MEDIUM]
+    if engine.bridge is not None:
+        tiers += [level.name for level in engine.bridge.store.levels]
+    return {
+        "worker_id": emitter.worker_id,
+        "epoch": emitter.epoch,
+        "model": model_name,
+        "fingerprint": engine.model_id or None,
+        "block_size": engine.config.block_size,
+        "events_endpoint": publisher.endpoint,
+        "replay_endpoint": publisher.replay_endpoint,
+        "next_seq": publisher.next_seq,
+        "tiers": tiers,
+    }
