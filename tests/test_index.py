@@ -693,3 +693,25 @@ TestPaddedIndexMatchesModel = PaddedIndexMachine.TestCase
 TestPaddedIndexMatchesModel.settings = settings(
     max_examples=30, stateful_step_count=30, deadline=None
 )
+
+
+def test_a_late_batch_from_a_retired_epoch_is_ignored() -> None:
+    from kvstrata.events.schema import BlockStored, make_batch
+
+    index = GlobalIndex(FingerprintDigest(bytes(32)), 4)
+    tokens = list(range(8))
+    stored = BlockStored(
+        block_hashes=[1, 2],
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium="device",
+        lora_name=None,
+    )
+    index.apply_batch("w", make_batch([stored], epoch=1))
+    index.apply_batch("w", make_batch([], epoch=2))  # restart: entries of epoch 1 dropped
+    assert index.match(index.request_hashes(None, tokens))["w"].blocks == 0
+    index.apply_batch("w", make_batch([stored], epoch=1))  # delivered late
+    assert index.match(index.request_hashes(None, tokens))["w"].blocks == 0
+    assert index.stats.stale_batches == 1 and index.epoch("w") == 2

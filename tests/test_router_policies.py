@@ -149,22 +149,13 @@ def test_kvstrata_does_not_spill_an_unpopular_prefix_or_from_a_busy_but_fair_hol
         assert decision.worker_id == "h" and not decision.reason.startswith("hot_prefix_spill")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "router/policies.py: popularity is counted at the request's own block at probe_tokens "
-        "(1024 tokens), so a popular prefix shorter than that (a shared system prompt followed "
-        "by distinct user turns) never counts as popular and its overloaded holder never "
-        "spills; keying by the holder's matched prefix would."
-    ),
-)
 def test_kvstrata_spills_a_popular_short_prefix_with_distinct_tails() -> None:
     """A 512-token prefix, then 512 tokens of each request's own; h holds the prefix.
 
     h is overloaded (0.45 s > 1.5 × mean 0.1125 s + 0.25 s) yet still has the lowest TTFT
     (0.45 + 0.522 s vs 1.034 s elsewhere), exactly the case spill-over exists for. With
-    ``probe_tokens=512`` (the probe inside the shared prefix) the same policy spills from
-    the fourth request on; with the default it never does.
+    popularity keyed by the holder's matched prefix, the shared prefix becomes popular
+    and the policy spills from the fourth request on.
     """
     policy = KvstrataPolicy(profiles, work_weight=0.0, hot=HotPrefixConfig(min_requests=4))
     found = matches(h=(32, 0, 0, 0), x=(0, 0, 0, 0), y=(0, 0, 0, 0), z=(0, 0, 0, 0))

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 TENANT_HEADER = "X-Kvstrata-Tenant"
 WORKER_HEADER = "X-Kvstrata-Worker"
+PREFILL_HEADER = "X-Kvstrata-Prefill-S"  # set by a worker on non-streamed answers
+MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 
 
 class FleetTokenizer:
@@ -210,6 +212,10 @@ class Fleet:
         now = time.time()
         loads = [state.load() for state in self.workers.values()]
         with self.lock:
+            loads = [
+                replace(load, cached_blocks=sum(self.index.blocks_held(load.worker_id)))
+                for load in loads
+            ]
             hashes = self.index.request_hashes(tenant, tokens)
             request = RouteRequest(
                 request_id=request_id,
@@ -440,6 +446,7 @@ async def _forward(
         finally:
             await upstream.aclose()
         now = time.time()
+        _learn_prefill(state, upstream.headers, len(tokens))
         completion = _usage_of(content)
         if completion is not None:
             fleet.metrics.matched.labels(worker_id).inc(completion[1])
@@ -481,6 +488,17 @@ async def _relay(
             fleet.metrics.matched.labels(state.worker_id).inc(completion[1])
         state.finish(request_id, time.time(), None if completion is None else completion[0], ttft)
         del started
+
+
+def _learn_prefill(state: WorkerState, headers: httpx.Headers, prompt_tokens: int) -> None:
+    """Refit the worker's prefill model from the prefill time its engine measured."""
+    try:
+        prefill_s = float(headers[PREFILL_HEADER])
+        matched = int(headers[MATCHED_HEADER])
+    except (KeyError, ValueError):
+        return
+    if 0 <= matched <= prompt_tokens:
+        state.prefill_fit.observe(prompt_tokens - matched, matched, prefill_s)
 
 
 def _usage_of(content: bytes) -> tuple[int, int] | None:

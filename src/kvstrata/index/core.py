@@ -137,6 +137,8 @@ class IndexStats:
     """Token count or block size disagree with the hashes; skipped."""
     unknown_mediums: int = 0
     clears: int = 0
+    stale_batches: int = 0
+    """Batches stamped with an epoch the worker already left behind (ignored)."""
     epoch_changes: int = 0
     stale_entries_dropped: int = 0
     resyncs: int = 0
@@ -160,6 +162,8 @@ class _Worker:
     held: dict[BlockHash, int] = field(default_factory=dict)
     """engine hash → (router hash << 4) | medium bits."""
     per_medium: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    retired_epochs: set[int] = field(default_factory=set)
+    """Epochs this worker had before a restart: a late batch from one of them is ignored."""
     aliases: dict[int, int] = field(default_factory=dict)
     """(router hash << 2) | medium → engine hashes beyond the first that place it there.
 
@@ -278,6 +282,8 @@ class GlobalIndex:
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
         self.stats.stale_entries_dropped += self._drop_entries(worker)
+        if worker.epoch is not None and epoch != worker.epoch:
+            worker.retired_epochs.add(worker.epoch)
         worker.epoch = epoch
         worker.consistent = True
         self.stats.resyncs += 1
@@ -302,6 +308,9 @@ class GlobalIndex:
         """Apply one in-order batch from ``worker_id``'s stream (exact mode)."""
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
+        if batch.epoch is not None and batch.epoch in worker.retired_epochs:
+            self.stats.stale_batches += 1  # a late batch of a dead incarnation
+            return
         if batch.epoch is not None and worker.epoch != batch.epoch:
             if worker.epoch is not None:
                 self._new_epoch(worker, batch.epoch)
@@ -315,6 +324,8 @@ class GlobalIndex:
         """An engine restart: everything the old incarnation reported is stale."""
         self.stats.epoch_changes += 1
         self.stats.stale_entries_dropped += self._drop_entries(worker)
+        if worker.epoch is not None:
+            worker.retired_epochs.add(worker.epoch)
         worker.epoch = epoch
         worker.consistent = True
 

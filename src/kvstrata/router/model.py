@@ -40,6 +40,8 @@ class WorkerLoad:
     active_decodes: int = 0
     active_kv_blocks: int = 0
     kv_utilisation: float = 0.0
+    cached_blocks: int = 0
+    """Blocks the worker holds in any tier: between equal choices, the emptier cache wins."""
     healthy: bool = True
 
 

@@ -153,6 +153,7 @@ class KvstrataPolicy:
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
         self._popularity = _Popularity(self.hot.half_life_s)
+        self._turn = itertools.count()
 
     def choose(
         self,
@@ -167,9 +168,15 @@ class KvstrataPolicy:
             estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
             score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
             estimates.append(replace(estimate, score=score))
-        # Lowest score; ties go to the longer cached prefix, then the shorter queue.
-        ranked = sorted(estimates, key=lambda e: (e.score, -e.matched_blocks, e.queue_s))
-        best, reason = ranked[0], "lowest_ttft_plus_work"
+        # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
+        # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
+        utilisation = {w.worker_id: (w.kv_utilisation, w.cached_blocks) for w in healthy}
+        ranked = sorted(
+            estimates,
+            key=lambda e: (e.score, -e.matched_blocks, e.queue_s, utilisation[e.worker_id]),
+        )
+        tied = [e for e in ranked if _same_rank(e, ranked[0], utilisation)]
+        best, reason = tied[next(self._turn) % len(tied)], "lowest_ttft_plus_work"
         holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
         if holder.matched_blocks > 0 and len(estimates) > 1:
             spill = self._spill_target(request, holder, estimates, ranked)
@@ -197,7 +204,10 @@ class KvstrataPolicy:
         if not blocks:
             return None
         block_size = self.estimator.profiles(holder.worker_id).block_size
-        probe = min(blocks, max(1, self.hot.probe_tokens // block_size)) - 1
+        # Popularity of the prefix the holder has (up to probe_tokens of it): a shared system
+        # prompt followed by different user turns is one popular prefix, not many rare ones.
+        probe_blocks = max(1, self.hot.probe_tokens // block_size)
+        probe = min(blocks, holder.matched_blocks, probe_blocks) - 1
         popularity = self._popularity.hit(int(request.hashes[probe]), request.arrival_s)
         if popularity < self.hot.min_requests or ranked[0].worker_id != holder.worker_id:
             return None
@@ -206,6 +216,17 @@ class KvstrataPolicy:
             return None
         others = [e for e in ranked if e.matched_blocks < holder.matched_blocks]
         return others[0] if others else None
+
+
+def _same_rank(
+    a: WorkerEstimate, b: WorkerEstimate, utilisation: Mapping[str, tuple[float, int]]
+) -> bool:
+    return (
+        math.isclose(a.score, b.score, rel_tol=1e-9, abs_tol=1e-12)
+        and a.matched_blocks == b.matched_blocks
+        and math.isclose(a.queue_s, b.queue_s, rel_tol=1e-9, abs_tol=1e-12)
+        and utilisation[a.worker_id] == utilisation[b.worker_id]
+    )
 
 
 class RoundRobinPolicy:

@@ -63,6 +63,10 @@ ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"})
 KV_ENDPOINTS = frozenset(
     {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events"}
 )
+PREFILL_HEADER = "X-Kvstrata-Prefill-S"
+"""Engine-measured prefill seconds of a non-streamed answer (the router learns from it)."""
+TTFT_HEADER = "X-Kvstrata-Ttft-S"
+MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -216,7 +220,14 @@ class _Service:
         try:
             if not body.stream:
                 outcome = await self.worker.call(lambda: _run_once(prepare, engine, stops, on_end))
-                return JSONResponse(self._final_body(endpoint, request_id, outcome))
+                record = outcome.generation.record
+                timing = {
+                    PREFILL_HEADER: f"{record.prefill_s:.6f}",
+                    TTFT_HEADER: f"{record.ttft_s:.6f}",
+                    MATCHED_HEADER: str(record.matched_tokens),
+                }
+                body_out = self._final_body(endpoint, request_id, outcome)
+                return JSONResponse(body_out, headers=timing)
             events = self.worker.stream(prepare, engine.decode, stops, on_end)
             first = await anext(events)
         except Exception as exc:
