@@ -1,0 +1,286 @@
+"""``KvstrataConnector``: kvstrata's tiered store as the KV storage backend of vLLM (0.32).
+
+Load it with::
+
+    KVTransferConfig(kv_connector="KvstrataConnector",
+                     kv_connector_module_path="kvstrata.connectors.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"host_gib": 1, "disk_dir": "...", "disk_gib": 4})
+
+(``vllm_settings`` lists every key.) vLLM builds one instance per role:
+
+- scheduler side (``SchedulerPlanner``): keys every full block of a request with kvstrata's
+  chained BLAKE3 keys, rooted in a ``ModelFingerprint`` of vLLM's model and the tenant of the
+  request's ``cache_salt``; asks the worker's store how many blocks beyond vLLM's own prefix
+  hit it holds (``get_num_new_matched_tokens``), and ships a ``StepPlan`` (blocks to load, blocks
+  to store) to the worker in the connector metadata — a plain, picklable record, because in
+  vLLM's default multiprocess mode the worker is another process;
+- worker side (``ConnectorWorker``): owns the store; loads synchronously before the forward
+  (``start_load_kv``), stores the step's new full blocks after it (``wait_for_save``), reports
+  every block it could not fill through ``get_block_ids_with_load_errors`` (so with
+  ``kv_load_failure_policy="recompute"`` vLLM recomputes instead of using bad KV), publishes
+  kvstrata KV events and counters.
+
+A model kvstrata cannot identify (``ReuseDisabled``), and requests with LoRA, multimodal inputs
+or prompt embeddings, get 0 external tokens and are never stored.
+This is the only kvstrata module that imports vLLM (an optional extra: ``kvstrata[vllm]``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstrata.connectors.vllm_identity import VllmModelView, tenant_for_salt, vllm_fingerprint
+from kvstrata.connectors.vllm_layout import BlockCodec
+from kvstrata.connectors.vllm_lookup import (
+    LookupClient,
+    LookupServer,
+    endpoint_for,
+    register_local,
+    unregister_local,
+)
+from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner, StepPlan
+from kvstrata.connectors.vllm_settings import ConnectorSettings
+from kvstrata.connectors.vllm_worker import ConnectorWorker
+from kvstrata.engine.factory import build_store
+from kvstrata.engine.hf_identity import checkpoint_digest, tokenizer_digest
+from kvstrata.engine.kv_events import KVEventEmitter, KVEventsConfig
+from kvstrata.identity import ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kvstrata.connectors.vllm")
+
+
+class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler → worker, once per step: what to load before and store after the forward."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        self.engine_id = str(transfer.engine_id)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.model_name = str(vllm_config.model_config.served_model_name or "")
+        self._failed: set[int] = set()
+        self._planner: SchedulerPlanner | None = None
+        self._lookup: LookupClient | None = None
+        self._worker: ConnectorWorker | None = None
+        self._server: LookupServer | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            fingerprint = model_fingerprint(vllm_config, kv_cache_config)
+            if isinstance(fingerprint, ReuseDisabled):
+                logger.warning(
+                    "kvstrata: KV reuse disabled for this model (%s: %s)",
+                    fingerprint.reason.value,
+                    fingerprint.detail,
+                )
+            self.fingerprint = fingerprint
+            self._lookup = LookupClient(self.engine_id, timeout_ms=self.settings.lookup_timeout_ms)
+            secret = self.settings.tenant_secret
+            self._planner = SchedulerPlanner(
+                fingerprint,
+                self.block_size,
+                self._lookup,
+                tenant_of=lambda salt: tenant_for_salt(salt, secret),
+            )
+
+    # ==== worker side ==========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        codec = BlockCodec(kv_caches, int(self._kv_cache_config.num_blocks), self.block_size)
+        store = build_store(codec.block_bytes, self.settings.tier_options(), CollectorRegistry())
+        assert store is not None  # settings.parse refuses a config without tiers
+        emitter = None
+        if self.settings.events_endpoint:
+            config = KVEventsConfig(
+                endpoint=self.settings.events_endpoint,
+                replay_endpoint=self.settings.events_replay_endpoint,
+                worker_id=self.settings.worker_id,
+                topic=self.settings.events_topic,
+            )
+            emitter = KVEventEmitter.from_config(config, block_size=self.block_size).start()
+        self._worker = ConnectorWorker(
+            store,
+            codec,
+            model=self.model_name,
+            emitter=emitter,
+            stats_path=self.settings.stats_path,
+        )
+        register_local(self.engine_id, self._worker.lookup)
+        self._server = LookupServer(endpoint_for(self.engine_id), self._worker.lookup).start()
+        logger.info(
+            "kvstrata: %d KV layers, %d B per block, tiers %s",
+            len(codec.names),
+            codec.block_bytes,
+            [level.name for level in store.levels],
+        )
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvstrataConnectorMetadata)
+        return metadata.plan
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        plan = self._plan()
+        if plan.loads:
+            self._failed |= self._worker.load(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous and complete before the forward starts
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks of every layer are stored after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        plan = self._plan()
+        if plan.saves:
+            self._worker.save(plan.saves, skip=self._failed)
+        self._worker.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._worker is not None:
+            unregister_local(self.engine_id)
+            self._worker.close()
+            self._worker = None
+        if self._lookup is not None:
+            self._lookup.close()
+
+    # ==== scheduler side =======================================================================
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        eligible = (
+            request.lora_request is None
+            and not request.mm_features
+            and getattr(request, "prompt_embeds", None) is None
+        )
+        tokens = self._planner.matched_tokens(
+            request.request_id,
+            request.all_token_ids,
+            request.cache_salt,
+            num_computed_tokens,
+            eligible=eligible,
+        )
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._planner is not None
+        self._planner.after_alloc(
+            request.request_id, blocks.get_block_ids()[0], num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvstrataConnectorMetadata:
+        assert self._planner is not None
+        scheduled: list[ScheduledRequest] = []
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled.append(
+                ScheduledRequest(
+                    new.req_id,
+                    new.block_ids[0],
+                    True,
+                    new.num_computed_tokens,
+                    counts.get(new.req_id, 0),
+                )
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    new_blocks[0] if new_blocks is not None else [],
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i],
+                    counts.get(req_id, 0),
+                )
+            )
+        return KvstrataConnectorMetadata(self._planner.build(scheduled))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._planner is not None:
+            self._planner.finished(request.request_id)
+        return False, None
+
+
+def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprint | ReuseDisabled:
+    """Observe vLLM's model config and let the pure builder decide."""
+    import vllm  # type: ignore[import-not-found]
+    from transformers import AutoTokenizer
+    from vllm.platforms import current_platform  # type: ignore[import-not-found]
+
+    model_config = vllm_config.model_config
+    model_dir = Path(str(model_config.model))
+    tokenizer_dir = Path(str(model_config.tokenizer or model_config.model))
+    if not model_dir.is_dir() or not tokenizer_dir.is_dir():
+        detail = f"model {model_dir} is not a local directory (its files cannot be digested)"
+        return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, detail)
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        return ReuseDisabled(
+            ReuseDisabledReason.UNKNOWN_ATTENTION, f"{len(groups)} KV cache groups (hybrid model)"
+        )
+    hf_config = model_config.hf_config
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    special = {
+        str(tok): int(tid)
+        for tok, tid in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True)
+    }
+    template = getattr(tokenizer, "chat_template", None)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    kv_dtype = (
+        str(model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+    )
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    parallel = vllm_config.parallel_config
+    view = VllmModelView(
+        architecture=str(architectures[0]) if architectures else "unknown",
+        hf_config=hf_config.to_dict(),
+        checkpoint_digest=checkpoint_digest(model_dir),
+        tokenizer_digest=tokenizer_digest(tokenizer_dir),
+        special_tokens=special,
+        chat_template=template if isinstance(template, str) else None,
+        kv_dtype=kv_dtype,
+        block_size=int(vllm_config.cache_config.block_size),
+        vllm_version=str(vllm.__version__),
+        device=str(current_platform.device_type),
+        backend=getattr(backend, "name", None) or "auto",
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        quantization=model_config.quantization,
+        lora_enabled=vllm_config.lora_config is not None,
+        multimodal=bool(getattr(model_config, "is_multimodal_model", False)),
+    )
+    return vllm_fingerprint(view)

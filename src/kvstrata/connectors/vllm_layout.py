@@ -1,0 +1,176 @@
+"""vLLM's per-layer KV tensors ↔ one kvstrata object per vLLM block.
+
+What vLLM 0.32 hands a connector (``register_kv_caches``): one tensor per attention layer.
+
+- Every backend gets a *logical* 4-D view ``[num_kernel_blocks, H, N, C]`` whose strides follow
+  the resolved ``KVCacheLayout`` (``vllm/v1/kv_cache_interface.py::create_kv_cache_views``).
+  On the CPU backend (``CPU_ATTN``, layout ``LBHNC``) it is contiguous
+  ``[num_blocks, num_kv_heads, block_size, 2*head_size]``; on CUDA backends with an ``NHD``
+  layout (``LBNHC``) the same logical shape has permuted strides. When the attention kernel's
+  block is smaller than the scheduler's, one vLLM block spans ``r`` consecutive kernel blocks.
+- Older vLLM GPU backends expose ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+  (K and V stacked on a leading axis). ``LayerLayout`` recognises it by its 5 dimensions with
+  a leading 2 and puts the block axis at 1.
+
+An object's payload is, for each layer in registration order, the bytes of that block in
+*logical* order (``index_select`` gathers through any strides), so the payload of a block does
+not depend on the physical layout, only on the logical shape, the dtype and the layer order —
+which ``BlockCodec.representation`` records and a load checks. Pure torch: no vLLM import, so
+the GPU shapes are unit-tested on CPU tensors (real CUDA is untested here: no GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.errors import InvalidInput
+from kvstrata.objects import Representation
+
+LAYOUT_TAG = "vllm.kv.v1"
+
+
+class UnsupportedLayout(InvalidInput):
+    """A KV tensor whose block axis this codec cannot find."""
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where a layer tensor keeps its blocks.
+
+    ``block_axis`` is 0 for vLLM 0.32's logical ``[B, H, N, C]`` views and 1 for the older
+    stacked ``[2, B, N, H, D]`` GPU tensors; ``ratio`` kernel blocks make up one vLLM block.
+    """
+
+    block_axis: int
+    ratio: int
+
+    @classmethod
+    def detect(cls, tensor: torch.Tensor, num_blocks: int) -> LayerLayout:
+        if num_blocks < 1:
+            raise UnsupportedLayout("num_blocks must be positive")
+        if tensor.dim() == 5 and tensor.shape[0] == 2:
+            axis = 1
+        elif tensor.dim() == 4:
+            axis = 0
+        else:
+            raise UnsupportedLayout(f"KV tensor of shape {tuple(tensor.shape)}")
+        kernel_blocks = int(tensor.shape[axis])
+        if kernel_blocks < num_blocks or kernel_blocks % num_blocks:
+            raise UnsupportedLayout(
+                f"KV tensor of shape {tuple(tensor.shape)} does not hold {num_blocks} blocks"
+            )
+        return cls(axis, kernel_blocks // num_blocks)
+
+    def block_shape(self, tensor: torch.Tensor) -> tuple[int, ...]:
+        """Logical shape of one vLLM block of this layer, as stored in a payload."""
+        shape = list(tensor.shape)
+        del shape[self.block_axis]
+        if self.block_axis == 0:
+            return (self.ratio, *shape)
+        return (shape[0], self.ratio, *shape[1:])
+
+
+class BlockCodec:
+    """Gathers whole vLLM blocks into payload rows and scatters rows back (all layers).
+
+    ``gather(ids)`` returns a CPU ``uint8`` tensor ``[len(ids), block_bytes]``; ``scatter(ids,
+    rows)`` writes such rows into the blocks ``ids`` of every layer. Blocks not named are never
+    touched.
+    """
+
+    def __init__(
+        self, layers: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
+    ) -> None:
+        if not layers:
+            raise UnsupportedLayout("no KV tensors registered")
+        self.names = list(layers)
+        self.tensors = [layers[name] for name in self.names]
+        self.layouts = [LayerLayout.detect(t, num_blocks) for t in self.tensors]
+        dtypes = {t.dtype for t in self.tensors}
+        if len(dtypes) != 1:
+            raise UnsupportedLayout(f"layers of different dtypes: {sorted(map(str, dtypes))}")
+        self.dtype = self.tensors[0].dtype
+        self.device = self.tensors[0].device
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_shapes = [
+            lay.block_shape(t) for lay, t in zip(self.layouts, self.tensors, strict=False)
+        ]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        self.layer_bytes = [_numel(shape) * item for shape in self.block_shapes]
+        self.offsets = [sum(self.layer_bytes[:i]) for i in range(len(self.layer_bytes))]
+        self.block_bytes = sum(self.layer_bytes)
+
+    @property
+    def representation(self) -> Representation:
+        uniform = len(set(self.block_shapes)) == 1
+        shape = (
+            (len(self.tensors), *self.block_shapes[0])
+            if uniform
+            else tuple(_numel(s) for s in self.block_shapes)
+        )
+        stacked = any(lay.block_axis == 1 for lay in self.layouts)
+        layout = f"{LAYOUT_TAG}[L,{'2,R,N,H,D' if stacked else 'R,H,N,C'}]"
+        return Representation(
+            dtype=str(self.dtype).removeprefix("torch."),
+            layout=layout if uniform else f"{layout}:ragged",
+            block_size=self.block_size,
+            shape=shape,
+        )
+
+    def _kernel_ids(self, layout: LayerLayout, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        if layout.ratio > 1:
+            ids = (ids[:, None] * layout.ratio + torch.arange(layout.ratio)).reshape(-1)
+        return ids.to(self.device)
+
+    def _check(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise InvalidInput(f"block id {block_id} outside [0, {self.num_blocks})")
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        self._check(block_ids)
+        n = len(block_ids)
+        rows = torch.empty((n, self.block_bytes), dtype=torch.uint8)
+        if n == 0:
+            return rows
+        for tensor, layout, offset, size in zip(
+            self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=False
+        ):
+            picked = tensor.index_select(layout.block_axis, self._kernel_ids(layout, block_ids))
+            if layout.block_axis == 1:  # [2, n*r, ...] → block-major [n, 2, r, ...]
+                picked = picked.reshape(2, n, layout.ratio, *picked.shape[2:]).transpose(0, 1)
+            flat = picked.contiguous().reshape(n, -1).view(torch.uint8)
+            rows[:, offset : offset + size].copy_(flat)
+        return rows
+
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        self._check(block_ids)
+        n = len(block_ids)
+        if rows.shape != (n, self.block_bytes) or rows.dtype != torch.uint8:
+            raise InvalidInput(f"rows of shape {tuple(rows.shape)} for {n} blocks")
+        if n == 0:
+            return
+        for tensor, layout, offset, size in zip(
+            self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=False
+        ):
+            chunk = rows[:, offset : offset + size].contiguous().view(self.dtype)
+            chunk = chunk.to(self.device)
+            per_block = tensor.shape[:]
+            if layout.block_axis == 0:
+                source = chunk.reshape(n * layout.ratio, *per_block[1:])
+            else:
+                source = chunk.reshape(n, 2, layout.ratio, *per_block[2:]).transpose(0, 1)
+                source = source.reshape(2, n * layout.ratio, *per_block[2:])
+            tensor.index_copy_(layout.block_axis, self._kernel_ids(layout, block_ids), source)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= int(dim)
+    return total

@@ -1,0 +1,223 @@
+"""The scheduler side's bookkeeping: which vLLM blocks to load from kvstrata and which to store.
+
+Pure state machine (no vLLM import, no I/O): the connector feeds it what vLLM's scheduler says
+and ships the ``StepPlan`` it returns to the worker inside the connector metadata (so the plan
+must pickle: it holds only ints, bytes, strings and tuples).
+
+Per request it keeps the kvstrata key chain (rooted in the model fingerprint and the tenant of
+the request's ``cache_salt``), the request's vLLM block ids and how many full blocks were
+already planned for storing.
+
+- ``matched_tokens``: the longest run of full prompt blocks beyond vLLM's own (block-aligned)
+  hit that kvstrata holds, never the last prompt token (vLLM must compute one). Asks ``lookup``
+  (the worker's store) and remembers the answer for ``after_alloc``.
+- ``after_alloc``: vLLM accepted ``num_external`` tokens: the blocks to fill are the request's
+  blocks right after its local hit; they are loaded in the next step's plan.
+- ``build``: for every request scheduled this step, the full blocks whose KV exists once the
+  step's forward has run and that were not planned before are stored (the worker skips keys
+  kvstrata already holds, and blocks whose load failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.identity import (
+    BlockKey,
+    ModelFingerprint,
+    NamespaceRoot,
+    ReuseDisabled,
+    TenantNamespace,
+    chain_keys,
+    namespace_root,
+)
+
+Lookup = Callable[[str, Sequence[BlockKey]], int]
+"""(tenant, keys) → how many leading keys kvstrata can serve now."""
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    req_id: str
+    tenant: str
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    block_id: int
+    key: bytes
+    parent: bytes | None
+    position: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequestSave:
+    req_id: str
+    tenant: str
+    blocks: tuple[BlockSave, ...]
+
+
+@dataclass
+class StepPlan:
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[RequestSave] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request of a scheduler step, as vLLM describes it.
+
+    ``block_ids``: the request's whole block list (``replace``) or blocks appended this step.
+    ``computed``: tokens with KV before this step; ``scheduled``: tokens computed this step.
+    """
+
+    req_id: str
+    block_ids: Sequence[int]
+    replace: bool
+    computed: int
+    scheduled: int
+
+
+@dataclass
+class _Tracked:
+    tenant: TenantNamespace
+    root: NamespaceRoot
+    token_ids: Sequence[int]
+    enabled: bool
+    keys: list[BlockKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    planned_saves: int = 0
+    local_blocks: int = 0
+    found_blocks: int = 0
+
+
+class SchedulerPlanner:
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint | ReuseDisabled,
+        block_size: int,
+        lookup: Lookup,
+        *,
+        tenant_of: Callable[[str | None], TenantNamespace],
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.lookup = lookup
+        self.tenant_of = tenant_of
+        self._digest = fingerprint.digest() if isinstance(fingerprint, ModelFingerprint) else None
+        self._requests: dict[str, _Tracked] = {}
+        self._loads: list[RequestLoad] = []
+        self.matched_tokens_total = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._digest is not None
+
+    def _keys(self, state: _Tracked, blocks: int) -> list[BlockKey]:
+        """The first ``blocks`` keys of the request's chain (extended on demand)."""
+        have = len(state.keys)
+        if have < blocks:
+            parent: NamespaceRoot | BlockKey = state.keys[-1] if state.keys else state.root
+            size = self.block_size
+            tokens = list(state.token_ids[have * size : blocks * size])
+            state.keys.extend(chain_keys(parent, tokens, size))
+        return state.keys[:blocks]
+
+    # ---- get_num_new_matched_tokens / update_state_after_alloc -------------------------------
+    def matched_tokens(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        num_computed: int,
+        *,
+        eligible: bool = True,
+    ) -> int:
+        """Tokens kvstrata can add beyond ``num_computed`` (vLLM's block-aligned local hit)."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.token_ids = token_ids  # same request (retried or resumed): same prefix
+        else:
+            tenant = self.tenant_of(cache_salt)
+            root = (
+                namespace_root(self._digest, tenant)
+                if self._digest is not None
+                else NamespaceRoot(bytes(32))
+            )
+            enabled = self._digest is not None and eligible
+            state = _Tracked(tenant, root, token_ids, enabled)
+            self._requests[req_id] = state
+        state.local_blocks = num_computed // self.block_size
+        state.found_blocks = 0
+        if not state.enabled:
+            return 0
+        limit = max(len(token_ids) - 1, 0) // self.block_size
+        if limit <= state.local_blocks:
+            return 0
+        keys = self._keys(state, limit)
+        found = self.lookup(state.tenant.name, keys[state.local_blocks :])
+        state.found_blocks = max(0, min(found, limit - state.local_blocks))
+        return (state.local_blocks + state.found_blocks) * self.block_size - num_computed
+
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        state.block_ids = list(block_ids)
+        blocks = num_external // self.block_size
+        if blocks <= 0 or not state.enabled:
+            return
+        blocks = min(blocks, state.found_blocks)
+        first = state.local_blocks
+        targets = state.block_ids[first : first + blocks]
+        keys = self._keys(state, first + len(targets))[first:]
+        self._loads.append(
+            RequestLoad(req_id, state.tenant.name, tuple(targets), tuple(bytes(k) for k in keys))
+        )
+        self.matched_tokens_total += len(targets) * self.block_size
+
+    # ---- build_connector_meta ---------------------------------------------------------------
+    def build(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        size = self.block_size
+        for item in scheduled:
+            state = self._requests.get(item.req_id)
+            if state is None:
+                continue
+            if item.replace:
+                state.block_ids = list(item.block_ids)
+            else:
+                state.block_ids.extend(item.block_ids)
+            if not state.enabled:
+                continue
+            full = min(item.computed + item.scheduled, len(state.token_ids)) // size
+            full = min(full, len(state.block_ids))
+            if full <= state.planned_saves:
+                continue
+            keys = self._keys(state, full)
+            blocks = []
+            for index in range(state.planned_saves, full):
+                parent = bytes(keys[index - 1]) if index > 0 else None
+                tokens = tuple(int(t) for t in state.token_ids[index * size : (index + 1) * size])
+                blocks.append(
+                    BlockSave(
+                        state.block_ids[index], bytes(keys[index]), parent, index * size, tokens
+                    )
+                )
+            state.planned_saves = full
+            plan.saves.append(RequestSave(item.req_id, state.tenant.name, tuple(blocks)))
+        return plan
+
+    def finished(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
+    def preempted(self, req_id: str) -> None:
+        """Its blocks are gone; resumption re-matches and gets a new block list."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.block_ids = []

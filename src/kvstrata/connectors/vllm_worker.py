@@ -1,0 +1,277 @@
+"""The worker side of the vLLM connector: kvstrata's tiered store behind vLLM's KV tensors.
+
+One ``ConnectorWorker`` per vLLM worker process owns the ``TieredStore`` (host and/or disk
+tiers), the ``BlockCodec`` over vLLM's registered KV tensors, an optional KV event emitter and
+the counters. It is driven by the connector, once per engine step, on the worker thread:
+
+- ``load(plan.loads)`` before the forward: for each request, its blocks are looked up again,
+  pinned, checked (representation, size, and the payload digest recomputed over the bytes the
+  tier hands out — a tier verifies too, the disk tier on every read, the host slab at commit)
+  and scattered into vLLM's blocks. The first block that is missing, fails a check or whose
+  tier errs ends that request's load: it and every later block of the request are returned
+  as failed (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them).
+- ``save(plan.saves)`` after the forward: blocks kvstrata does not hold yet are gathered and
+  put, each with its xxh3-128 payload digest, parent key, position and tokens.
+- ``end_step()`` publishes the step's KV events (one batch, ``medium`` = tier name) and, when
+  asked, writes the counters to a JSON file (how tests in another process read them).
+
+``lookup(tenant, keys)`` answers the scheduler side (in-process or through ``vllm_lookup``);
+the store is thread-safe, so lookups may come from the lookup server's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstrata.connectors.vllm_layout import BlockCodec
+from kvstrata.connectors.vllm_plan import RequestLoad, RequestSave
+from kvstrata.engine.kv_events import KVEventEmitter
+from kvstrata.errors import KvstrataError
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
+from kvstrata.store.levels import Located, RequestScope
+from kvstrata.store.tiered import TieredStore
+
+logger = logging.getLogger("kvstrata.connectors.vllm")
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    lookup_blocks_found: int = 0
+    blocks_loaded: int = 0
+    tokens_loaded: int = 0
+    bytes_loaded: int = 0
+    load_errors: int = 0  # blocks reported to vLLM for recomputation
+    load_missing: int = 0
+    load_digest_mismatch: int = 0
+    load_incompatible: int = 0
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    save_skipped_present: int = 0
+    save_rejected: int = 0
+    steps: int = 0
+
+
+class ConnectorWorker:
+    def __init__(
+        self,
+        store: TieredStore,
+        codec: BlockCodec,
+        *,
+        model: str,
+        emitter: KVEventEmitter | None = None,
+        stats_path: Path | None = None,
+        cost_model: PrefillCostModel = DEFAULT_COST_MODEL,
+    ) -> None:
+        self.store = store
+        self.codec = codec
+        self.model = model
+        self.emitter = emitter
+        self.stats_path = stats_path
+        self.cost_model = cost_model
+        self.representation = codec.representation
+        self.stats = ConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._written: ConnectorStats | None = None
+        if emitter is not None:
+            store.listener = emitter
+
+    # ---- scheduler queries ------------------------------------------------------------------
+    def lookup(self, tenant: str, keys: Sequence[BlockKey]) -> int:
+        found = len(self.store.lookup(keys, RequestScope(tenant=tenant, model=self.model)))
+        with self._stats_lock:
+            self.stats.lookups += 1
+            self.stats.lookup_blocks_found += found
+        return found
+
+    def holds(self, key: BlockKey) -> bool:
+        return any(level.tier.contains(key) for level in self.store.levels)
+
+    # ---- loads ------------------------------------------------------------------------------
+    def load(self, loads: Sequence[RequestLoad]) -> set[int]:
+        """Fill the planned blocks; returns the block ids that could not be filled."""
+        failed: set[int] = set()
+        for request in loads:
+            failed.update(self._load_request(request))
+        return failed
+
+    def _load_request(self, request: RequestLoad) -> list[int]:
+        keys = [BlockKey(k) for k in request.keys]
+        scope = RequestScope(tenant=request.tenant, model=self.model)
+        located = self.store.lookup(keys, scope)
+        rows = torch.empty((len(keys), self.codec.block_bytes), dtype=torch.uint8)
+        loaded = 0
+        for index, loc in enumerate(located):
+            if not self._load_one(loc, request.tenant, rows[index]):
+                break
+            loaded += 1
+        if loaded == len(located) < len(keys):  # gone since the scheduler looked
+            self.stats.load_missing += 1
+        if loaded:
+            self.codec.scatter(request.block_ids[:loaded], rows[:loaded])
+        failed = list(request.block_ids[loaded:])
+        with self._stats_lock:
+            self.stats.blocks_loaded += loaded
+            self.stats.tokens_loaded += loaded * self.codec.block_size
+            self.stats.bytes_loaded += loaded * self.codec.block_bytes
+            self.stats.load_errors += len(failed)
+        if failed:
+            logger.warning(
+                "kvstrata: %d of %d blocks of request %s failed to load; vLLM recomputes them",
+                len(failed),
+                len(keys),
+                request.req_id,
+            )
+        return failed
+
+    def _load_one(self, loc: Located, tenant: str, row: torch.Tensor) -> bool:
+        tier = self.store.levels[loc.level].tier
+        invalid_before = tier.counters.invalidated
+        try:
+            with self.store.load(loc, tenant) as lease:
+                if lease is None:
+                    if tier.counters.invalidated > invalid_before:
+                        self.stats.load_digest_mismatch += 1
+                    else:
+                        self.stats.load_missing += 1
+                    return False
+                meta = lease.meta
+                if (
+                    meta.representation != self.representation
+                    or meta.size != self.codec.block_bytes
+                ):
+                    self.stats.load_incompatible += 1
+                    return False
+                if payload_digest(lease.buffer) != meta.digest:
+                    self.stats.load_digest_mismatch += 1
+                    return False
+                row.numpy()[:] = np.frombuffer(lease.buffer, dtype=np.uint8)
+        except KvstrataError:
+            logger.exception("kvstrata: tier error while loading a block")
+            self.stats.load_missing += 1
+            return False
+        return True
+
+    # ---- saves ------------------------------------------------------------------------------
+    def save(
+        self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        for request in saves:
+            todo = [
+                block
+                for block in request.blocks
+                if block.block_id not in skip and not self.holds(BlockKey(block.key))
+            ]
+            with self._stats_lock:
+                self.stats.save_skipped_present += len(request.blocks) - len(todo)
+            if not todo:
+                continue
+            rows = self.codec.gather([block.block_id for block in todo]).numpy()
+            scope = RequestScope(tenant=request.tenant, model=self.model)
+            for block, row in zip(todo, rows, strict=True):
+                self._put(
+                    request.tenant,
+                    block.key,
+                    block.parent,
+                    block.position,
+                    block.tokens,
+                    row,
+                    scope,
+                )
+
+    def _put(
+        self,
+        tenant: str,
+        key: bytes,
+        parent: bytes | None,
+        position: int,
+        tokens: tuple[int, ...],
+        row: np.ndarray,
+        scope: RequestScope,
+    ) -> None:
+        payload = memoryview(row.data)
+        meta = KVObjectMeta(
+            key=BlockKey(key),
+            parent=BlockKey(parent) if parent is not None else None,
+            tenant=tenant,
+            representation=self.representation,
+            size=self.codec.block_bytes,
+            digest=payload_digest(payload),
+            created_at=time.time(),
+            position=position,
+            recompute_s=self.cost_model.block_recompute_s(len(tokens), position),
+            model=self.model,
+            tokens=tokens,
+        )
+
+        def fill(buffer: memoryview) -> None:
+            buffer[:] = payload
+
+        try:
+            stored = self.store.put(meta, fill, scope)
+        except KvstrataError:
+            logger.exception("kvstrata: storing a block failed")
+            stored = False
+        with self._stats_lock:
+            if stored:
+                self.stats.blocks_saved += 1
+                self.stats.bytes_saved += meta.size
+            else:
+                self.stats.save_rejected += 1
+
+    # ---- per step ---------------------------------------------------------------------------
+    def end_step(self) -> None:
+        with self._stats_lock:
+            self.stats.steps += 1
+        if self.emitter is not None:
+            self.emitter.flush()
+        self.write_stats()
+
+    def snapshot_stats(self) -> ConnectorStats:
+        with self._stats_lock:
+            return ConnectorStats(**asdict(self.stats))
+
+    def write_stats(self, *, force: bool = False) -> None:
+        """Write the counters (and tier usage) to ``stats_path`` when they changed."""
+        if self.stats_path is None:
+            return
+        current = self.snapshot_stats()
+        steps_only = self._written is not None and asdict(current) | {"steps": 0} == asdict(
+            self._written
+        ) | {"steps": 0}
+        if steps_only and not force:
+            return
+        self._written = current
+        body = asdict(current) | {
+            "tiers": {
+                level.name: {
+                    "objects": level.tier.object_count,
+                    "used_bytes": level.tier.used_bytes,
+                }
+                for level in self.store.levels
+            },
+            "block_bytes": self.codec.block_bytes,
+            "pid": os.getpid(),
+        }
+        tmp = self.stats_path.with_name(f".{self.stats_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(body, sort_keys=True))
+        tmp.replace(self.stats_path)
+
+    def close(self) -> None:
+        self.write_stats(force=True)
+        self.store.close()
+        if self.emitter is not None:
+            self.emitter.flush()
+            self.emitter.close()

