@@ -343,7 +343,7 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
                     "healthy": state.healthy,
                     "epoch": state.info.epoch,
                     "inflight": state.inflight(),
-                    "consistent": index.is_consistent(state.worker_id) if index else False,
+                    "consistent": index is not None and index.is_consistent(state.worker_id),
                     "blocks": dict(zip(("device", "host", "disk", "remote"), held, strict=True)),
                     "prefill_samples": state.prefill_fit.samples,
                 }

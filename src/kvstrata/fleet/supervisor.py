@@ -25,6 +25,15 @@ import httpx
 _log = logging.getLogger(__name__)
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it if the supervisor dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -86,7 +95,11 @@ class WorkerProcess:
         log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL  # noqa: SIM115
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            self.spec.command(), stdout=log, stderr=subprocess.STDOUT, env=env
+            self.spec.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
         )
         self.starts += 1
 
@@ -113,6 +126,10 @@ class WorkerProcess:
         if self.process is not None and self.alive():
             self.process.send_signal(sig)
             self.process.wait(timeout=30)
+
+    def terminate(self) -> None:
+        if self.process is not None and self.alive():
+            self.process.terminate()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process is None or not self.alive():
@@ -160,5 +177,7 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        for worker in self.workers:  # all at once: each drains in parallel
+            worker.terminate()
         for worker in self.workers:
             worker.stop()
