@@ -88,6 +88,8 @@ class RunResult:
     prompt_tokens: int
     output_tokens: int
     busy_s: list[float]
+    kv_occupancy: list[float]
+    """Per worker: mean share of the device pool held by running requests in the window."""
     first_arrival_s: float
     window_end_s: float
     last_done_s: float
@@ -209,6 +211,9 @@ class Simulation:
                 )
             )
         self._by_id = {w.worker_id: n for n, w in enumerate(self.workers)}
+        if requests and requests[-1].arrival_s > requests[0].arrival_s:
+            for worker in self.workers:  # KV occupancy counts inside the arrival window only
+                worker.window_end_s = requests[-1].arrival_s
         profiles = router_profiles(config)
         routing = (
             KvstrataPolicy(profiles, work_weight=config.work_weight)
@@ -334,6 +339,16 @@ class Simulation:
             busy[job.worker] += max(0.0, min(job.start_s + job.prefill_s, end) - job.start_s)
         return busy
 
+    def _kv_occupancy(self) -> list[float]:
+        start, end = (self.requests[0].arrival_s if self.requests else 0.0), self._window_end()
+        span = max(end - start, 1e-9)
+        out = []
+        for worker in self.workers:
+            worker.window_end_s = end
+            worker.kv_tick(end)
+            out.append(worker.kv_block_s / (span * max(worker.device_capacity, 1)))
+        return out
+
     def _result(self) -> RunResult:
         jobs = self.jobs
         unfinished = sum(1 for job in jobs if not job.finished)
@@ -347,6 +362,7 @@ class Simulation:
             prompt_tokens=sum(job.request.prompt_tokens for job in jobs),
             output_tokens=sum(job.request.output_tokens for job in jobs),
             busy_s=self._busy_in_window(),
+            kv_occupancy=self._kv_occupancy(),
             first_arrival_s=self.requests[0].arrival_s if self.requests else 0.0,
             window_end_s=self._window_end(),
             last_done_s=max((j.done_s for j in jobs), default=0.0),

@@ -5,8 +5,10 @@ Figures per policy (all in simulated time):
 * ``ttft_p50_s`` / ``ttft_p99_s`` — arrival → first token;
 * ``throughput_tok_s`` — (prompt + generated tokens) / (first arrival → last completion);
 * ``hit_rate`` — prompt tokens served from any cache tier / prompt tokens;
-* ``utilisation`` — mean over workers of the prefill-busy fraction (``kvstrata.sim.worker``)
-  over first → last arrival; ``load_imbalance`` = max / mean of it;
+* ``utilisation`` — mean over workers of each worker's scarcer resource over first → last
+  arrival: the larger of its prefill-busy fraction (``prefill_utilisation``) and the mean
+  share of its device KV pool held by running requests (``kv_occupancy``; decode-heavy
+  traces run out of KV memory long before prefill compute); ``load_imbalance`` = max / mean;
 * ``ttft_prediction_mae_s`` — the router's predicted TTFT vs the simulated one.
 
 ``best_baseline`` is the non-kvstrata policy with the lowest ``ttft_p99_s``. The goal
@@ -88,7 +90,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
     ttft = np.asarray(result.ttft_s, dtype=np.float64)
     predicted = np.asarray(result.predicted_ttft_s, dtype=np.float64)
     span = max(result.window_end_s - result.first_arrival_s, 1e-9)
-    busy = np.asarray(result.busy_s, dtype=np.float64) / span
+    prefill_busy = np.asarray(result.busy_s, dtype=np.float64) / span
+    kv = np.asarray(result.kv_occupancy, dtype=np.float64)
+    # A worker is as busy as its scarcer resource: prefill compute or KV memory for decodes.
+    busy = np.maximum(prefill_busy, kv) if len(kv) == len(prefill_busy) else prefill_busy
     mean_util = float(busy.mean()) if len(busy) else 0.0
     makespan = max(result.last_done_s - result.first_arrival_s, 1e-9)
     return {
@@ -99,6 +104,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "throughput_tok_s": _r((result.prompt_tokens + result.output_tokens) / makespan),
         "hit_rate": _r(result.hit_tokens / result.prompt_tokens) if result.prompt_tokens else 0.0,
         "utilisation": _r(mean_util),
+        "prefill_utilisation": _r(float(prefill_busy.mean())) if len(prefill_busy) else 0.0,
+        "kv_occupancy": _r(float(kv.mean())) if len(kv) else 0.0,
         "load_imbalance": _r(float(busy.max()) / mean_util) if mean_util > 0 else None,
         "ttft_prediction_mae_s": (
             _r(np.abs(predicted - ttft).mean())

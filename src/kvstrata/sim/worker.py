@@ -40,6 +40,7 @@ TTFT except through that interference, so this is the resource TTFT queues on.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,10 @@ class SimWorker:
         self._last_s = 0.0
         self.decode_version = 0
         self.busy_s = 0.0
+        self.kv_block_s = 0.0
+        """Integral of running requests' KV blocks over time, up to ``window_end_s``."""
+        self.window_end_s = math.inf
+        self._kv_last_s = 0.0
         self.device_evictions = 0
         self.host_evictions = 0
 
@@ -145,6 +150,7 @@ class SimWorker:
         """Start the head of the queue if possible; returns its end time (None: nothing)."""
         if self.current is not None or not self.queue:
             return None
+        self.kv_tick(now)  # before pins change at ``now``
         job = self.queue[0]
         request = job.request
         keys = job.keys
@@ -268,12 +274,22 @@ class SimWorker:
         return done
 
     def _release(self, job: Job, now: float) -> None:
+        self.kv_tick(now)
         job.done_s = now
         job.finished = True
         for key in job.keys:
             self._unpin(key)
         self.private_blocks -= job.request.kv_blocks - len(job.keys)
         self.active_kv_blocks -= job.request.kv_blocks
+
+    def kv_tick(self, now: float) -> None:
+        """Accumulate KV occupancy (block-seconds) inside the arrival window."""
+        end = min(now, self.window_end_s)
+        if end > self._kv_last_s:
+            # Distinct blocks pinned by running requests + their private (partial/output)
+            # blocks: what the device pool cannot evict right now.
+            self.kv_block_s += (len(self.pins) + self.private_blocks) * (end - self._kv_last_s)
+            self._kv_last_s = end
 
     def _advance(self, now: float) -> None:
         if now > self._last_s:
