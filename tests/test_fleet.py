@@ -51,6 +51,7 @@ class FleetUnderTest:
     supervisor: Supervisor
     router_port: int
     router: subprocess.Popen[bytes] | None = None
+    router_args: list[str] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
 
@@ -62,7 +63,7 @@ class FleetUnderTest:
         command = [sys.executable, "-m", "kvstrata.cli.main", "router", "--model", "tiny"]
         for url in self.supervisor.urls:
             command += ["--worker", url]
-        command += ["--port", str(self.router_port), "--log-level", "warning"]
+        command += ["--port", str(self.router_port), "--log-level", "warning", *self.router_args]
         self.router = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         _wait(lambda: self.workers_view()["healthy"] == len(self.supervisor.workers), 120, "router")
 
@@ -295,3 +296,21 @@ def test_restarted_router_rebuilds_its_index_from_the_workers(fleet: FleetUnderT
         assert fleet.explain(prompt)["worker_id"] == worker
         _, again, cached = fleet.complete(prompt)
         assert again == worker and cached > 0
+
+
+def test_approximate_mode_routes_from_its_own_decisions(fleet: FleetUnderTest) -> None:
+    assert fleet.router is not None
+    fleet.router.terminate()
+    fleet.router.wait(timeout=30)
+    fleet.router_args = ["--index", "approximate"]
+    fleet.start_router()
+    assert fleet.metric('kvstrata_index_consistency_mode{mode="approximate"}') == 1
+    prompt = PROMPTS[2]
+    assert max(fleet.matched(prompt).values()) == 0
+    _, worker, _ = fleet.complete(prompt)
+    # No events are used: the router predicts the prefix lives where it sent it.
+    decision = fleet.explain(prompt)
+    assert decision["worker_id"] == worker and decision["matched_blocks"] > 0
+    assert fleet.metric("kvstrata_index_blocks_stored_total") == 0
+    _, again, cached = fleet.complete(prompt)
+    assert again == worker and cached > 0
