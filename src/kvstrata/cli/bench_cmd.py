@@ -12,6 +12,7 @@ from kvstrata.cli import (
     bench_reuse,
     bench_tiers,
     bench_ttft,
+    bench_vllm,
 )
 
 
@@ -24,3 +25,4 @@ def register(sub: Any) -> None:
     bench_eviction.register(bench_sub)
     bench_tiers.register(bench_sub)
     bench_index.register(bench_sub)
+    bench_vllm.register(bench_sub)

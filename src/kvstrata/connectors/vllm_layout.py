@@ -21,9 +21,10 @@ the GPU shapes are unit-tested on CPU tensors (real CUDA is untested here: no GP
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvstrata.errors import InvalidInput
@@ -82,7 +83,12 @@ class BlockCodec:
     """
 
     def __init__(
-        self, layers: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
+        self,
+        layers: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        *,
+        use_numpy: bool | None = None,
     ) -> None:
         if not layers:
             raise UnsupportedLayout("no KV tensors registered")
@@ -96,6 +102,8 @@ class BlockCodec:
         self.device = self.tensors[0].device
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # numpy for CPU tensors (see ``_gather_cpu``); torch ops otherwise (tests force both).
+        self.use_numpy = self.device.type == "cpu" if use_numpy is None else use_numpy
         self.block_shapes = [
             lay.block_shape(t) for lay, t in zip(self.layouts, self.tensors, strict=False)
         ]
@@ -138,13 +146,14 @@ class BlockCodec:
         rows = torch.empty((n, self.block_bytes), dtype=torch.uint8)
         if n == 0:
             return rows
-        for tensor, layout, offset, size in zip(
-            self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=False
-        ):
+        if self.use_numpy:
+            self._gather_cpu(block_ids, rows.numpy())
+            return rows
+        for tensor, layout, offset, size in self._layers():
             picked = tensor.index_select(layout.block_axis, self._kernel_ids(layout, block_ids))
             if layout.block_axis == 1:  # [2, n*r, ...] → block-major [n, 2, r, ...]
                 picked = picked.reshape(2, n, layout.ratio, *picked.shape[2:]).transpose(0, 1)
-            flat = picked.contiguous().reshape(n, -1).view(torch.uint8)
+            flat = picked.contiguous().reshape(n, -1).view(torch.uint8).cpu()
             rows[:, offset : offset + size].copy_(flat)
         return rows
 
@@ -155,9 +164,10 @@ class BlockCodec:
             raise InvalidInput(f"rows of shape {tuple(rows.shape)} for {n} blocks")
         if n == 0:
             return
-        for tensor, layout, offset, size in zip(
-            self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=False
-        ):
+        if self.use_numpy:
+            self._scatter_cpu(block_ids, rows.numpy())
+            return
+        for tensor, layout, offset, size in self._layers():
             chunk = rows[:, offset : offset + size].contiguous().view(self.dtype)
             chunk = chunk.to(self.device)
             per_block = tensor.shape[:]
@@ -167,6 +177,47 @@ class BlockCodec:
                 source = chunk.reshape(n, 2, layout.ratio, *per_block[2:]).transpose(0, 1)
                 source = source.reshape(2, n * layout.ratio, *per_block[2:])
             tensor.index_copy_(layout.block_axis, self._kernel_ids(layout, block_ids), source)
+
+    # CPU tensors are copied with numpy: plain single-threaded memcpy. torch's copy kernels
+    # fan out to its OpenMP pool, and on a busy 2-core machine (vLLM's own threads included)
+    # their spin-waits made a 46 MB load take ~0.3 s instead of ~10 ms.
+    def _layers(self) -> Iterator[tuple[torch.Tensor, LayerLayout, int, int]]:
+        yield from zip(self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=True)
+
+    def _as_words(self, tensor: torch.Tensor) -> np.ndarray:
+        return tensor.view(_INT_OF_SIZE[tensor.element_size()]).numpy()
+
+    def _kernel_index(self, layout: LayerLayout, block_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if layout.ratio > 1:
+            ids = (ids[:, None] * layout.ratio + np.arange(layout.ratio)).reshape(-1)
+        return ids
+
+    def _gather_cpu(self, block_ids: Sequence[int], rows: np.ndarray) -> None:
+        n = len(block_ids)
+        for tensor, layout, offset, size in self._layers():
+            words = self._as_words(tensor)
+            picked = words.take(self._kernel_index(layout, block_ids), axis=layout.block_axis)
+            if layout.block_axis == 1:
+                picked = picked.reshape(2, n, layout.ratio, *picked.shape[2:]).swapaxes(0, 1)
+            flat = np.ascontiguousarray(picked).reshape(n, -1).view(np.uint8)
+            rows[:, offset : offset + size] = flat
+
+    def _scatter_cpu(self, block_ids: Sequence[int], rows: np.ndarray) -> None:
+        n = len(block_ids)
+        for tensor, layout, offset, size in self._layers():
+            words = self._as_words(tensor)
+            chunk = np.ascontiguousarray(rows[:, offset : offset + size]).view(words.dtype)
+            index = self._kernel_index(layout, block_ids)
+            if layout.block_axis == 0:
+                words[index] = chunk.reshape(n * layout.ratio, *words.shape[1:])
+            else:
+                rest = words.shape[2:]
+                source = chunk.reshape(n, 2, layout.ratio, *rest).swapaxes(0, 1)
+                words[:, index] = source.reshape(2, n * layout.ratio, *rest)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
-from kvstrata.connectors.vllm_plan import RequestLoad, RequestSave
+from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
 from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
@@ -64,6 +64,8 @@ class ConnectorStats:
     save_skipped_present: int = 0
     save_rejected: int = 0
     steps: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
 
 
 class ConnectorWorker:
@@ -105,9 +107,12 @@ class ConnectorWorker:
     # ---- loads ------------------------------------------------------------------------------
     def load(self, loads: Sequence[RequestLoad]) -> set[int]:
         """Fill the planned blocks; returns the block ids that could not be filled."""
+        started = time.perf_counter()
         failed: set[int] = set()
         for request in loads:
             failed.update(self._load_request(request))
+        with self._stats_lock:
+            self.stats.load_seconds += time.perf_counter() - started
         return failed
 
     def _load_request(self, request: RequestLoad) -> list[int]:
@@ -173,6 +178,7 @@ class ConnectorWorker:
     def save(
         self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
     ) -> None:
+        started = time.perf_counter()
         for request in saves:
             todo = []
             for block in request.blocks:
@@ -191,37 +197,23 @@ class ConnectorWorker:
             rows = self.codec.gather([block.block_id for block in todo]).numpy()
             scope = RequestScope(tenant=request.tenant, model=self.model)
             for block, row in zip(todo, rows, strict=True):
-                self._put(
-                    request.tenant,
-                    block.key,
-                    block.parent,
-                    block.position,
-                    block.tokens,
-                    row,
-                    scope,
-                )
+                self._put(request.tenant, block, row, scope)
+        with self._stats_lock:
+            self.stats.save_seconds += time.perf_counter() - started
 
-    def _put(
-        self,
-        tenant: str,
-        key: bytes,
-        parent: bytes | None,
-        position: int,
-        tokens: tuple[int, ...],
-        row: np.ndarray,
-        scope: RequestScope,
-    ) -> None:
+    def _put(self, tenant: str, block: BlockSave, row: np.ndarray, scope: RequestScope) -> None:
         payload = memoryview(row.data)
+        tokens = block.tokens
         meta = KVObjectMeta(
-            key=BlockKey(key),
-            parent=BlockKey(parent) if parent is not None else None,
+            key=BlockKey(block.key),
+            parent=BlockKey(block.parent) if block.parent is not None else None,
             tenant=tenant,
             representation=self.representation,
             size=self.codec.block_bytes,
             digest=payload_digest(payload),
             created_at=time.time(),
-            position=position,
-            recompute_s=self.cost_model.block_recompute_s(len(tokens), position),
+            position=block.position,
+            recompute_s=self.cost_model.block_recompute_s(len(tokens), block.position),
             model=self.model,
             tokens=tokens,
         )

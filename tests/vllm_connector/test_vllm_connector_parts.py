@@ -50,13 +50,15 @@ def gpu_stacked_layer(seed: int) -> torch.Tensor:
 LAYOUTS = {"cpu": cpu_layer, "gpu_nhd": gpu_nhd_layer, "gpu_stacked": gpu_stacked_layer}
 
 
+@pytest.mark.parametrize("use_numpy", [True, False], ids=["numpy", "torch-ops"])
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_codec_round_trip_moves_exactly_the_named_blocks(kind: str) -> None:
+def test_codec_round_trip_moves_exactly_the_named_blocks(kind: str, use_numpy: bool) -> None:
+    """``torch-ops`` is the path CUDA tensors take (index_select / index_copy_)."""
     make = LAYOUTS[kind]
     source = {f"layer.{i}": make(i) for i in range(3)}
     target = {name: torch.zeros_like(t) for name, t in source.items()}
-    src_codec = BlockCodec(source, BLOCKS, BS)
-    dst_codec = BlockCodec(target, BLOCKS, BS)
+    src_codec = BlockCodec(source, BLOCKS, BS, use_numpy=use_numpy)
+    dst_codec = BlockCodec(target, BLOCKS, BS, use_numpy=not use_numpy)
     assert src_codec.representation == dst_codec.representation
     rows = src_codec.gather([4, 1])
     assert rows.shape == (2, src_codec.block_bytes)
@@ -78,15 +80,16 @@ def test_payload_is_independent_of_the_physical_layout() -> None:
     )
 
 
-def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
+@pytest.mark.parametrize("use_numpy", [True, False], ids=["numpy", "torch-ops"])
+def test_kernel_blocks_smaller_than_vllm_blocks(use_numpy: bool) -> None:
     layer = torch.arange(BLOCKS * 2 * HEADS * 2 * 3, dtype=torch.float32).reshape(
         BLOCKS * 2, HEADS, 2, 3
     )
     assert LayerLayout.detect(layer, BLOCKS) == LayerLayout(0, 2)
-    codec = BlockCodec({"l": layer}, BLOCKS, 4)
+    codec = BlockCodec({"l": layer}, BLOCKS, 4, use_numpy=use_numpy)
     rows = codec.gather([3])
     target = torch.zeros_like(layer)
-    BlockCodec({"l": target}, BLOCKS, 4).scatter([3], rows)
+    BlockCodec({"l": target}, BLOCKS, 4, use_numpy=use_numpy).scatter([3], rows)
     assert torch.equal(target[6:8], layer[6:8]) and not target[:6].any()
 
 
