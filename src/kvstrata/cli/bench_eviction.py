@@ -18,10 +18,11 @@ from kvstrata.bench.eviction import (
     stderr_progress,
 )
 from kvstrata.cli.output import emit
+from kvstrata.cli.traces import load_source
 from kvstrata.errors import InvalidInput
 from kvstrata.store.costmodel import PROFILES
-from kvstrata.workloads.mooncake import TraceRequest, read_trace
-from kvstrata.workloads.synthetic import PRESETS, generate, preset
+from kvstrata.workloads.mooncake import TraceRequest
+from kvstrata.workloads.synthetic import PRESETS
 
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data"
 
@@ -120,12 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
-    if args.trace is not None:
-        requests = read_trace(args.trace)
-        source = str(args.trace)
-    else:
-        requests = generate(preset(args.synthetic, args.seed), args.data_dir)
-        source = f"synthetic:{args.synthetic}:seed={args.seed}"
+    requests, source = load_source(args.trace, args.synthetic, args.seed, args.data_dir)
     if args.half is not None and requests:
         first = min(request.timestamp_ms for request in requests)
         last = max(request.timestamp_ms for request in requests)

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvstrata.cli.output import emit
+from kvstrata.cli.traces import load_source
 from kvstrata.errors import InvalidInput
 from kvstrata.index.core import ConsistencyMode
 from kvstrata.sim.cluster import EVICTION_POLICIES, SimConfig
@@ -25,8 +26,8 @@ from kvstrata.sim.plot import plot_ttft_cdf
 from kvstrata.sim.profiles import PROFILES, profile
 from kvstrata.sim.report import KVSTRATA, parse_policies, search_rate_scale, simulate_report
 from kvstrata.sim.trace import parse_window, select_window
-from kvstrata.workloads.mooncake import TraceRequest, read_trace
-from kvstrata.workloads.synthetic import PRESETS, generate, preset
+from kvstrata.workloads.mooncake import TraceRequest
+from kvstrata.workloads.synthetic import PRESETS
 
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data"
 
@@ -199,12 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
-    if args.trace is not None:
-        requests = read_trace(args.trace)
-        source = str(args.trace)
-    else:
-        requests = generate(preset(args.synthetic, args.trace_seed), args.data_dir)
-        source = f"synthetic:{args.synthetic}:seed={args.trace_seed}"
+    requests, source = load_source(args.trace, args.synthetic, args.trace_seed, args.data_dir)
     if args.time_window:
         start, end = parse_window(args.time_window)
         requests = select_window(requests, start, end)

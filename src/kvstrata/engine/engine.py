@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.engine import tokenization
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
 from kvstrata.engine.costs import OnlineCostModel
@@ -155,16 +156,10 @@ class ReferenceEngine:
 
     # ---- tokenisation -------------------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
+        return tokenization.encode_prompt(self.tokenizer, prompt)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=True,
-            tokenize=False,
-            chat_template=self.chat_template,
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return tokenization.encode_chat(self.tokenizer, messages, self.chat_template)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

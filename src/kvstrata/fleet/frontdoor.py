@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from kvstrata.engine import tokenization
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, WorkerState, default_profile
@@ -70,16 +71,10 @@ class FleetTokenizer:
         self.chat_template = chat_template
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
+        return tokenization.encode_prompt(self.tokenizer, prompt)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=True,
-            tokenize=False,
-            chat_template=self.chat_template,
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return tokenization.encode_chat(self.tokenizer, messages, self.chat_template)
 
 
 @dataclass
