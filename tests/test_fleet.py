@@ -100,8 +100,11 @@ class FleetUnderTest:
         assert text == first, f"wrong answer from {worker}: {text!r} != {first!r}"
         return text, worker, cached
 
-    def explain(self, prompt: str) -> dict[str, Any]:
-        response = self.client.post(f"{self.url}/debug/route", json={"prompt": prompt})
+    def explain(self, prompt: str, tenant: str | None = None) -> dict[str, Any]:
+        headers = {} if tenant is None else {"X-Kvstrata-Tenant": tenant}
+        response = self.client.post(
+            f"{self.url}/debug/route", json={"prompt": prompt}, headers=headers
+        )
         assert response.status_code == 200, response.text
         decision: dict[str, Any] = response.json()["decision"]
         return decision
@@ -189,6 +192,10 @@ def test_up_serves_across_workers_and_routes_repeats_to_the_cache(fleet: FleetUn
         _, again, cached = fleet.complete(prompt, stream=True)
         assert again == worker and cached > 0
     assert len(used) == 2, f"cold prompts should spread over idle workers, got {used}"
+    # Another tenant's request for the very same text counts none of these blocks.
+    for prompt in PROMPTS:
+        other = fleet.explain(prompt, tenant="someone-else")
+        assert all(e["matched_blocks"] == 0 for e in other["estimates"])
     # Each non-streamed answer carried the engine's prefill time: the router learned from it.
     samples = sum(w["prefill_samples"] for w in fleet.workers_view()["workers"])
     assert samples >= len(PROMPTS)
