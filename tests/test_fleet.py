@@ -192,6 +192,14 @@ def test_up_serves_across_workers_and_routes_repeats_to_the_cache(fleet: FleetUn
         _, again, cached = fleet.complete(prompt, stream=True)
         assert again == worker and cached > 0
     assert len(used) == 2, f"cold prompts should spread over idle workers, got {used}"
+    # Bad requests are answered by the front door and never reach a worker.
+    routed = fleet.metric("kvstrata_router_decisions_total")
+    for raw in (b"{not json", b"[1, 2]", b'{"prompt": 5}', b'{"prompt": "x", "n": 3}'):
+        response = fleet.client.post(
+            f"{fleet.url}/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400 and "error" in response.json(), raw
+    assert fleet.metric("kvstrata_router_decisions_total") == routed
     # Another tenant's request for the very same text counts none of these blocks.
     for prompt in PROMPTS:
         other = fleet.explain(prompt, tenant="someone-else")
