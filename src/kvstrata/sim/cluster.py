@@ -89,6 +89,9 @@ class RunResult:
     output_tokens: int
     busy_s: list[float]
     kv_occupancy: list[float]
+    decode_demand: float
+    """Output tokens asked for per worker-second of the arrival window ÷ the most a worker can
+    decode per second (``1 / decode_interference_s``, the batch-size limit of the step model)."""
     """Per worker: mean share of the device pool held by running requests in the window."""
     first_arrival_s: float
     window_end_s: float
@@ -339,6 +342,14 @@ class Simulation:
             busy[job.worker] += max(0.0, min(job.start_s + job.prefill_s, end) - job.start_s)
         return busy
 
+    def _decode_demand(self) -> float:
+        per_token_s = self.config.profile.cost.decode_interference_s
+        if not self.requests or per_token_s <= 0:
+            return 0.0
+        span = max(self._window_end() - self.requests[0].arrival_s, 1e-9)
+        wanted = sum(r.output_tokens for r in self.requests) / (span * len(self.workers))
+        return wanted * per_token_s
+
     def _kv_occupancy(self) -> list[float]:
         start, end = (self.requests[0].arrival_s if self.requests else 0.0), self._window_end()
         span = max(end - start, 1e-9)
@@ -363,6 +374,7 @@ class Simulation:
             output_tokens=sum(job.request.output_tokens for job in jobs),
             busy_s=self._busy_in_window(),
             kv_occupancy=self._kv_occupancy(),
+            decode_demand=self._decode_demand(),
             first_arrival_s=self.requests[0].arrival_s if self.requests else 0.0,
             window_end_s=self._window_end(),
             last_done_s=max((j.done_s for j in jobs), default=0.0),

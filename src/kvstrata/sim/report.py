@@ -7,8 +7,10 @@ Figures per policy (all in simulated time):
 * ``hit_rate`` — prompt tokens served from any cache tier / prompt tokens;
 * ``utilisation`` — mean over workers of each worker's scarcer resource over first → last
   arrival: the larger of its prefill-busy fraction (``prefill_utilisation``) and the mean
-  share of its device KV pool held by running requests (``kv_occupancy``; decode-heavy
-  traces run out of KV memory long before prefill compute); ``load_imbalance`` = max / mean;
+  share of its device KV pool held by running requests (``kv_occupancy``), and the output
+  tokens asked of it per second ÷ the most it can decode per second (``decode_demand``;
+  decode-heavy traces saturate decode long before prefill compute: without this term the
+  rate search drove them into a growing backlog); ``load_imbalance`` = max / mean;
 * ``ttft_prediction_mae_s`` — the router's predicted TTFT vs the simulated one.
 
 ``best_baseline`` is the non-kvstrata policy with the lowest ``ttft_p99_s``. The goal
@@ -94,6 +96,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
     kv = np.asarray(result.kv_occupancy, dtype=np.float64)
     # A worker is as busy as its scarcer resource: prefill compute or KV memory for decodes.
     busy = np.maximum(prefill_busy, kv) if len(kv) == len(prefill_busy) else prefill_busy
+    # ... or decode throughput: demand beyond it is a backlog no placement can drain in time.
+    busy = np.maximum(busy, result.decode_demand)
     mean_util = float(busy.mean()) if len(busy) else 0.0
     makespan = max(result.last_done_s - result.first_arrival_s, 1e-9)
     return {
@@ -106,6 +110,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "utilisation": _r(mean_util),
         "prefill_utilisation": _r(float(prefill_busy.mean())) if len(prefill_busy) else 0.0,
         "kv_occupancy": _r(float(kv.mean())) if len(kv) else 0.0,
+        "decode_demand": _r(result.decode_demand),
         "load_imbalance": _r(float(busy.max()) / mean_util) if mean_util > 0 else None,
         "ttft_prediction_mae_s": (
             _r(np.abs(predicted - ttft).mean())
