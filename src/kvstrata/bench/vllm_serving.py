@@ -18,11 +18,11 @@ and reordered round-robin (prefix 0, 1, …, P-1, 0, 1, …), so between two use
 other prefix passes through the cache: with a working set ≥ 4× the KV cache, vLLM alone has
 evicted the prefix before it returns and must recompute it, while kvstrata can reload it.
 
-Before the client starts, each server gets one short unrelated warm-up request (kernels,
-allocator); the client's own ready check is off, so no workload prompt is cached beforehand.
-After the client, the server's ``/metrics`` give where prompt tokens came from (computed, vLLM
-prefix cache, external = kvstrata) and the mean prefill time; the connector's stats file gives
-kvstrata's load and save seconds.
+Servers run with ``OMP_NUM_THREADS=1`` (see ``_env``). Before the client starts, each server
+gets one short unrelated warm-up request (kernels, allocator); the client's own ready check is
+off, so no workload prompt is cached beforehand. After the client, the server's ``/metrics``
+give where prompt tokens came from (computed, vLLM prefix cache, external = kvstrata) and the
+mean prefill time; the connector's stats file gives kvstrata's load and save seconds.
 """
 
 from __future__ import annotations
@@ -278,7 +278,10 @@ def _env(tmp: Path) -> dict[str, str]:
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
     env.update(
         HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
+        # 1, not 2: with a KV connector (kvstrata's or vLLM's ExampleConnector alike), 2 OpenMP
+        # threads on this busy 2-core box made every kernel wait (64 decode steps: 2.1 s plain,
+        # 3–135 s with a connector); with 1 thread both take ~2 s.
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         VLLM_NO_USAGE_STATS="1",
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         TOKENIZERS_PARALLELISM="false",
