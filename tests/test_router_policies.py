@@ -106,11 +106,31 @@ def test_kvstrata_charges_the_work_it_adds() -> None:
     load = loads(WorkerLoad("h", queued_s=1.03), WorkerLoad("x"))
     greedy = KvstrataPolicy(profiles, work_weight=0.0).choose(req, found, load)
     assert greedy.worker_id == "x"  # 1.034 s vs 1.03 + 0.011 s
-    weighted = KvstrataPolicy(profiles, work_weight=1.0).choose(req, found, load)
-    assert weighted.worker_id == "h"
-    for estimate in weighted.estimates:
+    weighted = KvstrataPolicy(profiles, work_weight=1.0, load_adaptive=False)
+    decision = weighted.choose(req, found, load)
+    assert decision.worker_id == "h"
+    for estimate in decision.estimates:
         assert estimate.score == pytest.approx(
             estimate.ttft_s + 1.0 * (estimate.prefill_s + estimate.fetch_s)
+        )
+
+
+def test_kvstrata_work_charge_follows_the_busy_share() -> None:
+    """Idle cluster: added work costs nobody, placement is TTFT-greedy; busy: it is charged."""
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
+    policy = KvstrataPolicy(profiles, work_weight=1.0)
+    idle = loads(WorkerLoad("h", queued_s=1.03), WorkerLoad("x"))
+    assert policy.choose(req, found, idle).worker_id == "x"
+    busy = loads(
+        WorkerLoad("h", queued_s=1.03, queued_requests=2), WorkerLoad("x", queued_requests=1)
+    )
+    decision = policy.choose(req, found, busy)
+    assert decision.worker_id == "h"
+    factor = min(4.0, (1.0 / 0.05) / (0.8 / 0.25))  # busy share 1 vs 0.8, capped at 4
+    for estimate in decision.estimates:
+        assert estimate.score == pytest.approx(
+            estimate.ttft_s + factor * (estimate.prefill_s + estimate.fetch_s)
         )
 
 

@@ -37,6 +37,12 @@ from kvstrata.router.model import (
 _NO_MATCH: Final = (0, 0, 0, 0)
 
 DEFAULT_WORK_WEIGHT: Final = 10.0
+_REFERENCE_BUSY: Final = 0.8
+_MAX_LOAD_FACTOR: Final = 4.0
+
+
+def _busy_cost(busy: float) -> float:
+    return busy / (1.0 - busy + 0.05)
 """KvstrataPolicy's charge per second of prefill work it adds. Tuned with ``kvstrata sim`` on
 the first half (0–1,768 s) of the Mooncake conversation trace, 16 gpu-a100-8b workers, at the
 rate where the best baseline (llm-d) is 80% busy (×2.56): weights 1 / 3 / 5 / 10 / 20 gave
@@ -148,10 +154,12 @@ class KvstrataPolicy:
         *,
         hot: HotPrefixConfig | None = None,
         work_weight: float = DEFAULT_WORK_WEIGHT,
+        load_adaptive: bool = True,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
+        self.load_adaptive = load_adaptive
         self._popularity = _Popularity(self.hot.half_life_s)
         self._turn = itertools.count()
 
@@ -162,7 +170,7 @@ class KvstrataPolicy:
         loads: Sequence[WorkerLoad],
     ) -> RouteDecision:
         healthy = _healthy(loads)
-        weight = self.work_weight
+        weight = self.work_weight * self._load_factor(healthy)
         estimates = []
         for load in healthy:
             estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
@@ -191,6 +199,18 @@ class KvstrataPolicy:
             matched_blocks=best.matched_blocks,
             estimates=tuple(estimates),
         )
+
+    def _load_factor(self, healthy: Sequence[WorkerLoad]) -> float:
+        """How much added work hurts now: ρ/(1−ρ) of the busy share ρ, 1 at ``ρ = 0.8``.
+
+        The work a choice adds delays the requests that queue behind it; in a queue that
+        is busy a share ρ of the time, that delay grows as ρ/(1−ρ). ρ is the share of healthy
+        workers with a prefill queued or running, right now.
+        """
+        if not self.load_adaptive:
+            return 1.0
+        busy = sum(1 for w in healthy if w.queued_requests > 0) / len(healthy)
+        return min(_MAX_LOAD_FACTOR, _busy_cost(busy) / _busy_cost(_REFERENCE_BUSY))
 
     def _spill_target(
         self,
