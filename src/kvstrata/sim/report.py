@@ -10,7 +10,8 @@ Figures per policy (all in simulated time):
   share of its device KV pool held by running requests (``kv_occupancy``), and the output
   tokens asked of it per second ÷ the most it can decode per second (``decode_demand``;
   decode-heavy traces saturate decode long before prefill compute: without this term the
-  rate search drove them into a growing backlog); ``load_imbalance`` = max / mean;
+  rate search drove them into a growing backlog); ``load_imbalance`` = max / mean over
+  workers of the larger of their prefill-busy share and KV occupancy;
 * ``ttft_prediction_mae_s`` — the router's predicted TTFT vs the simulated one.
 
 ``best_baseline`` is the non-kvstrata policy with the lowest ``ttft_p99_s``. The goal
@@ -95,9 +96,11 @@ def summarize(result: RunResult) -> dict[str, Any]:
     prefill_busy = np.asarray(result.busy_s, dtype=np.float64) / span
     kv = np.asarray(result.kv_occupancy, dtype=np.float64)
     # A worker is as busy as its scarcer resource: prefill compute or KV memory for decodes.
-    busy = np.maximum(prefill_busy, kv) if len(kv) == len(prefill_busy) else prefill_busy
+    per_worker = np.maximum(prefill_busy, kv) if len(kv) == len(prefill_busy) else prefill_busy
     # ... or decode throughput: demand beyond it is a backlog no placement can drain in time.
-    busy = np.maximum(busy, result.decode_demand)
+    # (Decode demand is the cluster's average, so imbalance is measured without it.)
+    busy = np.maximum(per_worker, result.decode_demand)
+    placed_mean = float(per_worker.mean()) if len(per_worker) else 0.0
     mean_util = float(busy.mean()) if len(busy) else 0.0
     makespan = max(result.last_done_s - result.first_arrival_s, 1e-9)
     return {
@@ -111,7 +114,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prefill_utilisation": _r(float(prefill_busy.mean())) if len(prefill_busy) else 0.0,
         "kv_occupancy": _r(float(kv.mean())) if len(kv) else 0.0,
         "decode_demand": _r(result.decode_demand),
-        "load_imbalance": _r(float(busy.max()) / mean_util) if mean_util > 0 else None,
+        "load_imbalance": (
+            _r(float(per_worker.max()) / placed_mean) if placed_mean > 0 else None
+        ),
         "ttft_prediction_mae_s": (
             _r(np.abs(predicted - ttft).mean())
             if len(predicted) == len(ttft) and len(ttft)
