@@ -57,7 +57,7 @@ class ServingWorkload:
     suffix_len: int = 64
     output_len: int = 16
     requests_per_prefix: int = 4
-    request_rate: float = 0.5
+    request_rate: float = 0.2  # below plain vLLM's capacity here (~0.4 req/s): TTFT, not queueing
     kv_cache_blocks: int = 64
     seed: int = 0
 
