@@ -142,7 +142,7 @@ def test_front_door_tokenizes_exactly_like_the_worker(
     tiny_checkpoint: Path, tiny_model: LoadedModel
 ) -> None:
     from kvstrata.engine.engine import EngineConfig, ReferenceEngine
-    from kvstrata.fleet.frontdoor import FleetTokenizer
+    from kvstrata.fleet.fleet import FleetTokenizer
 
     engine = ReferenceEngine(tiny_model, EngineConfig(block_size=16, pool_blocks=8))
     tokenizer = FleetTokenizer(tiny_checkpoint)

@@ -65,7 +65,8 @@ def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
     import uvicorn
 
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
-    from kvstrata.fleet.frontdoor import Fleet, FleetConfig, FleetTokenizer, create_frontdoor_app
+    from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
+    from kvstrata.fleet.frontdoor import create_frontdoor_app
     from kvstrata.index.core import ConsistencyMode
 
     model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)

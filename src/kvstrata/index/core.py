@@ -28,16 +28,12 @@ of them is removed.
 
 from __future__ import annotations
 
-import array
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
-from typing import Final, cast
+from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
 from kvstrata.events.schema import (
     AllBlocksCleared,
@@ -55,102 +51,29 @@ from kvstrata.identity.keys import (
     namespace_root,
 )
 from kvstrata.identity.router_hash import RouterHasher, RouterHashes
+from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
+from kvstrata.index.matching import SLOT_MASK as _SLOT_MASK
+from kvstrata.index.matching import probe as _probe
+from kvstrata.index.matching import slot_prefixes as _slot_prefixes
+from kvstrata.index.model import (
+    MEDIUM_ALIASES,
+    ConsistencyMode,
+    IndexStats,
+    Medium,
+    PrefixMatch,
+    parse_medium,
+)
 
-_BITS_PER_SLOT: Final = 4
-_SLOT_MASK: Final = (1 << _BITS_PER_SLOT) - 1
-_NUMPY_SLOTS: Final = 64 // _BITS_PER_SLOT
-"""16 worker slots pack into one uint64 word; more slots take several words per block."""
-_MASK64: Final = (1 << 64) - 1
-_LOW_BITS: Final = np.uint64(0x1111_1111_1111_1111)
-"""Bit 0 of every nibble: one presence bit per slot."""
-_LANE_MASK: Final = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
-_ONE: Final = np.uint64(1)
-_TWO: Final = np.uint64(2)
-_THREE: Final = np.uint64(3)
-_PROBE_CHUNK: Final = 512
-"""Blocks probed between checks for a block nobody holds (where every prefix ends)."""
 _NO_TIERS: Final = (0, 0, 0, 0)
-
-
-class Medium(IntEnum):
-    """Where a worker holds a block, fastest first (the bit index inside a worker's nibble)."""
-
-    DEVICE = 0
-    HOST = 1
-    DISK = 2
-    REMOTE = 3
-
-
-MEDIUM_ALIASES: Final[dict[str, Medium]] = {
-    "device": Medium.DEVICE,
-    "gpu": Medium.DEVICE,
-    "cuda": Medium.DEVICE,
-    "host": Medium.HOST,
-    "cpu": Medium.HOST,
-    "dram": Medium.HOST,
-    "disk": Medium.DISK,
-    "local_disk": Medium.DISK,
-    "remote": Medium.REMOTE,
-    "redis": Medium.REMOTE,
-    "valkey": Medium.REMOTE,
-}
-"""Event ``medium`` strings: kvstrata's tier names plus vLLM's ``GPU``/``CPU`` (any case)."""
-
-
-def parse_medium(name: str | None) -> Medium | None:
-    """``None`` (vLLM before it sent a medium) means the device pool; unknown names → None."""
-    if name is None:
-        return Medium.DEVICE
-    return MEDIUM_ALIASES.get(name.lower())
-
-
-class ConsistencyMode(StrEnum):
-    EXACT = "exact"
-    APPROXIMATE = "approximate"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """A worker's longest cached prefix of a request, in blocks, split by fastest medium."""
-
-    worker_id: str
-    blocks: int
-    tier_blocks: tuple[int, int, int, int]
-    """Blocks held at best in device, host, disk, remote (sums to ``blocks``)."""
-    predicted: bool = False
-    """True in approximate mode: the router's own guess, not a reported fact."""
-
-
-@dataclass
-class IndexStats:
-    """Counters and lag samples the fleet exports as metrics; owned, never global."""
-
-    batches: int = 0
-    events: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    duplicate_stores: int = 0
-    unknown_removals: int = 0
-    orphan_blocks: int = 0
-    """Stored blocks whose parent the worker never reported: unplaceable, skipped."""
-    bad_events: int = 0
-    """Token count or block size disagree with the hashes; skipped."""
-    unknown_mediums: int = 0
-    clears: int = 0
-    stale_batches: int = 0
-    """Batches stamped with an epoch the worker already left behind (ignored)."""
-    epoch_changes: int = 0
-    stale_entries_dropped: int = 0
-    resyncs: int = 0
-    inconsistent_marks: int = 0
-    routes_recorded: int = 0
-    predictions_expired: int = 0
-    lag_samples: deque[float] = field(default_factory=lambda: deque(maxlen=8192))
-
-    def lag_quantile(self, q: float) -> float | None:
-        if not self.lag_samples:
-            return None
-        return float(np.quantile(np.fromiter(self.lag_samples, dtype=np.float64), q))
+__all__ = [
+    "MEDIUM_ALIASES",
+    "ConsistencyMode",
+    "GlobalIndex",
+    "IndexStats",
+    "Medium",
+    "PrefixMatch",
+    "parse_medium",
+]
 
 
 @dataclass
@@ -571,68 +494,3 @@ class GlobalIndex:
             )
             for worker in self._workers.values()
         }
-
-
-def _probe(entries: dict[int, int], hashes: Sequence[int]) -> list[int]:
-    """The packed values of the request's blocks, up to (without) the first block nobody holds."""
-    get = entries.get
-    values: list[int] = []
-    for start in range(0, len(hashes), _PROBE_CHUNK):
-        chunk: list[int | None] = list(map(get, hashes[start : start + _PROBE_CHUNK]))
-        if None in chunk:
-            values.extend(cast(list[int], chunk[: chunk.index(None)]))
-            break
-        values.extend(cast(list[int], chunk))
-    return values
-
-
-def _slot_prefixes(values: list[int], slots: int, live: int) -> npt.NDArray[np.int64]:
-    """``[4, slots]``: per slot, prefix depth and its blocks at best on device, host, disk.
-
-    ``live`` has bit ``4·slot`` set for every slot that may match. Values wider than one
-    uint64 (more than 16 slots) are split into 64-bit words through their bytes; each word is
-    then handled alike: a slot's block is present when its nibble is non-zero, a running AND
-    of presence gives the prefix (prefix-closed by construction), and masked bit counts per
-    nibble give the depth and the fastest-medium split.
-    """
-    words = max(1, -(-slots // _NUMPY_SLOTS))
-    if words == 1:  # array.array converts a list of ints faster than numpy does
-        packed = np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
-    else:
-        width = 8 * words
-        raw = b"".join(v.to_bytes(width, "little") for v in values)
-        packed = np.frombuffer(raw, dtype="<u8").reshape(-1, words)
-    counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
-    for word in range(words):
-        v = np.ascontiguousarray(packed[:, word], dtype=np.uint64)
-        mask = np.uint64((live >> (64 * word)) & _MASK64)
-        if not mask:
-            continue
-        present = (v | (v >> _ONE) | (v >> _TWO) | (v >> _THREE)) & _LOW_BITS
-        alive = np.bitwise_and.accumulate(present) & mask
-        device = v & alive
-        host = (v >> _ONE) & ~v & alive
-        disk = (v >> _TWO) & ~(v >> _ONE) & ~v & alive
-        columns = slice(word * _NUMPY_SLOTS, (word + 1) * _NUMPY_SLOTS)
-        for row, bits in enumerate((alive, device, host, disk)):
-            counts[row, columns] = _nibble_bit_counts(bits)
-    return counts[:, :slots]
-
-
-def _nibble_bit_counts(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-    """How many values have bit ``4·s`` set, for each of the 16 nibbles ``s``.
-
-    Even and odd nibbles are moved into separate byte lanes; up to 255 one-bit values then sum
-    without carrying across lanes, and the lanes are read back as bytes.
-    """
-    n = len(bits)
-    pad = (-n) % 255
-    if pad:
-        bits = np.concatenate([bits, np.zeros(pad, dtype=np.uint64)])
-    rows = bits.reshape(-1, 255)
-    counts = np.empty(_NUMPY_SLOTS, dtype=np.int64)
-    for parity in (0, 1):
-        lanes = ((rows >> np.uint64(4 * parity)) & _LANE_MASK).sum(axis=1, dtype=np.uint64)
-        per_byte = lanes.astype("<u8").view(np.uint8).reshape(-1, 8).sum(axis=0, dtype=np.int64)
-        counts[parity::2] = per_byte
-    return counts

@@ -1,0 +1,95 @@
+"""Longest-prefix matching over the index's packed values, for every worker slot at once.
+
+Each indexed router hash maps to an int with 4 bits per worker slot (one per medium:
+device, host, disk, remote). A lookup probes the request's hashes in order and stops at the
+first block nobody holds; :func:`slot_prefixes` then turns the probed values into each slot's
+prefix depth and fastest-medium split with a few numpy passes (16 slots per uint64 word).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from typing import Final, cast
+
+import numpy as np
+import numpy.typing as npt
+
+BITS_PER_SLOT: Final = 4
+SLOT_MASK: Final = (1 << BITS_PER_SLOT) - 1
+_NUMPY_SLOTS: Final = 64 // BITS_PER_SLOT
+"""16 worker slots pack into one uint64 word; more slots take several words per block."""
+_MASK64: Final = (1 << 64) - 1
+_LOW_BITS: Final = np.uint64(0x1111_1111_1111_1111)
+"""Bit 0 of every nibble: one presence bit per slot."""
+_LANE_MASK: Final = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
+_ONE: Final = np.uint64(1)
+_TWO: Final = np.uint64(2)
+_THREE: Final = np.uint64(3)
+_PROBE_CHUNK: Final = 512
+"""Blocks probed between checks for a block nobody holds (where every prefix ends)."""
+
+
+def probe(entries: dict[int, int], hashes: Sequence[int]) -> list[int]:
+    """The packed values of the request's blocks, up to (without) the first block nobody holds."""
+    get = entries.get
+    values: list[int] = []
+    for start in range(0, len(hashes), _PROBE_CHUNK):
+        chunk: list[int | None] = list(map(get, hashes[start : start + _PROBE_CHUNK]))
+        if None in chunk:
+            values.extend(cast(list[int], chunk[: chunk.index(None)]))
+            break
+        values.extend(cast(list[int], chunk))
+    return values
+
+
+def slot_prefixes(values: list[int], slots: int, live: int) -> npt.NDArray[np.int64]:
+    """``[4, slots]``: per slot, prefix depth and its blocks at best on device, host, disk.
+
+    ``live`` has bit ``4·slot`` set for every slot that may match. Values wider than one
+    uint64 (more than 16 slots) are split into 64-bit words through their bytes; each word is
+    then handled alike: a slot's block is present when its nibble is non-zero, a running AND
+    of presence gives the prefix (prefix-closed by construction), and masked bit counts per
+    nibble give the depth and the fastest-medium split.
+    """
+    words = max(1, -(-slots // _NUMPY_SLOTS))
+    if words == 1:  # array.array converts a list of ints faster than numpy does
+        packed = np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
+    else:
+        width = 8 * words
+        raw = b"".join(v.to_bytes(width, "little") for v in values)
+        packed = np.frombuffer(raw, dtype="<u8").reshape(-1, words)
+    counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
+    for word in range(words):
+        v = np.ascontiguousarray(packed[:, word], dtype=np.uint64)
+        mask = np.uint64((live >> (64 * word)) & _MASK64)
+        if not mask:
+            continue
+        present = (v | (v >> _ONE) | (v >> _TWO) | (v >> _THREE)) & _LOW_BITS
+        alive = np.bitwise_and.accumulate(present) & mask
+        device = v & alive
+        host = (v >> _ONE) & ~v & alive
+        disk = (v >> _TWO) & ~(v >> _ONE) & ~v & alive
+        columns = slice(word * _NUMPY_SLOTS, (word + 1) * _NUMPY_SLOTS)
+        for row, bits in enumerate((alive, device, host, disk)):
+            counts[row, columns] = _nibble_bit_counts(bits)
+    return counts[:, :slots]
+
+
+def _nibble_bit_counts(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    """How many values have bit ``4·s`` set, for each of the 16 nibbles ``s``.
+
+    Even and odd nibbles are moved into separate byte lanes; up to 255 one-bit values then sum
+    without carrying across lanes, and the lanes are read back as bytes.
+    """
+    n = len(bits)
+    pad = (-n) % 255
+    if pad:
+        bits = np.concatenate([bits, np.zeros(pad, dtype=np.uint64)])
+    rows = bits.reshape(-1, 255)
+    counts = np.empty(_NUMPY_SLOTS, dtype=np.int64)
+    for parity in (0, 1):
+        lanes = ((rows >> np.uint64(4 * parity)) & _LANE_MASK).sum(axis=1, dtype=np.uint64)
+        per_byte = lanes.astype("<u8").view(np.uint8).reshape(-1, 8).sum(axis=0, dtype=np.int64)
+        counts[parity::2] = per_byte
+    return counts
