@@ -9,6 +9,7 @@ supervisor (the process exited) and by the router's health loop (it stops answer
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -25,13 +26,16 @@ import httpx
 _log = logging.getLogger(__name__)
 
 
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+"""Loaded here, not in the child: between fork and exec only async-signal-safe work is safe
+(an ``import`` there could wait forever on a lock another thread held at the fork)."""
+
+
 def _die_with_parent() -> None:
     """In the child: ask Linux to SIGTERM it if the supervisor dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
