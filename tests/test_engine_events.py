@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
-from kvstrata.engine.factory import TierOptions, build_engine
-from kvstrata.engine.kv_events import DEVICE_MEDIUM, KVEventEmitter, KVEventsConfig
+from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.events import (
@@ -33,12 +32,14 @@ from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.identity.vllm_hash import vllm_event_int
 from kvstrata.objects import KVObjectMeta
+from kvstrata.runtime.config import WorkerConfig
+from kvstrata.runtime.events import DEVICE_MEDIUM, KVEventEmitter, KVEventsConfig
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.tiered import TieredStore
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
-from tier_helpers import FakeClock
+from tier_helpers import FakeClock, worker_tiers
 
 B = 16
 TIMEOUT_S = 5.0
@@ -62,7 +63,7 @@ def emitter(worker_id: str = "w1") -> KVEventEmitter:
 
 
 def engine_with(
-    loaded: LoadedModel, events: KVEventEmitter, tiers: TierOptions | None, pool_blocks: int = 64
+    loaded: LoadedModel, events: KVEventEmitter, tiers: WorkerConfig | None, pool_blocks: int = 64
 ) -> ReferenceEngine:
     return build_engine(
         loaded, EngineConfig(block_size=B, pool_blocks=pool_blocks), tiers, events=events
@@ -209,7 +210,7 @@ def test_pool_eviction_removes_from_device_and_demotion_stores_on_host(
 ) -> None:
     host = TierConfig("host", WritePolicy.WRITE_BACK)  # a copy at eviction, not at commit
     engine = engine_with(
-        tiny_model, events, TierOptions(host_bytes=64 * BLOCK_BYTES, host=host), pool_blocks=8
+        tiny_model, events, worker_tiers(host_bytes=64 * BLOCK_BYTES, host=host), pool_blocks=8
     )
     listener = Listener(events)
     first, second = tokens(96, seed=21), tokens(96, seed=22)
@@ -245,7 +246,7 @@ def replayed(listener: Listener, events: KVEventEmitter) -> Residency:
 def test_write_through_announces_host_copies_and_clear_removes_device_blocks(
     tiny_model: LoadedModel, events: KVEventEmitter
 ) -> None:
-    engine = engine_with(tiny_model, events, TierOptions(host_bytes=64 * BLOCK_BYTES))
+    engine = engine_with(tiny_model, events, worker_tiers(host_bytes=64 * BLOCK_BYTES))
     listener = Listener(events)
     prompt = tokens(70, seed=31)
     engine.generate(prompt, ONE, tenant="t2").run()
@@ -290,7 +291,7 @@ def test_snapshot_plus_live_stream_equals_resident_blocks(
 ) -> None:
     # A small pool and a small host tier, so both evict.
     host = TierConfig("host", WritePolicy.WRITE_THROUGH)
-    options = TierOptions(host_bytes=10 * BLOCK_BYTES, host=host)
+    options = worker_tiers(host_bytes=10 * BLOCK_BYTES, host=host)
     engine = engine_with(tiny_model, events, options, pool_blocks=8)
     for seed in range(3):
         engine.generate(tokens(64, seed=40 + seed), ONE).run()
@@ -320,7 +321,7 @@ def test_restarted_engine_has_a_new_epoch_and_dumps_its_disk_blocks(
     tiny_model: LoadedModel, tmp_path: Path
 ) -> None:
     disk = TierConfig("disk", WritePolicy.WRITE_THROUGH)
-    options = TierOptions(
+    options = worker_tiers(
         disk_dir=tmp_path / "d", disk_bytes=64 * BLOCK_BYTES, disk=disk, durable_disk=False
     )
     first_events = emitter("w-restart")
@@ -361,7 +362,7 @@ def test_restarted_engine_has_a_new_epoch_and_dumps_its_disk_blocks(
 
 def test_engine_without_emitter_publishes_nothing(tiny_model: LoadedModel) -> None:
     engine = ReferenceEngine(tiny_model, EngineConfig(block_size=B, pool_blocks=16))
-    assert engine.events is None and engine.pool.listener is None
+    assert engine.events is None and not engine.pool._listeners
     engine.generate(tokens(40, seed=61), ONE).run()
     assert engine.pool.blocks_used == 2
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
-from kvstrata.engine.factory import TierOptions, build_engine
+from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 from kvstrata.tiers.disk import DiskTier
+from tier_helpers import worker_tiers
 
 B = 16
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -26,7 +27,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def make(loaded: LoadedModel, tmp_path: Path, **tier_kw: object) -> ReferenceEngine:
     block = 2 * 2 * 2 * B * 16 * 4  # tiny: 2 layers, K+V, 2 heads, 16 tokens, head dim 16, fp32
-    options = TierOptions(
+    options = worker_tiers(
         host_bytes=tier_kw.pop("host_blocks", 256) * block,  # type: ignore[operator]
         disk_dir=tmp_path / "disk",
         disk_bytes=1024 * block,

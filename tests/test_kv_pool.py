@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.engine.kv_pool import BlockState, PagedKVPool, PoolConfig, PoolStateError
+from kvstrata.engine.kv_pool import BlockState, PagedKVPool, PoolConfig
+from kvstrata.errors import PoolStateError
 from kvstrata.identity import BlockKey
 from kvstrata.telemetry import KvMetrics
 

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 from http_helpers import serving
-from kvstrata.cli.serve_cmd import events_config, register
+from kvstrata.cli.serve_cmd import register, worker_config
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
-from kvstrata.engine.factory import TierOptions, build_engine
-from kvstrata.engine.kv_events import DEVICE_MEDIUM, KVEventEmitter, KVEventsConfig
+from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.events import (
@@ -32,9 +31,11 @@ from kvstrata.events import (
     decode_batch,
 )
 from kvstrata.identity.keys import event_block_hash
+from kvstrata.runtime.events import DEVICE_MEDIUM, KVEventEmitter, KVEventsConfig
 from kvstrata.serve.app import create_app
 from kvstrata.serve.kv_state import EPOCH_HEADER, NEXT_SEQ_HEADER
 from kvstrata.telemetry import KvMetrics
+from tier_helpers import worker_tiers
 
 B = 16
 TIMEOUT_S = 5.0
@@ -56,7 +57,7 @@ def worker(tiny_model: LoadedModel) -> Iterator[Worker]:
     engine = build_engine(
         tiny_model,
         EngineConfig(block_size=B, pool_blocks=12),
-        TierOptions(host_bytes=16 * BLOCK_BYTES),
+        worker_tiers(host_bytes=16 * BLOCK_BYTES),
         metrics=metrics,
         events=emitter,
     )
@@ -246,12 +247,13 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_serve_flags_parse_into_an_events_config() -> None:
-    assert events_config(_serve_args()) is None
-    config = events_config(_serve_args("--port", "8123", "--events-endpoint", "tcp://127.0.0.1:*"))
+    assert worker_config(_serve_args()).events is None
+    args = _serve_args("--port", "8123", "--events-endpoint", "tcp://127.0.0.1:*")
+    config = worker_config(args).events
     assert config is not None
     assert config.worker_id == f"{socket.gethostname()}:8123"
     assert config.replay_endpoint is None
-    with pytest.raises(InvalidInput, match="--events-endpoint"):
-        events_config(_serve_args("--replay-endpoint", "tcp://127.0.0.1:*"))
+    with pytest.raises(InvalidInput, match=r"events\.endpoint"):
+        worker_config(_serve_args("--replay-endpoint", "tcp://127.0.0.1:*"))
     with pytest.raises(InvalidInput, match="ZMQ endpoint"):
-        events_config(_serve_args("--events-endpoint", "127.0.0.1:5555"))
+        worker_config(_serve_args("--events-endpoint", "127.0.0.1:5555"))

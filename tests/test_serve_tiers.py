@@ -10,9 +10,10 @@ import pytest
 
 from http_helpers import serving
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine, pool_config_for
-from kvstrata.engine.factory import TierOptions, build_engine
+from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.serve.app import create_app
+from tier_helpers import worker_tiers
 
 PROMPT = "Tiered caches keep what the device pool forgets. " * 6
 
@@ -22,7 +23,7 @@ def served(
     tiny_model: LoadedModel, tmp_path: Path
 ) -> Iterator[tuple[ReferenceEngine, httpx.Client]]:
     block = pool_config_for(tiny_model, 16, 1).bytes_per_block
-    tiers = TierOptions(
+    tiers = worker_tiers(
         host_bytes=128 * block,
         disk_dir=tmp_path / "disk",
         disk_bytes=512 * block,

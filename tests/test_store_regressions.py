@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvstrata.engine.engine import EngineConfig
-from kvstrata.engine.factory import TierOptions, build_engine
+from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
@@ -20,7 +20,7 @@ from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.host import HostTier
 from test_tiered_store import OBJ, chain, filler, make_store
-from tier_helpers import FakeClock
+from tier_helpers import FakeClock, worker_tiers
 
 
 def failing_on_call(function: Callable[..., Any], nth: int) -> Callable[..., Any]:
@@ -121,7 +121,7 @@ def test_a_failed_demotion_does_not_wedge_the_pool(tiny_model: LoadedModel) -> N
     engine = build_engine(
         tiny_model,
         EngineConfig(block_size=16, pool_blocks=8),
-        TierOptions(host_bytes=64 * block, host=TierConfig("host", WritePolicy.WRITE_BACK)),
+        worker_tiers(host_bytes=64 * block, host=TierConfig("host", WritePolicy.WRITE_BACK)),
     )
     one = SamplingParams(max_tokens=1)
     engine.generate(toks(120, 1), one).run()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
+from kvstrata.runtime.config import WorkerConfig, disk_tier, host_tier
+from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.tiers.base import Tier
 
 OBJ = 4096
@@ -57,3 +61,27 @@ def load_bytes(tier: Tier, key: BlockKey) -> bytes | None:
         return bytes(lease.buffer)
     finally:
         tier.complete_load(lease)
+
+
+def worker_tiers(
+    *,
+    host_bytes: int = 0,
+    host: TierConfig | None = None,
+    disk_dir: Path | None = None,
+    disk_bytes: int = 0,
+    disk: TierConfig | None = None,
+    durable_disk: bool = True,
+    policy: str = "kvstrata",
+) -> WorkerConfig:
+    """A ``WorkerConfig`` with a host and/or a disk tier: host write-through and disk
+    write-back unless ``host``/``disk`` say otherwise (what these engine tests were written
+    for; the configuration's own default for every tier is write-through)."""
+    specs = []
+    if host_bytes > 0:
+        specs.append(host_tier(host_bytes, host, eviction_policy=policy))
+    if disk_dir is not None and disk_bytes > 0:
+        config = disk or TierConfig("disk", WritePolicy.WRITE_BACK)
+        specs.append(
+            disk_tier(disk_dir, disk_bytes, config, durable=durable_disk, eviction_policy=policy)
+        )
+    return WorkerConfig(tiers=tuple(specs))

@@ -34,3 +34,51 @@ class ContextTooLong(InvalidInput):
 
 class TraceFormatError(InvalidInput):
     """A workload trace line is malformed."""
+
+
+class ConfigError(InvalidInput):
+    """A configuration file, flag or connector setting is malformed; names the key and source."""
+
+    def __init__(self, message: str, *, key: str | None = None, source: str | None = None):
+        where = ", ".join(part for part in (f"key {key!r}" if key else "", source or "") if part)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.key = key
+        self.source = source
+
+
+class PoolStateError(KvstrataError):
+    """An illegal device-pool transition (a bug in the caller, never an expected outcome)."""
+
+
+class NoWorkerAvailable(KvstrataError):
+    """No healthy worker to send the request to."""
+
+
+class ApiError(KvstrataError):
+    """An error answered to an HTTP client as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }

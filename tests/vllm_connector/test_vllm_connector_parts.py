@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry
 from kvstrata.connectors.vllm_identity import VllmModelView, tenant_for_salt, vllm_fingerprint
 from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner
-from kvstrata.connectors.vllm_settings import ConnectorSettings
+from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
-from kvstrata.engine.factory import build_store
-from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
 from kvstrata.identity import ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+from kvstrata.runtime.events import KVEventEmitter
+from kvstrata.runtime.store_factory import build_store
+from kvstrata.runtime.wiring import wire
 
 BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
 
@@ -193,11 +194,11 @@ def _reason() -> ReuseDisabledReason:
 
 # ---- worker over a real store ----------------------------------------------------------------
 def _worker(tmp_path: Path, layers: dict[str, torch.Tensor], **extra: object) -> ConnectorWorker:
-    settings = ConnectorSettings.parse(
+    settings = connector_config(
         {"disk_dir": str(tmp_path / "disk"), "disk_gib": 0.01, "durable": False, **extra}
     )
     codec = BlockCodec(layers, BLOCKS, BS)
-    store = build_store(codec.block_bytes, settings.tier_options(), CollectorRegistry())
+    store = build_store(codec.block_bytes, settings, CollectorRegistry(), record_events=True)
     assert store is not None
     return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / "stats.json")
 
@@ -251,7 +252,7 @@ def test_worker_publishes_kvstrata_events_with_the_tier_as_medium(tmp_path: Path
     assert publisher.wait_for_subscriber(5.0)
     worker = _worker(tmp_path, layers)
     worker.emitter = emitter
-    worker.store.listener = emitter
+    wire(pool=None, store=worker.store, emitter=emitter)
     planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
     tokens = list(range(1, 2 * BS + 2))
     planner.matched_tokens("a", tokens, "salt", 0)

@@ -30,8 +30,10 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvstrata.bench.ttft import run_ttft
     from kvstrata.engine.engine import EngineConfig, pool_config_for
-    from kvstrata.engine.factory import TierOptions, build_engine
+    from kvstrata.engine.factory import build_engine
     from kvstrata.engine.model_loader import load_model
+    from kvstrata.runtime.config import WorkerConfig, disk_tier, host_tier
+    from kvstrata.store.config import TierConfig, WritePolicy
 
     loaded = load_model(args.model)
     blocks_needed = 2 * (args.tokens + 64) // args.block_size + 8
@@ -39,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstrata-ttft-") as scratch:
         tiers = None
         if args.tier != "device":
-            tiers = TierOptions(
-                host_bytes=blocks_needed * block_bytes,
-                disk_dir=(args.disk_dir or Path(scratch)) if args.tier == "disk" else None,
-                disk_bytes=blocks_needed * block_bytes,
-            )
+            specs = [host_tier(blocks_needed * block_bytes)]
+            if args.tier == "disk":  # host → disk written back in the background
+                write_back = TierConfig("disk", WritePolicy.WRITE_BACK)
+                disk_dir = args.disk_dir or Path(scratch)
+                specs.append(disk_tier(disk_dir, blocks_needed * block_bytes, write_back))
+            tiers = WorkerConfig(tiers=tuple(specs))
         engine = build_engine(
             loaded, EngineConfig(block_size=args.block_size, pool_blocks=blocks_needed), tiers
         )

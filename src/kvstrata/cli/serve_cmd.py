@@ -1,13 +1,15 @@
 """``kvstrata serve``: the reference engine behind an OpenAI-compatible HTTP API.
 
-The device pool is sized in GiB and converted to blocks from the model's KV bytes per
-block, so the same flag means the same memory for every model. With ``--events-endpoint`` the
+Settings are one ``WorkerConfig`` (``--config FILE``, flags override it). The device pool is
+sized in GiB and converted to blocks from the model's KV bytes per block, so the same setting
+means the same memory for every model. With ``--events-endpoint`` the
 worker publishes its KV events (every tier) over ZMQ and serves ``/kv/info`` and ``/kv/dump``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import socket
@@ -15,13 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstrata.engine.factory import TierOptions
-from kvstrata.engine.kv_events import KVEventsConfig
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
-from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
-
-GIB = 1 << 30
+from kvstrata.runtime.config import GIB, WorkerConfig, load_worker_config
+from kvstrata.store.config import WritePolicy
 
 
 def register(sub: Any) -> None:
@@ -29,57 +28,59 @@ def register(sub: Any) -> None:
         "serve",
         help="serve the reference engine over an OpenAI-compatible HTTP API",
         description="OpenAI-compatible /v1/completions and /v1/chat/completions with exact "
-        "prefix reuse, plus Prometheus /metrics.",
+        "prefix reuse, plus Prometheus /metrics. Settings come from --config (TOML, see "
+        "docs/configuration.md); every other flag overrides the file.",
     )
+    parser.add_argument("--config", type=Path, default=None, help="worker configuration (TOML)")
     parser.add_argument(
         "--model",
-        default="smollm2",
+        default=None,
         help=f"{' | '.join(MODEL_NAMES)} | PATH to a local HF model directory (default: smollm2)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument(
-        "--pool-gib", type=float, default=1.0, help="device KV pool size in GiB (default: 1.0)"
-    )
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    parser.add_argument("--pool-gib", type=float, default=None, help="device KV pool size in GiB")
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="the name clients pass as 'model' (default: the --model value)",
+        help="the name clients pass as 'model' (default: the model value)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     tiers = parser.add_argument_group("tiers (the tiered store below the device pool)")
-    tiers.add_argument("--host-gib", type=float, default=0.0, help="host DRAM tier (0: none)")
+    tiers.add_argument("--host-gib", type=float, default=None, help="host DRAM tier (0: none)")
     tiers.add_argument(
         "--host-write-policy",
         choices=[p.value for p in WritePolicy],
-        default=WritePolicy.WRITE_THROUGH.value,
+        default=None,
         help="device → host: copy at commit (write-through) or only on eviction",
     )
     tiers.add_argument("--disk-dir", type=Path, default=None, help="local disk tier directory")
-    tiers.add_argument("--disk-gib", type=float, default=0.0, help="disk tier size (0: none)")
-    tiers.add_argument(
-        "--disk-write-policy",
-        choices=[p.value for p in WritePolicy],
-        default=WritePolicy.WRITE_BACK.value,
-    )
-    tiers.add_argument("--tier-ttl-s", type=float, default=None, help="object TTL in the tiers")
-    tiers.add_argument("--eviction-policy", choices=["kvstrata", "lru"], default="kvstrata")
+    tiers.add_argument("--disk-gib", type=float, default=None, help="disk tier size (0: none)")
+    tiers.add_argument("--disk-write-policy", choices=[p.value for p in WritePolicy], default=None)
+    tiers.add_argument("--tier-ttl-s", type=float, default=None, help="object TTL in every tier")
+    tiers.add_argument("--eviction-policy", choices=["kvstrata", "lru"], default=None)
     tiers.add_argument(
         "--tier-tenants", default=None, help="comma list: only these tenants use the tiers"
     )
     tiers.add_argument(
-        "--tier-canary", type=float, default=1.0, help="share of requests that use the tiers"
+        "--tier-canary", type=float, default=None, help="share of requests that use the tiers"
     )
     tiers.add_argument(
         "--min-reusable-tokens",
         type=int,
-        default=0,
+        default=None,
         help="break-even: below this many reusable tokens from a tier, recompute",
     )
     tiers.add_argument("--admin-token", default=None, help="require this bearer token on /admin")
+    tiers.add_argument(
+        "--tenant-secret-file",
+        type=Path,
+        default=None,
+        help="file whose bytes salt every tenant's namespace (router and workers must agree)",
+    )
     events = parser.add_argument_group("KV events (what this worker holds, for a fleet index)")
     events.add_argument(
         "--events-endpoint",
@@ -98,113 +99,92 @@ def register(sub: Any) -> None:
     events.add_argument(
         "--debug-endpoints",
         action="store_true",
+        default=None,
         help="serve POST /kv/debug/drop-events (event gap injection, for recovery tests)",
     )
     parser.set_defaults(func=run)
 
 
-def tier_options(args: argparse.Namespace) -> TierOptions | None:
-    """The tiers asked for on the command line, or None for the device pool alone."""
-    if args.host_gib < 0 or args.disk_gib < 0:
-        raise InvalidInput("--host-gib and --disk-gib must be >= 0")
-    if (args.disk_gib > 0) != (args.disk_dir is not None):
-        raise InvalidInput("give both --disk-dir and --disk-gib, or neither")
-    if not 0.0 <= args.tier_canary <= 1.0:
-        raise InvalidInput("--tier-canary must lie in [0, 1]")
-    if args.host_gib == 0 and args.disk_gib == 0:
-        return None
-    tenants = frozenset(t for t in (args.tier_tenants or "").split(",") if t) or None
-    rollout = RolloutConfig(
-        tenants=tenants,
-        canary_fraction=args.tier_canary,
-        min_reusable_tokens=args.min_reusable_tokens,
-    )
-    ttl = args.tier_ttl_s
-    return TierOptions(
-        host_bytes=int(args.host_gib * GIB),
-        host=TierConfig("host", WritePolicy(args.host_write_policy), ttl, rollout=rollout),
-        disk_dir=args.disk_dir,
-        disk_bytes=int(args.disk_gib * GIB),
-        disk=TierConfig("disk", WritePolicy(args.disk_write_policy), ttl, rollout=rollout),
-        policy=args.eviction_policy,
-    )
+_OVERRIDE_FLAGS = (
+    "model",
+    "served_model_name",
+    "pool_gib",
+    "block_size",
+    "host_gib",
+    "host_write_policy",
+    "disk_dir",
+    "disk_gib",
+    "disk_write_policy",
+    "tier_ttl_s",
+    "eviction_policy",
+    "tier_tenants",
+    "tier_canary",
+    "min_reusable_tokens",
+    "tenant_secret_file",
+    "debug_endpoints",
+    "events_endpoint",
+    "replay_endpoint",
+    "worker_id",
+)
 
 
-def events_config(args: argparse.Namespace) -> KVEventsConfig | None:
-    """The KV event plane asked for on the command line, or None (no events)."""
-    if args.events_endpoint is None:
-        if args.replay_endpoint is not None or args.worker_id is not None:
-            raise InvalidInput("--replay-endpoint and --worker-id need --events-endpoint")
-        return None
-    for flag, value in (
-        ("--events-endpoint", args.events_endpoint),
-        ("--replay-endpoint", args.replay_endpoint),
-    ):
-        if value is not None and "://" not in value:
-            raise InvalidInput(
-                f"{flag} must be a ZMQ endpoint like tcp://127.0.0.1:*, got {value!r}"
-            )
-    if args.worker_id is not None and not args.worker_id.strip():
-        raise InvalidInput("--worker-id must not be empty")
-    worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
-    return KVEventsConfig(args.events_endpoint, args.replay_endpoint, worker_id=worker_id)
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The worker configuration: ``--config`` (or the defaults) with the flags on top."""
+    overrides = {name: getattr(args, name) for name in _OVERRIDE_FLAGS}
+    config = load_worker_config(args.config, overrides)
+    if config.events is not None and config.events.worker_id is None:
+        worker_id = f"{socket.gethostname()}:{args.port}"
+        config = config.with_events(dataclasses.replace(config.events, worker_id=worker_id))
+    return config
 
 
-def pool_blocks_for(loaded: LoadedModel, block_size: int, pool_gib: float) -> int:
-    """How many KV blocks of this model fit in ``pool_gib`` GiB (fp32 KV, as the engine keeps)."""
+def pool_blocks_for(loaded: LoadedModel, block_size: int, pool_bytes: int) -> int:
+    """How many KV blocks of this model fit in ``pool_bytes`` (fp32 KV, as the engine keeps)."""
     from kvstrata.engine.engine import pool_config_for
 
     per_block = pool_config_for(loaded, block_size, 1).bytes_per_block
-    blocks = int(pool_gib * GIB) // per_block
+    blocks = pool_bytes // per_block
     if blocks < 1:
-        raise InvalidInput(f"--pool-gib {pool_gib} holds no block of {per_block} bytes")
+        raise InvalidInput(f"a pool of {pool_bytes} B holds no block of {per_block} bytes")
     return blocks
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.block_size < 1:
-        raise InvalidInput("--block-size must be at least 1")
     if not 0 < args.port < 65536:
         raise InvalidInput("--port must lie in 1..65535")
-    if args.pool_gib <= 0:
-        raise InvalidInput("--pool-gib must be positive")
+    config = worker_config(args)
 
     import uvicorn
 
     from kvstrata.engine.engine import EngineConfig
     from kvstrata.engine.factory import build_engine
-    from kvstrata.engine.kv_events import KVEventEmitter
     from kvstrata.engine.model_loader import load_model
+    from kvstrata.runtime.events import KVEventEmitter
     from kvstrata.serve.app import create_app
     from kvstrata.telemetry import KvMetrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
-    tiers = tier_options(args)
-    events_options = events_config(args)
-    loaded = load_model(args.model)
-    blocks = pool_blocks_for(loaded, args.block_size, args.pool_gib)
+    loaded = load_model(config.model)
+    blocks = pool_blocks_for(loaded, config.block_size, config.pool_bytes)
     metrics = KvMetrics()
     emitter = None
-    if events_options is not None:
-        emitter = KVEventEmitter.from_config(events_options, block_size=args.block_size).start()
+    if config.events is not None:
+        emitter = KVEventEmitter.from_config(config.events, block_size=config.block_size).start()
     try:
-        engine = build_engine(
-            loaded,
-            EngineConfig(block_size=args.block_size, pool_blocks=blocks),
-            tiers,
-            metrics=metrics,
-            events=emitter,
+        engine_config = EngineConfig(
+            block_size=config.block_size, pool_blocks=blocks, tenant_secret=config.tenant_secret
         )
+        engine = build_engine(loaded, engine_config, config, metrics=metrics, events=emitter)
         try:
-            name = args.served_model_name or args.model
+            name = config.served_model_name or config.model
             app = create_app(
                 engine,
                 model_name=name,
                 metrics=metrics,
-                admin_token=args.admin_token,
-                debug_endpoints=args.debug_endpoints,
+                admin_token=args.admin_token or config.admin_token,
+                debug_endpoints=config.debug_endpoints,
             )
-            _banner(name, args.host, args.port, engine.device, blocks, args.block_size)
+            _banner(name, args.host, args.port, engine.device, blocks, config.block_size)
             if engine.bridge is not None:
                 levels = ", ".join(
                     f"{lvl.name} {lvl.tier.capacity_bytes / GIB:.2f} GiB "

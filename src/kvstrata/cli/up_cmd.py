@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import InvalidInput
+from kvstrata.runtime.config import WorkerConfig, load_worker_config
 
 _log = logging.getLogger(__name__)
 
@@ -31,6 +32,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--tenant-secret-file",
+        type=Path,
+        default=None,
+        help="the deployment's tenant secret (must match every worker's; checked by digest)",
+    )
 
 
 def register(sub: Any) -> None:
@@ -42,8 +49,15 @@ def register(sub: Any) -> None:
     _common(up)
     up.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
     up.add_argument("--model", default="smollm2", help="smollm2 | tiny | PATH (default: smollm2)")
-    up.add_argument("--pool-gib", type=float, default=0.25, help="device pool per worker (GiB)")
-    up.add_argument("--host-gib", type=float, default=0.5, help="host tier per worker (GiB)")
+    up.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="worker configuration (TOML) every worker is started with; a disk tier's path "
+        "gets one subdirectory per worker",
+    )
+    up.add_argument("--pool-gib", type=float, default=None, help="device pool per worker (GiB)")
+    up.add_argument("--host-gib", type=float, default=None, help="host tier per worker (GiB)")
     up.add_argument("--restart-workers", action="store_true", help="restart workers that exit")
     up.add_argument("--log-dir", type=Path, default=None, help="write each worker's log here")
     up.set_defaults(func=run_up)
@@ -58,6 +72,9 @@ def register(sub: Any) -> None:
     router.add_argument(
         "--model", default="smollm2", help="tokenizer source: smollm2 | tiny | PATH"
     )
+    router.add_argument(
+        "--config", type=Path, default=None, help="read tenant_secret_file from this worker config"
+    )
     router.set_defaults(func=run_router)
 
 
@@ -70,7 +87,12 @@ def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
     from kvstrata.index.core import ConsistencyMode
 
     model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)
-    config = FleetConfig(policy=args.policy, mode=ConsistencyMode(args.index), worker_urls=urls)
+    config = FleetConfig(
+        policy=args.policy,
+        mode=ConsistencyMode(args.index),
+        worker_urls=urls,
+        tenant_secret=worker_config(args).tenant_secret,
+    )
     fleet = Fleet(FleetTokenizer(model_dir), config)
     for url in urls:
         fleet.attach(url)
@@ -100,6 +122,8 @@ def run_up(args: argparse.Namespace) -> int:
         ensure_checkpoint(args.model)  # convert once, before N workers race to do it
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
+    disk = worker_config(args).tier("disk")
+    config = args.config.resolve() if args.config is not None else None
     specs = [
         WorkerSpec(
             worker_id=f"w{i}",
@@ -108,6 +132,13 @@ def run_up(args: argparse.Namespace) -> int:
             host=args.host,
             pool_gib=args.pool_gib,
             host_gib=args.host_gib,
+            config=config,
+            extra_args=(
+                ["--tenant-secret-file", str(args.tenant_secret_file.resolve())]
+                if args.tenant_secret_file is not None
+                else []
+            ),
+            disk_dir=disk.path / f"w{i}" if disk is not None and disk.path is not None else None,
             log_path=None if args.log_dir is None else args.log_dir / f"w{i}.log",
         )
         for i in range(args.workers)
@@ -121,6 +152,17 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         supervisor.stop()
     return 0
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The configuration the workers will run with (``up``) or the router's own settings
+    (``router``: its tenant secret)."""
+    overrides = {
+        "pool_gib": getattr(args, "pool_gib", None),
+        "host_gib": getattr(args, "host_gib", None),
+        "tenant_secret_file": args.tenant_secret_file,
+    }
+    return load_worker_config(args.config, overrides)
 
 
 def run_router(args: argparse.Namespace) -> int:

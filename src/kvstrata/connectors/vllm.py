@@ -49,12 +49,13 @@ from kvstrata.connectors.vllm_lookup import (
     unregister_local,
 )
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner, StepPlan
-from kvstrata.connectors.vllm_settings import ConnectorSettings
+from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
-from kvstrata.engine.factory import build_store
-from kvstrata.engine.hf_identity import checkpoint_digest, tokenizer_digest
-from kvstrata.engine.kv_events import KVEventEmitter, KVEventsConfig
 from kvstrata.identity import ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+from kvstrata.runtime.events import KVEventEmitter
+from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
+from kvstrata.runtime.store_factory import build_store
+from kvstrata.runtime.wiring import wire
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +74,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        self.settings = connector_config(transfer.kv_connector_extra_config)
         self.engine_id = str(transfer.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.model_name = str(vllm_config.model_config.served_model_name or "")
@@ -103,17 +104,15 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         codec = BlockCodec(kv_caches, int(self._kv_cache_config.num_blocks), self.block_size)
-        store = build_store(codec.block_bytes, self.settings.tier_options(), CollectorRegistry())
-        assert store is not None  # settings.parse refuses a config without tiers
+        events = self.settings.events
+        store = build_store(
+            codec.block_bytes, self.settings, CollectorRegistry(), record_events=events is not None
+        )
+        assert store is not None  # connector_config refuses a config without tiers
         emitter = None
-        if self.settings.events_endpoint:
-            config = KVEventsConfig(
-                endpoint=self.settings.events_endpoint,
-                replay_endpoint=self.settings.events_replay_endpoint,
-                worker_id=self.settings.worker_id,
-                topic=self.settings.events_topic,
-            )
-            emitter = KVEventEmitter.from_config(config, block_size=self.block_size).start()
+        if events is not None:
+            emitter = KVEventEmitter.from_config(events, block_size=self.block_size).start()
+        wire(pool=None, store=store, emitter=emitter)
         self._worker = ConnectorWorker(
             store,
             codec,

@@ -5,11 +5,12 @@ tiers), the ``BlockCodec`` over vLLM's registered KV tensors, an optional KV eve
 the counters. It is driven by the connector, once per engine step, on the worker thread:
 
 - ``load(plan.loads)`` before the forward: for each request, its blocks are looked up again,
-  pinned, checked (representation, size, and the payload digest recomputed over the bytes the
-  tier hands out — a tier verifies too, the disk tier on every read, the host slab at commit)
-  and scattered into vLLM's blocks. The first block that is missing, fails a check or whose
-  tier errs ends that request's load: it and every later block of the request are returned
-  as failed (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them).
+  pinned, checked (representation and size here; the payload digest by the tier, on every
+  read unless a tier's ``verify_reads`` is off) and scattered into vLLM's blocks — through the
+  runtime's ``StoreBridge``, the same code the reference engine loads with. The first block
+  that is missing, fails a check or whose tier errs ends that request's load: it and every
+  later block of the request are returned as failed (``get_block_ids_with_load_errors``), so
+  vLLM recomputes them (never uses them).
 - ``save(plan.saves)`` after the forward: blocks kvstrata does not hold yet are gathered and
   put, each with its xxh3-128 payload digest, parent key, position and tokens. A block whose
   load failed is replaced when vLLM has recomputed it (its later blocks may hold bad bytes
@@ -37,10 +38,11 @@ import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
-from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
-from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.runtime.blocks import BlockInfo
+from kvstrata.runtime.bridge import LoadOutcome, StoreBridge
+from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
@@ -90,8 +92,13 @@ class ConnectorWorker:
         self._stats_lock = threading.Lock()
         self._written: ConnectorStats | None = None
         self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
-        if emitter is not None:
-            store.listener = emitter
+        self.bridge = StoreBridge(
+            store,
+            representation=codec.representation,
+            block_bytes=codec.block_bytes,
+            model_id=model,
+            recompute_estimate=cost_model.block_recompute_s,
+        )
 
     # ---- scheduler queries ------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[BlockKey]) -> int:
@@ -102,7 +109,7 @@ class ConnectorWorker:
         return found
 
     def holds(self, key: BlockKey) -> bool:
-        return any(level.tier.contains(key) for level in self.store.levels)
+        return self.bridge.holds(key)
 
     # ---- loads ------------------------------------------------------------------------------
     def load(self, loads: Sequence[RequestLoad]) -> set[int]:
@@ -147,32 +154,17 @@ class ConnectorWorker:
         return failed
 
     def _load_one(self, loc: Located, tenant: str, row: torch.Tensor) -> bool:
-        tier = self.store.levels[loc.level].tier
-        invalid_before = tier.counters.invalidated
-        try:
-            with self.store.load(loc, tenant) as lease:
-                if lease is None:
-                    if tier.counters.invalidated > invalid_before:
-                        self.stats.load_digest_mismatch += 1
-                    else:
-                        self.stats.load_missing += 1
-                    return False
-                meta = lease.meta
-                if (
-                    meta.representation != self.representation
-                    or meta.size != self.codec.block_bytes
-                ):
-                    self.stats.load_incompatible += 1
-                    return False
-                if payload_digest(lease.buffer) != meta.digest:
-                    self.stats.load_digest_mismatch += 1
-                    return False
-                row.numpy()[:] = np.frombuffer(lease.buffer, dtype=np.uint8)
-        except KvstrataError:
-            logger.exception("kvstrata: tier error while loading a block")
+        def copy(payload: memoryview) -> None:
+            row.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+
+        outcome = self.bridge.load_verified(loc, tenant, copy)
+        if outcome is LoadOutcome.DIGEST_MISMATCH:
+            self.stats.load_digest_mismatch += 1
+        elif outcome is LoadOutcome.INCOMPATIBLE:
+            self.stats.load_incompatible += 1
+        elif outcome is not LoadOutcome.LOADED:
             self.stats.load_missing += 1
-            return False
-        return True
+        return outcome is LoadOutcome.LOADED
 
     # ---- saves ------------------------------------------------------------------------------
     def save(
@@ -195,41 +187,23 @@ class ConnectorWorker:
             if not todo:
                 continue
             rows = self.codec.gather([block.block_id for block in todo]).numpy()
-            scope = RequestScope(tenant=request.tenant, model=self.model)
             for block, row in zip(todo, rows, strict=True):
-                self._put(request.tenant, block, row, scope)
+                self._put(request.tenant, block, row)
         with self._stats_lock:
             self.stats.save_seconds += time.perf_counter() - started
 
-    def _put(self, tenant: str, block: BlockSave, row: np.ndarray, scope: RequestScope) -> None:
-        payload = memoryview(row.data)
-        tokens = block.tokens
-        meta = KVObjectMeta(
-            key=BlockKey(block.key),
-            parent=BlockKey(block.parent) if block.parent is not None else None,
-            tenant=tenant,
-            representation=self.representation,
-            size=self.codec.block_bytes,
-            digest=payload_digest(payload),
-            created_at=time.time(),
-            position=block.position,
-            recompute_s=self.cost_model.block_recompute_s(len(tokens), block.position),
-            model=self.model,
-            tokens=tokens,
-        )
-
-        def fill(buffer: memoryview) -> None:
-            buffer[:] = payload
-
+    def _put(self, tenant: str, block: BlockSave, row: np.ndarray) -> None:
+        info = BlockInfo(tenant, block.position, block.tokens)
+        parent = BlockKey(block.parent) if block.parent is not None else None
         try:
-            stored = self.store.put(meta, fill, scope)
+            stored = self.bridge.put(BlockKey(block.key), parent, info, memoryview(row.data))
         except KvstrataError:
             logger.exception("kvstrata: storing a block failed")
             stored = False
         with self._stats_lock:
             if stored:
                 self.stats.blocks_saved += 1
-                self.stats.bytes_saved += meta.size
+                self.stats.bytes_saved += self.codec.block_bytes
             else:
                 self.stats.save_rejected += 1
 

@@ -14,8 +14,9 @@ from typing import Any
 from transformers import DynamicCache
 
 from kvstrata.engine.kv_pool import PagedKVPool
-from kvstrata.engine.tiering import BlockInfo, StoreBridge, block_tokens
+from kvstrata.engine.tiering import PoolBridge
 from kvstrata.identity import BlockKey
+from kvstrata.runtime.blocks import BlockInfo, block_tokens
 
 
 def _full_attention_layers(cache: DynamicCache) -> list[Any]:
@@ -38,7 +39,7 @@ def cache_from_blocks(pool: PagedKVPool, model_config: Any, block_ids: list[int]
 
 def store_blocks(
     pool: PagedKVPool,
-    bridge: StoreBridge | None,
+    bridge: PoolBridge | None,
     keys: Sequence[BlockKey],
     cache: DynamicCache,
     first_block: int,

@@ -20,17 +20,15 @@ from typing import Any
 
 import torch
 
-from kvstrata.engine import tokenization
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
 from kvstrata.engine.costs import OnlineCostModel
 from kvstrata.engine.generation import Generation, Prefill
 from kvstrata.engine.hf_identity import fingerprint_model
-from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams, sample_next
-from kvstrata.engine.tiering import StoreBridge
+from kvstrata.engine.tiering import PoolBridge
 from kvstrata.errors import ContextTooLong, EngineError, InvalidInput
 from kvstrata.identity import (
     DEFAULT_TENANT,
@@ -42,6 +40,9 @@ from kvstrata.identity import (
     chain_keys,
     namespace_root,
 )
+from kvstrata.runtime import tokenization
+from kvstrata.runtime.events import KVEventEmitter
+from kvstrata.runtime.wiring import wire
 from kvstrata.store.costmodel import DEFAULT_COST_MODEL
 from kvstrata.store.levels import RequestScope
 from kvstrata.store.tiered import TieredStore
@@ -127,18 +128,13 @@ class ReferenceEngine:
             raise EngineError("shared pool does not match this model's KV shape")
         self.pool = pool if pool is not None else PagedKVPool(pool_config, self.metrics)
         self.costs = costs if costs is not None else OnlineCostModel(DEFAULT_COST_MODEL)
-        self.bridge: StoreBridge | None = None
+        self.bridge: PoolBridge | None = None
         if store is not None:
-            self.bridge = StoreBridge(
-                store,
-                self.pool,
-                model_id=self.model_id,
-                metrics=self.metrics,
-                recompute_estimate=self.costs.marginal_s,
+            self.bridge = PoolBridge(
+                store, self.pool, model_id=self.model_id, recompute_estimate=self.costs.marginal_s
             )
         self.events = events
-        if events is not None:
-            events.attach(self.pool, store)
+        wire(pool=self.pool, store=store, demotion=self.bridge, emitter=events)
         self.eos_token_ids = self._eos_ids()
         self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
         self._lock = threading.Lock()

@@ -11,21 +11,25 @@ Bookkeeping (pure Python, no I/O):
   readers, and a referenced block is never evicted;
 - eviction takes the least recently used *leaf* (no cached children, no readers), so a
   block is never evicted before its descendants and the pool stays prefix-closed;
-- an optional ``listener`` hears of every commit and every eviction (KV events); with none
-  set the pool pays nothing for it. ``committed_blocks`` lists what is resident, parents first.
+- listeners (given at construction or with ``subscribe``; ``kvstrata.runtime.blocks.
+  PoolListener``) hear every commit and every eviction, in subscription order, while an
+  evicted block's bytes are still in place: demotion into the store and KV events are both
+  listeners. With none the pool pays nothing. ``committed_blocks`` lists what is resident,
+  parents first.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
 
 import torch
 
+from kvstrata.errors import PoolStateError
 from kvstrata.identity import BlockKey
+from kvstrata.runtime.blocks import EvictedBlock, PoolListener, ResidentBlock
 from kvstrata.telemetry import KvMetrics
 
 
@@ -63,45 +67,6 @@ class _Block:
     info: object = None  # the owner's per-block data (tenant, position), opaque here
 
 
-@dataclass(frozen=True)
-class EvictedBlock:
-    """Handed to ``on_evict`` while the block's bytes are still in place."""
-
-    block_id: int
-    key: BlockKey
-    parent_key: BlockKey | None
-    uses: int
-    info: object
-
-
-EvictionHook = Callable[[EvictedBlock], None]
-
-
-@dataclass(frozen=True)
-class ResidentBlock:
-    """A committed block as listeners and snapshots see it (``info`` is the owner's data)."""
-
-    key: BlockKey
-    parent_key: BlockKey | None
-    info: object
-
-
-class PoolListener(Protocol):
-    """Hears the pool's visible changes, on the thread that makes them (the engine's).
-
-    ``block_evicted`` runs after ``on_evict`` (demotion), so a listener sees the copy into a
-    lower tier before the device copy goes. Neither call may raise.
-    """
-
-    def block_committed(self, block: ResidentBlock) -> None: ...
-
-    def block_evicted(self, block: ResidentBlock) -> None: ...
-
-
-class PoolStateError(RuntimeError):
-    """An illegal pool transition (a bug in the caller, never an expected outcome)."""
-
-
 class PagedKVPool:
     """Fixed-size pool of KV blocks addressed by chained block keys."""
 
@@ -109,12 +74,11 @@ class PagedKVPool:
         self,
         config: PoolConfig,
         metrics: KvMetrics | None = None,
-        on_evict: EvictionHook | None = None,
+        listeners: Sequence[PoolListener] = (),
     ) -> None:
         self.config = config
         self.metrics = metrics
-        self.on_evict = on_evict  # demotion: called before an evicted block's bytes are reused
-        self.listener: PoolListener | None = None
+        self._listeners: list[PoolListener] = list(listeners)
         shape = (
             config.num_layers,
             2,
@@ -132,6 +96,10 @@ class PagedKVPool:
         self._clock = 0
         self.evictions = 0
         self._publish()
+
+    def subscribe(self, listener: PoolListener) -> None:
+        """Hear every later commit and eviction (after the listeners already subscribed)."""
+        self._listeners.append(listener)
 
     # ---- lookup and readers -------------------------------------------------------------
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -209,8 +177,10 @@ class PagedKVPool:
         self._by_key[block.key] = block_id
         self._maybe_evictable(block_id)
         self._publish()
-        if self.listener is not None:
-            self.listener.block_committed(self._resident(block))
+        if self._listeners:
+            resident = self._resident(block)
+            for listener in self._listeners:
+                listener.block_committed(resident)
 
     def abort(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -324,12 +294,12 @@ class PagedKVPool:
     def _evict(self, block_id: int) -> None:
         block = self._blocks[block_id]
         assert block.key is not None
-        if self.on_evict is not None:
+        if self._listeners:
             parent_key = self._blocks[block.parent].key if block.parent is not None else None
-            # Demotion is best effort: the hook must not raise (the bridge counts failures).
-            self.on_evict(EvictedBlock(block_id, block.key, parent_key, block.uses, block.info))
-        if self.listener is not None:
-            self.listener.block_evicted(self._resident(block))
+            evicted = EvictedBlock(block_id, block.key, parent_key, block.uses, block.info)
+            # Listeners must not raise (demotion is best effort and counts its own failures).
+            for listener in self._listeners:
+                listener.block_evicted(evicted)
         del self._by_key[block.key]
         parent_id = block.parent
         self._free_block(block_id)

@@ -17,15 +17,16 @@ from typing import Any
 
 import httpx
 
-from kvstrata.engine import tokenization
+from kvstrata.errors import NoWorkerAvailable
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, WorkerState, default_profile
 from kvstrata.index.core import ConsistencyMode, GlobalIndex
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
-from kvstrata.router.model import NoWorkerAvailable, RouteDecision, RouteRequest
+from kvstrata.router.model import RouteDecision, RouteRequest
 from kvstrata.router.policies import POLICIES
+from kvstrata.runtime import tokenization
 
 _log = logging.getLogger(__name__)
 

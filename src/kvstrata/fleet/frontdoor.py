@@ -30,13 +30,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from kvstrata.errors import ApiError, NoWorkerAvailable
 from kvstrata.fleet.fleet import Fleet
 from kvstrata.fleet.workers import WorkerState
 from kvstrata.identity import DEFAULT_TENANT
-from kvstrata.router.model import NoWorkerAvailable, RouteDecision
+from kvstrata.router.model import RouteDecision
 from kvstrata.serve.protocol import (
     MAX_TENANT_CHARS,
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,

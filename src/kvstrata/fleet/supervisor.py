@@ -46,14 +46,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class WorkerSpec:
-    """How to start one worker; ``extra_args`` go to ``kvstrata serve`` unchanged."""
+    """How to start one worker: its ``--config`` file plus overrides (None: the file's value);
+    ``extra_args`` go to ``kvstrata serve`` unchanged."""
 
     worker_id: str
     port: int
     model: str = "tiny"
     host: str = "127.0.0.1"
-    pool_gib: float = 0.25
-    host_gib: float = 0.5
+    pool_gib: float | None = 0.25
+    host_gib: float | None = 0.5
+    config: Path | None = None
+    disk_dir: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -62,6 +65,15 @@ class WorkerSpec:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        overrides: list[str] = []
+        for flag, value in (
+            ("--config", self.config),
+            ("--pool-gib", self.pool_gib),
+            ("--host-gib", self.host_gib),
+            ("--disk-dir", self.disk_dir),
+        ):
+            if value is not None:
+                overrides += [flag, str(value)]
         return [
             sys.executable,
             "-m",
@@ -73,10 +85,7 @@ class WorkerSpec:
             self.host,
             "--port",
             str(self.port),
-            "--pool-gib",
-            str(self.pool_gib),
-            "--host-gib",
-            str(self.host_gib),
+            *overrides,
             "--worker-id",
             self.worker_id,
             "--events-endpoint",

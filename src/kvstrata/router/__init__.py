@@ -1,9 +1,9 @@
 """Cache-aware routing: TTFT estimates per worker, hot-prefix spill-over, and baselines."""
 
+from kvstrata.errors import NoWorkerAvailable
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile, OnlinePrefillFit, PrefillModel
 from kvstrata.router.model import (
-    NoWorkerAvailable,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,

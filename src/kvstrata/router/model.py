@@ -77,10 +77,6 @@ class RouteDecision:
         return body
 
 
-class NoWorkerAvailable(RuntimeError):
-    """No healthy worker to send the request to."""
-
-
 class RoutingPolicy(Protocol):
     """A placement rule; the live router and the simulator call the very same objects."""
 

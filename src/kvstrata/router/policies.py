@@ -23,10 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
+from kvstrata.errors import NoWorkerAvailable
 from kvstrata.index.core import PrefixMatch
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import (
-    NoWorkerAvailable,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,

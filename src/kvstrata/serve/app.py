@@ -32,13 +32,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
-from kvstrata.errors import ContextTooLong, InvalidInput
+from kvstrata.errors import ApiError, ContextTooLong, InvalidInput
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
 from kvstrata.serve.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,

@@ -31,8 +31,9 @@ from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
 from kvstrata.engine.engine import ReferenceEngine
-from kvstrata.engine.kv_events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
 from kvstrata.events import encode_batch, make_batch
+from kvstrata.runtime.config import secret_digest
+from kvstrata.runtime.events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
 from kvstrata.serve.streaming import EngineWorker
 
 KV_PREFIX: Final = "/kv"
@@ -165,4 +166,5 @@ def kv_info_body(
         "replay_endpoint": publisher.replay_endpoint,
         "next_seq": publisher.next_seq,
         "tiers": tiers,
+        "secret_digest": secret_digest(engine.config.tenant_secret),
     }

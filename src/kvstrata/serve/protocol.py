@@ -20,37 +20,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvstrata.errors import ApiError
+
 MAX_STOP_STRINGS = 4
 MAX_TENANT_CHARS = 128
-
-
-class ApiError(Exception):
-    """An error answered to the client as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
-
-
-def error_body(
-    message: str, *, type: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class _Strict(BaseModel):

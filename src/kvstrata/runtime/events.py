@@ -33,13 +33,12 @@ from typing import TypeVar
 
 import zmq
 
-from kvstrata.engine.kv_pool import PagedKVPool, ResidentBlock
-from kvstrata.engine.tiering import BlockInfo
 from kvstrata.errors import InvalidInput
 from kvstrata.events import BlockRemoved, BlockStored, KVEvent, ZmqEventPublisher
 from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.objects import KVObjectMeta
+from kvstrata.runtime.blocks import BlockInfo, EvictedBlock, PoolView, ResidentBlock
 from kvstrata.store.tiered import TieredStore
 
 DEVICE_MEDIUM = "device"
@@ -170,7 +169,8 @@ class KVEventEmitter:
         self.stats = EmitterStats()
         self._lock = threading.Lock()
         self._buffer = _Builder()
-        self._pool: PagedKVPool | None = None
+        self._pool: PoolView | None = None
+        self._attached = False
         self._store: TieredStore | None = None
         self._started = False
         # Tenant of each store object we know, per level: a tier that drops an object by itself
@@ -222,13 +222,16 @@ class KVEventEmitter:
         self._started = False
         self.publisher.close()
 
-    def attach(self, pool: PagedKVPool, store: TieredStore | None) -> None:
-        """Listen to ``pool`` and ``store`` (the engine calls this once, before any request)."""
-        if self._pool is not None:
+    def attach(self, pool: PoolView | None, store: TieredStore | None) -> None:
+        """Listen to ``pool`` and ``store`` (``runtime.wiring.wire`` calls this once, before
+        any request; an engine whose device pool publishes its own events passes None)."""
+        if self._attached:
             raise ValueError("this emitter is already attached to an engine")
+        self._attached = True
         self._pool = pool
         self._store = store
-        pool.listener = self
+        if pool is not None:
+            pool.subscribe(self)
         if store is not None:
             for name, metas in store.resident():  # e.g. recovered from disk
                 for meta in metas:
@@ -246,7 +249,7 @@ class KVEventEmitter:
             buffer.stored(DEVICE_MEDIUM, info.tenant, block.key, block.parent_key, info.tokens)
             self.stats.blocks_stored += 1
 
-    def block_evicted(self, block: ResidentBlock) -> None:
+    def block_evicted(self, block: EvictedBlock) -> None:
         info = block.info
         tenant = info.tenant if isinstance(info, BlockInfo) else None
         with self._lock:
@@ -308,7 +311,7 @@ class KVEventEmitter:
             next_seq = self.publisher.next_seq
         return EventSnapshot(next_seq, self.epoch, builder.events(self.block_size), skipped)
 
-    def _dump_pool(self, pool: PagedKVPool, builder: _Builder) -> int:
+    def _dump_pool(self, pool: PoolView, builder: _Builder) -> int:
         skipped = 0
         blocks = pool.committed_blocks()
         for block in _chain_order(blocks, lambda b: b.key, lambda b: b.parent_key):
