@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 run: venv
-	$(VENV)/bin/kvstrata serve --model smollm2 --host $(HOST) --port $(PORT) \
-		--host-gib 2 --disk-dir $(DISK_DIR) --disk-gib 4
+	$(VENV)/bin/kvstrata serve --config examples/worker.toml --host $(HOST) --port $(PORT) \
+		--disk-dir $(DISK_DIR)
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

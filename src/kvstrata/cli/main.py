@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstrata.cli import bench_cmd, serve_cmd, sim_cmd, up_cmd, verify_cmd
+from kvstrata.cli import bench_cmd, config_cmd, serve_cmd, sim_cmd, up_cmd, verify_cmd
 from kvstrata.errors import KvstrataError
 
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.register(sub)
     sim_cmd.register(sub)
     up_cmd.register(sub)
+    config_cmd.register(sub)
     return parser
 
 

@@ -556,7 +556,8 @@ def reference_markdown() -> str:
     for key in KEYS:
         default = "—" if key.default is None else f"`{_toml_value(key.default)}`"
         path = key.path.replace("tiers.", "[[tiers]] ", 1)
-        lines.append(f"| `{path}` | {key.type} | {default} | {key.help} |")
+        meaning = key.help.replace("|", "\\|")
+        lines.append(f"| `{path}` | {key.type} | {default} | {meaning} |")
     lines += [
         "",
         "## Overrides",

@@ -1,0 +1,210 @@
+"""The one worker configuration: TOML file, overrides, clear errors, one default everywhere."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli import serve_cmd, up_cmd
+from kvstrata.cli.config_cmd import describe
+from kvstrata.connectors.vllm_settings import connector_config
+from kvstrata.errors import ConfigError, InvalidInput
+from kvstrata.fleet.supervisor import WorkerSpec
+from kvstrata.runtime.config import (
+    GIB,
+    KEYS,
+    OVERRIDES,
+    WorkerConfig,
+    load_worker_config,
+    reference_markdown,
+    secret_digest,
+)
+from kvstrata.store.config import WritePolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "worker.toml"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "worker.toml"
+    path.write_text(text)
+    return path
+
+
+def _args(command: str, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    serve_cmd.register(sub)
+    up_cmd.register(sub)
+    return parser.parse_args([command, *argv])
+
+
+def test_reference_page_is_generated_from_the_schema() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == reference_markdown(), "run: kvstrata config --reference > docs/configuration.md"
+    for key in KEYS:
+        assert key.path.removeprefix("tiers.") in page
+    for name in OVERRIDES:
+        assert f"`{name}`" in page
+
+
+def test_example_file_loads_with_every_tier_setting(tmp_path: Path) -> None:
+    config = load_worker_config(EXAMPLE)
+    assert [spec.name for spec in config.tiers] == ["host", "disk"]
+    host, disk = config.tiers
+    assert host.capacity_bytes == 2 * GIB and host.config.write_policy is WritePolicy.WRITE_THROUGH
+    assert disk.config.write_policy is WritePolicy.WRITE_BACK and disk.durable
+    assert disk.path == Path("~/.cache/kvstrata/disk-tier").expanduser()
+    assert config.pool_bytes == GIB and config.block_size == 16
+
+
+def test_per_tier_settings_quota_ttl_rollout_digest(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret")
+    path = _write(
+        tmp_path,
+        f"""
+tenant_secret_file = "{secret.name}"
+[[tiers]]
+name = "host"
+gib = 0.5
+ttl_s = 30
+verify_reads = false
+quota_gib = {{ alice = 0.25 }}
+default_quota_gib = 0.125
+write_back_max_mib = 64
+[tiers.rollout]
+tenants = ["alice", "bob"]
+canary = 0.5
+min_reusable_tokens = 64
+[[tiers]]
+name = "disk"
+path = "d"
+gib = 1
+write_policy = "selective"
+selective_min_uses = 3
+ttl_s = 3600
+""",
+    )
+    config = load_worker_config(path)
+    host, disk = config.tiers
+    assert host.config.ttl_s == 30 and disk.config.ttl_s == 3600  # one TTL per tier
+    assert host.verify_reads is False and disk.verify_reads is True
+    assert host.config.tenant_quota_bytes == {"alice": GIB // 4}
+    assert host.config.default_tenant_quota_bytes == GIB // 8
+    assert host.config.write_back_max_bytes == 64 << 20
+    assert host.config.rollout.tenants == frozenset({"alice", "bob"})
+    assert host.config.rollout.canary_fraction == 0.5
+    assert host.config.rollout.min_reusable_tokens == 64
+    assert disk.config.rollout.min_reusable_tokens == 0
+    assert disk.config.selective_min_uses == 3
+    assert disk.path == tmp_path / "d"  # relative to the file
+    assert config.tenant_secret == b"s3cret"
+    assert config.secret_digest == secret_digest(b"s3cret") != secret_digest(b"")
+    assert "s3cret" not in repr(config) and "s3cret" not in str(describe(config))
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("poool = 1\n", "poool"),
+        ("[pool]\ngib = -1\n", "pool.gib"),
+        ("[pool]\ngib = 'lots'\n", "pool.gib"),
+        ("[[tiers]]\nname = 'host'\ngib = 1\ncolour = 'red'\n", "tiers.colour"),
+        ("[[tiers]]\nname = 'tape'\ngib = 1\n", "tiers.name"),
+        ("[[tiers]]\nname = 'disk'\ngib = 1\n", "tiers.path"),
+        ("[[tiers]]\nname = 'host'\ngib = 1\nwrite_policy = 'sometimes'\n", "tiers.write_policy"),
+        ("[[tiers]]\nname = 'host'\ngib = 1\n[tiers.rollout]\ncanary = 2\n", "tiers.rollout.canary"),
+        ("[events]\nendpoint = '127.0.0.1:5'\n", "events.endpoint"),
+        ("tenant_secret_file = 'missing-secret'\n", "tenant_secret_file"),
+        (
+            "[[tiers]]\nname = 'disk'\npath = 'd'\ngib = 1\n[[tiers]]\nname = 'host'\ngib = 1\n",
+            "tiers",
+        ),
+    ],
+)
+def test_a_bad_file_names_the_key_and_the_file(tmp_path: Path, text: str, key: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as raised:
+        load_worker_config(path)
+    assert raised.value.key == key
+    assert str(path) in str(raised.value) and repr(key) in str(raised.value)
+
+
+def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[pool\ngib = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_worker_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_worker_config(tmp_path / "absent.toml")
+
+
+def test_the_cli_reports_a_bad_file_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvstrata.cli.main import main
+
+    path = _write(tmp_path, "[pool]\ngib = 0\n")
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "pool.gib" in err and str(path) in err and "Traceback" not in err
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    args = _args(
+        "serve",
+        "--config", str(EXAMPLE),
+        "--host-gib", "0",
+        "--disk-dir", str(tmp_path / "elsewhere"),
+        "--tier-ttl-s", "5",
+        "--pool-gib", "0.5",
+    )  # fmt: skip
+    config = serve_cmd.worker_config(args)
+    assert [spec.name for spec in config.tiers] == ["disk"]  # 0 GiB removed the host tier
+    assert config.tiers[0].path == tmp_path / "elsewhere"
+    assert config.tiers[0].config.ttl_s == 5
+    assert config.tiers[0].config.write_policy is WritePolicy.WRITE_BACK  # from the file
+    assert config.pool_bytes == GIB // 2
+
+
+def test_one_set_of_defaults_for_serve_up_and_the_connector(tmp_path: Path) -> None:
+    defaults = WorkerConfig()
+    serve = serve_cmd.worker_config(_args("serve"))
+    up = up_cmd.worker_config(_args("up"))
+    assert serve == defaults and up == defaults
+    # A disk tier is written through unless a file or flag says otherwise, for every entry point.
+    flags = ("--host-gib", "0.25", "--disk-dir", str(tmp_path / "d"), "--disk-gib", "0.5")
+    served = serve_cmd.worker_config(_args("serve", *flags))
+    connector = connector_config(
+        {"host_gib": 0.25, "disk_dir": str(tmp_path / "d"), "disk_gib": 0.5}
+    )
+    assert served.tiers == connector.tiers
+    assert all(s.config.write_policy is WritePolicy.WRITE_THROUGH for s in connector.tiers)
+
+
+def test_connector_extra_config_maps_onto_the_same_type(tmp_path: Path) -> None:
+    from_file = connector_config({"config": str(EXAMPLE), "stats_path": str(tmp_path / "s")})
+    assert from_file.tiers == load_worker_config(EXAMPLE).tiers
+    assert from_file.stats_path == tmp_path / "s"
+    with pytest.raises(ConfigError, match="needs a tier"):
+        connector_config({})
+    with pytest.raises(ConfigError, match="'hots_gib'"):
+        connector_config({"hots_gib": 1})
+
+
+def test_up_gives_every_worker_the_file_and_its_own_disk_directory(tmp_path: Path) -> None:
+    spec = WorkerSpec("w1", 9001, config=EXAMPLE, pool_gib=None, host_gib=None,
+                      disk_dir=tmp_path / "w1")  # fmt: skip
+    command = spec.command()
+    assert command[command.index("--config") + 1] == str(EXAMPLE)
+    assert command[command.index("--disk-dir") + 1] == str(tmp_path / "w1")
+    assert "--pool-gib" not in command and "--host-gib" not in command
+
+
+def test_serve_rejects_flags_that_break_the_config() -> None:
+    with pytest.raises(InvalidInput, match="pool.gib"):
+        serve_cmd.worker_config(_args("serve", "--pool-gib", "0"))
+    with pytest.raises(InvalidInput, match="tiers.path"):
+        serve_cmd.worker_config(_args("serve", "--disk-gib", "1"))
