@@ -15,13 +15,19 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from kvstrata.connectors.vllm_identity import VllmModelView, tenant_for_salt, vllm_fingerprint
+from kvstrata.connectors.vllm_identity import (
+    KV_LAYOUT,
+    VllmModelView,
+    tenant_for_salt,
+    vllm_attention_impl,
+    vllm_fingerprint,
+)
 from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner
 from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
-from kvstrata.identity import ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+from kvstrata.identity import ModelFacts, ModelFingerprint, ReuseDisabled, ReuseDisabledReason
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.runtime.wiring import wire
@@ -119,20 +125,22 @@ def _view(**changes: object) -> VllmModelView:
         "rope_theta": 10000.0,
         "vocab_size": 100,
     }
-    base = dict(
+    version = str(changes.pop("vllm_version", "0.32.0"))
+    device = str(changes.pop("device", "cpu"))
+    facts = ModelFacts(
         architecture="LlamaForCausalLM",
-        hf_config=config,
+        config=config,
         checkpoint_digest="c" * 64,
         tokenizer_digest="t" * 64,
         special_tokens={"<s>": 1},
         chat_template=None,
+        attention_impl=vllm_attention_impl(version, device),
         kv_dtype="bfloat16",
         block_size=BS,
-        vllm_version="0.32.0",
-        device="cpu",
+        kv_layout=KV_LAYOUT,
+        tp_size=int(changes.pop("tp_size", 1)),  # type: ignore[call-overload]
     )
-    base.update(changes)
-    return VllmModelView(**base)  # type: ignore[arg-type]
+    return VllmModelView(facts, device=device, **changes)  # type: ignore[arg-type]
 
 
 def test_fingerprint_names_the_vllm_kernel_and_refuses_what_it_cannot_identify() -> None:

@@ -39,7 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorRole,
 )
 
-from kvstrata.connectors.vllm_identity import VllmModelView, tenant_for_salt, vllm_fingerprint
+from kvstrata.connectors.vllm_identity import (
+    KV_LAYOUT,
+    VllmModelView,
+    tenant_for_salt,
+    vllm_attention_impl,
+    vllm_fingerprint,
+)
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_lookup import (
     LookupClient,
@@ -51,7 +57,7 @@ from kvstrata.connectors.vllm_lookup import (
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner, StepPlan
 from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
-from kvstrata.identity import ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+from kvstrata.identity import ModelFacts, ModelFingerprint, ReuseDisabled, ReuseDisabledReason
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
 from kvstrata.runtime.store_factory import build_store
@@ -264,22 +270,29 @@ def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprin
     backend = getattr(vllm_config.attention_config, "backend", None)
     architectures = list(getattr(hf_config, "architectures", None) or [])
     parallel = vllm_config.parallel_config
-    view = VllmModelView(
+    device = str(current_platform.device_type)
+    multimodal = bool(getattr(model_config, "is_multimodal_model", False))
+    facts = ModelFacts(
         architecture=str(architectures[0]) if architectures else "unknown",
-        hf_config=hf_config.to_dict(),
+        config=hf_config.to_dict(),
         checkpoint_digest=checkpoint_digest(model_dir),
         tokenizer_digest=tokenizer_digest(tokenizer_dir),
         special_tokens=special,
         chat_template=template if isinstance(template, str) else None,
+        attention_impl=vllm_attention_impl(
+            str(vllm.__version__), device, getattr(backend, "name", None) or "auto"
+        ),
         kv_dtype=kv_dtype,
         block_size=int(vllm_config.cache_config.block_size),
-        vllm_version=str(vllm.__version__),
-        device=str(current_platform.device_type),
-        backend=getattr(backend, "name", None) or "auto",
+        kv_layout=KV_LAYOUT,
+        multimodal_processor="vllm-multimodal" if multimodal else None,
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
+    )
+    view = VllmModelView(
+        facts,
+        device=device,
         quantization=model_config.quantization,
         lora_enabled=vllm_config.lora_config is not None,
-        multimodal=bool(getattr(model_config, "is_multimodal_model", False)),
     )
     return vllm_fingerprint(view)

@@ -19,9 +19,7 @@ salt>``, so the salt itself never reaches disk metadata or events); no salt → 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from blake3 import blake3
 
@@ -40,60 +38,43 @@ SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
 _SALT_TAG = b"kvstrata.vllm.cache_salt.v1\x00"
 
 
+def vllm_attention_impl(vllm_version: str, device: str, backend: str = "auto") -> str:
+    """The attention name a vLLM fingerprint records: version, device and kernel backend."""
+    return f"vllm-{vllm_version}:{device}:{backend}"
+
+
 @dataclass(frozen=True)
 class VllmModelView:
-    """What the connector read off vLLM's config (plain values, so tests need no vLLM)."""
+    """What the connector read off vLLM's config (plain values, so tests need no vLLM): the
+    same ``ModelFacts`` the reference engine observes (``attention_impl`` names the vLLM
+    kernel, ``kv_layout`` is vLLM's, TP/PP and a multimodal processor in their fields), plus
+    what only vLLM reports."""
 
-    architecture: str
-    hf_config: Mapping[str, Any]
-    checkpoint_digest: str
-    tokenizer_digest: str
-    special_tokens: Mapping[str, int]
-    chat_template: str | None
-    kv_dtype: str
-    block_size: int
-    vllm_version: str
+    facts: ModelFacts
     device: str
-    backend: str = "auto"
-    tp_size: int = 1
-    pp_size: int = 1
     quantization: str | None = None
     lora_enabled: bool = False
-    multimodal: bool = False
-
-    @property
-    def attention_impl(self) -> str:
-        return f"vllm-{self.vllm_version}:{self.device}:{self.backend}"
 
 
 def vllm_fingerprint(view: VllmModelView) -> ModelFingerprint | ReuseDisabled:
+    facts = view.facts
     if view.device not in SUPPORTED_DEVICES:
-        return ReuseDisabled(ReuseDisabledReason.UNKNOWN_ATTENTION, view.attention_impl)
-    if view.tp_size != 1 or view.pp_size != 1:
-        detail = f"tp={view.tp_size} pp={view.pp_size} (one key space per rank not built)"
+        return ReuseDisabled(ReuseDisabledReason.UNKNOWN_ATTENTION, facts.attention_impl)
+    if facts.tp_size != 1 or facts.pp_size != 1:
+        detail = f"tp={facts.tp_size} pp={facts.pp_size} (one key space per rank not built)"
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, detail)
     if view.quantization:
         return ReuseDisabled(ReuseDisabledReason.QUANTIZED_WEIGHTS, view.quantization)
     if view.lora_enabled:
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, "LoRA adapters")
-    if view.multimodal:
+    if facts.multimodal_processor is not None:
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_PROCESSOR, "multimodal model")
-    facts = ModelFacts(
-        architecture=view.architecture,
-        config=view.hf_config,
-        checkpoint_digest=view.checkpoint_digest,
-        tokenizer_digest=view.tokenizer_digest,
-        special_tokens=view.special_tokens,
-        chat_template=view.chat_template,
-        attention_impl="sdpa",  # stands in for the vLLM kernel during the whitelist checks
-        kv_dtype=view.kv_dtype,
-        block_size=view.block_size,
-        kv_layout=KV_LAYOUT,
-    )
-    built = build_fingerprint(facts)
+    # "sdpa" stands in for the vLLM kernel during the builder's whitelist checks; the real
+    # name goes into the fingerprint, so KV of another vLLM version, device or backend differs.
+    built = build_fingerprint(dataclasses.replace(facts, attention_impl="sdpa"))
     if isinstance(built, ReuseDisabled):
         return built
-    return dataclasses.replace(built, attention_impl=view.attention_impl)
+    return dataclasses.replace(built, attention_impl=facts.attention_impl)
 
 
 def tenant_for_salt(cache_salt: str | None, secret: bytes = b"") -> TenantNamespace:
