@@ -179,8 +179,8 @@ class BlockCodec:
             tensor.index_copy_(layout.block_axis, self._kernel_ids(layout, block_ids), source)
 
     # CPU tensors are copied with numpy: plain single-threaded memcpy. torch's copy kernels
-    # fan out to its OpenMP pool, and on a busy 2-core machine (vLLM's own threads included)
-    # their spin-waits made a 46 MB load take ~0.3 s instead of ~10 ms.
+    # fan out to its OpenMP pool, and on a busy small machine (vLLM's own threads included)
+    # their spin-waits made loads many times slower (docs/results.md, vLLM connector).
     def _layers(self) -> Iterator[tuple[torch.Tensor, LayerLayout, int, int]]:
         yield from zip(self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=True)
 

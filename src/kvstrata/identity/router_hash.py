@@ -117,7 +117,7 @@ def column_multipliers(seed: int, block_size: int) -> list[int]:
 
 
 def _as_u32(tokens: Sequence[int] | np.ndarray) -> npt.NDArray[np.uint32]:
-    """Token ids as a uint32 array; ``array.array`` converts a list ~3x faster than numpy."""
+    """Token ids as a uint32 array; ``array.array`` converts a list faster than numpy does."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise IdentityError("token ids must be a 1-D sequence")

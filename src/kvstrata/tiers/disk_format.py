@@ -7,9 +7,9 @@ Little endian::
 
 The payload starts at a multiple of ``PAYLOAD_ALIGN`` (the meta JSON is padded with spaces) and
 the tier reads into buffers aligned the same way. Why: the kernel's page-cache → user copy is
-~2.5x slower on some CPUs when source and destination addresses differ by a small non-multiple
-of 64 modulo 4096 (measured here: 9 vs 22 GB/s when they differ by 16 — exactly what an
-mmap'd ``malloc`` buffer and a page-aligned payload produce); equal alignment avoids it.
+much slower on some CPUs when source and destination addresses differ by a small non-multiple
+of 64 modulo 4096 — exactly what an mmap'd ``malloc`` buffer and a page-aligned payload
+produce; equal alignment avoids it (figures in ``docs/results.md``, disk tier).
 
 The meta checksum lets recovery reject a flipped bit in the metadata (which the payload digest
 does not cover); the exact file size rejects truncation and trailing garbage. Nothing here
