@@ -103,7 +103,12 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         codec = BlockCodec(kv_caches, int(self._kv_cache_config.num_blocks), self.block_size)
-        store = build_store(codec.block_bytes, self.settings.tier_options(), CollectorRegistry())
+        store = build_store(
+            codec.block_bytes,
+            self.settings.tier_options(),
+            CollectorRegistry(),
+            record_events=bool(self.settings.events_endpoint),
+        )
         assert store is not None  # settings.parse refuses a config without tiers
         emitter = None
         if self.settings.events_endpoint:

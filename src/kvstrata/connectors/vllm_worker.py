@@ -91,7 +91,7 @@ class ConnectorWorker:
         self._written: ConnectorStats | None = None
         self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
         if emitter is not None:
-            store.listener = emitter
+            emitter.attach_store(store)
 
     # ---- scheduler queries ------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[BlockKey]) -> int:

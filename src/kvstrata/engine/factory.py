@@ -62,7 +62,11 @@ def _policy(name: str, demotion_fetch_s_per_byte: float | None) -> EvictionPolic
 
 
 def build_store(
-    block_bytes: int, options: TierOptions, registry: CollectorRegistry
+    block_bytes: int,
+    options: TierOptions,
+    registry: CollectorRegistry,
+    *,
+    record_events: bool = False,
 ) -> TieredStore | None:
     levels: list[tuple[Tier, EvictionPolicy, TierConfig]] = []
     has_disk = options.disk_dir is not None and options.disk_bytes > 0
@@ -72,15 +76,24 @@ def build_store(
                 f"host tier of {options.host_bytes} B holds no {block_bytes} B block"
             )
         fetch = DISK_FETCH_S_PER_BYTE if has_disk else None
-        tier = HostTier(options.host_bytes, block_bytes, clock=time.time)
+        tier = HostTier(
+            options.host_bytes, block_bytes, verify_reads=options.host.verify_reads, clock=time.time
+        )
         levels.append((tier, _policy(options.policy, fetch), options.host))
     if has_disk:
         assert options.disk_dir is not None
-        disk = DiskTier(options.disk_dir, options.disk_bytes, durable=options.durable_disk)
+        disk = DiskTier(
+            options.disk_dir,
+            options.disk_bytes,
+            durable=options.durable_disk,
+            verify_reads=options.disk.verify_reads,
+        )
         levels.append((disk, _policy(options.policy, None), options.disk))
     if not levels:
         return None
-    store = TieredStore(levels, metrics=StoreMetrics(registry), clock=time.time)
+    store = TieredStore(
+        levels, metrics=StoreMetrics(registry), clock=time.time, record_events=record_events
+    )
     store.start()
     return store
 
@@ -96,6 +109,10 @@ def build_engine(
 ) -> ReferenceEngine:
     metrics = metrics if metrics is not None else KvMetrics()
     block_bytes = pool_config_for(loaded, config.block_size, 1).bytes_per_block
-    store = build_store(block_bytes, tiers, metrics.registry) if tiers is not None else None
+    store = (
+        build_store(block_bytes, tiers, metrics.registry, record_events=events is not None)
+        if tiers is not None
+        else None
+    )
     costs = OnlineCostModel(cost_model or DEFAULT_COST_MODEL)
     return ReferenceEngine(loaded, config, metrics=metrics, store=store, costs=costs, events=events)
