@@ -200,7 +200,8 @@ class KVEventEmitter:
 
     @property
     def pending(self) -> bool:
-        """Events wait for the next ``flush``."""
+        """Events wait for the next ``flush`` (the store's feed is drained into the buffer)."""
+        self._drain_store()
         with self._lock:
             return bool(self._buffer.runs)
 
