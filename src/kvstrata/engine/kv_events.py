@@ -14,7 +14,8 @@ Block hashes are ``event_block_hash(key)`` (low 64 bits of the BLAKE3 key, as vL
 ``parent_block_hash`` is the parent key's, ``namespace`` the tenant name. Pool events are
 buffered; store changes are drained from the store's change feed (``store.take_events()``, the
 store must be built with ``record_events=True``) at the start of every ``flush()``, and the
-engine thread publishes them as one batch per engine step: ZMQ sockets stay on one thread. Consecutive blocks of one chain are merged into one event, as vLLM does.
+engine thread publishes them as one batch per engine step: ZMQ sockets stay on one thread.
+Consecutive blocks of one chain are merged into one event, as vLLM does.
 
 ``snapshot()`` is the recovery path: under the store lock it drains and publishes, lists
 every resident block as ``BlockStored`` events (parents first) and reads the next live sequence
