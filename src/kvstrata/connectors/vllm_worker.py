@@ -6,7 +6,7 @@ the counters. It is driven by the connector, once per engine step, on the worker
 
 - ``load(plan.loads)`` before the forward: for each request, its blocks are looked up again,
   pinned, checked (representation, size, and the payload digest recomputed over the bytes the
-  tier hands out — a tier verifies too, the disk tier on every read, the host slab at commit)
+  tier hands out — every tier verifies too, on every read by default)
   and scattered into vLLM's blocks. The first block that is missing, fails a check or whose
   tier errs ends that request's load: it and every later block of the request are returned
   as failed (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them).
