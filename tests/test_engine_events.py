@@ -380,6 +380,7 @@ def test_write_back_expiry_and_delete_are_announced_per_tier(
             (disk, LRUPolicy(), TierConfig("disk", WritePolicy.WRITE_BACK)),
         ],
         clock=clock,
+        record_events=True,
     )
     engine = ReferenceEngine(
         tiny_model, EngineConfig(block_size=B, pool_blocks=16), store=store, events=events

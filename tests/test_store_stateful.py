@@ -5,7 +5,9 @@ Invariants checked after every step:
   load never yields bytes other than those stored under that key;
 - tenant quotas are never exceeded on any tier;
 - every object committed to the write-through disk tier survives a crash (host lost, disk
-  re-opened and recovered).
+  re-opened and recovered);
+- the change feed, replayed from the start (recovered objects first after a crash), equals
+  what every level holds, tenants included.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.events import ObjectStored
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.store.value_policy import ValuePolicy
@@ -55,6 +58,7 @@ class StoreMachine(RuleBasedStateMachine):
         # Corrupted on disk behind the store's back: lost until deleted (a re-put of the same
         # key finds the copy present and, rightly, does not re-read it to check).
         self.corrupted: set[BlockKey] = set()
+        self.replayed: dict[tuple[str, BlockKey], str] = {}  # the feed, applied: level → tenant
         self.store = self._open()
 
     def clock(self) -> float:
@@ -75,7 +79,7 @@ class StoreMachine(RuleBasedStateMachine):
                 TierConfig("disk", WritePolicy.WRITE_THROUGH, ttl_s=TTL, tenant_quota_bytes=QUOTA),
             ),
         ]
-        return TieredStore(levels, clock=self.clock)
+        return TieredStore(levels, clock=self.clock, record_events=True)
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -159,8 +163,25 @@ class StoreMachine(RuleBasedStateMachine):
         survivors = {k for k in disk.keys() if k in self.written and k not in self.corrupted}
         disk.close()  # the process dies: the host tier's memory is simply gone
         self.store = self._open()
+        self.replayed = {}  # a new store: its feed starts with what it recovered
         recovered = set(self.store.levels[1].tier.keys())
         assert survivors <= recovered
+
+    @invariant()
+    def feed_replays_to_residency(self) -> None:
+        with self.store.exclusive():
+            resident = {
+                (name, meta.key): meta.tenant
+                for name, metas in self.store.resident()
+                for meta in metas
+            }
+            events = self.store.take_events()
+        for event in events:
+            if isinstance(event, ObjectStored):
+                self.replayed[(event.tier, event.meta.key)] = event.meta.tenant
+            else:
+                assert self.replayed.pop((event.tier, event.key)) == event.tenant
+        assert self.replayed == resident
 
     @invariant()
     def quotas_hold(self) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvstrata.errors import InvalidInput
+from kvstrata.identity import BlockKey
 from kvstrata.tiers.base import Tier, TierError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
@@ -276,3 +277,71 @@ def test_host_pinned_slab_when_cuda_present() -> None:
         assert not HostTier(CAPACITY, OBJ).pinned
         with pytest.raises(TierError):
             HostTier(CAPACITY, OBJ, pin_memory=True)
+
+
+# ------------------------------------------------------------------ read verification (every tier)
+
+
+def _corrupt(tier: HostTier | DiskTier, key: BlockKey) -> None:
+    """Flip one payload byte of a committed object behind the tier's back."""
+    if isinstance(tier, HostTier):
+        lease = tier.prepare_load(key)
+        assert lease is not None
+        view = tier.tensor(lease)
+        tier.complete_load(lease)
+        view[0] ^= 0xFF
+    else:
+        path = tier.path_of(key)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_reads_are_verified_by_default(kind: str, tmp_path: Path) -> None:
+    tier: HostTier | DiskTier = (
+        HostTier(CAPACITY, OBJ, pin_memory=False)
+        if kind == "host"
+        else DiskTier(tmp_path / "disk", CAPACITY, durable=False)
+    )
+    assert tier.verify_reads
+    meta, payload = make_object(1)
+    assert store(tier, meta, payload)
+    _corrupt(tier, meta.key)
+    assert tier.prepare_load(meta.key) is None  # a mismatch found on a read: INVALID, gone
+    assert tier.counters.invalidated == 1
+    assert tier.take_dropped() == [meta.key]
+    assert not tier.contains(meta.key) and tier.used_bytes == 0
+    assert store(tier, meta, payload)  # room and key are free again
+    assert load_bytes(tier, meta.key) == payload
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_unverified_reads_trust_committed_bytes(kind: str, tmp_path: Path) -> None:
+    tier: HostTier | DiskTier = (
+        HostTier(CAPACITY, OBJ, pin_memory=False, verify_reads=False)
+        if kind == "host"
+        else DiskTier(tmp_path / "disk", CAPACITY, durable=False, verify_reads=False)
+    )
+    meta, payload = make_object(1)
+    assert store(tier, meta, payload)
+    _corrupt(tier, meta.key)
+    got = load_bytes(tier, meta.key)
+    assert got is not None and got != payload and tier.counters.invalidated == 0
+    tier.close()
+
+
+def test_host_slot_of_an_invalidated_object_waits_for_its_readers() -> None:
+    tier = HostTier(OBJ, OBJ, pin_memory=False)  # one slot
+    meta, payload = make_object(1)
+    assert store(tier, meta, payload)
+    reader = tier.prepare_load(meta.key)
+    assert reader is not None
+    tier.tensor(reader)[0] ^= 0xFF  # (a stray write, as a bug elsewhere might do)
+    assert tier.prepare_load(meta.key) is None  # invalidated, but the first reader still pins it
+    other, other_payload = make_object(2)
+    assert tier.prepare_store(other) is None  # its slot is not recycled under the reader
+    tier.complete_load(reader)
+    assert store(tier, other, other_payload)
+    assert load_bytes(tier, other.key) == other_payload

@@ -4,6 +4,7 @@ rollout, TTL, corruption and restart. Time is a settable clock; nothing sleeps."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
+from kvstrata.store.events import ObjectRemoved, ObjectStored
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.telemetry.store_metrics import StoreMetrics
@@ -311,3 +313,46 @@ def test_delete_removes_every_replica(store: TieredStore) -> None:
     put_all(store, objs)
     assert store.delete(keys_of(objs)) == 4
     assert store.lookup(keys_of(objs), RequestScope("t0")) == []
+
+
+def test_change_feed_records_commits_and_removals_in_order(tmp_path: Path, clock: Clock) -> None:
+    levels = [
+        (HostTier(2 * OBJ, OBJ, clock=clock), LRUPolicy(), TierConfig("host", ttl_s=60.0)),
+        (
+            DiskTier(tmp_path / "disk", 8 * OBJ, durable=False, clock=clock),
+            LRUPolicy(),
+            TierConfig("disk"),
+        ),
+    ]
+    store = TieredStore(levels, clock=clock, record_events=True)
+    a, b = chain("ev", 2, tenant="alice", created_at=clock())
+    put_all(store, [a])
+    stored = store.take_events()
+    assert stored == [ObjectStored("host", stored[0].meta), ObjectStored("disk", stored[1].meta)]
+    assert all(isinstance(e, ObjectStored) and e.meta.key == a[0].key for e in stored)
+    assert store.take_events() == []  # drained
+    clock.now += 61  # the host copy expires: the tier drops it by itself, the tenant is kept
+    assert [f.level for f in store.lookup([a[0].key], RequestScope("alice"))] == [1]
+    assert store.take_events() == [ObjectRemoved("host", a[0].key, "alice")]
+    b = (replace(b[0], created_at=clock()), b[1])
+    put_all(store, [b])
+    assert [type(e) for e in store.take_events()] == [ObjectStored, ObjectStored]
+    assert store.delete([b[0].key]) == 2
+    assert store.take_events() == [
+        ObjectRemoved("host", b[0].key, "alice"),
+        ObjectRemoved("disk", b[0].key, "alice"),
+    ]
+    store.close()
+    again = make_store(tmp_path, clock)  # without record_events: nothing recorded
+    assert again.take_events() == []
+    again.close()
+    levels[1] = (
+        DiskTier(tmp_path / "disk", 8 * OBJ, durable=False, clock=clock),
+        LRUPolicy(),
+        TierConfig("disk"),
+    )
+    levels[0] = (HostTier(2 * OBJ, OBJ, clock=clock), LRUPolicy(), TierConfig("host"))
+    recovered = TieredStore(levels, clock=clock, record_events=True)
+    [first] = recovered.take_events()  # recovered objects come first, as stored events
+    assert first == ObjectStored("disk", first.meta) and first.meta.key == a[0].key
+    recovered.close()

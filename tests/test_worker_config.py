@@ -91,7 +91,7 @@ ttl_s = 3600
     config = load_worker_config(path)
     host, disk = config.tiers
     assert host.config.ttl_s == 30 and disk.config.ttl_s == 3600  # one TTL per tier
-    assert host.verify_reads is False and disk.verify_reads is True
+    assert host.config.verify_reads is False and disk.config.verify_reads is True
     assert host.config.tenant_quota_bytes == {"alice": GIB // 4}
     assert host.config.default_tenant_quota_bytes == GIB // 8
     assert host.config.write_back_max_bytes == 64 << 20

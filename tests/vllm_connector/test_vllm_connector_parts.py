@@ -201,12 +201,16 @@ def _reason() -> ReuseDisabledReason:
 
 
 # ---- worker over a real store ----------------------------------------------------------------
-def _worker(tmp_path: Path, layers: dict[str, torch.Tensor], **extra: object) -> ConnectorWorker:
+def _worker(
+    tmp_path: Path, layers: dict[str, torch.Tensor], *, record_events: bool = False, **extra: object
+) -> ConnectorWorker:
     settings = connector_config(
         {"disk_dir": str(tmp_path / "disk"), "disk_gib": 0.01, "durable": False, **extra}
     )
     codec = BlockCodec(layers, BLOCKS, BS)
-    store = build_store(codec.block_bytes, settings, CollectorRegistry(), record_events=True)
+    store = build_store(
+        codec.block_bytes, settings, CollectorRegistry(), record_events=record_events
+    )
     assert store is not None
     return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / "stats.json")
 
@@ -258,7 +262,7 @@ def test_worker_publishes_kvstrata_events_with_the_tier_as_medium(tmp_path: Path
     sub.connect("inproc://kvstrata-test-events")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     assert publisher.wait_for_subscriber(5.0)
-    worker = _worker(tmp_path, layers)
+    worker = _worker(tmp_path, layers, record_events=True)
     worker.emitter = emitter
     wire(pool=None, store=worker.store, emitter=emitter)
     planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)

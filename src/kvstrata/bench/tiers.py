@@ -3,7 +3,8 @@
 What is measured, per object size (GB/s = 1e9 bytes/s, best of ``repeat`` rounds, each round
 touching every one of ``objects`` objects once):
 
-- ``host.get``: what a consumer does on a hit — ``prepare_load`` + copy the slot's bytes into a
+- ``host.get``: what a consumer does on a hit — ``prepare_load`` (which re-verifies the digest,
+  the default) + copy the slot's bytes into a
   destination torch tensor (as the engine copies into its pool) + ``complete_load``.
   ``host.memcpy``: the same destination copy from a plain source tensor. ``host.ratio`` =
   get / memcpy shows the tier's per-object overhead (goal ≥ 0.8 at 1–4 MiB).
@@ -18,6 +19,13 @@ touching every one of ``objects`` objects once):
   ``disk.ratio_vs_readinto``: the tier's overhead over the cheapest possible read.
   ``disk.get`` adds the copy into a destination tensor; ``disk.write`` is one durable
   (fsync'd) store round.
+
+Verification cost: every tier verifies the payload digest on every read by default
+(``verify_reads``). ``host.get_gbps_verified`` / ``host.get_gbps_unverified`` (and the same for
+``disk``) are the ``get`` path with the check on and off — the same tier, the same objects,
+rounds alternating between the two, the *median* round of each — and ``verify_cost_ratio`` =
+unverified / verified rate (1.0: free; 2.0: verified reads take twice as long). ``get_gbps``
+itself is the default, verified path.
 
 The page cache is warm by default (the files were just written), so disk numbers measure the
 read path and verification, not the device; ``cold=True`` drops each file's pages with
@@ -34,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -96,9 +105,36 @@ def _alternate(
     return best
 
 
+def _verify_cost(
+    tier: HostTier | DiskTier, get: Callable[[], None], total: int, repeat: int
+) -> Moved:
+    """Median seconds of ``get`` with read verification on and off, rounds interleaved."""
+    rounds: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(repeat):
+            for verify in (True, False):
+                tier.verify_reads = verify
+                rounds[verify].append(_time(get))
+    finally:
+        tier.verify_reads = True
+    return {
+        "verified": (total, statistics.median(rounds[True])),
+        "unverified": (total, statistics.median(rounds[False])),
+    }
+
+
+def _verify_fields(measured: Sequence[Moved]) -> dict[str, float]:
+    rates = _rates(measured, ("unverified", "verified"))
+    return {
+        "get_gbps_verified": rates["verified_gbps"],
+        "get_gbps_unverified": rates["unverified_gbps"],
+        "verify_cost_ratio": rates["ratio"],
+    }
+
+
 def _host(
     source: torch.Tensor, dest: torch.Tensor, metas: list[KVObjectMeta], repeat: int
-) -> tuple[Moved, bool]:
+) -> tuple[Moved, Moved, bool]:
     count, size = source.shape
     tier = HostTier(count * size, size)
 
@@ -136,9 +172,10 @@ def _host(
         raise AssertionError("host get returned different bytes")
     best = _alternate({"get": get, "memcpy": memcpy}, repeat)
     total = count * size
+    verify = _verify_cost(tier, get, total, repeat)
     tier.close()
     moved = {"get": (total, best["get"]), "put": (total, put_s), "memcpy": (total, best["memcpy"])}
-    return moved, tier.pinned
+    return moved, verify, tier.pinned
 
 
 def _disk(
@@ -148,7 +185,7 @@ def _disk(
     repeat: int,
     directory: Path,
     cold: bool,
-) -> Moved:
+) -> tuple[Moved, Moved]:
     count, size = source.shape
     rows, dest_rows = source.numpy(), dest.numpy()
     tier = DiskTier(directory, count * size)
@@ -212,6 +249,7 @@ def _disk(
         drop_cache if cold else None,
     )
     total = count * size
+    verify = _verify_cost(tier, get, total, repeat)
     tier.close()
     return {
         "read": (total, best["read"]),
@@ -219,7 +257,7 @@ def _disk(
         "raw_readinto": (file_bytes, best["raw_readinto"]),
         "get": (total, best["get"]),
         "write": (total, write_s),
-    }
+    }, verify
 
 
 def run_tier_bench(
@@ -257,6 +295,8 @@ def _run(
     per_size: list[dict[str, Any]] = []
     host_all: list[Moved] = []
     disk_all: list[Moved] = []
+    host_verify: list[Moved] = []
+    disk_verify: list[Moved] = []
     pinned = False
     try:
         for mib in sizes_mib:
@@ -265,28 +305,36 @@ def _run(
             source = torch.randint(0, 256, (objects, size), dtype=torch.uint8, generator=generator)
             dest = torch.zeros_like(source)
             metas = _metas(source, size)
-            host, pinned = _host(source, dest, metas, repeat)
-            disk = _disk(source, dest, metas, repeat, root / f"size-{size}", cold)
+            host, host_v, pinned = _host(source, dest, metas, repeat)
+            disk, disk_v = _disk(source, dest, metas, repeat, root / f"size-{size}", cold)
             host_all.append(host)
             disk_all.append(disk)
+            host_verify.append(host_v)
+            disk_verify.append(disk_v)
             per_size.append(
                 {
                     "size_mib": mib,
                     "size_bytes": size,
-                    "host": _rates([host], ("get", "memcpy")),
+                    "host": {**_rates([host], ("get", "memcpy")), **_verify_fields([host_v])},
                     "disk": {
                         **_rates([disk], ("read", "raw_read")),
                         "ratio_vs_readinto": _rates([disk], ("read", "raw_readinto"))["ratio"],
+                        **_verify_fields([disk_v]),
                     },
                 }
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {
-        "host": {**_rates(host_all, ("get", "memcpy")), "pinned": pinned},
+        "host": {
+            **_rates(host_all, ("get", "memcpy")),
+            **_verify_fields(host_verify),
+            "pinned": pinned,
+        },
         "disk": {
             **_rates(disk_all, ("read", "raw_read")),
             "ratio_vs_readinto": _rates(disk_all, ("read", "raw_readinto"))["ratio"],
+            **_verify_fields(disk_verify),
             "verify": True,
             "cold": cold,
             "dir": str(root.parent),

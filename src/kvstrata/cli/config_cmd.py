@@ -46,7 +46,7 @@ def describe(config: WorkerConfig) -> dict[str, Any]:
                 "path": str(spec.path) if spec.path else None,
                 "durable": spec.durable,
                 "eviction_policy": spec.eviction_policy,
-                "verify_reads": spec.verify_reads,
+                "verify_reads": spec.config.verify_reads,
                 "write_policy": spec.config.write_policy.value,
                 "ttl_s": spec.config.ttl_s,
                 "tenant_quota_bytes": dict(spec.config.tenant_quota_bytes),

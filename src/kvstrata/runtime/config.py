@@ -111,7 +111,6 @@ class TierSpec:
     path: Path | None = None
     durable: bool = True
     eviction_policy: str = "kvstrata"
-    verify_reads: bool = True
 
     @property
     def name(self) -> str:
@@ -374,6 +373,7 @@ def _tier(entry: Mapping[str, Any], index: int, where: str, base: Path) -> TierS
         selective_min_uses=min_uses,
         write_back_max_bytes=int(write_back * MIB),
         rollout=_rollout(entry.get("rollout", {}), where, index, base),
+        verify_reads=tier.get("verify_reads"),
     )
     return TierSpec(
         capacity_bytes=int(gib * GIB),
@@ -381,7 +381,6 @@ def _tier(entry: Mapping[str, Any], index: int, where: str, base: Path) -> TierS
         path=path,
         durable=tier.get("durable"),
         eviction_policy=eviction,
-        verify_reads=tier.get("verify_reads"),
     )
 
 

@@ -11,12 +11,13 @@ its own router hashes from ``token_ids``):
   ``"disk"``); eviction, demotion, expiry, invalidation or deletion → ``BlockRemoved``.
 
 Block hashes are ``event_block_hash(key)`` (low 64 bits of the BLAKE3 key, as vLLM does),
-``parent_block_hash`` is the parent key's, ``namespace`` the tenant name. Events are buffered
-(store changes may come from the write-back flusher thread, so the buffer is locked) and the
-engine thread publishes them as one batch per engine step with ``flush()``: ZMQ sockets stay on
-one thread. Consecutive blocks of one chain are merged into one event, as vLLM does.
+``parent_block_hash`` is the parent key's, ``namespace`` the tenant name. Pool events are
+buffered; store changes are drained from the store's change feed (``store.take_events()``, the
+store must be built with ``record_events=True``) at the start of every ``flush()``, and the
+engine thread publishes them as one batch per engine step: ZMQ sockets stay on one thread.
+Consecutive blocks of one chain are merged into one event, as vLLM does.
 
-``snapshot()`` is the recovery path: under the store lock it publishes what is buffered, lists
+``snapshot()`` is the recovery path: under the store lock it drains and publishes, lists
 every resident block as ``BlockStored`` events (parents first) and reads the next live sequence
 number, so dump + live stream from ``next_seq`` = the worker's state. Objects whose meta has no
 tokens (written by older versions) serve hits but are never announced; they are counted.
@@ -39,6 +40,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.blocks import BlockInfo, EvictedBlock, PoolView, ResidentBlock
+from kvstrata.store.events import ObjectStored
 from kvstrata.store.tiered import TieredStore
 
 DEVICE_MEDIUM = "device"
@@ -156,7 +158,7 @@ class KVEventEmitter:
 
     Lifecycle: build (``from_config`` or with a publisher), ``start()`` (binds the sockets),
     hand it to the engine (which calls ``attach``), ``close()`` after the engine is closed.
-    Implements ``PoolListener`` and ``StoreListener``.
+    Implements ``PoolListener``; drains the store's change feed.
     """
 
     def __init__(self, publisher: ZmqEventPublisher, *, block_size: int) -> None:
@@ -173,9 +175,6 @@ class KVEventEmitter:
         self._attached = False
         self._store: TieredStore | None = None
         self._started = False
-        # Tenant of each store object we know, per level: a tier that drops an object by itself
-        # (expiry, bad digest) reports only its key, and BlockRemoved must name the namespace.
-        self._store_tenants: dict[tuple[str, BlockKey], str] = {}
 
     @classmethod
     def from_config(cls, config: KVEventsConfig, *, block_size: int) -> KVEventEmitter:
@@ -202,7 +201,8 @@ class KVEventEmitter:
 
     @property
     def pending(self) -> bool:
-        """Events wait for the next ``flush``."""
+        """Events wait for the next ``flush`` (the store's feed is drained into the buffer)."""
+        self._drain_store()
         with self._lock:
             return bool(self._buffer.runs)
 
@@ -233,10 +233,15 @@ class KVEventEmitter:
         if pool is not None:
             pool.subscribe(self)
         if store is not None:
-            for name, metas in store.resident():  # e.g. recovered from disk
-                for meta in metas:
-                    self._store_tenants[(name, meta.key)] = meta.tenant
-            store.listener = self
+            self.attach_store(store)
+
+    def attach_store(self, store: TieredStore) -> None:
+        """Drain ``store``'s change feed from now on (what it recovered is not re-announced:
+        ``snapshot`` lists it)."""
+        if not store.records_events:
+            raise ValueError("the store must be built with record_events=True")
+        self._store = store
+        store.take_events()
 
     # ---- PoolListener (engine thread) ---------------------------------------------------------
     def block_committed(self, block: ResidentBlock) -> None:
@@ -256,26 +261,28 @@ class KVEventEmitter:
             self._buffer.removed(DEVICE_MEDIUM, tenant, block.key)
             self.stats.blocks_removed += 1
 
-    # ---- StoreListener (any thread, under the store lock) --------------------------------------
-    def object_stored(self, tier: str, meta: KVObjectMeta) -> None:
+    # ---- the store's change feed (drained on the engine thread) --------------------------------
+    def _drain_store(self) -> None:
+        if self._store is None:
+            return
+        events = self._store.take_events()
         with self._lock:
-            self._store_tenants[(tier, meta.key)] = meta.tenant
-            if meta.tokens is None:
-                self.stats.unannounced_without_tokens += 1
-                return
-            self._buffer.stored(tier, meta.tenant, meta.key, meta.parent, meta.tokens)
-            self.stats.blocks_stored += 1
-
-    def object_removed(self, tier: str, key: BlockKey, meta: KVObjectMeta | None) -> None:
-        with self._lock:
-            known = self._store_tenants.pop((tier, key), None)
-            tenant = meta.tenant if meta is not None else known
-            self._buffer.removed(tier, tenant, key)
-            self.stats.blocks_removed += 1
+            for event in events:
+                if isinstance(event, ObjectStored):
+                    meta = event.meta
+                    if meta.tokens is None:
+                        self.stats.unannounced_without_tokens += 1
+                        continue
+                    self._buffer.stored(event.tier, meta.tenant, meta.key, meta.parent, meta.tokens)
+                    self.stats.blocks_stored += 1
+                else:
+                    self._buffer.removed(event.tier, event.tenant, event.key)
+                    self.stats.blocks_removed += 1
 
     # ---- publishing (engine thread) -----------------------------------------------------------
     def flush(self) -> int | None:
         """Publish what is buffered as one batch; its seq, or None when nothing was buffered."""
+        self._drain_store()
         with self._lock:
             if not self._buffer.runs:
                 return None

@@ -43,9 +43,19 @@ def _tier(spec: TierSpec, block_bytes: int) -> Tier:
                 f"a host tier of {spec.capacity_bytes} B holds no {block_bytes} B block",
                 key="tiers.gib",
             )
-        return HostTier(spec.capacity_bytes, block_bytes, clock=time.time)
+        return HostTier(
+            spec.capacity_bytes,
+            block_bytes,
+            verify_reads=spec.config.verify_reads,
+            clock=time.time,
+        )
     assert spec.path is not None  # validated by the config
-    return DiskTier(spec.path, spec.capacity_bytes, durable=spec.durable)
+    return DiskTier(
+        spec.path,
+        spec.capacity_bytes,
+        durable=spec.durable,
+        verify_reads=spec.config.verify_reads,
+    )
 
 
 def build_store(
@@ -64,6 +74,8 @@ def build_store(
         levels.append((_tier(spec, block_bytes), policy, spec.config))
     if not levels:
         return None
-    store = TieredStore(levels, metrics=StoreMetrics(registry), clock=time.time)
+    store = TieredStore(
+        levels, metrics=StoreMetrics(registry), clock=time.time, record_events=record_events
+    )
     store.start()
     return store

@@ -11,6 +11,11 @@ Every tier has a write policy, optional TTL, tenant quotas and rollout controls:
   used ``selective_min_uses`` times (default 2: "a second use"), or it is being demoted from
   the tier above after that many uses.
 
+Integrity: ``verify_reads`` (default on, for every tier) makes the tier re-check the payload
+digest on every read, not only when the object was written; the store's builder passes it to
+the tier it constructs. Turning it off trusts committed bytes (``kvstrata bench tiers`` reports
+what the check costs).
+
 Rollout (the seed: every tier ships with a narrow target, a canary, a rollback switch and a
 break-even threshold):
 - ``tenants`` / ``models``: when set, only those tenants / model names use the tier;
@@ -81,6 +86,7 @@ class TierConfig:
     selective_min_uses: int = 2
     write_back_max_bytes: int = 256 << 20
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    verify_reads: bool = True
 
     def quota_for(self, tenant: str) -> int | None:
         return self.tenant_quota_bytes.get(tenant, self.default_tenant_quota_bytes)

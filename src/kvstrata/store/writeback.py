@@ -1,11 +1,20 @@
 """Write-back: a bounded queue of objects still to be copied to a lower level.
 
 Entries are (target level, key) → source level. The flusher thread copies the oldest entry
-through the store (under the store's lock, one object at a time, so the engine is never
-blocked for long). The bytes queued per target level are "at risk": a crash now loses them
-from that level (they are still in the faster, volatile level above), and are exported as
-``kvstrata_writeback_bytes_at_risk{tier}``. A full queue flushes its oldest entry
-synchronously — backpressure, never a silent drop. ``close()`` drains everything.
+through the store's public ``copy_down`` (the store does the byte copy outside its lock, so
+lookups and loads go on while write-back runs). The bytes queued per target level are "at
+risk": a crash now loses them from that level (they are still in the faster, volatile level
+above), and are exported as ``kvstrata_writeback_bytes_at_risk{tier}``. A full queue flushes
+its oldest entry synchronously — backpressure, never a silent drop. ``close()`` drains
+everything.
+
+Why a protocol and not the store: the queue is a client of the store, like any other; it knows
+nothing of levels, locks or policies, only "copy this key from level a to level b" (a copy
+whose source is gone meanwhile is simply skipped by the store). Invariants: the queue's own
+lock is never held while calling ``copy_down`` (which takes the store lock), so the two locks
+never nest the other way round; an entry is removed from the queue before its copy starts, so
+a ``discard`` (the key is being deleted) either removes it first or finds it already in flight,
+and then the store's delete wins over the late copy.
 """
 
 from __future__ import annotations
@@ -13,30 +22,44 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.telemetry.store_metrics import StoreMetrics
 
-if TYPE_CHECKING:
-    from kvstrata.store.tiered import TieredStore
-
 logger = logging.getLogger("kvstrata.store")
 
 
+class CopyDown(Protocol):
+    def copy_down(self, source: int, target: int, key: BlockKey, *, cause: str) -> bool:
+        """Copy ``key`` from level ``source`` into level ``target`` if it still may go there;
+        False when skipped (source gone, target refuses, being deleted)."""
+        ...
+
+
 class WriteBackQueue:
-    def __init__(self, store: TieredStore, metrics: StoreMetrics) -> None:
+    def __init__(
+        self,
+        store: CopyDown,
+        metrics: StoreMetrics,
+        *,
+        level_names: Sequence[str],
+        max_bytes: Sequence[int],
+    ) -> None:
         self._store = store
         self._metrics = metrics
+        self._names = list(level_names)
+        self._max_bytes = list(max_bytes)
         self._entries: OrderedDict[tuple[int, BlockKey], tuple[int, int]] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._closing = False
 
-    # ---- producer side (called with the store lock held) --------------------------------
+    # ---- producer side (never called with the store lock held) ----------------------------
     def enqueue(self, source: int, target: int, meta: KVObjectMeta) -> None:
         with self._cond:
             entry = (target, meta.key)
@@ -45,7 +68,7 @@ class WriteBackQueue:
             self._entries[entry] = (source, meta.size)
             self._bytes[target] = self._bytes.get(target, 0) + meta.size
             self._publish(target)
-            over = self._bytes[target] > self._store.levels[target].config.write_back_max_bytes
+            over = self._bytes[target] > self._max_bytes[target]
             self._cond.notify()
         if over:
             self._flush_oldest(target)
@@ -59,6 +82,14 @@ class WriteBackQueue:
                     targets.append(target)
         for target in targets:
             self._flush_entry(target, key)
+
+    def pending_from(self, source: int, key: BlockKey) -> bool:
+        """Does a queued copy of ``key`` still read from level ``source``?"""
+        with self._cond:
+            return any(
+                entry_key == key and entry_source == source
+                for (_, entry_key), (entry_source, _) in self._entries.items()
+            )
 
     def discard(self, key: BlockKey) -> None:
         """``key`` is being deleted everywhere: forget its pending copies."""
@@ -82,25 +113,19 @@ class WriteBackQueue:
     def _flush_entry(self, target: int, key: BlockKey) -> bool:
         """Copy one queued object down. A tier switched off (rollback) or out of the object's
         target gets nothing: the entry is dropped, the object stays in the level above."""
-        store = self._store
-        with store._lock:
-            with self._cond:
-                item = self._entries.pop((target, key), None)
-                if item is None:
-                    return False
-                source, size = item
-                self._bytes[target] -= size
-                self._publish(target)
-            level = store.levels[target]
-            meta = store.levels[source].tier.meta(key)
-            if meta is None or not store._accepts(level, meta):
+        with self._cond:
+            item = self._entries.pop((target, key), None)
+            if item is None:
                 return False
-            try:
-                return store._copy_between(source, target, key, cause="write-back")
-            except KvstrataError:
-                logger.exception("write-back of an object to %s failed", level.name)
-                self._metrics.write_failures.labels(tier=level.name).inc()
-                return False
+            source, size = item
+            self._bytes[target] -= size
+            self._publish(target)
+        try:
+            return self._store.copy_down(source, target, key, cause="write-back")
+        except KvstrataError:
+            logger.exception("write-back of an object to %s failed", self._names[target])
+            self._metrics.write_failures.labels(tier=self._names[target]).inc()
+            return False
 
     def drain(self) -> None:
         while True:
@@ -140,5 +165,5 @@ class WriteBackQueue:
                 logger.exception("write-back flusher: unexpected error")
 
     def _publish(self, target: int) -> None:
-        name = self._store.levels[target].name
+        name = self._names[target]
         self._metrics.bytes_at_risk.labels(tier=name).set(self._bytes.get(target, 0))

@@ -12,8 +12,12 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   and makes the object COMMITTED (returns True); on a mismatch or ``success=False`` nothing is
   left behind (returns False).
 - ``prepare_load(key) -> LoadLease | None``: a COMMITTED, unexpired, *verified* object, pinned
-  until ``complete_load(lease)``; ``None`` on a miss. A digest mismatch found while loading
-  marks the object INVALID, removes it and counts it — the caller recomputes.
+  until ``complete_load(lease)``; ``None`` on a miss. Every tier re-checks the payload digest
+  on every read unless built with ``verify_reads=False`` (one policy for every medium). A
+  digest mismatch found while loading marks the object INVALID, removes it (other readers'
+  leases stay valid until they complete), reports it through ``take_dropped`` and counts it —
+  the caller recomputes. ``prepare_load`` does the medium's I/O; callers (the store) call it
+  without holding their own locks.
 - ``remove(key) -> bool``: drop a committed object (eviction, demotion, deletion). Returns
   False while the object is being loaded (pinned) or is absent.
 - ``contains``, ``meta``, ``keys``, ``used_bytes``, ``object_count``, ``tenant_bytes``,

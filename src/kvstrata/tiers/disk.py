@@ -14,8 +14,10 @@ survives it), not against power loss.
 Verification: ``recover()`` (run by the constructor) checks header, meta checksum, file size,
 that the file name matches the key, and the payload digest; anything else is deleted and
 counted in ``counters.invalidated`` — it never raises. ``prepare_load`` re-verifies the payload
-digest on every read, because disk bytes, unlike host memory, can rot or be touched by others:
-a mismatch marks the object INVALID, deletes the file, counts it and returns ``None``.
+digest on every read (``verify_reads=True``, the default, the same policy as every tier below
+the device pool), because disk bytes can rot or be touched by others: a mismatch marks the
+object INVALID, deletes the file, counts it and returns ``None``. ``verify_reads=False`` is for
+measuring what verification costs (``kvstrata bench tiers``), not for production.
 
 Failures: an ``OSError`` while writing (ENOSPC, EFBIG, EIO …) removes the temp file, releases the
 reservation and raises ``TierError`` from ``complete_store`` — the medium failed, as the
@@ -90,10 +92,12 @@ class DiskTier(IndexedTierViews):
         capacity_bytes: int,
         *,
         durable: bool = True,
+        verify_reads: bool = True,
         clock: Callable[[], float] = time.time,
         pooled_buffers: int = 8,
     ) -> None:
         self.root = Path(root_dir)
+        self.verify_reads = verify_reads
         self.capacity_bytes = capacity_bytes
         self.durable = durable
         self._objects = self.root / "objects"
@@ -288,7 +292,7 @@ class DiskTier(IndexedTierViews):
         offset = int(record.extra["offset"])
         if not read_exact(self._path(record.meta.key), offset, view):
             return False
-        return payload_digest(view) == record.meta.digest
+        return not self.verify_reads or payload_digest(view) == record.meta.digest
 
     def _abort(self, handle: _Handle, *, corrupt: bool) -> None:
         with self._lock:

@@ -10,10 +10,14 @@ Zero copy: ``prepare_store`` hands out a writable memoryview of a free slot and
 ``prepare_load`` a read-only memoryview of the slot itself; ``tensor(handle)`` gives the same
 bytes as a torch view of the slab, so the engine copies straight between its pool and the slab.
 
-Digests are verified once, at ``complete_store``: the slab is process-private memory, written
-only through a slot that is invisible until its digest verified, so a committed slot cannot be
-torn or changed by anyone else afterwards; re-hashing on every load would only guard against
-DRAM bit rot, which is ECC's job, at the price of a second full pass over the bytes.
+Digests are verified at ``complete_store`` and, by default (``verify_reads=True``), again on
+every ``prepare_load``: one digest policy for every tier below the device pool. The slab is
+process-private and written only through a slot that is invisible until its digest verified,
+so a re-check guards against stray writes into the slab (a bug elsewhere in the process) and
+DRAM bit rot rather than against other writers; ``verify_reads=False`` trusts committed slots
+and saves a full pass over the bytes per load (``kvstrata bench tiers`` reports the cost). A
+mismatch on a read invalidates the object: it leaves the index at once, is reported through
+``take_dropped``, and its slot is recycled when the last reader that still pins it finishes.
 
 Thread safety: one lock guards the bookkeeping (the store may flush or demote from a background
 thread); digests and copies run outside it. A slot is recycled only after its object left the
@@ -65,11 +69,13 @@ class HostTier(IndexedTierViews):
         *,
         pin_memory: bool | None = None,
         prefault: bool = True,
+        verify_reads: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
             raise InvalidInput("need slot_bytes > 0 and capacity_bytes >= slot_bytes")
         self.slot_bytes = slot_bytes
+        self.verify_reads = verify_reads
         self.slots = capacity_bytes // slot_bytes
         self.capacity_bytes = self.slots * slot_bytes
         if pin_memory is None:
@@ -163,12 +169,31 @@ class HostTier(IndexedTierViews):
         view = self._slot_views[slot]
         size = record.meta.size
         buffer = (view if size == self.slot_bytes else view[:size]).toreadonly()
+        if self.verify_reads and payload_digest(buffer) != record.meta.digest:
+            self._invalidate_pinned(key, record, slot)
+            return None
         return LoadLease(meta=record.meta, buffer=buffer, token=_Handle(record, slot))
 
     def complete_load(self, lease: LoadLease) -> None:
         handle = self._claim(lease.token)
         with self._lock:
             self._index.unpin(handle.record)
+            self._free_if_orphaned(handle.record)
+
+    def _invalidate_pinned(self, key: BlockKey, record: ObjectRecord, slot: int) -> None:
+        """A read found the slot's bytes changed: drop the object now, free the slot later."""
+        with self._lock:
+            self._index.unpin(record)
+            if self._index.records.get(key) is record:
+                self._index.drop(key, invalid=True)
+                self._dropped.append(key)
+                record.extra["free_on_unpin"] = slot
+            self._free_if_orphaned(record)
+
+    def _free_if_orphaned(self, record: ObjectRecord) -> None:
+        """Recycle the slot of an object invalidated while pinned, once nobody reads it."""
+        if record.readers == 0 and "free_on_unpin" in record.extra:
+            self._free.append(int(record.extra.pop("free_on_unpin")))
 
     # ---------------------------------------------------------------- removal
 

@@ -1,0 +1,212 @@
+"""The tiered store's bookkeeping: the state under the store lock and the helpers over it.
+
+``StoreCore`` owns everything the store lock guards — the levels (tier, policy, config, the
+enable switch), use counts, pending deletes, which keys are being stored (reserved, bytes in
+flight: invisible) or demoted (not picked as a victim again), and the change feed — plus the
+short, I/O-free operations on it: views (``resident``, ``take_events``), rollout checks, the
+registration of a finished store, the removal of a victim, the completion of a delete.
+``TieredStore`` (``tiered``) adds the movement of bytes, which happens outside the lock.
+
+Every method here whose name starts with ``_`` expects the caller to hold ``self._lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta
+from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.events import EventFeed, StoreEvent
+from kvstrata.store.levels import Level, RequestScope, UseCounter
+from kvstrata.store.policy import EvictionPolicy
+from kvstrata.telemetry.store_metrics import StoreMetrics
+from kvstrata.tiers.base import Tier, TierError
+
+
+class StoreCore:
+    def __init__(
+        self,
+        levels: Sequence[tuple[Tier, EvictionPolicy, TierConfig]],
+        *,
+        metrics: StoreMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+        record_events: bool = False,
+    ) -> None:
+        self.levels = [Level(tier, policy, config) for tier, policy, config in levels]
+        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._feed = EventFeed(record_events)
+        self._uses = UseCounter(self._held_anywhere)
+        # Deleted while a reader or a movement held them: invisible now, removed when it ends.
+        self._pending_delete: set[BlockKey] = set()
+        self._storing: set[tuple[int, BlockKey]] = set()  # reserved, bytes in flight: invisible
+        self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
+        now = clock()
+        for level in self.levels:
+            for key in list(level.tier.keys()):  # objects recovered from a durable medium
+                meta = level.tier.meta(key)
+                if meta is not None:
+                    level.policy.on_insert(meta, now)
+                    self._feed.stored(level.name, meta)
+            self.metrics.tier_enabled.labels(tier=level.name).set(1)
+            self._publish(level)
+
+    # ---- change feed, snapshots and switches ------------------------------------------------
+    @property
+    def records_events(self) -> bool:
+        return self._feed.enabled
+
+    def take_events(self) -> list[StoreEvent]:
+        """Return and clear the change feed (empty unless built with ``record_events``)."""
+        with self._lock:
+            for level in self.levels:
+                self._sync_dropped(level)  # report what the tiers dropped by themselves
+            return self._feed.take()
+
+    def exclusive(self) -> AbstractContextManager[bool]:
+        """Hold the store lock: no commit or removal becomes visible meanwhile, so
+        ``take_events()`` plus ``resident()`` inside it form a consistent snapshot."""
+        return self._lock
+
+    def resident(self) -> list[tuple[str, list[KVObjectMeta]]]:
+        """Every level's name and the metas of its committed, unexpired, registered objects."""
+        with self._lock:
+            out = []
+            for index, level in enumerate(self.levels):
+                metas = [
+                    level.tier.meta(key)
+                    for key in level.tier.keys()
+                    if (index, key) not in self._storing
+                ]
+                out.append((level.name, [meta for meta in metas if meta is not None]))
+                self._sync_dropped(level)  # report what expired on sight just now
+            return out
+
+    def level_index(self, name: str) -> int:
+        for index, level in enumerate(self.levels):
+            if level.name == name:
+                return index
+        raise KeyError(name)
+
+    def set_enabled(self, name: str, enabled: bool) -> None:
+        """The rollback switch: a disabled level is neither read nor written; data is kept."""
+        with self._lock:
+            level = self.levels[self.level_index(name)]
+            level.enabled = enabled
+            self.metrics.tier_enabled.labels(tier=name).set(1 if enabled else 0)
+
+    def _active(self, level: Level, scope: RequestScope | None) -> bool:
+        """Does this request use the level? (None: an owner-less operation, e.g. tests.)"""
+        if not level.enabled or not level.config.rollout.enabled:
+            return False
+        if scope is None:
+            return True
+        return level.config.rollout.admits(
+            tenant=scope.tenant, model=scope.model, request_id=scope.request_id
+        )
+
+    def _accepts(self, level: Level, meta: KVObjectMeta) -> bool:
+        """May a background movement (demotion, write-back, selective) put ``meta`` here?"""
+        rollout = level.config.rollout
+        return (
+            level.enabled
+            and rollout.enabled
+            and rollout.targets(tenant=meta.tenant, model=meta.model)
+        )
+
+    def _proven_for(self, level: Level, key: BlockKey) -> bool:
+        if level.config.write_policy is not WritePolicy.SELECTIVE:
+            return True
+        return self._uses.get(key) >= level.config.selective_min_uses
+
+    def _register(self, index: int, meta: KVObjectMeta, ok: bool, *, cause: str) -> bool:
+        """Under the lock: a store's I/O finished; make it visible unless a delete came first."""
+        level = self.levels[index]
+        key = meta.key
+        self._storing.discard((index, key))
+        if not ok:
+            self.metrics.write_failures.labels(tier=level.name).inc()
+            if key in self._pending_delete:
+                self._finish_delete(key)
+            return False
+        if key in self._pending_delete:  # deleted while its bytes were in flight: the delete wins
+            self.metrics.rejections.labels(tier=level.name, reason="being_deleted").inc()
+            self._finish_delete(key)
+            return False
+        if level.tier.meta(key) is None:  # expired on sight in between
+            self._publish(level)
+            return False
+        level.policy.on_insert(meta, self.clock())
+        self._feed.stored(level.name, meta)
+        self.metrics.stores.labels(tier=level.name, cause=cause).inc()
+        self._publish(level)
+        return True
+
+    def _remove_victim(self, index: int, key: BlockKey, outcome: str) -> bool:
+        level = self.levels[index]
+        try:
+            removed = level.tier.remove(key)
+        except TierError:
+            self.metrics.write_failures.labels(tier=level.name).inc()
+            return False
+        if removed:  # else pinned since the check, or gone: give up this round
+            level.policy.on_remove(key)
+            self._feed.removed(level.name, key)
+            self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
+            self._publish(level)
+        return removed
+
+    def _demotion(self, index: int, meta: KVObjectMeta) -> tuple[str, int | None]:
+        """The eviction outcome for ``meta`` and the level to copy it to first (if any)."""
+        for target in range(index + 1, len(self.levels)):
+            level = self.levels[target]
+            if not self._accepts(level, meta):
+                continue
+            if level.tier.contains(meta.key) or (target, meta.key) in self._storing:
+                return "already_below", None
+            if not self._proven_for(level, meta.key):
+                return "dropped_low_value", None
+            return "demoted", target
+        return "dropped", None
+
+    def _held_anywhere(self, key: BlockKey) -> bool:
+        return any(level.tier.meta(key) is not None for level in self.levels)
+
+    def _finish_delete(self, key: BlockKey) -> int:
+        removed = 0
+        for index, level in enumerate(self.levels):
+            if (index, key) in self._storing:
+                continue  # its completion sees the pending delete and removes it
+            if level.tier.remove(key):
+                level.policy.on_remove(key)
+                self._feed.removed(level.name, key)
+                removed += 1
+                self._publish(level)
+        if any(level.tier.reserved(key) for level in self.levels):
+            self._pending_delete.add(key)
+        else:
+            self._pending_delete.discard(key)
+        return removed
+
+    def _forget_if_gone(self, level: Level, key: BlockKey) -> None:
+        if level.tier.meta(key) is None:
+            level.policy.on_remove(key)
+            self._publish(level)
+
+    def _sync_dropped(self, level: Level) -> None:
+        for key in level.tier.take_dropped():
+            if level.tier.reserved(key):
+                continue  # stored again since it was dropped: the policy's entry is live
+            level.policy.on_remove(key)
+            self._feed.removed(level.name, key)
+            self.metrics.invalid.labels(tier=level.name, reason="dropped_by_tier").inc()
+
+    def _publish(self, level: Level) -> None:
+        self._sync_dropped(level)
+        self.metrics.bytes.labels(tier=level.name).set(level.tier.used_bytes)
+        self.metrics.objects.labels(tier=level.name).set(level.tier.object_count)
