@@ -9,12 +9,16 @@ router's view (``/fleet/workers``, ``/debug/route``) is checked against the work
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,7 @@ class FleetUnderTest:
     router_port: int
     router: subprocess.Popen[bytes] | None = None
     router_args: list[str] = field(default_factory=list)
+    router_log: Path | None = None
     answers: dict[str, str] = field(default_factory=dict)
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
 
@@ -64,7 +69,14 @@ class FleetUnderTest:
         for url in self.supervisor.urls:
             command += ["--worker", url]
         command += ["--port", str(self.router_port), "--log-level", "warning", *self.router_args]
-        self.router = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.router_log is None:
+            self.router = subprocess.Popen(command, env=env)
+        else:
+            with open(self.router_log, "ab") as log:
+                self.router = subprocess.Popen(
+                    command, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
         _wait(lambda: self.workers_view()["healthy"] == len(self.supervisor.workers), 120, "router")
 
     def workers_view(self) -> dict[str, Any]:
@@ -155,8 +167,7 @@ def test_front_door_tokenizes_exactly_like_the_worker(
         assert tokenizer.encode_prompt(prompt) == engine.encode_prompt(prompt)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path, tiny_checkpoint: Path) -> Iterator[FleetUnderTest]:
+def _start_fleet(tmp_path: Path, workers: int) -> FleetUnderTest:
     specs = [
         WorkerSpec(
             worker_id=f"w{i}",
@@ -167,16 +178,87 @@ def fleet(tmp_path: Path, tiny_checkpoint: Path) -> Iterator[FleetUnderTest]:
             extra_args=["--debug-endpoints"],
             log_path=tmp_path / f"w{i}.log",
         )
-        for i in range(2)
+        for i in range(workers)
     ]
-    supervisor = Supervisor(specs)
-    under_test = FleetUnderTest(supervisor, free_port())
+    under_test = FleetUnderTest(Supervisor(specs), free_port(), router_log=tmp_path / "router.log")
     try:
-        supervisor.start(ready_timeout_s=120)
+        under_test.supervisor.start(ready_timeout_s=120)
         under_test.start_router()
+    except BaseException:
+        under_test.close()
+        raise
+    return under_test
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, tiny_checkpoint: Path) -> Iterator[FleetUnderTest]:
+    under_test = _start_fleet(tmp_path, 2)
+    try:
         yield under_test
     finally:
         under_test.close()
+
+
+@pytest.fixture
+def fleet4(tmp_path: Path, tiny_checkpoint: Path) -> Iterator[FleetUnderTest]:
+    under_test = _start_fleet(tmp_path, 4)
+    try:
+        yield under_test
+    finally:
+        under_test.close()
+
+
+_WORDS = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo")
+
+
+def _cold_prompt(burst: int, i: int) -> str:
+    """Distinct from its first words on, so no two requests of any burst share a block."""
+    words = [_WORDS[(i * 7 + k * (burst + 3)) % len(_WORDS)] for k in range(24)]
+    return f"Burst {burst}, request {i}: " + " ".join(words)
+
+
+def _burst(fleet: FleetUnderTest, burst: int, requests: int) -> Counter[str]:
+    """Send ``requests`` cold prompts at once (real HTTP, one thread each); per-worker counts."""
+    start = threading.Barrier(requests)
+
+    def send(client: httpx.Client, i: int) -> str:
+        start.wait(timeout=30)
+        body = {"prompt": _cold_prompt(burst, i), "max_tokens": 8, "stream": True}
+        response = client.post(f"{fleet.url}/v1/completions", json=body)
+        assert response.status_code == 200 and "data: [DONE]" in response.text, response.text
+        return response.headers["x-kvstrata-worker"]
+
+    limits = httpx.Limits(max_connections=requests, max_keepalive_connections=requests)
+    with httpx.Client(timeout=120.0, limits=limits) as client, ThreadPoolExecutor(requests) as pool:
+        workers = list(pool.map(lambda i: send(client, i), range(requests)))
+    return Counter(workers)
+
+
+@pytest.mark.slow
+def test_concurrent_burst_spreads_over_workers(fleet4: FleetUnderTest) -> None:
+    """64 concurrent cold requests spread over 4 workers: none takes more than 16 + 2.
+
+    Routing reserves the chosen worker in the same critical section as the decision, so each
+    request sees the ones placed before it. The second burst starts with the workers' caches
+    unequal (the first burst's blocks), when exact ties no longer rotate. Streamed, so the
+    workers' prefill models stay the shared prior (a streamed request refits it only when it
+    ran alone) and the spread measures the queues, not which worker looked fastest.
+    """
+    requests, workers = 64, len(fleet4.supervisor.workers)
+    fair = math.ceil(requests / workers) + 2
+    for burst in range(2):
+        per_worker = _burst(fleet4, burst, requests)
+        print(f"burst {burst}: {dict(sorted(per_worker.items()))}")  # shown with -s
+        assert sum(per_worker.values()) == requests
+        assert max(per_worker.values()) <= fair, f"burst {burst}: {dict(per_worker)}"
+        assert len(per_worker) == workers, f"burst {burst}: {dict(per_worker)}"
+    view = fleet4.workers_view()
+    assert view["healthy"] == workers and all(w["inflight"] == 0 for w in view["workers"])
+    assert fleet4.metric("kvstrata_router_decisions_total") == 2 * requests
+    assert fleet4.client.get(f"{fleet4.url}/metrics").status_code == 200
+    assert fleet4.router_log is not None
+    log = fleet4.router_log.read_text()
+    assert "Traceback" not in log and " 500 " not in log, log[-4000:]
 
 
 def test_up_serves_across_workers_and_routes_repeats_to_the_cache(fleet: FleetUnderTest) -> None:

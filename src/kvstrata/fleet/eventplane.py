@@ -9,9 +9,13 @@ Attach protocol (also how a restarted router rebuilds its index from the workers
    and a later one is a gap that the replay socket fills.
 
 A gap that replay cannot fill marks the worker inconsistent at once (its entries stop counting
-in lookups: when unsure, recompute) and is repaired by a new dump. All ZMQ sockets live on the
-loop's own thread; other threads only enqueue commands. The index is shared with the request
-path under one lock.
+in lookups: when unsure, recompute) and is repaired by a new dump.
+
+Ownership: the loop's own thread owns the subscribers, their ZMQ sockets and their
+``EventPlaneStats`` (plain counters, read by the metrics collector as they are); other threads
+only enqueue commands and wait on their futures. The index belongs to the fleet lock passed
+in: this thread takes it to apply a batch or a dump (bookkeeping only; receiving and
+``/kv/dump`` happen outside it), so never wait on a command while holding that lock.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class EventPlane:
     ) -> None:
         self.index = index
         self.lock = lock
+        """The fleet lock: the owner of ``index``."""
         self.stats = EventPlaneStats()
         self.resyncs: dict[str, int] = {}
         self._settle_s = subscribe_settle_s
@@ -90,7 +95,7 @@ class EventPlane:
         self._submit("detach", worker_id).result(timeout=timeout_s)
 
     def attached(self) -> list[str]:
-        return list(self._streams)
+        return list(self._streams)  # a copy-on-write snapshot: safe from any thread
 
     def _submit(self, kind: str, arg: object) -> Future[object]:
         future: Future[object] = Future()
@@ -104,7 +109,7 @@ class EventPlane:
         while not self._stop.is_set():
             self._drain_commands()
             busy = False
-            for worker_id, stream in list(self._streams.items()):
+            for worker_id, stream in self._streams.items():
                 try:
                     busy |= self._poll(worker_id, stream)
                 except Exception:  # never let one worker's stream stop the loop
@@ -146,11 +151,12 @@ class EventPlane:
         except Exception:
             subscriber.close()
             raise
-        self._streams[info.worker_id] = stream
+        self._streams = {**self._streams, info.worker_id: stream}
 
     def _detach(self, worker_id: str) -> None:
-        stream = self._streams.pop(worker_id, None)
+        stream = self._streams.get(worker_id)
         if stream is not None:
+            self._streams = {k: v for k, v in self._streams.items() if k != worker_id}
             stream.subscriber.close()
         with self.lock:
             self.index.remove_worker(worker_id)

@@ -1,8 +1,31 @@
 """The router process's state: workers, the global index, the event plane, the router.
 
 :class:`Fleet` is what the front door (:mod:`.frontdoor`) routes with; it attaches workers
-(``/kv/info`` + the event plane's dump-and-resume), watches their health and marks dead ones,
-and answers routing questions under the lock it shares with the event plane.
+(``/kv/info`` + the event plane's dump-and-resume), watches their health and reserves a worker
+for each request.
+
+Who owns what (the same rules are in ``docs/architecture.md``, section "Fleet"):
+
+- **The fleet lock** (``Fleet._lock``) owns all mutable routing state: the
+  :class:`GlobalIndex`, the :class:`Router` and its policy (tie rotation, hot-prefix counts)
+  and every :class:`WorkerState` (health, failures, in-flight requests, online prefill fit,
+  decode step). It is held for bookkeeping only, never across HTTP, ZMQ or a wait on the event
+  plane (whose thread takes the same lock to apply batches and dumps; waiting on it while
+  holding the lock would deadlock). The metrics collector takes it to read the index.
+- **The worker table** (id → state, base URL → id) is copy-on-write: a writer builds a new
+  immutable mapping and swaps the reference under the lock; a reader that must not hold the
+  lock (the health round, which does HTTP per worker) iterates the snapshot it read once.
+- **Worker lifecycle** (attach, detach: the event plane's commands, the table swaps) is done by
+  one caller at a time: startup, then the health round. A request that cannot reach its worker
+  only flags it unhealthy (no more traffic at once); the next health round detaches it or, if
+  it answers again, re-attaches it from its dump.
+- **Routing reserves.** :meth:`Fleet.reserve` reads the loads, matches the index, asks the
+  policy and counts the request in flight on the chosen worker in one critical section, so
+  the next request, on whatever thread, sees that reservation. The caller does the HTTP and
+  hands the :class:`Reservation` back (:meth:`Fleet.first_token`, :meth:`Fleet.finish`,
+  :meth:`Fleet.observe_prefill`, :meth:`Fleet.unreachable`); none of these does I/O.
+- Outside the lock callers only see immutable values: :class:`Reservation`,
+  :class:`WorkerView`, :class:`RouteDecision`, :class:`WorkerInfo`.
 """
 
 from __future__ import annotations
@@ -10,9 +33,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -20,7 +44,13 @@ import httpx
 from kvstrata.errors import NoWorkerAvailable
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, WorkerState, default_profile
+from kvstrata.fleet.workers import (
+    WorkerInfo,
+    WorkerProtocolError,
+    WorkerState,
+    default_profile,
+    fetch_info,
+)
 from kvstrata.index.core import ConsistencyMode, GlobalIndex
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
@@ -59,101 +89,170 @@ class FleetConfig:
     worker_urls: list[str] = field(default_factory=list)
 
 
-class Fleet:
-    """The router process's state: workers, index, event plane, router, metrics."""
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A request placed on one incarnation of a worker, in its load until :meth:`Fleet.finish`."""
 
-    def __init__(self, tokenizer: FleetTokenizer, config: FleetConfig) -> None:
+    request_id: str
+    worker_id: str
+    epoch: int
+    base_url: str
+    decision: RouteDecision
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens the index says the worker holds (the last one is always computed)."""
+    started: float
+    alone: bool
+    """Nothing else was in flight on the worker: its TTFT is its prefill time alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as ``/fleet/workers``, ``/health`` and ``/metrics`` show it (a snapshot)."""
+
+    worker_id: str
+    url: str
+    healthy: bool
+    epoch: int
+    inflight: int
+    consistent: bool
+    blocks: tuple[int, int, int, int]
+    prefill_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """The worker table; replaced whole (copy-on-write), never changed in place."""
+
+    by_id: Mapping[str, WorkerState]
+    by_url: Mapping[str, str]
+
+    def with_worker(self, state: WorkerState) -> _Table:
+        by_id = {**self.by_id, state.worker_id: state}
+        by_url = {**self.by_url, state.info.base_url: state.worker_id}
+        return _Table(MappingProxyType(by_id), MappingProxyType(by_url))
+
+
+class Fleet:
+    """The router process's state: workers, index, event plane, router, metrics.
+
+    Starts no thread in its constructor: the event plane starts with the first :meth:`attach`
+    (it needs the model's fingerprint) and stops in :meth:`close`.
+    """
+
+    def __init__(
+        self, tokenizer: FleetTokenizer, config: FleetConfig, *, http: httpx.Client | None = None
+    ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}; known: {', '.join(POLICIES)}")
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = FleetMetrics()
-        self.lock = threading.Lock()
-        self.workers: dict[str, WorkerState] = {}
-        self.urls: dict[str, str] = {}  # base URL → worker id (for re-attachment)
-        self.index: GlobalIndex | None = None
-        self.router: Router | None = None
-        self.events: EventPlane | None = None
-        self._http = httpx.Client(timeout=10.0)
+        self._lock = threading.Lock()
+        self._table = _Table(MappingProxyType({}), MappingProxyType({}))
+        self._index: GlobalIndex | None = None
+        self._router: Router | None = None
+        self._events: EventPlane | None = None
+        self._http = http or httpx.Client(timeout=10.0)
 
     # ------------------------------------------------------------------ workers
     def _profile(self, worker_id: str) -> CostProfile:
-        state = self.workers.get(worker_id)
+        """The policy's cost lookup; called by the router, so under the lock."""
+        state = self._table.by_id.get(worker_id)
         if state is None:
             raise KeyError(worker_id)
         return state.profile()
 
-    def _ensure_index(self, info: WorkerInfo) -> GlobalIndex:
-        if self.index is None:
-            self.index = GlobalIndex(
+    def _ensure_index(self, info: WorkerInfo) -> EventPlane:
+        """The index and event plane, made by the first attach (lifecycle: one caller)."""
+        if self._index is None or self._events is None:
+            index = GlobalIndex(
                 info.fingerprint,
                 info.block_size,
                 mode=self.config.mode,
                 tenant_secret=self.config.tenant_secret,
             )
-            self.router = Router(self.index, POLICIES[self.config.policy](self._profile))
-            self.events = EventPlane(self.index, self.lock)
-            self.metrics.export_index(self.index, self.events.stats, self.lock)
-            self.events.start()
-        elif info.fingerprint != self.index.fingerprint or info.block_size != self.index.block_size:
+            events = EventPlane(index, self._lock)
+            # Registering may run the collector, which takes the lock: do it outside.
+            self.metrics.export_index(index, events.stats, self._lock)
+            events.start()
+            with self._lock:
+                self._router = Router(index, POLICIES[self.config.policy](self._profile))
+                self._index, self._events = index, events
+            return events
+        if info.fingerprint != self._index.fingerprint or info.block_size != self._index.block_size:
             raise WorkerProtocolError(
                 f"worker {info.worker_id} serves another model or block size than the fleet"
             )
-        return self.index
+        return self._events
 
     def attach(self, base_url: str) -> WorkerInfo:
-        """Read a worker's identity and attach its event stream (or, approximate: just add it)."""
-        from kvstrata.fleet.workers import fetch_info
+        """Read a worker's identity and attach its event stream (or, approximate: just add it).
 
+        Lifecycle: one caller at a time (startup, then the health round). No lock is held
+        while it talks to the worker or waits on the event plane.
+        """
         info = fetch_info(self._http, base_url)
-        index = self._ensure_index(info)
-        previous = self.workers.get(info.worker_id)
+        events = self._ensure_index(info)
         if self.config.mode is ConsistencyMode.EXACT:
-            assert self.events is not None
-            self.events.attach(info)
-        else:
-            with self.lock:
-                index.add_worker(info.worker_id, info.epoch)
+            events.attach(info)
         state = WorkerState(info, default_profile(info.block_size))
-        if previous is not None:  # keep what was learned about this machine's speed
-            state.prefill_fit = previous.prefill_fit
-            state.decode_step_s = previous.decode_step_s
-        self.workers[info.worker_id] = state
-        self.urls[base_url] = info.worker_id
+        with self._lock:
+            if self.config.mode is not ConsistencyMode.EXACT:
+                assert self._index is not None
+                self._index.add_worker(info.worker_id, info.epoch)
+            previous = self._table.by_id.get(info.worker_id)
+            if previous is not None:  # keep what was learned about this machine's speed
+                state.prefill_fit = previous.prefill_fit
+                state.decode_step_s = previous.decode_step_s
+            self._table = self._table.with_worker(state)
         self.metrics.worker_healthy.labels(info.worker_id).set(1)
         self.metrics.worker_events.labels(info.worker_id, "attached").inc()
         return info
 
+    def _stop_traffic(self, state: WorkerState) -> None:
+        """Under the lock: no more requests to this incarnation (counted once)."""
+        if state.healthy and self._table.by_id.get(state.worker_id) is state:
+            state.healthy = False
+            self.metrics.worker_healthy.labels(state.worker_id).set(0)
+            self.metrics.worker_events.labels(state.worker_id, "detached").inc()
+            _log.warning("worker %s is unreachable: no more traffic", state.worker_id)
+
     def mark_dead(self, worker_id: str) -> None:
-        state = self.workers.get(worker_id)
-        if state is None or not state.healthy:
-            return
-        state.healthy = False
-        self.metrics.worker_healthy.labels(worker_id).set(0)
-        self.metrics.worker_events.labels(worker_id, "detached").inc()
-        if self.events is not None:
-            self.events.detach(worker_id)
-        elif self.index is not None:
-            with self.lock:
-                self.index.remove_worker(worker_id)
-        _log.warning("worker %s is unreachable: no more traffic, index entries dropped", worker_id)
+        """Drop the worker's index entries, then stop its traffic (lifecycle: see the module).
+
+        In that order, so a worker shown unhealthy holds nothing in the index; a request
+        routed to it in between fails over like any other unreachable worker.
+        """
+        with self._lock:
+            state = self._table.by_id.get(worker_id)
+            if state is None or not state.attached:
+                return
+            state.attached = False
+        if self._events is not None:
+            self._events.detach(worker_id)  # waits on the event thread: outside the lock
+        with self._lock:
+            self._stop_traffic(state)
 
     def check_health(self) -> None:
-        """One health round (blocking; run off the event loop)."""
-        from kvstrata.fleet.workers import fetch_info
-
+        """One health round (blocking; run off the event loop, one round at a time)."""
         for url in list(self.config.worker_urls):
-            worker_id = self.urls.get(url)
-            state = self.workers.get(worker_id) if worker_id else None
+            table = self._table  # one snapshot per worker: no lock held across the HTTP call
+            worker_id = table.by_url.get(url)
+            state = table.by_id.get(worker_id) if worker_id else None
             try:
                 info = fetch_info(self._http, url)
             except (httpx.HTTPError, WorkerProtocolError):
                 if state is not None:
-                    state.failures += 1
-                    if state.failures >= self.config.health_failures:
+                    with self._lock:
+                        state.failures += 1
+                        dead = state.failures >= self.config.health_failures
+                    if dead:
                         self.mark_dead(state.worker_id)
                 continue
-            if state is None or not state.healthy or info.epoch != state.info.epoch:
+            with self._lock:
+                stale = state is None or not state.healthy or info.epoch != state.info.epoch
+            if stale:
                 if state is not None and info.epoch != state.info.epoch:
                     self.metrics.worker_events.labels(info.worker_id, "epoch_changed").inc()
                 try:
@@ -161,33 +260,147 @@ class Fleet:
                 except (httpx.HTTPError, WorkerProtocolError, TimeoutError) as exc:
                     _log.warning("attaching %s failed: %s", url, exc)
                     continue
-            self.workers[info.worker_id].failures = 0
+            with self._lock:
+                current = self._table.by_id.get(info.worker_id)
+                if current is not None:
+                    current.failures = 0
+
+    def worker_views(self) -> list[WorkerView]:
+        """A consistent snapshot of every worker and what the index holds of it."""
+        with self._lock:
+            index = self._index
+            return [
+                WorkerView(
+                    worker_id=state.worker_id,
+                    url=state.info.base_url,
+                    healthy=state.healthy,
+                    epoch=state.info.epoch,
+                    inflight=state.inflight(),
+                    consistent=index is not None and index.is_consistent(state.worker_id),
+                    blocks=(0, 0, 0, 0) if index is None else index.blocks_held(state.worker_id),
+                    prefill_samples=state.prefill_fit.samples,
+                )
+                for state in self._table.by_id.values()
+            ]
 
     def close(self) -> None:
-        if self.events is not None:
-            self.events.close()
+        if self._events is not None:
+            self._events.close()
         self._http.close()
 
     # ------------------------------------------------------------------ routing
+    def _decide(
+        self,
+        request_id: str,
+        tenant: str,
+        tokens: list[int],
+        max_tokens: int | None,
+        record: bool,
+        now: float,
+    ) -> RouteDecision:
+        """Under the lock: the loads and the index as they are now, and the policy's choice."""
+        if self._router is None or self._index is None:
+            raise NoWorkerAvailable("no worker attached")
+        index = self._index
+        loads = [
+            replace(state.load(), cached_blocks=sum(index.blocks_held(state.worker_id)))
+            for state in self._table.by_id.values()
+        ]
+        request = RouteRequest(
+            request_id=request_id,
+            tenant=tenant,
+            prompt_tokens=len(tokens),
+            hashes=index.request_hashes(tenant, tokens),
+            expected_output_tokens=max_tokens or 0,
+            arrival_s=now,
+        )
+        return self._router.route(request, loads, now=now, record=record)
+
     def route(
         self, request_id: str, tenant: str, tokens: list[int], max_tokens: int | None, record: bool
     ) -> RouteDecision:
-        if self.router is None or self.index is None:
-            raise NoWorkerAvailable("no worker attached")
-        now = time.time()
-        loads = [state.load() for state in self.workers.values()]
-        with self.lock:
-            loads = [
-                replace(load, cached_blocks=sum(self.index.blocks_held(load.worker_id)))
-                for load in loads
-            ]
-            hashes = self.index.request_hashes(tenant, tokens)
-            request = RouteRequest(
-                request_id=request_id,
-                tenant=tenant,
-                prompt_tokens=len(tokens),
-                hashes=hashes,
-                expected_output_tokens=max_tokens or 0,
-                arrival_s=now,
+        """Where the request would go, reserving nothing (``/debug/route``)."""
+        with self._lock:
+            return self._decide(request_id, tenant, tokens, max_tokens, record, time.time())
+
+    def reserve(
+        self, request_id: str, tenant: str, tokens: list[int], max_tokens: int | None
+    ) -> Reservation:
+        """Choose a worker and count the request in flight there, atomically.
+
+        The decision and the reservation share one critical section: a concurrent request
+        routed next sees this one in the chosen worker's queue, so a burst spreads instead of
+        piling onto whichever worker looked idle to all of them at once.
+        """
+        with self._lock:
+            now = time.time()
+            decision = self._decide(request_id, tenant, tokens, max_tokens, True, now)
+            state = self._table.by_id[decision.worker_id]
+            cached = min(decision.matched_blocks * state.info.block_size, max(0, len(tokens) - 1))
+            chosen = next(e for e in decision.estimates if e.worker_id == decision.worker_id)
+            state.begin(
+                request_id, len(tokens), cached, chosen.prefill_s + chosen.fetch_s, max_tokens, now
             )
-            return self.router.route(request, loads, now=now, record=record)
+            return Reservation(
+                request_id=request_id,
+                worker_id=state.worker_id,
+                epoch=state.info.epoch,
+                base_url=state.info.base_url,
+                decision=decision,
+                prompt_tokens=len(tokens),
+                cached_tokens=cached,
+                started=now,
+                alone=state.running_alone(),
+            )
+
+    def _state_of(self, reservation: Reservation) -> WorkerState | None:
+        """Under the lock: the incarnation the reservation was made on, if still current."""
+        state = self._table.by_id.get(reservation.worker_id)
+        if state is None or state.info.epoch != reservation.epoch:
+            return None
+        return state
+
+    def first_token(self, reservation: Reservation, now: float) -> float | None:
+        """Record the first token (TTFT); learn the prefill model from it if it ran alone."""
+        with self._lock:
+            state = self._state_of(reservation)
+            if state is None:
+                return None
+            return state.first_token(reservation.request_id, now, alone=reservation.alone)
+
+    def observe_prefill(
+        self, reservation: Reservation, matched_tokens: int, seconds: float
+    ) -> None:
+        """Refit the worker's prefill model from the prefill time its engine measured."""
+        if not 0 <= matched_tokens <= reservation.prompt_tokens:
+            return
+        with self._lock:
+            state = self._state_of(reservation)
+            if state is not None:
+                new_tokens = reservation.prompt_tokens - matched_tokens
+                state.prefill_fit.observe(new_tokens, matched_tokens, seconds)
+
+    def finish(
+        self,
+        reservation: Reservation,
+        now: float,
+        completion_tokens: int | None,
+        ttft_s: float | None,
+    ) -> None:
+        """Release the reservation; learn the output length and decode step from it."""
+        with self._lock:
+            state = self._state_of(reservation)
+            if state is not None:
+                state.finish(reservation.request_id, now, completion_tokens, ttft_s)
+
+    def unreachable(self, reservation: Reservation) -> None:
+        """The worker refused the request: release it and send no more traffic there.
+
+        Its index entries are dropped (or it is re-attached) by the next health round, the
+        one owner of worker lifecycle; an unhealthy worker is never chosen meanwhile.
+        """
+        with self._lock:
+            state = self._state_of(reservation)
+            if state is not None:
+                state.finish(reservation.request_id, time.time(), None, None)
+                self._stop_traffic(state)

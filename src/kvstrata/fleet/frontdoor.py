@@ -4,13 +4,21 @@ Per request: validate the body with the same models a worker uses (a malformed r
 400 here and never reaches a worker), tokenize it exactly as the worker will (same tokenizer
 files, same chat template), hash its full blocks in the tenant's namespace, ask the router,
 and proxy the request unchanged to the chosen worker. A worker that cannot be reached is
-marked unhealthy, its index entries are dropped, and the request goes to the next best worker
-(safe: nothing was returned to the client yet). Workers answer everything else themselves,
-including their own exactness guarantees: the router only decides *where*, never *what*.
+marked unhealthy at once (no more traffic; the next health round drops its index entries or
+re-attaches it) and the request goes to the next best worker (safe: nothing was returned to
+the client yet). Workers answer everything else themselves, including their own exactness
+guarantees: the router only decides *where*, never *what*.
 
 Health: a background task polls each worker's ``/kv/info``. An unreachable worker is
 detached (entries dropped, no traffic); a reachable one with a new epoch (restarted) is
 re-attached from its dump; a recovered one is attached again.
+
+Concurrency: handlers run on the server's event loop and touch fleet state only through
+:class:`~kvstrata.fleet.fleet.Fleet` methods (each a short critical section under the fleet
+lock, no I/O), holding nothing but immutable values across an ``await``: the
+:class:`~kvstrata.fleet.fleet.Reservation` of a routed request and
+:class:`~kvstrata.fleet.fleet.WorkerView` snapshots. Routing (which hashes the prompt) runs
+in a thread; HTTP to workers never runs under the lock.
 """
 
 from __future__ import annotations
@@ -31,10 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
-from kvstrata.fleet.fleet import Fleet
-from kvstrata.fleet.workers import WorkerState
+from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.identity import DEFAULT_TENANT
-from kvstrata.router.model import RouteDecision
 from kvstrata.serve.protocol import (
     MAX_TENANT_CHARS,
     ChatCompletionRequest,
@@ -156,27 +162,24 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
 
     @app.get("/fleet/workers")
     async def workers() -> dict[str, Any]:
-        index = fleet.index
-        out = []
-        for state in fleet.workers.values():
-            held = index.blocks_held(state.worker_id) if index is not None else (0, 0, 0, 0)
-            out.append(
-                {
-                    "worker_id": state.worker_id,
-                    "url": state.info.base_url,
-                    "healthy": state.healthy,
-                    "epoch": state.info.epoch,
-                    "inflight": state.inflight(),
-                    "consistent": index is not None and index.is_consistent(state.worker_id),
-                    "blocks": dict(zip(("device", "host", "disk", "remote"), held, strict=True)),
-                    "prefill_samples": state.prefill_fit.samples,
-                }
-            )
+        out = [
+            {
+                "worker_id": view.worker_id,
+                "url": view.url,
+                "healthy": view.healthy,
+                "epoch": view.epoch,
+                "inflight": view.inflight,
+                "consistent": view.consistent,
+                "blocks": dict(zip(("device", "host", "disk", "remote"), view.blocks, strict=True)),
+                "prefill_samples": view.prefill_samples,
+            }
+            for view in fleet.worker_views()
+        ]
         return {"mode": fleet.config.mode.value, "policy": fleet.config.policy, "workers": out}
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = sum(state.healthy for state in fleet.workers.values())
+        healthy = sum(view.healthy for view in fleet.worker_views())
         status = 200 if healthy else 503
         return JSONResponse(
             {"status": "ok" if healthy else "no_workers", "workers": healthy}, status
@@ -185,9 +188,9 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         assert client is not None
-        for state in fleet.workers.values():
-            if state.healthy:
-                upstream = await client.get(f"{state.info.base_url}/v1/models")
+        for view in fleet.worker_views():
+            if view.healthy:
+                upstream = await client.get(f"{view.url}/v1/models")
                 return Response(
                     upstream.content, upstream.status_code, media_type="application/json"
                 )
@@ -195,8 +198,8 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for state in fleet.workers.values():
-            fleet.metrics.worker_inflight.labels(state.worker_id).set(state.inflight())
+        for view in fleet.worker_views():
+            fleet.metrics.worker_inflight.labels(view.worker_id).set(view.inflight)
         return Response(generate_latest(fleet.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -221,46 +224,36 @@ async def _forward(
     body: SamplingRequest,
     payload: dict[str, Any],
 ) -> Response:
-    """Route and proxy; on a connection failure, mark the worker dead and try the next best."""
+    """Reserve and proxy; on a connection failure, flag the worker and try the next best."""
     max_tokens = body.requested_max_tokens()
     for _attempt in range(fleet.config.max_attempts):
         try:
-            decision = await asyncio.to_thread(
-                fleet.route, request_id, tenant, tokens, max_tokens, True
+            reservation = await asyncio.to_thread(
+                fleet.reserve, request_id, tenant, tokens, max_tokens
             )
         except NoWorkerAvailable as exc:
             return error_response(ApiError(503, str(exc), type="server_error"))
-        worker_id = decision.worker_id
-        state = fleet.workers[worker_id]
-        block_size = state.info.block_size
-        cached = min(decision.matched_blocks * block_size, max(0, len(tokens) - 1))
-        chosen = next(e for e in decision.estimates if e.worker_id == worker_id)
-        started = time.time()
-        state.begin(
-            request_id, len(tokens), cached, chosen.prefill_s + chosen.fetch_s, max_tokens, started
-        )
+        decision, worker_id = reservation.decision, reservation.worker_id
         fleet.metrics.decisions.labels(
             worker_id, decision.policy, decision.reason.split(":")[0]
         ).inc()
         fleet.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
-        fleet.metrics.predicted_matched.labels(worker_id).inc(cached)
+        fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
         fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
-        alone = state.running_alone()
-        url = f"{state.info.base_url}{endpoint}"
+        url = f"{reservation.base_url}{endpoint}"
         headers = {TENANT_HEADER: tenant}
         try:
             upstream_request = client.build_request("POST", url, json=payload, headers=headers)
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError as exc:
-            state.finish(request_id, time.time(), None, None)
+            fleet.unreachable(reservation)
             fleet.metrics.retries.labels(worker_id).inc()
             _log.warning("worker %s failed (%s); re-routing %s", worker_id, exc, request_id)
-            await asyncio.to_thread(fleet.mark_dead, worker_id)
             continue
         extra = {WORKER_HEADER: worker_id}
         if body.stream and upstream.status_code == 200:
             return StreamingResponse(
-                _relay(fleet, state, upstream, request_id, decision, alone, started),
+                _relay(fleet, reservation, upstream),
                 status_code=200,
                 media_type="text/event-stream",
                 headers=extra,
@@ -270,11 +263,11 @@ async def _forward(
         finally:
             await upstream.aclose()
         now = time.time()
-        _learn_prefill(state, upstream.headers, len(tokens))
+        _learn_prefill(fleet, reservation, upstream.headers)
         completion = _usage_of(content)
         if completion is not None:
             fleet.metrics.matched.labels(worker_id).inc(completion[1])
-        state.finish(request_id, now, None if completion is None else completion[0], None)
+        fleet.finish(reservation, now, None if completion is None else completion[0], None)
         return Response(
             content,
             upstream.status_code,
@@ -285,44 +278,37 @@ async def _forward(
 
 
 async def _relay(
-    fleet: Fleet,
-    state: WorkerState,
-    upstream: httpx.Response,
-    request_id: str,
-    decision: RouteDecision,
-    alone: bool,
-    started: float,
+    fleet: Fleet, reservation: Reservation, upstream: httpx.Response
 ) -> AsyncIterator[bytes]:
     ttft: float | None = None
     completion: tuple[int, int] | None = None
+    predicted = reservation.decision.predicted_ttft_s
     try:
         async for chunk in upstream.aiter_raw():
             if ttft is None:
-                ttft = state.first_token(request_id, time.time(), alone=alone)
+                ttft = fleet.first_token(reservation, time.time())
                 if ttft is not None:
                     fleet.metrics.actual_ttft.observe(ttft)
-                    if decision.predicted_ttft_s > 0:
-                        fleet.metrics.ttft_ratio.observe(ttft / decision.predicted_ttft_s)
+                    if predicted > 0:
+                        fleet.metrics.ttft_ratio.observe(ttft / predicted)
             if b'"usage"' in chunk:
                 completion = _usage_in_sse(chunk) or completion
             yield chunk
     finally:
         await upstream.aclose()
         if completion is not None:
-            fleet.metrics.matched.labels(state.worker_id).inc(completion[1])
-        state.finish(request_id, time.time(), None if completion is None else completion[0], ttft)
-        del started
+            fleet.metrics.matched.labels(reservation.worker_id).inc(completion[1])
+        fleet.finish(reservation, time.time(), None if completion is None else completion[0], ttft)
 
 
-def _learn_prefill(state: WorkerState, headers: httpx.Headers, prompt_tokens: int) -> None:
+def _learn_prefill(fleet: Fleet, reservation: Reservation, headers: httpx.Headers) -> None:
     """Refit the worker's prefill model from the prefill time its engine measured."""
     try:
         prefill_s = float(headers[PREFILL_HEADER])
         matched = int(headers[MATCHED_HEADER])
     except (KeyError, ValueError):
         return
-    if 0 <= matched <= prompt_tokens:
-        state.prefill_fit.observe(prompt_tokens - matched, matched, prefill_s)
+    fleet.observe_prefill(reservation, matched, prefill_s)
 
 
 def _usage_of(content: bytes) -> tuple[int, int] | None:

@@ -2,7 +2,9 @@
 
 Counters that the index and the event plane already keep (``IndexStats``,
 ``EventPlaneStats``) are exported by a custom collector at scrape time rather than mirrored
-by hand, so the two can never disagree.
+by hand, so the two can never disagree. The index belongs to the fleet lock: the collector
+builds every family under it, and yields them after releasing it (a scrape never holds it
+while the client formats or writes).
 """
 
 from __future__ import annotations
@@ -109,70 +111,75 @@ class _IndexCollector(Collector):
         self._lock = lock
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        index, stats, events = self._index, self._index.stats, self._events
         with self._lock:
-            mode = GaugeMetricFamily(
-                "kvstrata_index_consistency_mode",
-                "1 for the index's consistency mode",
-                labels=["mode"],
-            )
-            mode.add_metric([index.mode.value], 1.0)
-            yield mode
-            blocks = GaugeMetricFamily(
-                "kvstrata_index_blocks",
-                "Blocks the index holds per worker and medium",
-                labels=["worker", "medium"],
-            )
-            inconsistent = GaugeMetricFamily(
-                "kvstrata_index_worker_inconsistent",
-                "1 while a worker's entries are distrusted (lost events, resync pending)",
-                labels=["worker"],
-            )
-            for worker in index.workers:
-                for medium, count in zip(Medium, index.blocks_held(worker), strict=True):
-                    blocks.add_metric([worker, medium.name.lower()], float(count))
-                inconsistent.add_metric([worker], 0.0 if index.is_consistent(worker) else 1.0)
-            yield blocks
-            yield inconsistent
-            lag = GaugeMetricFamily(
-                "kvstrata_index_event_lag_seconds",
-                "Event time → applied to the index, over recent batches",
-                labels=["quantile"],
-            )
-            for q in (0.5, 0.99):
-                value = stats.lag_quantile(q)
-                if value is not None:
-                    lag.add_metric([str(q)], value)
-            yield lag
-            for name, value, doc in (
-                ("index_events_applied", stats.events, "Events applied to the index"),
-                ("index_blocks_stored", stats.blocks_stored, "Block placements applied"),
-                ("index_blocks_removed", stats.blocks_removed, "Block removals applied"),
-                (
-                    "index_duplicate_entries",
-                    stats.duplicate_stores,
-                    "Stores of blocks already held",
-                ),
-                ("index_stale_removals", stats.unknown_removals, "Removals of blocks not held"),
-                ("index_orphan_blocks", stats.orphan_blocks, "Stored blocks with unknown parent"),
-                ("index_bad_events", stats.bad_events, "Events with inconsistent sizes"),
-                (
-                    "index_stale_entries_dropped",
-                    stats.stale_entries_dropped,
-                    "Entries dropped by a new epoch or a resync",
-                ),
-                ("index_epoch_changes", stats.epoch_changes, "Worker restarts seen"),
-                ("index_resyncs", stats.resyncs, "Full dumps applied (attach or gap repair)"),
-                ("events_batches", events.batches, "Event batches received"),
-                ("events_malformed_messages", events.malformed_messages, "Undecodable messages"),
-                ("events_malformed_events", events.malformed_events, "Undecodable events"),
-                ("events_unknown_events", events.unknown_events, "Events of unknown type"),
-                ("events_duplicate_batches", events.duplicates, "Batches seen twice"),
-                ("events_gaps", events.gaps, "Sequence gaps detected"),
-                ("events_replay_requests", events.replay_requests, "Replay requests sent"),
-                ("events_replayed_batches", events.replayed_batches, "Batches recovered by replay"),
-                ("events_resyncs_needed", events.resyncs_needed, "Gaps replay could not cover"),
-            ):
-                counter = CounterMetricFamily(f"kvstrata_{name}", doc)
-                counter.add_metric([], float(value))
-                yield counter
+            families = list(self._families())
+        yield from families
+
+    def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Every family, read under the fleet lock (the caller holds it)."""
+        index, stats, events = self._index, self._index.stats, self._events
+        mode = GaugeMetricFamily(
+            "kvstrata_index_consistency_mode",
+            "1 for the index's consistency mode",
+            labels=["mode"],
+        )
+        mode.add_metric([index.mode.value], 1.0)
+        yield mode
+        blocks = GaugeMetricFamily(
+            "kvstrata_index_blocks",
+            "Blocks the index holds per worker and medium",
+            labels=["worker", "medium"],
+        )
+        inconsistent = GaugeMetricFamily(
+            "kvstrata_index_worker_inconsistent",
+            "1 while a worker's entries are distrusted (lost events, resync pending)",
+            labels=["worker"],
+        )
+        for worker in index.workers:
+            for medium, count in zip(Medium, index.blocks_held(worker), strict=True):
+                blocks.add_metric([worker, medium.name.lower()], float(count))
+            inconsistent.add_metric([worker], 0.0 if index.is_consistent(worker) else 1.0)
+        yield blocks
+        yield inconsistent
+        lag = GaugeMetricFamily(
+            "kvstrata_index_event_lag_seconds",
+            "Event time → applied to the index, over recent batches",
+            labels=["quantile"],
+        )
+        for q in (0.5, 0.99):
+            value = stats.lag_quantile(q)
+            if value is not None:
+                lag.add_metric([str(q)], value)
+        yield lag
+        for name, value, doc in (
+            ("index_events_applied", stats.events, "Events applied to the index"),
+            ("index_blocks_stored", stats.blocks_stored, "Block placements applied"),
+            ("index_blocks_removed", stats.blocks_removed, "Block removals applied"),
+            (
+                "index_duplicate_entries",
+                stats.duplicate_stores,
+                "Stores of blocks already held",
+            ),
+            ("index_stale_removals", stats.unknown_removals, "Removals of blocks not held"),
+            ("index_orphan_blocks", stats.orphan_blocks, "Stored blocks with unknown parent"),
+            ("index_bad_events", stats.bad_events, "Events with inconsistent sizes"),
+            (
+                "index_stale_entries_dropped",
+                stats.stale_entries_dropped,
+                "Entries dropped by a new epoch or a resync",
+            ),
+            ("index_epoch_changes", stats.epoch_changes, "Worker restarts seen"),
+            ("index_resyncs", stats.resyncs, "Full dumps applied (attach or gap repair)"),
+            ("events_batches", events.batches, "Event batches received"),
+            ("events_malformed_messages", events.malformed_messages, "Undecodable messages"),
+            ("events_malformed_events", events.malformed_events, "Undecodable events"),
+            ("events_unknown_events", events.unknown_events, "Events of unknown type"),
+            ("events_duplicate_batches", events.duplicates, "Batches seen twice"),
+            ("events_gaps", events.gaps, "Sequence gaps detected"),
+            ("events_replay_requests", events.replay_requests, "Replay requests sent"),
+            ("events_replayed_batches", events.replayed_batches, "Batches recovered by replay"),
+            ("events_resyncs_needed", events.resyncs_needed, "Gaps replay could not cover"),
+        ):
+            counter = CounterMetricFamily(f"kvstrata_{name}", doc)
+            counter.add_metric([], float(value))
+            yield counter

@@ -8,7 +8,6 @@ that answers garbage is treated as unreachable, never trusted.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,11 +109,17 @@ class WorkerState:
     The reference engine runs one engine call at a time, so a request queues behind the
     prefills of those ahead of it and shares decode steps with those already decoding;
     ``load()`` turns that into the :class:`WorkerLoad` the policies read.
+
+    Not thread-safe, on purpose: every field and method belongs to the fleet lock
+    (:mod:`kvstrata.fleet.fleet`), which also guards the index and the routing decision, so a
+    request is placed and counted in flight in one critical section. ``info`` is immutable.
+    ``attached`` is whether the index holds the worker's entries (cleared by the health round).
     """
 
     info: WorkerInfo
     profile_prior: CostProfile
     healthy: bool = True
+    attached: bool = True
     failures: int = 0
     prefill_fit: OnlinePrefillFit = field(init=False)
     decode_step_s: float = 0.02
@@ -122,7 +127,6 @@ class WorkerState:
     kv_blocks_capacity: int = 0
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
@@ -146,23 +150,21 @@ class WorkerState:
         expected = int(self.mean_output_tokens)
         if max_tokens is not None:
             expected = min(expected, max_tokens)
-        with self._lock:
-            self._inflight[request_id] = _InFlight(
-                prompt_tokens,
-                prompt_tokens - cached_tokens,
-                cached_tokens,
-                predicted_prefill_s,
-                expected,
-                now,
-            )
+        self._inflight[request_id] = _InFlight(
+            prompt_tokens,
+            prompt_tokens - cached_tokens,
+            cached_tokens,
+            predicted_prefill_s,
+            expected,
+            now,
+        )
 
     def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
         """Mark the first token; learn the prefill model from it if nothing else was running."""
-        with self._lock:
-            flight = self._inflight.get(request_id)
-            if flight is None or flight.first_token:
-                return None
-            flight.first_token = True
+        flight = self._inflight.get(request_id)
+        if flight is None or flight.first_token:
+            return None
+        flight.first_token = True
         ttft = now - flight.started
         if alone:
             self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)
@@ -175,8 +177,7 @@ class WorkerState:
         completion_tokens: int | None,
         ttft_s: float | None,
     ) -> None:
-        with self._lock:
-            flight = self._inflight.pop(request_id, None)
+        flight = self._inflight.pop(request_id, None)
         if flight is None or completion_tokens is None:
             return
         self._recent_outputs.append(completion_tokens)
@@ -187,12 +188,10 @@ class WorkerState:
                 self.decode_step_s = 0.8 * self.decode_step_s + 0.2 * step
 
     def running_alone(self) -> bool:
-        with self._lock:
-            return len(self._inflight) <= 1
+        return len(self._inflight) <= 1
 
     def load(self) -> WorkerLoad:
-        with self._lock:
-            flights = list(self._inflight.values())
+        flights = list(self._inflight.values())
         queued = [f for f in flights if not f.first_token]
         decoding = [f for f in flights if f.first_token]
         # Decode steps of the requests already running interleave with the queued prefills.
@@ -215,8 +214,7 @@ class WorkerState:
         )
 
     def inflight(self) -> int:
-        with self._lock:
-            return len(self._inflight)
+        return len(self._inflight)
 
 
 def default_profile(block_size: int) -> CostProfile:

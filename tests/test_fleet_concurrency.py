@@ -1,0 +1,123 @@
+"""The fleet's routing state under concurrent requests, without worker processes.
+
+Four fake workers answer ``/kv/info`` through an in-process transport (approximate mode: no
+event streams), so many threads can call :meth:`Fleet.reserve` at once. Reserving is one
+critical section (the loads, the decision and the in-flight count together), so a burst of
+equal cold requests must spread exactly evenly; meanwhile other threads learn prefill times,
+finish requests and read worker views, as the front door's event loop does. The same with
+real ``kvstrata serve`` processes is ``test_fleet.py::test_concurrent_burst_spreads_over_workers``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
+
+import httpx
+import pytest
+
+from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer, Reservation
+from kvstrata.fleet.workers import default_profile
+from kvstrata.index.core import ConsistencyMode
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKERS = 4
+REQUESTS = 64
+BLOCK_SIZE = 16
+
+
+def _info(request: httpx.Request) -> httpx.Response:
+    worker = request.url.host
+    return httpx.Response(
+        200,
+        json={
+            "worker_id": worker,
+            "epoch": 1,
+            "model": "fake",
+            "fingerprint": "ab" * 32,
+            "block_size": BLOCK_SIZE,
+            "events_endpoint": f"tcp://{worker}:1",
+        },
+    )
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    urls = [f"http://w{i}" for i in range(WORKERS)]
+    config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=urls)
+    http = httpx.Client(transport=httpx.MockTransport(_info))
+    fleet = Fleet(cast(FleetTokenizer, object()), config, http=http)
+    try:
+        for url in urls:
+            fleet.attach(url)
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def _cold_prompt(i: int) -> list[int]:
+    """Distinct from the first token on: no two requests share a block."""
+    return [1000 + i, *range(i * 97 % 500, i * 97 % 500 + 3 * BLOCK_SIZE)]
+
+
+def test_concurrent_reservations_spread_evenly(fleet: Fleet) -> None:
+    start = threading.Barrier(REQUESTS + 1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reserve(i: int) -> Reservation:
+        start.wait(timeout=10)
+        return fleet.reserve(f"r{i}", "tenant", _cold_prompt(i), 8)
+
+    def meddle() -> None:
+        """What the event loop does meanwhile: learn prefill times, read views, check health.
+
+        The times learned are the prior's own (the refit equals it), so the placement stays
+        a question of queues alone.
+        """
+        probe = fleet.reserve("probe", "tenant", _cold_prompt(10_000), 8)
+        fleet.finish(probe, probe.started + 0.1, 8, 0.05)
+        prior = default_profile(BLOCK_SIZE).prefill
+        start.wait(timeout=10)
+        try:
+            while not stop.is_set():
+                for n in range(8):
+                    new_tokens = probe.prompt_tokens - n
+                    fleet.observe_prefill(probe, n, prior.seconds(new_tokens, n))
+                assert len(fleet.worker_views()) == WORKERS
+                fleet.check_health()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+            raise
+
+    meddler = threading.Thread(target=meddle)
+    meddler.start()
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        futures = [pool.submit(reserve, i) for i in range(REQUESTS)]
+        reservations = [f.result(timeout=30) for f in futures]
+    stop.set()
+    meddler.join(timeout=30)
+    assert not errors and not meddler.is_alive()
+
+    per_worker = Counter(r.worker_id for r in reservations)
+    assert per_worker == {f"w{i}": REQUESTS // WORKERS for i in range(WORKERS)}, per_worker
+    views = {v.worker_id: v for v in fleet.worker_views()}
+    assert {w: v.inflight for w, v in views.items()} == per_worker
+    assert all(v.healthy for v in views.values())
+
+    for r in reservations:
+        fleet.finish(r, r.started + 0.2, 4, 0.1)
+    assert all(v.inflight == 0 for v in fleet.worker_views())
+
+
+def test_unreachable_worker_gets_no_more_reservations(fleet: Fleet) -> None:
+    first = fleet.reserve("r0", "tenant", _cold_prompt(0), 8)
+    fleet.unreachable(first)
+    views = {v.worker_id: v for v in fleet.worker_views()}
+    assert not views[first.worker_id].healthy and views[first.worker_id].inflight == 0
+    chosen = {fleet.reserve(f"r{i}", "tenant", _cold_prompt(i), 8).worker_id for i in range(12)}
+    assert first.worker_id not in chosen and len(chosen) == WORKERS - 1
