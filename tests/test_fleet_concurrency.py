@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer, Reservation
-from kvstrata.fleet.workers import default_profile
+from kvstrata.fleet.workers import WorkerProtocolError, default_profile
+from kvstrata.identity import secret_digest
 from kvstrata.index.core import ConsistencyMode
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,6 +42,7 @@ def _info(request: httpx.Request) -> httpx.Response:
             "fingerprint": "ab" * 32,
             "block_size": BLOCK_SIZE,
             "events_endpoint": f"tcp://{worker}:1",
+            "secret_digest": secret_digest(b""),
         },
     )
 
@@ -121,3 +123,33 @@ def test_unreachable_worker_gets_no_more_reservations(fleet: Fleet) -> None:
     assert not views[first.worker_id].healthy and views[first.worker_id].inflight == 0
     chosen = {fleet.reserve(f"r{i}", "tenant", _cold_prompt(i), 8).worker_id for i in range(12)}
     assert first.worker_id not in chosen and len(chosen) == WORKERS - 1
+
+
+def test_a_worker_salting_tenants_with_another_secret_is_refused() -> None:
+    """The router and its workers must derive tenant salts from the same secret, or every
+    routing decision would chase hashes no worker holds (and isolation could not be reasoned
+    about): the worker's ``/kv/info`` digest of its secret must equal the router's."""
+
+    def info(request: httpx.Request) -> httpx.Response:
+        response = _info(request)
+        body = response.json()
+        body["secret_digest"] = secret_digest(b"ours" if request.url.host == "w0" else b"theirs")
+        return httpx.Response(200, json=body)
+
+    urls = ["http://w0", "http://w1"]
+    config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=urls, tenant_secret=b"ours")
+    fleet = Fleet(
+        cast(FleetTokenizer, object()),
+        config,
+        http=httpx.Client(transport=httpx.MockTransport(info)),
+    )
+    try:
+        fleet.attach("http://w0")
+        with pytest.raises(WorkerProtocolError, match="another secret"):
+            fleet.attach("http://w1")
+        fleet.check_health()  # the health round keeps refusing it
+        assert [view.worker_id for view in fleet.worker_views()] == ["w0"]
+        refused = fleet.metrics.worker_events.labels("w1", "refused_secret")._value.get()
+        assert refused >= 2
+    finally:
+        fleet.close()

@@ -12,6 +12,7 @@ from kvstrata.cli.config_cmd import describe
 from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.fleet.supervisor import WorkerSpec
+from kvstrata.identity import secret_digest
 from kvstrata.runtime.config import (
     GIB,
     KEYS,
@@ -19,7 +20,6 @@ from kvstrata.runtime.config import (
     WorkerConfig,
     load_worker_config,
     reference_markdown,
-    secret_digest,
 )
 from kvstrata.store.config import WritePolicy
 

@@ -51,6 +51,7 @@ from kvstrata.fleet.workers import (
     default_profile,
     fetch_info,
 )
+from kvstrata.identity import secret_digest
 from kvstrata.index.core import ConsistencyMode, GlobalIndex
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
@@ -149,6 +150,7 @@ class Fleet:
         self.config = config
         self.metrics = FleetMetrics()
         self._lock = threading.Lock()
+        self._secret_digest = secret_digest(config.tenant_secret)
         self._table = _Table(MappingProxyType({}), MappingProxyType({}))
         self._index: GlobalIndex | None = None
         self._router: Router | None = None
@@ -193,6 +195,13 @@ class Fleet:
         while it talks to the worker or waits on the event plane.
         """
         info = fetch_info(self._http, base_url)
+        if info.secret_digest != self._secret_digest:
+            self.metrics.worker_events.labels(info.worker_id, "refused_secret").inc()
+            raise WorkerProtocolError(
+                f"worker {info.worker_id} at {base_url} salts tenants with another secret "
+                f"(digest {info.secret_digest}, the router's {self._secret_digest}): refused; "
+                "give router and workers the same tenant_secret_file"
+            )
         events = self._ensure_index(info)
         if self.config.mode is ConsistencyMode.EXACT:
             events.attach(info)

@@ -39,6 +39,7 @@ class WorkerInfo:
     events_endpoint: str
     replay_endpoint: str | None
     next_seq: int
+    secret_digest: str | None = None  # None: the worker does not say how it salts tenants
 
     @classmethod
     def from_json(cls, base_url: str, body: Any) -> WorkerInfo:
@@ -56,6 +57,9 @@ class WorkerInfo:
                     None if body.get("replay_endpoint") is None else str(body["replay_endpoint"])
                 ),
                 next_seq=int(body.get("next_seq", 0)),
+                secret_digest=(
+                    None if body.get("secret_digest") is None else str(body["secret_digest"])
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc

@@ -25,6 +25,7 @@ from kvstrata.identity.keys import (
     chain_keys,
     content_hash,
     namespace_root,
+    secret_digest,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "chain_keys",
     "content_hash",
     "namespace_root",
+    "secret_digest",
 ]

@@ -74,6 +74,14 @@ class TenantNamespace:
 
 
 DEFAULT_TENANT = "default"
+_SECRET_DIGEST_TAG = b"kvstrata.secret-digest.v1\x00"
+
+
+def secret_digest(secret: bytes) -> str:
+    """A public digest of the deployment secret (32 hex chars of BLAKE3 over a tag and the
+    secret): a router and a worker compare these to check that they salt tenants alike,
+    without either revealing the secret."""
+    return blake3(_SECRET_DIGEST_TAG + secret).hexdigest()[:32]
 
 
 @dataclass(frozen=True, order=True)

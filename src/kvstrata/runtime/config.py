@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from blake3 import blake3
-
 from kvstrata.errors import ConfigError
+from kvstrata.identity import secret_digest
 from kvstrata.runtime.events import KVEventsConfig
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 
@@ -140,12 +139,6 @@ class WorkerConfig:
 
     def with_events(self, events: KVEventsConfig | None) -> WorkerConfig:
         return dataclasses.replace(self, events=events)
-
-
-def secret_digest(secret: bytes) -> str:
-    """A public digest of the tenant secret: lets a router check that it and a worker salt
-    tenants alike without either revealing the secret (BLAKE3, domain-separated)."""
-    return blake3(b"kvstrata.secret-digest.v1\0" + secret).hexdigest()[:32]
 
 
 # ---- loading ----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.events import encode_batch, make_batch
-from kvstrata.runtime.config import secret_digest
+from kvstrata.identity import secret_digest
 from kvstrata.runtime.events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
 from kvstrata.serve.streaming import EngineWorker
 
