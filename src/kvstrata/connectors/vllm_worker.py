@@ -37,11 +37,11 @@ import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, PrefillModel
 from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, payload_digest
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
 
@@ -77,7 +77,7 @@ class ConnectorWorker:
         model: str,
         emitter: KVEventEmitter | None = None,
         stats_path: Path | None = None,
-        cost_model: PrefillCostModel = DEFAULT_COST_MODEL,
+        cost_model: PrefillModel = DEFAULT_PREFILL_MODEL,
     ) -> None:
         self.store = store
         self.codec = codec
@@ -213,7 +213,7 @@ class ConnectorWorker:
             digest=payload_digest(payload),
             created_at=time.time(),
             position=block.position,
-            recompute_s=self.cost_model.block_recompute_s(len(tokens), block.position),
+            recompute_s=self.cost_model.marginal_s(len(tokens), block.position),
             model=self.model,
             tokens=tokens,
         )

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvstrata.engine.costs import OnlineCostModel
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, OnlinePrefillFit, PrefillModel
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine, pool_config_for
 from kvstrata.engine.kv_events import KVEventEmitter
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.store.config import TierConfig, WritePolicy
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.tiered import TieredStore
@@ -91,11 +90,11 @@ def build_engine(
     tiers: TierOptions | None = None,
     *,
     metrics: KvMetrics | None = None,
-    cost_model: PrefillCostModel | None = None,
+    cost_model: PrefillModel | None = None,
     events: KVEventEmitter | None = None,
 ) -> ReferenceEngine:
     metrics = metrics if metrics is not None else KvMetrics()
     block_bytes = pool_config_for(loaded, config.block_size, 1).bytes_per_block
     store = build_store(block_bytes, tiers, metrics.registry) if tiers is not None else None
-    costs = OnlineCostModel(cost_model or DEFAULT_COST_MODEL)
+    costs = OnlinePrefillFit(cost_model or DEFAULT_PREFILL_MODEL)
     return ReferenceEngine(loaded, config, metrics=metrics, store=store, costs=costs, events=events)

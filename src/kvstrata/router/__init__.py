@@ -1,7 +1,7 @@
 """Cache-aware routing: TTFT estimates per worker, hot-prefix spill-over, and baselines."""
 
 from kvstrata.router.core import Router
-from kvstrata.router.costs import CostProfile, OnlinePrefillFit, PrefillModel
+from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import (
     NoWorkerAvailable,
     RouteDecision,
@@ -18,8 +18,6 @@ __all__ = [
     "HotPrefixConfig",
     "KvstrataPolicy",
     "NoWorkerAvailable",
-    "OnlinePrefillFit",
-    "PrefillModel",
     "RouteDecision",
     "RouteRequest",
     "Router",
