@@ -73,7 +73,7 @@ class PrefillModel:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        if not min(self.overhead_s, self.per_token_s, self.per_token_ctx_s) >= 0:
+        if not all(term >= 0 for term in (self.overhead_s, self.per_token_s, self.per_token_ctx_s)):
             raise InvalidInput(f"prefill model terms must be >= 0: {self}")
         if self.kv_bytes_per_token <= 0:
             raise InvalidInput(f"kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token}")
