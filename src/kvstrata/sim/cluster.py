@@ -110,14 +110,16 @@ _REPRESENTATION = Representation(
 def build_metas(requests: Sequence[SimRequest], profile: SimProfile) -> ChainMetas:
     """One ``KVObjectMeta`` per distinct block id (:func:`kvstrata.objects.chains.chain_metas`).
 
-    Only full blocks are in a request's ``hashes``, so every block is priced at 512 tokens.
+    A request's ``hashes`` name full blocks only, so each chain covers ``512 · len(hashes)``
+    tokens and every block is priced as a full block: the marginal prefill seconds of 512
+    tokens at its position (no fixed overhead).
     """
     return chain_metas(
-        ((request.hashes, request.prompt_tokens) for request in requests),
+        ((request.hashes, len(request.hashes) * BLOCK_TOKENS) for request in requests),
         block_tokens=BLOCK_TOKENS,
         block_bytes=profile.block_bytes,
         representation=_REPRESENTATION,
-        recompute_s=lambda _tokens, position: profile.block_recompute_s(position),
+        recompute_s=profile.cost.prefill.marginal_s,
     )
 
 

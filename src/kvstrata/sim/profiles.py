@@ -78,10 +78,6 @@ class SimProfile:
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * BLOCK_TOKENS
 
-    def block_recompute_s(self, position: int) -> float:
-        """Marginal prefill seconds of one full block at ``position`` (no fixed overhead)."""
-        return self.cost.prefill.marginal_s(BLOCK_TOKENS, position)
-
     def with_capacities(self, device_blocks: int | None, host_blocks: int | None) -> SimProfile:
         return replace(
             self,
@@ -121,13 +117,13 @@ def gpu_a100_8b() -> SimProfile:
 
 def reference_cpu() -> SimProfile:
     """SmolLM2-135M fp32 on this 2-core CPU, from this project's measurements."""
-    fit = smollm2_cpu()
+    prefill = smollm2_cpu()
     block_bytes = SMOLLM2_KV_BYTES_PER_TOKEN * BLOCK_TOKENS
     cost = CostProfile(
-        prefill=fit,
+        prefill=prefill,
         fetch_s_per_block=_fetch_s(block_bytes, 12.15e9, 14.5e9, 1.0e9),
-        decode_interference_s=fit.per_token_s + fit.per_token_ctx_s * 1024,
-        decode_step_base_s=fit.overhead_s,
+        decode_interference_s=prefill.per_token_s + prefill.per_token_ctx_s * 1024,
+        decode_step_base_s=prefill.overhead_s,
         prefill_chunk_tokens=2048,
         block_size=BLOCK_TOKENS,
     )
