@@ -17,7 +17,7 @@ import pytest
 from kvstrata.bench.eviction import SimulatedTrace, replay, run_eviction_bench
 from kvstrata.bench.reuse import LRUCache, analyse_reuse, replay_hit_tokens
 from kvstrata.cli.main import main
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL, per_token
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, per_token
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest, read_trace
 from kvstrata.workloads.synthetic import generate, preset, write_trace
@@ -86,7 +86,7 @@ def test_cli_reports_every_policy_and_matches_the_reuse_bench(
 @pytest.mark.parametrize(("name", "seed"), [("chat", 1), ("docs", 0), ("docs", 2)])
 def test_leaf_first_lru_equals_tail_first_lru_cache(name: str, seed: int) -> None:
     requests = _small(name, seed)
-    trace = SimulatedTrace.build(requests, DEFAULT_COST_MODEL)
+    trace = SimulatedTrace.build(requests, DEFAULT_PREFILL_MODEL)
     for capacity in (50, 200, 1000):
         saved = replay(trace, LRUPolicy(), capacity).saved_tokens
         assert saved == _tail_first_lru(requests, capacity)

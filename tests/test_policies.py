@@ -17,14 +17,6 @@ from hypothesis import strategies as st
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.store.belady import NEVER, BeladyPolicy, FutureAccesses
-from kvstrata.store.costmodel import (
-    DEFAULT_COST_MODEL,
-    PROFILES,
-    PrefillCostModel,
-    calibrate,
-    fit,
-    smollm2_cpu,
-)
 from kvstrata.store.policies import LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.value_policy import HitDensity, age_bucket, use_class
@@ -355,38 +347,3 @@ def test_future_accesses_next_use() -> None:
     oracle.advance(1)
     assert oracle.next_use("a") == NEVER
     assert oracle.next_use("zzz") == NEVER
-
-
-# ---- cost model -------------------------------------------------------------------------------
-def test_default_cost_model_reproduces_the_reference_timings() -> None:
-    model = smollm2_cpu()
-    assert model.prefill_s(2048, 0) == pytest.approx(3.9)
-    assert model.prefill_s(16, 2032) == pytest.approx(0.14)
-    assert model.kv_bytes_per_token == 46_080
-    assert model.per_token_s > 0 and model.attention_s > 0 and model.overhead_s > 0
-    assert model == DEFAULT_COST_MODEL
-    deep = model.block_recompute_s(512, 50_000)
-    assert deep > model.block_recompute_s(512, 0) > model.block_recompute_s(256, 0) > 0
-    assert model.block_recompute_s(0, 10) == 0.0
-    assert set(PROFILES) >= {"smollm2-cpu", "per-token"}
-
-
-def test_calibrate_recovers_a_known_engine() -> None:
-    truth = PrefillCostModel(per_token_s=2e-3, attention_s=4e-7, overhead_s=0.1)
-    calls: list[tuple[int, int]] = []
-
-    def measure(new_tokens: int, cached_tokens: int) -> float:
-        calls.append((new_tokens, cached_tokens))
-        return truth.prefill_s(new_tokens, cached_tokens)
-
-    fitted = calibrate(measure, repeats=2)
-    assert len(calls) == 2 * 7
-    assert fitted.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
-    assert fitted.attention_s == pytest.approx(truth.attention_s, rel=1e-6)
-    assert fitted.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
-
-
-def test_fit_never_returns_negative_terms() -> None:
-    samples = [(16, 0, 0.5), (512, 0, 0.4), (1024, 0, 0.45), (2048, 0, 0.5)]  # noise only
-    fitted = fit(samples)
-    assert min(fitted.per_token_s, fitted.attention_s, fitted.overhead_s) >= 0

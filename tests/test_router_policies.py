@@ -7,11 +7,10 @@ docstring, issue 4), not read back from the code under test.
 from __future__ import annotations
 
 import json
-import math
 
-import numpy as np
 import pytest
 
+from kvstrata.costs import PrefillModel
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index import ConsistencyMode, GlobalIndex, PrefixMatch
 from kvstrata.router import (
@@ -20,8 +19,6 @@ from kvstrata.router import (
     HotPrefixConfig,
     KvstrataPolicy,
     NoWorkerAvailable,
-    OnlinePrefillFit,
-    PrefillModel,
     Router,
     RouteRequest,
     WorkerLoad,
@@ -31,7 +28,9 @@ BS = 16
 OVERHEAD, PER_TOKEN = 0.01, 1e-3
 FETCH = (0.0, 2e-4, 1e-3, 4e-3)
 PROFILE = CostProfile(
-    prefill=PrefillModel(OVERHEAD, PER_TOKEN, 0.0), fetch_s_per_block=FETCH, block_size=BS
+    prefill=PrefillModel(overhead_s=OVERHEAD, per_token_s=PER_TOKEN),
+    fetch_s_per_block=FETCH,
+    block_size=BS,
 )
 
 
@@ -316,34 +315,3 @@ def test_router_records_its_decisions_in_approximate_mode() -> None:
     busy = loads(WorkerLoad("a"), WorkerLoad("b", queued_requests=2))
     second = router.route(RouteRequest("r2", "t", 64, hashes), busy, now=1.0)
     assert second.worker_id == "b" and second.matched_blocks == 4
-
-
-# ------------------------------------------------------------------------------ cost fit
-def test_online_prefill_fit_recovers_known_coefficients() -> None:
-    truth = PrefillModel(overhead_s=0.02, per_token_s=2e-4, per_token_ctx_s=3e-8)
-    prior = PrefillModel(0.5, 1e-2, 0.0)
-    fit = OnlinePrefillFit(prior, window=64, min_samples=8)
-    rng = np.random.default_rng(0)
-    samples = [(int(rng.integers(1, 4096)), int(rng.integers(0, 8192))) for _ in range(40)]
-    for new, cached in samples[:7]:
-        fit.observe(new, cached, truth.seconds(new, cached))
-    assert fit.model() == prior  # not enough samples yet
-    for new, cached in samples[7:]:
-        fit.observe(new, cached, truth.seconds(new, cached))
-    fit.observe(10, 0, -1.0)  # ignored: not a duration
-    fit.observe(10, 0, math.nan)
-    assert fit.samples == 40
-    model = fit.model()
-    assert model.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
-    assert model.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
-    assert model.per_token_ctx_s == pytest.approx(truth.per_token_ctx_s, rel=1e-6)
-
-
-def test_online_prefill_fit_never_goes_negative() -> None:
-    fit = OnlinePrefillFit(PrefillModel(), min_samples=4)
-    for new in (100, 200, 400, 800, 1600):
-        fit.observe(new, 0, 1e-3 * new - 0.05)  # a negative intercept in the data
-    model = fit.model()
-    assert model.overhead_s == 0.0 and model.per_token_ctx_s >= 0.0
-    assert model.per_token_s > 0.0
-    assert all(model.seconds(n) > 0 for n in (1, 100, 1000))

@@ -16,9 +16,10 @@ Per request, in trace order:
    its prefill is using them. When only pinned blocks are left, the rest of the prompt is
    not stored — a prompt longer than the tier keeps its head, never a useless tail.
 
-Objects: ``size`` = KV bytes per token × 512 (every block occupies one slot; capacity is in
-blocks); ``recompute_s`` = the cost model's marginal prefill time of the block's tokens (the
-last block may be partial) at its position. ``saved_prefill_s`` sums ``recompute_s`` over
+Objects (:func:`kvstrata.objects.chains.chain_metas`, shared with the simulator): ``size`` =
+KV bytes per token × 512 (every block occupies one slot; capacity is in blocks);
+``recompute_s`` = the cost model's marginal prefill time of the block's tokens (the last block
+may be partial) at its position. ``saved_prefill_s`` sums ``recompute_s`` over
 hit blocks. TTLs are not simulated (the trace has none).
 
 ``belady`` gets the future from ``FutureAccesses`` over the same trace.
@@ -31,13 +32,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, PrefillModel
 from kvstrata.errors import InvalidInput
-from kvstrata.identity import DEFAULT_TENANT, BlockKey
+from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
+from kvstrata.objects.chains import chain_metas
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses, LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
-from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceBlockId, TraceRequest
+from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
 
 POLICY_NAMES: tuple[str, ...] = ("lru", "kvstrata", "belady")
 
@@ -45,6 +47,10 @@ DEFAULT_CAPACITIES: tuple[int, ...] = (10_000, 30_000, 100_000)
 """Blocks. On the Mooncake conversation trace (182,790 distinct blocks) these span the
 range from a tier much smaller than the working set (LRU saves 21.6% of the tokens, the
 infinite cache 37.4%) to one that holds most of it (LRU 37.1%)."""
+
+_REPRESENTATION = Representation(
+    dtype="float32", layout="trace", block_size=BLOCK_TOKENS, shape=(BLOCK_TOKENS,)
+)
 
 
 @dataclass(frozen=True)
@@ -57,44 +63,18 @@ class SimulatedTrace:
     total_tokens: int
 
     @classmethod
-    def build(
-        cls, requests: Sequence[TraceRequest], cost_model: PrefillCostModel
-    ) -> SimulatedTrace:
-        representation = Representation(
-            dtype="float32", layout="trace", block_size=BLOCK_TOKENS, shape=(BLOCK_TOKENS,)
+    def build(cls, requests: Sequence[TraceRequest], cost_model: PrefillModel) -> SimulatedTrace:
+        built = chain_metas(
+            ((request.hash_ids, request.input_length) for request in requests),
+            block_tokens=BLOCK_TOKENS,
+            block_bytes=cost_model.kv_bytes(BLOCK_TOKENS),
+            representation=_REPRESENTATION,
+            recompute_s=cost_model.marginal_s,
         )
-        size = cost_model.kv_bytes(BLOCK_TOKENS)
-        by_id: dict[TraceBlockId, BlockKey] = {}
-        meta: dict[BlockKey, KVObjectMeta] = {}
-        keys: list[tuple[BlockKey, ...]] = []
-        for request in requests:
-            chain: list[BlockKey] = []
-            parent: BlockKey | None = None
-            for position, block_id in enumerate(request.hash_ids):
-                key = by_id.get(block_id)
-                if key is None:
-                    key = BlockKey(int(block_id).to_bytes(8, "little", signed=True))
-                    by_id[block_id] = key
-                    tokens = request.prefix_tokens(position + 1) - position * BLOCK_TOKENS
-                    start = position * BLOCK_TOKENS
-                    meta[key] = KVObjectMeta(
-                        key=key,
-                        parent=parent,
-                        tenant=DEFAULT_TENANT,
-                        representation=representation,
-                        size=size,
-                        digest=b"",
-                        created_at=0.0,
-                        position=start,
-                        recompute_s=cost_model.block_recompute_s(tokens, start),
-                    )
-                chain.append(key)
-                parent = key
-            keys.append(tuple(chain))
         return cls(
             requests=tuple(requests),
-            keys=tuple(keys),
-            meta=meta,
+            keys=built.chains,
+            meta=built.metas,
             total_tokens=sum(request.input_length for request in requests),
         )
 
@@ -191,7 +171,7 @@ def run_eviction_bench(
     requests: Sequence[TraceRequest],
     capacities: Sequence[int] = DEFAULT_CAPACITIES,
     *,
-    cost_model: PrefillCostModel = DEFAULT_COST_MODEL,
+    cost_model: PrefillModel = DEFAULT_PREFILL_MODEL,
     policies: Sequence[str] = POLICY_NAMES,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from kvstrata.bench.eviction import (
 )
 from kvstrata.cli.output import emit
 from kvstrata.cli.traces import load_source
+from kvstrata.costs import PROFILES
 from kvstrata.errors import InvalidInput
-from kvstrata.store.costmodel import PROFILES
 from kvstrata.workloads.mooncake import TraceRequest
 from kvstrata.workloads.synthetic import PRESETS
 

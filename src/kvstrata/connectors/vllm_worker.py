@@ -38,12 +38,12 @@ import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, PrefillModel
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.runtime.blocks import BlockInfo
 from kvstrata.runtime.bridge import LoadOutcome, StoreBridge
 from kvstrata.runtime.events import KVEventEmitter
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
 
@@ -79,7 +79,7 @@ class ConnectorWorker:
         model: str,
         emitter: KVEventEmitter | None = None,
         stats_path: Path | None = None,
-        cost_model: PrefillCostModel = DEFAULT_COST_MODEL,
+        cost_model: PrefillModel = DEFAULT_PREFILL_MODEL,
     ) -> None:
         self.store = store
         self.codec = codec
@@ -97,7 +97,7 @@ class ConnectorWorker:
             representation=codec.representation,
             block_bytes=codec.block_bytes,
             model_id=model,
-            recompute_estimate=cost_model.block_recompute_s,
+            recompute_estimate=cost_model.marginal_s,
         )
 
     # ---- scheduler queries ------------------------------------------------------------------

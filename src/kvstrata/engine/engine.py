@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, OnlinePrefillFit
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.cache_io import cache_from_blocks, store_blocks
-from kvstrata.engine.costs import OnlineCostModel
 from kvstrata.engine.generation import Generation, Prefill
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
@@ -43,7 +43,6 @@ from kvstrata.identity import (
 from kvstrata.runtime import tokenization
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.wiring import wire
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL
 from kvstrata.store.levels import RequestScope
 from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
@@ -97,7 +96,7 @@ class ReferenceEngine:
         chat_template: str | None = None,
         pool: PagedKVPool | None = None,
         store: TieredStore | None = None,
-        costs: OnlineCostModel | None = None,
+        costs: OnlinePrefillFit | None = None,
         events: KVEventEmitter | None = None,
     ) -> None:
         """``events``: publish KV events of the pool and the store (None: no events, no cost).
@@ -127,7 +126,7 @@ class ReferenceEngine:
         if pool is not None and pool.config != pool_config:
             raise EngineError("shared pool does not match this model's KV shape")
         self.pool = pool if pool is not None else PagedKVPool(pool_config, self.metrics)
-        self.costs = costs if costs is not None else OnlineCostModel(DEFAULT_COST_MODEL)
+        self.costs = costs if costs is not None else OnlinePrefillFit(DEFAULT_PREFILL_MODEL)
         self.bridge: PoolBridge | None = None
         if store is not None:
             self.bridge = PoolBridge(

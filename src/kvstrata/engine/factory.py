@@ -6,13 +6,12 @@ uses); this module only adds what is the reference engine's own: its pool and co
 
 from __future__ import annotations
 
-from kvstrata.engine.costs import OnlineCostModel
+from kvstrata.costs import DEFAULT_PREFILL_MODEL, OnlinePrefillFit, PrefillModel
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine, pool_config_for
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.runtime.config import WorkerConfig
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.store_factory import build_store
-from kvstrata.store.costmodel import DEFAULT_COST_MODEL, PrefillCostModel
 from kvstrata.telemetry import KvMetrics
 
 
@@ -22,7 +21,7 @@ def build_engine(
     worker: WorkerConfig | None = None,
     *,
     metrics: KvMetrics | None = None,
-    cost_model: PrefillCostModel | None = None,
+    cost_model: PrefillModel | None = None,
     events: KVEventEmitter | None = None,
 ) -> ReferenceEngine:
     metrics = metrics if metrics is not None else KvMetrics()
@@ -32,5 +31,5 @@ def build_engine(
         store = build_store(
             block_bytes, worker, metrics.registry, record_events=events is not None
         )
-    costs = OnlineCostModel(cost_model or DEFAULT_COST_MODEL)
+    costs = OnlinePrefillFit(cost_model or DEFAULT_PREFILL_MODEL)
     return ReferenceEngine(loaded, config, metrics=metrics, store=store, costs=costs, events=events)

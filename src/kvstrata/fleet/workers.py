@@ -14,10 +14,11 @@ from typing import Any
 
 import httpx
 
+from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.errors import InvalidInput
 from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
 from kvstrata.identity.keys import FingerprintDigest
-from kvstrata.router.costs import CostProfile, OnlinePrefillFit, PrefillModel
+from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import WorkerLoad
 
 NEXT_SEQ_HEADER = "X-Kvstrata-Next-Seq"

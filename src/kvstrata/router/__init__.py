@@ -2,7 +2,7 @@
 
 from kvstrata.errors import NoWorkerAvailable
 from kvstrata.router.core import Router
-from kvstrata.router.costs import CostProfile, OnlinePrefillFit, PrefillModel
+from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import (
     RouteDecision,
     RouteRequest,
@@ -18,8 +18,6 @@ __all__ = [
     "HotPrefixConfig",
     "KvstrataPolicy",
     "NoWorkerAvailable",
-    "OnlinePrefillFit",
-    "PrefillModel",
     "RouteDecision",
     "RouteRequest",
     "Router",

@@ -1,39 +1,24 @@
-"""What a worker's time to first token is made of, and how it is learned from measurements.
+"""What a worker's time to first token is made of, besides the prefill forward itself.
 
-``PrefillModel`` is the prefill time of ``new`` tokens after ``cached`` context tokens:
-``overhead + new · per_token + new · (cached + new / 2) · per_token_ctx`` — the linear part is
-the MLP and projections, the quadratic part attention over the growing context. The live
-router refits it per worker from the time-to-first-token of the requests it served
-(:class:`OnlinePrefillFit`); the simulator uses the same class calibrated from the reference
-engine (or a published GPU profile), so both price a request the same way.
+``CostProfile`` holds one worker's cost figures: its prefill model
+(:class:`kvstrata.costs.PrefillModel`, the same class the engine, the eviction policies and
+the simulator use; the live router refits it per worker with
+:class:`kvstrata.costs.OnlinePrefillFit` from the time-to-first-token of the requests the
+worker served), the per-block fetch time by tier, and the decode-step model that running
+decodes add to a prefill (unchunked or chunked).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Final
 
-import numpy as np
+from kvstrata.costs import PrefillModel
 
 MEDIA: Final = 4  # device, host, disk, remote (kvstrata.index.Medium order)
 
-
-@dataclass(frozen=True, slots=True)
-class PrefillModel:
-    overhead_s: float = 0.01
-    per_token_s: float = 1e-4
-    per_token_ctx_s: float = 0.0
-
-    def seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        if new_tokens <= 0:
-            return self.overhead_s
-        attention = new_tokens * (cached_tokens + new_tokens / 2.0)
-        return self.overhead_s + new_tokens * self.per_token_s + attention * self.per_token_ctx_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return 1.0 / self.per_token_s if self.per_token_s > 0 else float("inf")
+GENERIC_PREFILL: Final = PrefillModel(overhead_s=0.01, per_token_s=1e-4, name="generic")
+"""The default of a ``CostProfile`` built without a prefill model: 10 ms + 0.1 ms per token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +36,7 @@ class CostProfile:
     ``prefill_chunk_tokens = 0`` keeps the unchunked rule ``active · decode_interference_s``.
     """
 
-    prefill: PrefillModel = field(default_factory=PrefillModel)
+    prefill: PrefillModel = GENERIC_PREFILL
     fetch_s_per_block: tuple[float, float, float, float] = (0.0, 2e-4, 1e-3, 4e-3)
     decode_interference_s: float = 0.0
     block_size: int = 16
@@ -76,50 +61,3 @@ class CostProfile:
 
     def with_prefill(self, prefill: PrefillModel) -> CostProfile:
         return replace(self, prefill=prefill)
-
-
-class OnlinePrefillFit:
-    """Least-squares refit of a :class:`PrefillModel` over the last ``window`` observations.
-
-    Coefficients are clamped at zero (time never shrinks with more tokens); until
-    ``min_samples`` observations exist the prior model is returned unchanged.
-    """
-
-    def __init__(self, prior: PrefillModel, *, window: int = 256, min_samples: int = 8) -> None:
-        self.prior = prior
-        self._samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._min = min_samples
-        self._model = prior
-        self._dirty = False
-
-    def observe(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
-        if new_tokens < 0 or seconds <= 0 or not np.isfinite(seconds):
-            return
-        attention = new_tokens * (cached_tokens + new_tokens / 2.0)
-        self._samples.append((1.0, float(new_tokens), attention, seconds))
-        self._dirty = True
-
-    @property
-    def samples(self) -> int:
-        return len(self._samples)
-
-    def model(self) -> PrefillModel:
-        if self._dirty and len(self._samples) >= self._min:
-            data = np.array(self._samples, dtype=np.float64)
-            coef = _nonnegative_lstsq(data[:, :3], data[:, 3])
-            self._model = PrefillModel(float(coef[0]), float(coef[1]), float(coef[2]))
-            self._dirty = False
-        return self._model
-
-
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Ordinary least squares, then refit without any coefficient that came out negative."""
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            return coef
-        active = [a for a, s in zip(active, sol, strict=True) if s > 0]
-    return coef

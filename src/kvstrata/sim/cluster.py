@@ -31,10 +31,11 @@ from enum import IntEnum
 from typing import Final
 
 from kvstrata.errors import InvalidInput
-from kvstrata.identity import DEFAULT_TENANT, BlockKey
+from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.core import ConsistencyMode, GlobalIndex, Medium
-from kvstrata.objects import KVObjectMeta, Representation
+from kvstrata.objects import Representation
+from kvstrata.objects.chains import ChainMetas, chain_metas
 from kvstrata.router import POLICIES, CostProfile, KvstrataPolicy, Router, RouteRequest
 from kvstrata.sim.profiles import BLOCK_TOKENS, SimProfile
 from kvstrata.sim.trace import SimRequest
@@ -101,36 +102,25 @@ class RunResult:
     predicted_ttft_s: list[float] = field(default_factory=list)
 
 
-def build_metas(
-    requests: Sequence[SimRequest], profile: SimProfile
-) -> tuple[dict[int, BlockKey], dict[BlockKey, KVObjectMeta], dict[BlockKey, int]]:
-    """One ``KVObjectMeta`` per distinct block id (parent = previous block of its chain)."""
-    representation = Representation(
-        dtype="bfloat16", layout="sim", block_size=BLOCK_TOKENS, shape=(BLOCK_TOKENS,)
+_REPRESENTATION = Representation(
+    dtype="bfloat16", layout="sim", block_size=BLOCK_TOKENS, shape=(BLOCK_TOKENS,)
+)
+
+
+def build_metas(requests: Sequence[SimRequest], profile: SimProfile) -> ChainMetas:
+    """One ``KVObjectMeta`` per distinct block id (:func:`kvstrata.objects.chains.chain_metas`).
+
+    A request's ``hashes`` name full blocks only, so each chain covers ``512 · len(hashes)``
+    tokens and every block is priced as a full block: the marginal prefill seconds of 512
+    tokens at its position (no fixed overhead).
+    """
+    return chain_metas(
+        ((request.hashes, len(request.hashes) * BLOCK_TOKENS) for request in requests),
+        block_tokens=BLOCK_TOKENS,
+        block_bytes=profile.block_bytes,
+        representation=_REPRESENTATION,
+        recompute_s=profile.cost.prefill.marginal_s,
     )
-    size = profile.block_bytes
-    keys: dict[int, BlockKey] = {}
-    metas: dict[BlockKey, KVObjectMeta] = {}
-    for request in requests:
-        parent: BlockKey | None = None
-        for position, block in enumerate(request.hashes):
-            key = keys.get(block)
-            if key is None:
-                key = BlockKey(block.to_bytes(16, "little", signed=True))
-                keys[block] = key
-                metas[key] = KVObjectMeta(
-                    key=key,
-                    parent=parent,
-                    tenant=DEFAULT_TENANT,
-                    representation=representation,
-                    size=size,
-                    digest=b"",
-                    created_at=0.0,
-                    position=position * BLOCK_TOKENS,
-                    recompute_s=profile.block_recompute_s(position * BLOCK_TOKENS),
-                )
-            parent = key
-    return keys, metas, {key: block for block, key in keys.items()}
 
 
 def _eviction_policy(name: str, profile: SimProfile, *, device: bool, seed: int) -> EvictionPolicy:
@@ -187,7 +177,9 @@ class Simulation:
         self._progress = progress
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
-        self._block_keys, metas, block_ids = build_metas(requests, config.profile)
+        built = build_metas(requests, config.profile)
+        self._block_keys = built.keys
+        metas, block_ids = built.metas, built.block_ids()
         self.index = GlobalIndex(
             _FINGERPRINT, BLOCK_TOKENS, mode=config.index_mode, clock=lambda: self.now
         )

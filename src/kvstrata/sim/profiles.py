@@ -34,9 +34,9 @@ efficiency assumptions named:
   tokens); host DRAM tier 4× that, 3,072 blocks = 201 GiB per GPU (1.6 TiB per 8-GPU node).
 
 ``reference-cpu``: this project's reference engine (SmolLM2-135M, fp32, torch on the 2-core
-CPU), from the measurements in ``docs/results.md`` and ``kvstrata.store.costmodel``:
+CPU), from the measurements in ``docs/results.md`` and ``kvstrata.costs.profiles``:
 
-* Prefill: ``store.costmodel.smollm2_cpu()`` — fitted to ``kvstrata bench ttft``'s fresh
+* Prefill: ``kvstrata.costs.smollm2_cpu()`` — fitted to ``kvstrata bench ttft``'s fresh
   2,048-token prefill (3.9 s) and a 16-token forward over 2,032 cached tokens (0.14 s), with
   the attention/linear ratio from the architecture's FLOP counts: 104 ms fixed, 1.47 ms per
   token, 0.377 µs per token².
@@ -56,9 +56,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Final
 
+from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, smollm2_cpu
 from kvstrata.errors import InvalidInput
-from kvstrata.router.costs import CostProfile, PrefillModel
-from kvstrata.store.costmodel import SMOLLM2_KV_BYTES_PER_TOKEN, smollm2_cpu
+from kvstrata.router.costs import CostProfile
 
 BLOCK_TOKENS: Final = 512
 """Tokens per block in the simulator (the Mooncake trace's block size)."""
@@ -77,11 +77,6 @@ class SimProfile:
     @property
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * BLOCK_TOKENS
-
-    def block_recompute_s(self, position: int) -> float:
-        """Marginal prefill seconds of one full block at ``position`` (no fixed overhead)."""
-        model = self.cost.prefill
-        return model.seconds(BLOCK_TOKENS, position) - model.overhead_s
 
     def with_capacities(self, device_blocks: int | None, host_blocks: int | None) -> SimProfile:
         return replace(
@@ -107,6 +102,8 @@ def gpu_a100_8b() -> SimProfile:
             overhead_s=0.010,
             per_token_s=2 * 8.03e9 / flops_per_s,
             per_token_ctx_s=4 * 4096 * 32 / flops_per_s,
+            kv_bytes_per_token=kv_bytes,
+            name="llama3.1-8b-a100",
         ),
         # host: PCIe Gen4 ~25 GB/s; disk: NVMe ~6 GB/s; remote: 100 Gb/s RDMA ~10 GB/s.
         fetch_s_per_block=_fetch_s(block_bytes, 25e9, 6e9, 10e9),
@@ -120,17 +117,13 @@ def gpu_a100_8b() -> SimProfile:
 
 def reference_cpu() -> SimProfile:
     """SmolLM2-135M fp32 on this 2-core CPU, from this project's measurements."""
-    fit = smollm2_cpu()
+    prefill = smollm2_cpu()
     block_bytes = SMOLLM2_KV_BYTES_PER_TOKEN * BLOCK_TOKENS
     cost = CostProfile(
-        prefill=PrefillModel(
-            overhead_s=fit.overhead_s,
-            per_token_s=fit.per_token_s,
-            per_token_ctx_s=fit.attention_s,
-        ),
+        prefill=prefill,
         fetch_s_per_block=_fetch_s(block_bytes, 12.15e9, 14.5e9, 1.0e9),
-        decode_interference_s=fit.per_token_s + fit.attention_s * 1024,
-        decode_step_base_s=fit.overhead_s,
+        decode_interference_s=prefill.per_token_s + prefill.per_token_ctx_s * 1024,
+        decode_step_base_s=prefill.overhead_s,
         prefill_chunk_tokens=2048,
         block_size=BLOCK_TOKENS,
     )

@@ -20,7 +20,7 @@ Value of keeping object ``x`` (class ``c``, ``age`` seconds since its last use):
   falls the longer the block has waited. Nothing here is fitted offline: the histograms
   are the measurement, so they follow whatever workload the tier serves.
 * ``saved_s(x)`` — what a hit saves: ``meta.recompute_s`` (prefill time of the block's tokens
-  at its position, from ``kvstrata.store.costmodel``), capped at ``fetch_s_per_byte · size``
+  at its position, from ``kvstrata.costs``), capped at ``fetch_s_per_byte · size``
   when the victim is demoted to a tier that can serve it back for that (then losing it here
   only costs the slower fetch). ``demotion_fetch_s_per_byte=None`` means victims are dropped.
 * ``size(x)`` — bytes: the score is value per byte, so of two objects alike in everything

@@ -1,0 +1,84 @@
+"""Named prefill models, and where every constant comes from.
+
+``smollm2_cpu`` — SmolLM2-135M fp32 on this project's 2-core CPU. Two reference timings
+cannot pin three unknowns, so the ratio b / a is fixed from the architecture and ``a`` and
+``t0`` are solved from the two timings:
+
+* b / a = attention FLOPs per (new token, context token) / linear FLOPs per new token
+  = (4 · hidden · layers) / (2 · params incl. the tied LM head)
+  = (4 · 576 · 30) / (2 · 134.5 M) = 2.57e-4 for SmolLM2-135M (hidden 576, 30 layers,
+  106.2 M non-embedding parameters + a 49,152 × 576 LM head);
+* the timings (``docs/results.md``, ``kvstrata bench ttft``): a fresh 2,048-token prefill,
+  3.9 s (the less contended end of the measured 3.9–6 s), and a 16-token forward over 2,032
+  cached tokens, 0.14 s. Without ``t0`` these give a negative ``a`` (16 tokens cost 8.8 ms
+  each, 2,048 tokens 1.9 ms each: the short forward is dominated by fixed cost).
+
+``per_token`` — a base model without its attention term or overhead: every prompt token
+costs the same, so maximising saved seconds maximises saved tokens (what ``bench eviction``
+counts); also the regime of large models at moderate context.
+
+``llama3_8b_h100`` — from published numbers, not a measurement here: Llama-3.1-8B (8.03 B
+parameters, hidden 4,096, 32 layers, 8 KV heads of 128) in bf16 on one H100 SXM (989 TFLOP/s
+dense bf16 peak) at an assumed ``mfu`` of peak (prefill of long prompts typically reaches
+about half). Linear FLOPs 2 · params per token, attention FLOPs 4 · hidden · layers per
+(token, context token); KV bytes per token 2 · 32 · 8 · 128 · 2 = 131,072.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Final
+
+from kvstrata.costs.model import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel
+
+SMOLLM2_ATTENTION_TO_LINEAR: Final = (4 * 576 * 30) / (2 * (106_168_320 + 49_152 * 576))
+"""b / a from FLOP counts of SmolLM2-135M (see the module docstring): about 2.57e-4."""
+
+_REF_FRESH_TOKENS, _REF_FRESH_S = 2048, 3.9
+_REF_STEP_TOKENS, _REF_STEP_CONTEXT, _REF_STEP_S = 16, 2032, 0.14
+
+
+def smollm2_cpu() -> PrefillModel:
+    """SmolLM2-135M fp32 on this machine's 2-core CPU, from the two reference timings."""
+    ratio = SMOLLM2_ATTENTION_TO_LINEAR
+    fresh_units = _REF_FRESH_TOKENS * (1.0 + ratio * _REF_FRESH_TOKENS / 2.0)
+    step_units = _REF_STEP_TOKENS * (1.0 + ratio * (_REF_STEP_CONTEXT + _REF_STEP_TOKENS / 2.0))
+    per_token_s = (_REF_FRESH_S - _REF_STEP_S) / (fresh_units - step_units)
+    overhead_s = _REF_STEP_S - per_token_s * step_units
+    return PrefillModel(
+        overhead_s=overhead_s,
+        per_token_s=per_token_s,
+        per_token_ctx_s=per_token_s * ratio,
+        kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN,
+        name="smollm2-cpu",
+    )
+
+
+DEFAULT_PREFILL_MODEL: Final = smollm2_cpu()
+"""The reference engine's model until it is calibrated or refitted online."""
+
+
+def per_token(base: PrefillModel = DEFAULT_PREFILL_MODEL) -> PrefillModel:
+    """``base`` without its attention term and overhead (see the module docstring)."""
+    return replace(base, per_token_ctx_s=0.0, overhead_s=0.0, name="per-token")
+
+
+def llama3_8b_h100(mfu: float = 0.5) -> PrefillModel:
+    """Llama-3.1-8B bf16 on one H100 SXM at ``mfu`` of peak (see the module docstring)."""
+    flops_per_s = 989e12 * mfu
+    return PrefillModel(
+        overhead_s=0.0,
+        per_token_s=2 * 8.03e9 / flops_per_s,
+        per_token_ctx_s=4 * 4096 * 32 / flops_per_s,
+        kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+        name="llama3-8b-h100",
+    )
+
+
+PROFILES: Final[dict[str, Callable[[], PrefillModel]]] = {
+    "smollm2-cpu": smollm2_cpu,
+    "per-token": per_token,
+    "llama3-8b-h100": llama3_8b_h100,
+}
+"""Prefill models by name, for the command line."""

@@ -1,0 +1,195 @@
+"""The one prefill model and its one online fit (``kvstrata.costs``).
+
+Expected values come from the documented formula and the reference timings in
+``kvstrata.costs.profiles``, not from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from kvstrata.costs import (
+    DEFAULT_PREFILL_MODEL,
+    PROFILES,
+    OnlinePrefillFit,
+    PrefillModel,
+    calibrate,
+    fit,
+    llama3_8b_h100,
+    per_token,
+    smollm2_cpu,
+)
+from kvstrata.errors import InvalidInput
+
+
+# ------------------------------------------------------------------------------ the model
+def test_seconds_and_marginal_follow_the_formula() -> None:
+    model = PrefillModel(overhead_s=0.1, per_token_s=2e-3, per_token_ctx_s=4e-7)
+    n, c = 100, 1000
+    expected = 2e-3 * n + 4e-7 * n * (c + n / 2)
+    assert model.marginal_s(n, c) == pytest.approx(expected)
+    assert model.seconds(n, c) == pytest.approx(0.1 + expected)
+
+
+def test_edge_semantics_of_the_two_questions() -> None:
+    model = PrefillModel(overhead_s=0.1, per_token_s=2e-3, per_token_ctx_s=4e-7)
+    assert model.seconds(0) == 0.1  # a forward runs anyway: its fixed cost
+    assert model.seconds(0, 500) == 0.1
+    assert model.marginal_s(0, 500) == 0.0  # nothing recomputed, nothing saved
+    assert model.marginal_s(-3, 0) == 0.0
+
+
+def test_negative_terms_are_rejected() -> None:
+    with pytest.raises(InvalidInput):
+        PrefillModel(per_token_s=-1e-3)
+    with pytest.raises(InvalidInput):
+        PrefillModel(per_token_s=1e-3, per_token_ctx_s=math.nan)
+    with pytest.raises(InvalidInput):
+        PrefillModel(per_token_s=1e-3, kv_bytes_per_token=0)
+
+
+def test_default_model_reproduces_the_reference_timings() -> None:
+    model = smollm2_cpu()
+    assert model.seconds(2048, 0) == pytest.approx(3.9)
+    assert model.seconds(16, 2032) == pytest.approx(0.14)
+    assert model.kv_bytes_per_token == 46_080
+    assert model.per_token_s > 0 and model.per_token_ctx_s > 0 and model.overhead_s > 0
+    assert model == DEFAULT_PREFILL_MODEL
+    deep = model.marginal_s(512, 50_000)
+    assert deep > model.marginal_s(512, 0) > model.marginal_s(256, 0) > 0
+    assert set(PROFILES) == {"smollm2-cpu", "per-token", "llama3-8b-h100"}
+
+
+def test_named_profiles() -> None:
+    flat = per_token()
+    assert flat.overhead_s == 0.0 and flat.per_token_ctx_s == 0.0
+    assert flat.marginal_s(512, 10_000) == pytest.approx(512 * flat.per_token_s)
+    gpu = llama3_8b_h100()
+    assert gpu.kv_bytes_per_token == 131_072
+    assert gpu.per_token_s == pytest.approx(2 * 8.03e9 / (0.5 * 989e12))
+
+
+# ------------------------------------------------------------------------------ fit / calibrate
+def test_calibrate_recovers_a_known_engine() -> None:
+    truth = PrefillModel(overhead_s=0.1, per_token_s=2e-3, per_token_ctx_s=4e-7)
+    calls: list[tuple[int, int]] = []
+
+    def measure(new_tokens: int, cached_tokens: int) -> float:
+        calls.append((new_tokens, cached_tokens))
+        return truth.seconds(new_tokens, cached_tokens)
+
+    fitted = calibrate(measure, repeats=2)
+    assert len(calls) == 2 * 7
+    assert fitted.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
+    assert fitted.per_token_ctx_s == pytest.approx(truth.per_token_ctx_s, rel=1e-6)
+    assert fitted.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
+
+
+def test_fit_never_returns_negative_terms() -> None:
+    samples = [(16, 0, 0.5), (512, 0, 0.4), (1024, 0, 0.45), (2048, 0, 0.5)]  # noise only
+    fitted = fit(samples)
+    assert min(fitted.per_token_s, fitted.per_token_ctx_s, fitted.overhead_s) >= 0
+
+
+def test_fit_needs_three_samples() -> None:
+    with pytest.raises(InvalidInput):
+        fit([(16, 0, 0.1), (32, 0, 0.2)])
+
+
+# ------------------------------------------------------------------------------ online fit
+PRIOR = PrefillModel(overhead_s=0.5, per_token_s=1e-2, kv_bytes_per_token=1234, name="prior")
+
+
+def test_online_fit_refits_from_observed_samples() -> None:
+    truth = PrefillModel(overhead_s=0.02, per_token_s=2e-4, per_token_ctx_s=3e-8)
+    online = OnlinePrefillFit(PRIOR, window=64, min_samples=8)
+    rng = np.random.default_rng(0)
+    samples = [(int(rng.integers(1, 4096)), int(rng.integers(0, 8192))) for _ in range(40)]
+    for new, cached in samples[:7]:
+        online.observe(new, cached, truth.seconds(new, cached))
+    assert online.model() == PRIOR  # not enough samples yet
+    for new, cached in samples[7:]:
+        online.observe(new, cached, truth.seconds(new, cached))
+    online.observe(10, 0, -1.0)  # ignored: not a duration
+    online.observe(10, 0, math.nan)
+    online.observe(10, 0, math.inf)
+    online.observe(-1, 0, 1.0)
+    assert online.samples == 40
+    model = online.model()
+    assert model.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
+    assert model.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
+    assert model.per_token_ctx_s == pytest.approx(truth.per_token_ctx_s, rel=1e-6)
+    assert model.kv_bytes_per_token == 1234 and model.name == "online"
+    assert online.marginal_s(100, 50) == model.marginal_s(100, 50)
+    assert online.seconds(100, 50) == model.seconds(100, 50)
+
+
+def test_online_fit_keeps_the_prior_until_shapes_determine_the_terms() -> None:
+    online = OnlinePrefillFit(PRIOR)
+    for _ in range(50):  # many samples, but only three distinct (new, cached) shapes
+        for new in (10, 20, 30):
+            online.observe(new, 0, 0.01 * new)
+    assert online.model() == PRIOR
+    online.observe(40, 100, 0.4)
+    assert online.model() != PRIOR
+
+
+def test_online_fit_window_forgets_old_samples() -> None:
+    online = OnlinePrefillFit(PRIOR, window=16)
+    slow = PrefillModel(overhead_s=0.1, per_token_s=1e-2)
+    fast = PrefillModel(overhead_s=0.01, per_token_s=1e-4)
+    for new in range(1, 17):
+        online.observe(new * 8, new, slow.seconds(new * 8, new))
+    assert online.model().per_token_s == pytest.approx(1e-2, rel=1e-6)
+    for new in range(1, 17):
+        online.observe(new * 8, new, fast.seconds(new * 8, new))
+    assert online.samples == 16
+    assert online.model().per_token_s == pytest.approx(1e-4, rel=1e-6)
+
+
+def test_online_fit_never_goes_negative() -> None:
+    online = OnlinePrefillFit(PrefillModel(overhead_s=0.01, per_token_s=1e-4), min_samples=4)
+    for new in (100, 200, 400, 800, 1600):
+        online.observe(new, 0, 1e-3 * new - 0.05)  # a negative intercept in the data
+    model = online.model()
+    assert model.overhead_s == 0.0 and model.per_token_ctx_s >= 0.0
+    assert model.per_token_s > 0.0
+    assert all(model.seconds(n) > 0 for n in (1, 100, 1000))
+
+
+def test_online_fit_observe_is_thread_safe() -> None:
+    truth = PrefillModel(overhead_s=0.05, per_token_s=1e-3, per_token_ctx_s=1e-7)
+    online = OnlinePrefillFit(PRIOR, window=100_000)
+    threads_n, per_thread = 8, 500
+    start = threading.Barrier(threads_n)
+
+    def worker(seed: int) -> None:
+        start.wait()
+        for i in range(per_thread):
+            new, cached = 1 + (seed * 997 + i * 31) % 2048, (seed * 131 + i * 7) % 4096
+            online.observe(new, cached, truth.seconds(new, cached))
+            if i % 50 == 0:
+                model = online.model()  # reads interleaved with writes
+                assert min(model.overhead_s, model.per_token_s, model.per_token_ctx_s) >= 0
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert online.samples == threads_n * per_thread
+    model = online.model()
+    assert model.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
+    assert model.per_token_ctx_s == pytest.approx(truth.per_token_ctx_s, rel=1e-6)
+
+
+def test_online_fit_rejects_a_bad_configuration() -> None:
+    with pytest.raises(InvalidInput):
+        OnlinePrefillFit(PRIOR, window=0)
+    with pytest.raises(InvalidInput):
+        OnlinePrefillFit(PRIOR, min_samples=2)
