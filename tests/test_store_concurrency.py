@@ -251,3 +251,30 @@ def test_a_write_back_copy_whose_source_went_is_skipped(tmp_path: Path) -> None:
     assert not disk.contains(meta.key)
     assert not store.copy_down(0, 1, meta.key)
     store.close()
+
+
+def test_flush_waits_for_a_copy_another_thread_has_in_flight(tmp_path: Path) -> None:
+    """``flush()`` promises that nothing queued before it is still on its way: when the
+    background flusher has already taken the last entry, flush must wait for that copy (it
+    pins the source object until it is done; a caller removing it right after would fail)."""
+    host = HostTier(8 * OBJ, OBJ, pin_memory=False)
+    disk = GatedDiskTier(tmp_path / "disk", 8 * OBJ, durable=False)
+    store = TieredStore(
+        [
+            (host, LRUPolicy(), TierConfig("host")),
+            (disk, LRUPolicy(), TierConfig("disk", WritePolicy.WRITE_BACK)),
+        ]
+    )
+    store.start()  # the background flusher takes the entry
+    meta, payload = make_object(3)
+    assert store.put(meta, filler(payload))
+    assert disk.gate.entered.wait(WAIT_S)  # the flusher thread is inside the disk's commit
+    flush, _ = in_thread(store.flush)
+    flush.join(0.2)
+    assert flush.is_alive(), "flush returned while a queued copy was still in flight"
+    disk.gate.release.set()
+    flush.join(WAIT_S)
+    assert not flush.is_alive()
+    assert disk.contains(meta.key) and store.bytes_at_risk(1) == 0
+    assert host.remove(meta.key)  # no copy pins it any more
+    store.close()

@@ -56,6 +56,7 @@ class WriteBackQueue:
         self._entries: OrderedDict[tuple[int, BlockKey], tuple[int, int]] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self._cond = threading.Condition(threading.Lock())
+        self._in_flight = 0  # copies popped from the queue and not finished yet
         self._thread: threading.Thread | None = None
         self._closing = False
 
@@ -118,20 +119,31 @@ class WriteBackQueue:
             if item is None:
                 return False
             source, size = item
-            self._bytes[target] -= size
-            self._publish(target)
+            self._in_flight += 1
         try:
             return self._store.copy_down(source, target, key, cause="write-back")
         except KvstrataError:
             logger.exception("write-back of an object to %s failed", self._names[target])
             self._metrics.write_failures.labels(tier=self._names[target]).inc()
             return False
+        finally:
+            with self._cond:  # at risk until the copy has finished, one way or the other
+                self._in_flight -= 1
+                self._bytes[target] -= size
+                self._publish(target)
+                self._cond.notify_all()
 
     def drain(self) -> None:
+        """Copy everything queued, and wait for copies another thread has in flight: when
+        this returns, nothing queued before the call is still on its way."""
         while True:
             with self._cond:
                 if not self._entries:
-                    return
+                    while self._in_flight:
+                        self._cond.wait()
+                    if not self._entries:
+                        return
+                    continue
                 target, key = next(iter(self._entries))
             self._flush_entry(target, key)
 
