@@ -167,20 +167,41 @@ def test_front_door_tokenizes_exactly_like_the_worker(
         assert tokenizer.encode_prompt(prompt) == engine.encode_prompt(prompt)
 
 
+def _worker_config(tmp_path: Path) -> Path:
+    """One configuration file for every worker and the router (as ``kvstrata up --config``
+    hands out): tiny pool and host tier, debug endpoints, a shared tenant secret."""
+    secret = tmp_path / "tenant-secret"
+    secret.write_bytes(b"fleet-test-secret")
+    config = tmp_path / "worker.toml"
+    config.write_text(
+        f'tenant_secret_file = "{secret}"\n'
+        "debug_endpoints = true\n"
+        "[pool]\ngib = 0.002\n"
+        '[[tiers]]\nname = "host"\ngib = 0.004\n'
+    )
+    return config
+
+
 def _start_fleet(tmp_path: Path, workers: int) -> FleetUnderTest:
+    config = _worker_config(tmp_path)
     specs = [
         WorkerSpec(
             worker_id=f"w{i}",
             port=free_port(),
             model="tiny",
-            pool_gib=0.002,
-            host_gib=0.004,
-            extra_args=["--debug-endpoints"],
+            pool_gib=None,
+            host_gib=None,
+            config=config,
             log_path=tmp_path / f"w{i}.log",
         )
         for i in range(workers)
     ]
-    under_test = FleetUnderTest(Supervisor(specs), free_port(), router_log=tmp_path / "router.log")
+    under_test = FleetUnderTest(
+        Supervisor(specs),
+        free_port(),
+        router_args=["--config", str(config)],
+        router_log=tmp_path / "router.log",
+    )
     try:
         under_test.supervisor.start(ready_timeout_s=120)
         under_test.start_router()
@@ -399,7 +420,7 @@ def test_approximate_mode_routes_from_its_own_decisions(fleet: FleetUnderTest) -
     assert fleet.router is not None
     fleet.router.terminate()
     fleet.router.wait(timeout=30)
-    fleet.router_args = ["--index", "approximate"]
+    fleet.router_args = [*fleet.router_args, "--index", "approximate"]
     fleet.start_router()
     assert fleet.metric('kvstrata_index_consistency_mode{mode="approximate"}') == 1
     prompt = PROMPTS[2]

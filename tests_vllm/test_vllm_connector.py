@@ -99,12 +99,13 @@ def test_fresh_multiprocess_vllm_reuses_disk_tier(
     results_before, _ = stored
     expected = generations(results_before)[0]["tokens"]
     stats_path = store_dir / "stats-fresh.json"
-    connector = {
-        "host_gib": 0.25,
-        "disk_dir": str(store_dir / "disk"),
-        "disk_gib": 1,
-        "stats_path": str(stats_path),
-    }
+    # The same worker configuration file `kvstrata serve --config` takes (flat keys override).
+    config = store_dir / "worker.toml"
+    config.write_text(
+        '[[tiers]]\nname = "host"\ngib = 0.25\n'
+        f'[[tiers]]\nname = "disk"\npath = "{store_dir / "disk"}"\ngib = 1\n'
+    )
+    connector = {"config": str(config), "stats_path": str(stats_path)}
     results = run_driver(
         store_dir,
         {
