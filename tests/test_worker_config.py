@@ -13,14 +13,8 @@ from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.fleet.supervisor import WorkerSpec
 from kvstrata.identity import secret_digest
-from kvstrata.runtime.config import (
-    GIB,
-    KEYS,
-    OVERRIDES,
-    WorkerConfig,
-    load_worker_config,
-    reference_markdown,
-)
+from kvstrata.runtime.config import WorkerConfig, load_worker_config
+from kvstrata.runtime.config_schema import GIB, KEYS, OVERRIDES, reference_markdown
 from kvstrata.store.config import WritePolicy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstrata.runtime.config import WorkerConfig, load_worker_config, reference_markdown
+from kvstrata.runtime.config import WorkerConfig, load_worker_config
+from kvstrata.runtime.config_schema import reference_markdown
 
 
 def register(sub: Any) -> None:

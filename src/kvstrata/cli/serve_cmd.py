@@ -19,7 +19,8 @@ from typing import Any
 
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
-from kvstrata.runtime.config import GIB, WorkerConfig, load_worker_config
+from kvstrata.runtime.config import WorkerConfig, load_worker_config
+from kvstrata.runtime.config_schema import GIB
 from kvstrata.store.config import WritePolicy
 
 

@@ -1,0 +1,233 @@
+"""The worker configuration's schema: every key, every override, and the reference page.
+
+One table (``KEYS``) names each key of a worker configuration file with its type, default
+and meaning; ``kvstrata.runtime.config`` validates files against it and
+``reference_markdown`` renders ``docs/configuration.md`` from it, so the page cannot drift
+from the parser. ``OVERRIDES`` are the flat names (``serve`` flags, the vLLM connector's keys)
+and where each lands in a file's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+GIB: Final = 1 << 30
+MIB: Final = 1 << 20
+TIER_NAMES: Final = ("host", "disk")
+EVICTION_POLICIES: Final = ("kvstrata", "lru")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: its dotted path, type, default and meaning."""
+
+    path: str
+    type: str  # "float" | "int" | "str" | "bool" | "path" | "list[str]" | "table[float]"
+    default: Any
+    help: str
+
+
+KEYS: Final[tuple[Key, ...]] = (
+    Key("model", "str", "smollm2", "`serve`: smollm2 | tiny | a local HF model directory"),
+    Key("served_model_name", "str", None, "`serve`: the name clients pass as `model`"),
+    Key(
+        "tenant_secret_file",
+        "path",
+        None,
+        "file whose bytes are mixed into every tenant's salt; router and workers must agree "
+        "(compared by digest at attach); unset: the empty secret",
+    ),
+    Key("admin_token_file", "path", None, "`serve`: bearer token required on `/admin`"),
+    Key("debug_endpoints", "bool", False, "`serve`: `POST /kv/debug/drop-events` (tests)"),
+    Key("pool.gib", "float", 1.0, "device KV pool size in GiB (reference engine)"),
+    Key("pool.block_size", "int", 16, "tokens per KV block (reference engine)"),
+    Key("tiers.name", "str", None, "`host` (DRAM slab) or `disk` (one file per object)"),
+    Key("tiers.gib", "float", None, "capacity in GiB"),
+    Key("tiers.path", "path", None, "disk: the tier's directory (required for disk)"),
+    Key("tiers.durable", "bool", True, "disk: fsync every object (off: survives process death)"),
+    Key(
+        "tiers.write_policy",
+        "str",
+        "write-through",
+        "how objects enter this tier from the one above: write-through | write-back | selective",
+    ),
+    Key("tiers.ttl_s", "float", None, "seconds an object lives in this tier (unset: no TTL)"),
+    Key("tiers.eviction_policy", "str", "kvstrata", "kvstrata (by measured value) | lru"),
+    Key("tiers.verify_reads", "bool", True, "check the payload digest on every read"),
+    Key("tiers.selective_min_uses", "int", 2, "selective: uses before an object is admitted"),
+    Key("tiers.write_back_max_mib", "float", 256.0, "write-back: queued MiB before backpressure"),
+    Key("tiers.quota_gib", "table[float]", {}, "per-tenant byte quota in GiB (`{tenant = gib}`)"),
+    Key("tiers.default_quota_gib", "float", None, "quota of tenants not in `quota_gib`"),
+    Key("tiers.rollout.enabled", "bool", True, "the tier's switch at start (admin can flip it)"),
+    Key("tiers.rollout.tenants", "list[str]", None, "only these tenants use the tier"),
+    Key("tiers.rollout.models", "list[str]", None, "only these model names use the tier"),
+    Key("tiers.rollout.canary", "float", 1.0, "share of requests that use the tier, in [0, 1]"),
+    Key(
+        "tiers.rollout.min_reusable_tokens",
+        "int",
+        0,
+        "break-even: below this many reusable tokens from the tier, recompute",
+    ),
+    Key("events.endpoint", "str", None, "ZMQ endpoint KV events are published on"),
+    Key("events.replay_endpoint", "str", None, "ZMQ ROUTER endpoint answering replay requests"),
+    Key("events.worker_id", "str", None, "this worker's id in events (serve: HOSTNAME:PORT)"),
+    Key("events.topic", "str", "", "ZMQ topic of the event stream"),
+    Key("events.buffer_steps", "int", 10_000, "batches kept for replay"),
+    Key("connector.lookup_timeout_ms", "int", 2000, "vLLM: scheduler → worker lookup timeout"),
+    Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
+)
+BY_PATH: Final = {key.path: key for key in KEYS}
+TABLES: Final = ("pool", "tiers", "events", "connector")
+
+
+# ---- overrides ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Override:
+    """A flat setting (a CLI flag, a connector key) and where it lands in the file's data."""
+
+    name: str
+    help: str
+    apply: Callable[[dict[str, Any], Any], None]
+
+
+def _set(path: str) -> Callable[[dict[str, Any], Any], None]:
+    def apply(data: dict[str, Any], value: Any) -> None:
+        *tables, leaf = path.split(".")
+        target = data
+        for table in tables:
+            target = target.setdefault(table, {})
+        target[leaf] = value
+
+    return apply
+
+
+def _tier_table(data: dict[str, Any], name: str) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = data.setdefault("tiers", [])
+    for entry in tiers:
+        if entry.get("name") == name:
+            return entry
+    entry = {"name": name}
+    tiers.append(entry)
+    tiers.sort(key=lambda e: TIER_NAMES.index(e["name"]) if e.get("name") in TIER_NAMES else 9)
+    return entry
+
+
+def _tier_size(name: str) -> Callable[[dict[str, Any], Any], None]:
+    def apply(data: dict[str, Any], value: Any) -> None:
+        if float(value) == 0.0:  # 0 GiB: no such tier
+            data["tiers"] = [e for e in data.get("tiers", []) if e.get("name") != name]
+        else:
+            _tier_table(data, name)["gib"] = value
+
+    return apply
+
+
+def _tier_key(name: str, key: str) -> Callable[[dict[str, Any], Any], None]:
+    def apply(data: dict[str, Any], value: Any) -> None:
+        _tier_table(data, name)[key] = str(value) if key == "path" else value
+
+    return apply
+
+
+def _every_tier(key: str) -> Callable[[dict[str, Any], Any], None]:
+    def apply(data: dict[str, Any], value: Any) -> None:
+        for entry in data.get("tiers", []):
+            if key.startswith("rollout."):
+                entry.setdefault("rollout", {})[key.removeprefix("rollout.")] = value
+            else:
+                entry[key] = value
+
+    return apply
+
+
+_OVERRIDE_LIST: Final = (
+    Override("model", "model", _set("model")),
+    Override("served_model_name", "served_model_name", _set("served_model_name")),
+    Override("pool_gib", "pool.gib", _set("pool.gib")),
+    Override("block_size", "pool.block_size", _set("pool.block_size")),
+    Override("host_gib", "the host tier's gib (0 removes it)", _tier_size("host")),
+    Override(
+        "host_write_policy", "the host tier's write_policy", _tier_key("host", "write_policy")
+    ),
+    Override("disk_dir", "the disk tier's path", _tier_key("disk", "path")),
+    Override("disk_gib", "the disk tier's gib (0 removes it)", _tier_size("disk")),
+    Override(
+        "disk_write_policy", "the disk tier's write_policy", _tier_key("disk", "write_policy")
+    ),
+    Override("disk_write", "the disk tier's write_policy", _tier_key("disk", "write_policy")),
+    Override("durable", "the disk tier's durable", _tier_key("disk", "durable")),
+    Override("tier_ttl_s", "ttl_s of every tier", _every_tier("ttl_s")),
+    Override("eviction_policy", "eviction_policy of every tier", _every_tier("eviction_policy")),
+    Override("policy", "eviction_policy of every tier", _every_tier("eviction_policy")),
+    Override("verify_reads", "verify_reads of every tier", _every_tier("verify_reads")),
+    Override("tier_tenants", "rollout.tenants of every tier", _every_tier("rollout.tenants")),
+    Override("tier_canary", "rollout.canary of every tier", _every_tier("rollout.canary")),
+    Override(
+        "min_reusable_tokens",
+        "rollout.min_reusable_tokens of every tier",
+        _every_tier("rollout.min_reusable_tokens"),
+    ),
+    Override("tenant_secret_file", "tenant_secret_file", _set("tenant_secret_file")),
+    Override("debug_endpoints", "debug_endpoints", _set("debug_endpoints")),
+    Override("events_endpoint", "events.endpoint", _set("events.endpoint")),
+    Override("replay_endpoint", "events.replay_endpoint", _set("events.replay_endpoint")),
+    Override("events_replay_endpoint", "events.replay_endpoint", _set("events.replay_endpoint")),
+    Override("events_topic", "events.topic", _set("events.topic")),
+    Override("worker_id", "events.worker_id", _set("events.worker_id")),
+    Override(
+        "lookup_timeout_ms", "connector.lookup_timeout_ms", _set("connector.lookup_timeout_ms")
+    ),
+    Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
+)
+OVERRIDES: Final[Mapping[str, Override]] = {o.name: o for o in _OVERRIDE_LIST}
+PATH_OVERRIDES: Final = frozenset({"disk_dir", "tenant_secret_file", "stats_path"})
+
+
+# ---- the reference page -------------------------------------------------------------------------
+def reference_markdown() -> str:
+    """``docs/configuration.md``, generated from ``KEYS`` and ``OVERRIDES``."""
+    lines = [
+        "# Worker configuration reference",
+        "",
+        "Generated from `kvstrata.runtime.config_schema` (`tests/test_worker_config.py` checks",
+        "that this page is current; regenerate with `kvstrata config --reference > "
+        "docs/configuration.md`).",
+        "",
+        "One TOML file configures `kvstrata serve --config F`, `kvstrata up --config F` (every",
+        "worker gets the same file) and the vLLM connector",
+        '(`kv_connector_extra_config = {"config": F}`). Command-line flags and flat connector',
+        "keys override it (table at the end).",
+        "See `examples/worker.toml`.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for key in KEYS:
+        default = "—" if key.default is None else f"`{_toml_value(key.default)}`"
+        path = key.path.replace("tiers.", "[[tiers]] ", 1)
+        meaning = key.help.replace("|", "\\|")
+        lines.append(f"| `{path}` | {key.type} | {default} | {meaning} |")
+    lines += [
+        "",
+        "## Overrides",
+        "",
+        "`kvstrata serve` flags are these names with dashes (`--host-gib`); the connector takes",
+        "them as flat keys of `kv_connector_extra_config` beside `config`.",
+        "",
+        "| override | sets |",
+        "|---|---|",
+    ]
+    lines += [f"| `{o.name}` | {o.help} |" for o in _OVERRIDE_LIST]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "{}"
+    return str(value)
