@@ -20,7 +20,7 @@ from typing import Any
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
-from kvstrata.runtime.config_schema import GIB
+from kvstrata.runtime.config_schema import GIB, OVERRIDES
 from kvstrata.store.config import WritePolicy
 
 
@@ -106,32 +106,9 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=run)
 
 
-_OVERRIDE_FLAGS = (
-    "model",
-    "served_model_name",
-    "pool_gib",
-    "block_size",
-    "host_gib",
-    "host_write_policy",
-    "disk_dir",
-    "disk_gib",
-    "disk_write_policy",
-    "tier_ttl_s",
-    "eviction_policy",
-    "tier_tenants",
-    "tier_canary",
-    "min_reusable_tokens",
-    "tenant_secret_file",
-    "debug_endpoints",
-    "events_endpoint",
-    "replay_endpoint",
-    "worker_id",
-)
-
-
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     """The worker configuration: ``--config`` (or the defaults) with the flags on top."""
-    overrides = {name: getattr(args, name) for name in _OVERRIDE_FLAGS}
+    overrides = {name: getattr(args, name) for name in OVERRIDES if hasattr(args, name)}
     config = load_worker_config(args.config, overrides)
     if config.events is not None and config.events.worker_id is None:
         worker_id = f"{socket.gethostname()}:{args.port}"

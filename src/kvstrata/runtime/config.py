@@ -115,7 +115,6 @@ def load_worker_config(
         if name in PATH_OVERRIDES:  # relative to where the flag was given, not to the file
             value = str(Path(value).expanduser().resolve())
         handler.apply(data, value)
-    _check_keys(data, where)
     return _build(data, where, base)
 
 

@@ -201,10 +201,12 @@ class KVEventEmitter:
 
     @property
     def pending(self) -> bool:
-        """Events wait for the next ``flush`` (the store's feed is drained into the buffer)."""
-        self._drain_store()
+        """Events wait for the next ``flush`` (any thread). Only ``flush`` drains the store's
+        feed, on the publishing thread: two drainers could append their halves out of order."""
         with self._lock:
-            return bool(self._buffer.runs)
+            if self._buffer.runs:
+                return True
+        return self._store is not None and self._store.has_events()
 
     def start(self) -> KVEventEmitter:
         """Bind the live (and replay) sockets; a bad or busy endpoint is an ``InvalidInput``."""
@@ -233,9 +235,9 @@ class KVEventEmitter:
         if pool is not None:
             pool.subscribe(self)
         if store is not None:
-            self.attach_store(store)
+            self._attach_store(store)
 
-    def attach_store(self, store: TieredStore) -> None:
+    def _attach_store(self, store: TieredStore) -> None:
         """Drain ``store``'s change feed from now on (what it recovered is not re-announced:
         ``snapshot`` lists it)."""
         if not store.records_events:

@@ -70,6 +70,10 @@ class EventFeed:
             if tenant is not None:
                 self._events.append(ObjectRemoved(tier, key, tenant))
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._events)
+
     def take(self) -> list[StoreEvent]:
         events, self._events = self._events, []
         return events

@@ -61,6 +61,13 @@ class StoreCore:
     def records_events(self) -> bool:
         return self._feed.enabled
 
+    def has_events(self) -> bool:
+        """Would ``take_events`` return anything now? (Does not drain: one owner drains.)"""
+        with self._lock:
+            for level in self.levels:
+                self._sync_dropped(level)
+            return self._feed.pending
+
     def take_events(self) -> list[StoreEvent]:
         """Return and clear the change feed (empty unless built with ``record_events``)."""
         with self._lock:
