@@ -53,7 +53,8 @@ def exact_from(engine: ReferenceEngine, prompt: list[int]) -> dict[str, int]:
     )
     assert diff <= 1e-4
     assert cached.output_ids == fresh.output_ids
-    assert cached.record.matched_tokens == (len(prompt) - 1) // B * B
+    # Full blocks at least; the tail too when a cached block continues the prompt.
+    assert cached.record.matched_tokens >= (len(prompt) - 1) // B * B
     return cached.record.matched_by_tier
 
 
@@ -162,7 +163,7 @@ def test_selective_host_keeps_only_reused_blocks(tiny_model: LoadedModel, tmp_pa
     host_tier = engine.bridge.store.levels[0].tier
     assert host_tier.contains(engine.block_keys(twice)[0])
     assert not host_tier.contains(engine.block_keys(once)[0])
-    assert exact_from(engine, twice) == {"host": 48}
+    assert exact_from(engine, twice) == {"host": 63}
     engine.close()
 
 
@@ -173,7 +174,7 @@ def test_other_tenant_gets_nothing_from_lower_tiers(engine: ReferenceEngine) -> 
     bob = engine.generate(prompt, SamplingParams(max_tokens=1), tenant="bob").run()
     assert bob.record.matched_tokens == 0
     alice = engine.generate(prompt, SamplingParams(max_tokens=1), tenant="alice").run()
-    assert alice.record.matched_by_tier == {"host": 64}
+    assert alice.record.matched_by_tier == {"host": 79}
 
 
 def test_disk_tier_survives_an_engine_restart(tiny_model: LoadedModel, tmp_path: Path) -> None:

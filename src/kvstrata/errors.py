@@ -28,6 +28,18 @@ class EngineError(KvstrataError):
     """The reference engine failed while serving a request."""
 
 
+class QueueFull(KvstrataError):
+    """The engine's waiting queue is full: try again after ``retry_after_s`` (HTTP 429)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestCancelled(KvstrataError):
+    """The request was cancelled (client gone, engine stopping) before it finished."""
+
+
 class ContextTooLong(InvalidInput):
     """Prompt plus requested output exceed the model's context window."""
 
@@ -65,8 +77,10 @@ class ApiError(KvstrataError):
         type: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.type = type

@@ -28,8 +28,6 @@ def build_engine(
     block_bytes = pool_config_for(loaded, config.block_size, 1).bytes_per_block
     store = None
     if worker is not None:
-        store = build_store(
-            block_bytes, worker, metrics.registry, record_events=events is not None
-        )
+        store = build_store(block_bytes, worker, metrics.registry, record_events=events is not None)
     costs = OnlinePrefillFit(cost_model or DEFAULT_PREFILL_MODEL)
     return ReferenceEngine(loaded, config, metrics=metrics, store=store, costs=costs, events=events)

@@ -7,6 +7,9 @@ gathered with one ``index_select`` straight into the ``[H, tokens, D]`` shape at
 Bookkeeping (pure Python, no I/O):
 - a block is PENDING after ``allocate`` (invisible to lookup, not evictable) and becomes
   visible on ``commit``; ``abort`` frees it, so a failed write leaves nothing behind;
+- a running sequence computes into SCRATCH blocks (``allocate_scratch``: no key yet, private,
+  never evicted); once a scratch block is full, ``publish`` gives it its key and commits it
+  (the caller keeps its reference), or ``free_scratch`` drops it;
 - committed blocks are found by their chained ``BlockKey``; ``acquire`` / ``release`` count
   readers, and a referenced block is never evicted;
 - eviction takes the least recently used *leaf* (no cached children, no readers), so a
@@ -53,6 +56,7 @@ class BlockState(Enum):
     FREE = 0
     PENDING = 1
     COMMITTED = 2
+    SCRATCH = 3
 
 
 @dataclass
@@ -93,6 +97,9 @@ class PagedKVPool:
         self._by_key: dict[BlockKey, int] = {}
         self._pending: dict[BlockKey, int] = {}
         self._evictable: list[tuple[int, int]] = []  # heap of (last_used, block id), lazy
+        self._children: dict[int, set[int]] = {}  # committed parent id → committed child ids
+        self._held = 0  # committed blocks with readers
+        self._scratch = 0
         self._clock = 0
         self.evictions = 0
         self._publish()
@@ -121,6 +128,8 @@ class PagedKVPool:
             block = self._blocks[block_id]
             if block.state is not BlockState.COMMITTED:
                 raise PoolStateError(f"acquire of block {block_id} in state {block.state.name}")
+            if block.refs == 0:
+                self._held += 1
             block.refs += 1
             block.uses += 1
             block.last_used = self._clock
@@ -131,6 +140,8 @@ class PagedKVPool:
             if block.refs <= 0:
                 raise PoolStateError(f"release of unreferenced block {block_id}")
             block.refs -= 1
+            if block.refs == 0:
+                self._held -= 1
             self._maybe_evictable(block_id)
 
     # ---- writes -------------------------------------------------------------------------
@@ -171,16 +182,89 @@ class PagedKVPool:
         ):
             raise PoolStateError("commit of a block before its parent")
         del self._pending[block.key]
+        self._committed(block_id)
+
+    def _committed(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.key is not None
         block.state = BlockState.COMMITTED
         self._clock += 1
         block.last_used = self._clock
         self._by_key[block.key] = block_id
+        if block.parent is not None:
+            self._children.setdefault(block.parent, set()).add(block_id)
         self._maybe_evictable(block_id)
         self._publish()
         if self._listeners:
             resident = self._resident(block)
             for listener in self._listeners:
                 listener.block_committed(resident)
+
+    # ---- scratch blocks of running sequences --------------------------------------------
+    def allocate_scratch(self) -> int | None:
+        """A private block for a running sequence's KV (evicts an unreferenced leaf when the
+        pool is full); None when every block is in use."""
+        if not self._free and not self._evict_one(protect=None):
+            return None
+        block_id = self._free.pop()
+        self._blocks[block_id] = _Block(state=BlockState.SCRATCH)
+        self._scratch += 1
+        self._publish()
+        return block_id
+
+    def publish(
+        self, block_id: int, key: BlockKey, parent_key: BlockKey | None, info: object = None
+    ) -> bool:
+        """Commit a filled scratch block under ``key``; the caller keeps one reference.
+
+        False (the block stays scratch) when ``key`` is cached already or ``parent_key`` is
+        not committed here: the pool stays prefix-closed and holds each key once.
+        """
+        block = self._blocks[block_id]
+        if block.state is not BlockState.SCRATCH:
+            raise PoolStateError(f"publish of block {block_id} in state {block.state.name}")
+        if key in self._by_key or key in self._pending:
+            return False
+        parent_id = None
+        if parent_key is not None:
+            parent_id = self._by_key.get(parent_key)
+            if parent_id is None:
+                return False
+            self._blocks[parent_id].children += 1
+        self._scratch -= 1
+        self._held += 1
+        block.key, block.parent, block.info = key, parent_id, info
+        block.refs, block.uses = 1, 1
+        self._committed(block_id)
+        return True
+
+    def free_scratch(self, block_id: int) -> None:
+        if self._blocks[block_id].state is not BlockState.SCRATCH:
+            raise PoolStateError(f"free_scratch of block {block_id} that is not scratch")
+        self._scratch -= 1
+        self._free_block(block_id)
+        self._publish()
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy a block's KV into a scratch block (copy-on-write of a shared tail block)."""
+        if self._blocks[target].state is not BlockState.SCRATCH:
+            raise PoolStateError("copy into a block that is not scratch")
+        self.kv[:, :, :, target].copy_(self.kv[:, :, :, source])
+
+    def children(self, parent_key: BlockKey) -> list[tuple[int, object]]:
+        """(block id, info) of the committed blocks whose parent is ``parent_key``."""
+        parent_id = self._by_key.get(parent_key)
+        if parent_id is None:
+            return []
+        return [(child, self._blocks[child].info) for child in self._children.get(parent_id, ())]
+
+    def block_id(self, key: BlockKey) -> int | None:
+        return self._by_key.get(key)
+
+    @property
+    def blocks_available(self) -> int:
+        """Blocks a new sequence could get: free ones and committed ones nobody reads."""
+        return self.config.num_blocks - self._held - self._scratch - len(self._pending)
 
     def abort(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -302,8 +386,14 @@ class PagedKVPool:
                 listener.block_evicted(evicted)
         del self._by_key[block.key]
         parent_id = block.parent
+        self._children.pop(block_id, None)
         self._free_block(block_id)
         if parent_id is not None:
+            siblings = self._children.get(parent_id)
+            if siblings is not None:
+                siblings.discard(block_id)
+                if not siblings:
+                    del self._children[parent_id]
             self._blocks[parent_id].children -= 1
             self._maybe_evictable(parent_id)
         self.evictions += 1

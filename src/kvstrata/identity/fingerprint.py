@@ -123,7 +123,8 @@ class ModelFacts:
 
 
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-SUPPORTED_ATTENTION = frozenset({"eager", "sdpa"})
+# "kvstrata_paged": the reference engine's SDPA over its paged pool (engine/paged_attention.py)
+SUPPORTED_ATTENTION = frozenset({"eager", "sdpa", "kvstrata_paged"})
 # RoPE variants whose rotation of position p depends only on p (not on the request length).
 POSITION_ONLY_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 # RoPE variants that switch frequencies with the sequence length: a prefix's KV computed in a

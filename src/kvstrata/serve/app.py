@@ -3,26 +3,29 @@
 ``create_app`` builds a FastAPI app with ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``/health``, ``/metrics`` and the worker's KV state (``/kv/info``, ``/kv/dump``,
 see ``kv_state``; with an engine that publishes KV events, the lifespan also runs its replay
-thread and idle flush). Every engine call (tokenising, prefill,
-decoding) runs on the single engine thread of an ``EngineWorker`` that the app's lifespan
-starts and closes; the event loop never computes. Errors are answered in OpenAI's shape:
-bad input is a 400, an unknown model a 404, and anything unexpected inside the engine a
-500 after which the next request is served normally. Each generation's ``RequestRecord``
-is logged as one JSON line on the ``kvstrata.serve`` logger: ids and counts, never text.
+thread and idle flush). The app's lifespan starts the engine's step loop (continuous
+batching: every request joins the running batch at the next step) and stops it. The event loop
+tokenises, queues the generation and follows its tokens; it never waits on a step. A client
+that disconnects, streaming or not, cancels its request at the next step. A full queue is a
+429 with ``Retry-After``. Errors are answered in OpenAI's shape: bad input is a 400, an unknown
+model a 404, and anything unexpected inside the engine a 500 after which the next request is
+served normally. Each generation's ``RequestRecord`` is logged as one JSON line on the
+``kvstrata.serve`` logger: ids and counts, never text.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import threading
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
-from kvstrata.errors import ApiError, ContextTooLong, InvalidInput
+from kvstrata.errors import ApiError, ContextTooLong, InvalidInput, QueueFull
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
@@ -42,16 +45,7 @@ from kvstrata.serve.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
-from kvstrata.serve.streaming import (
-    DoneEvent,
-    EngineWorker,
-    ErrorEvent,
-    Outcome,
-    StreamEvent,
-    TextAssembler,
-    TextEvent,
-    produce,
-)
+from kvstrata.serve.streaming import Outcome, TextAssembler, follow
 from kvstrata.telemetry import KvMetrics
 
 logger = logging.getLogger("kvstrata.serve")
@@ -66,6 +60,7 @@ PREFILL_HEADER = "X-Kvstrata-Prefill-S"
 """Engine-measured prefill seconds of a non-streamed answer (the router learns from it)."""
 TTFT_HEADER = "X-Kvstrata-Ttft-S"
 MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
+_DISCONNECT_POLL_S = 0.2
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -83,13 +78,12 @@ def create_app(
     """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
-    worker = EngineWorker()
-    service = _Service(engine, model_name, worker)
-    kv_runtime = KvStateRuntime(engine.events, worker) if engine.events is not None else None
+    service = _Service(engine, model_name)
+    kv_runtime = KvStateRuntime(engine.events, engine) if engine.events is not None else None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        engine.start_loop()
         if kv_runtime is not None:
             kv_runtime.start()
         try:
@@ -97,7 +91,7 @@ def create_app(
         finally:
             if kv_runtime is not None:
                 await kv_runtime.close()
-            worker.close()
+            await asyncio.to_thread(engine.stop_loop)
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
     app.add_middleware(_RequestCounter, metrics=metrics)
@@ -105,21 +99,23 @@ def create_app(
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
     app.exception_handler(StarletteHTTPException)(protocol.http_error_handler)
     register_admin(app, engine.bridge.store if engine.bridge is not None else None, admin_token)
-    register_kv_state(app, engine, worker, model_name=model_name, debug_endpoints=debug_endpoints)
+    register_kv_state(app, engine, model_name=model_name, debug_endpoints=debug_endpoints)
 
     @app.post(COMPLETIONS, response_model=None)
     async def completions(
+        request: Request,
         body: CompletionRequest,
         x_kvstrata_tenant: str | None = Header(default=None),
     ) -> Response:
-        return await service.completions(body, _tenant(body, x_kvstrata_tenant))
+        return await service.completions(request, body, _tenant(body, x_kvstrata_tenant))
 
     @app.post(CHAT, response_model=None)
     async def chat_completions(
+        request: Request,
         body: ChatCompletionRequest,
         x_kvstrata_tenant: str | None = Header(default=None),
     ) -> Response:
-        return await service.chat(body, _tenant(body, x_kvstrata_tenant))
+        return await service.chat(request, body, _tenant(body, x_kvstrata_tenant))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -137,16 +133,15 @@ def create_app(
 
 
 class _Service:
-    """Turns parsed requests into engine work on the worker thread and into responses."""
+    """Turns parsed requests into queued generations and their tokens into responses."""
 
-    def __init__(self, engine: ReferenceEngine, model_name: str, worker: EngineWorker) -> None:
+    def __init__(self, engine: ReferenceEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.worker = worker
         self.created = int(time.time())
         self.vocab_size = int(engine.model.config.vocab_size)
 
-    async def completions(self, body: CompletionRequest, tenant: str) -> Response:
+    async def completions(self, request: Request, body: CompletionRequest, tenant: str) -> Response:
         self._check_model(body)
         prompt = body.prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -162,16 +157,16 @@ class _Service:
             def encode() -> list[int]:
                 return self.engine.encode_prompt(text)
 
-        return await self._serve(COMPLETIONS, body, tenant, encode, "prompt")
+        return await self._serve(request, COMPLETIONS, body, tenant, encode, "prompt")
 
-    async def chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
+    async def chat(self, request: Request, body: ChatCompletionRequest, tenant: str) -> Response:
         self._check_model(body)
         messages = body.template_messages()
 
         def encode() -> list[int]:
             return self.engine.encode_chat(messages)
 
-        return await self._serve(CHAT, body, tenant, encode, "messages")
+        return await self._serve(request, CHAT, body, tenant, encode, "messages")
 
     def _check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -184,6 +179,7 @@ class _Service:
 
     async def _serve(
         self,
+        request: Request,
         endpoint: str,
         body: SamplingRequest,
         tenant: str,
@@ -192,53 +188,61 @@ class _Service:
     ) -> Response:
         request_id = uuid.uuid4().hex
         engine = self.engine
-
-        def prepare() -> Generation:
-            prompt_ids = encode()
-            max_tokens = body.requested_max_tokens()
-            if max_tokens is None:
-                max_tokens = engine.max_model_len - len(prompt_ids)
-                if max_tokens < 1:
-                    raise ContextTooLong(
-                        f"prompt of {len(prompt_ids)} tokens fills the context window of "
-                        f"{engine.max_model_len} tokens"
-                    )
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=max(0, body.top_k),
-                seed=body.seed,
-            )
-            return engine.generate(prompt_ids, params, tenant=tenant, request_id=request_id)
-
-        def on_end(generation: Generation) -> None:
-            _log_record(endpoint, body.stream, generation)
-
-        stops = body.stop_strings()
         try:
-            if not body.stream:
-                outcome = await self.worker.call(lambda: _run_once(prepare, engine, stops, on_end))
-                record = outcome.generation.record
-                timing = {
-                    PREFILL_HEADER: f"{record.prefill_s:.6f}",
-                    TTFT_HEADER: f"{record.ttft_s:.6f}",
-                    MATCHED_HEADER: str(record.matched_tokens),
-                }
-                body_out = self._final_body(endpoint, request_id, outcome)
-                return JSONResponse(body_out, headers=timing)
-            events = self.worker.stream(prepare, engine.decode, stops, on_end)
-            first = await anext(events)
+            prompt_ids = encode()  # on the loop: the tokenizer has one user, no locking
+            generation = engine.generate(
+                prompt_ids,
+                self._params(body, len(prompt_ids)),
+                tenant=tenant,
+                request_id=request_id,
+            )
         except Exception as exc:
             return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
-        if isinstance(first, ErrorEvent):
-            await events.aclose()
-            return protocol.error_response(_as_api_error(first.error, prompt_param, request_id))
-        chunks = self._chunks(endpoint, request_id, first, events, body.include_usage())
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+        _log_at_end(endpoint, body.stream, generation)
+        assembler = TextAssembler(engine.decode, body.stop_strings())
+        outcome: list[Outcome] = []
+        deltas = follow(generation, assembler, outcome)
+        if body.stream:
+            chunks = self._chunks(endpoint, request_id, deltas, outcome, body.include_usage())
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+        watcher = asyncio.create_task(_cancel_when_gone(request, generation))
+        try:
+            async for _delta in deltas:
+                pass
+        except Exception as exc:
+            return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
+        finally:
+            watcher.cancel()
+            await deltas.aclose()
+        if not outcome:  # cancelled: the client is gone, nobody reads this
+            return Response(status_code=499)
+        record = generation.record
+        timing = {
+            PREFILL_HEADER: f"{record.prefill_s:.6f}",
+            TTFT_HEADER: f"{record.ttft_s:.6f}",
+            MATCHED_HEADER: str(record.matched_tokens),
+        }
+        return JSONResponse(self._final_body(endpoint, request_id, outcome[0]), headers=timing)
+
+    def _params(self, body: SamplingRequest, prompt_tokens: int) -> SamplingParams:
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = self.engine.max_model_len - prompt_tokens
+            if max_tokens < 1:
+                raise ContextTooLong(
+                    f"prompt of {prompt_tokens} tokens fills the context window of "
+                    f"{self.engine.max_model_len} tokens"
+                )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(0, body.top_k),
+            seed=body.seed,
+        )
 
     def _final_body(self, endpoint: str, request_id: str, outcome: Outcome) -> dict[str, Any]:
-        usage = _usage(outcome.generation)
+        usage = _usage(outcome)
         if endpoint == CHAT:
             return protocol.chat_body(
                 request_id, self.model_name, outcome.text, outcome.finish_reason, usage
@@ -251,8 +255,8 @@ class _Service:
         self,
         endpoint: str,
         request_id: str,
-        first: StreamEvent,
-        events: AsyncGenerator[StreamEvent, None],
+        deltas: AsyncGenerator[str, None],
+        outcome: list[Outcome],
         include_usage: bool,
     ) -> AsyncIterator[str]:
         """SSE lines: deltas, a final chunk with the finish reason, optional usage, [DONE]."""
@@ -271,26 +275,23 @@ class _Service:
                 yield _sse(
                     protocol.chat_chunk(request_id, model, {"role": "assistant", "content": ""})
                 )
-            event = first
-            while True:
-                if isinstance(event, TextEvent):
-                    yield chunk(event.text)
-                elif isinstance(event, DoneEvent):
-                    yield chunk(None, event.outcome.finish_reason)
+            try:
+                async for text in deltas:
+                    yield chunk(text)
+            except Exception as exc:
+                error = _as_api_error(exc, "messages" if chat else "prompt", request_id)
+                yield _sse(error.body())
+            else:
+                if outcome:
+                    yield chunk(None, outcome[0].finish_reason)
                     if include_usage:
-                        yield _sse(self._usage_chunk(chat, request_id, event.outcome))
-                    break
-                else:
-                    error = _as_api_error(event.error, "messages" if chat else "prompt", request_id)
-                    yield _sse(error.body())
-                    break
-                event = await anext(events)
+                        yield _sse(self._usage_chunk(chat, request_id, outcome[0]))
             yield "data: [DONE]\n\n"
         finally:
-            await events.aclose()
+            await deltas.aclose()
 
     def _usage_chunk(self, chat: bool, request_id: str, outcome: Outcome) -> dict[str, Any]:
-        usage = _usage(outcome.generation)
+        usage = _usage(outcome)
         if chat:
             return protocol.chat_chunk(request_id, self.model_name, None, usage_body=usage)
         body = protocol.completion_body(request_id, self.model_name, "", None, usage, chunk=True)
@@ -298,33 +299,33 @@ class _Service:
         return body
 
 
-def _run_once(
-    prepare: Callable[[], Generation],
-    engine: ReferenceEngine,
-    stops: tuple[str, ...],
-    on_end: Callable[[Generation], None],
-) -> Outcome:
-    """A whole non-streaming generation, on the engine thread."""
-    generation = prepare()
-    try:
-        outcome = produce(generation, TextAssembler(engine.decode, stops), _drop, threading.Event())
-    except Exception as exc:
-        generation.record.error = type(exc).__name__
-        on_end(generation)
-        raise
-    on_end(generation)
-    return outcome
+async def _cancel_when_gone(request: Request, generation: Generation) -> None:
+    """Cancel a non-streaming generation whose client disconnected."""
+    while not generation.done:
+        if await request.is_disconnected():
+            generation.close()
+            return
+        await asyncio.sleep(_DISCONNECT_POLL_S)
 
 
-def _drop(_text: str) -> None:
-    """Non-streaming requests read the assembled text at the end."""
+def _log_at_end(endpoint: str, stream: bool, generation: Generation) -> None:
+    """Log the request's record once it ends in any way (on the engine thread)."""
+    logged = False
+
+    def listener() -> None:
+        nonlocal logged
+        if generation.done and not logged:
+            logged = True
+            _log_record(endpoint, stream, generation)
+
+    generation.subscribe(listener)
 
 
-def _usage(generation: Generation) -> dict[str, Any]:
+def _usage(outcome: Outcome) -> dict[str, Any]:
     return protocol.usage(
-        prompt_tokens=len(generation.prompt_ids),
-        completion_tokens=len(generation.output_ids),
-        cached_tokens=generation.record.matched_tokens,
+        prompt_tokens=len(outcome.generation.prompt_ids),
+        completion_tokens=outcome.completion_tokens,
+        cached_tokens=outcome.generation.record.matched_tokens,
     )
 
 
@@ -362,6 +363,15 @@ def _as_api_error(exc: BaseException, prompt_param: str, request_id: str) -> Api
         return ApiError(400, str(exc), code="context_length_exceeded", param=prompt_param)
     if isinstance(exc, InvalidInput):
         return ApiError(400, str(exc), code="invalid_value")
+    if isinstance(exc, QueueFull):
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return ApiError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": retry},
+        )
     logger.error(
         "engine failure on request %s", request_id, exc_info=(type(exc), exc, exc.__traceback__)
     )

@@ -14,7 +14,7 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   the next N batches get a seq but are not sent live (and with ``evict_replay`` are not kept
   for replay either), to inject a gap in recovery tests.
 
-``KvStateRuntime`` runs beside the engine worker: a thread answering replay requests (it only
+``KvStateRuntime`` runs beside the engine loop: a thread answering replay requests (it only
 touches the publisher's ROUTER socket) and an idle flush that publishes events the store made
 off the engine thread (write-back) when no request comes to flush them. Both stop on shutdown.
 """
@@ -34,7 +34,6 @@ from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.events import encode_batch, make_batch
 from kvstrata.identity import secret_digest
 from kvstrata.runtime.events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
-from kvstrata.serve.streaming import EngineWorker
 
 KV_PREFIX: Final = "/kv"
 NEXT_SEQ_HEADER: Final = "X-Kvstrata-Next-Seq"
@@ -56,9 +55,9 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 class KvStateRuntime:
     """The replay thread and the idle flush of one worker's emitter; ``start``/``close``."""
 
-    def __init__(self, emitter: KVEventEmitter, worker: EngineWorker) -> None:
+    def __init__(self, emitter: KVEventEmitter, engine: ReferenceEngine) -> None:
         self.emitter = emitter
-        self.worker = worker
+        self.engine = engine
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
         self._flusher: asyncio.Task[None] | None = None
@@ -92,7 +91,7 @@ class KvStateRuntime:
             await asyncio.sleep(_IDLE_FLUSH_S)
             if self.emitter.pending:
                 try:
-                    await self.worker.call(self.emitter.flush)
+                    await asyncio.wrap_future(self.engine.call(self.emitter.flush))
                 except Exception:  # keep flushing later; a request's flush may succeed
                     logger.exception("publishing buffered KV events failed")
 
@@ -100,7 +99,6 @@ class KvStateRuntime:
 def register_kv_state(
     app: FastAPI,
     engine: ReferenceEngine,
-    worker: EngineWorker,
     *,
     model_name: str,
     debug_endpoints: bool = False,
@@ -122,7 +120,7 @@ def register_kv_state(
     async def kv_dump() -> Response:
         if emitter is None:
             return no_events()
-        snapshot: EventSnapshot = await worker.call(emitter.snapshot)
+        snapshot: EventSnapshot = await asyncio.wrap_future(engine.call(emitter.snapshot))
         batch = make_batch(snapshot.events, worker_id=emitter.worker_id, epoch=snapshot.epoch)
         headers = {
             NEXT_SEQ_HEADER: str(snapshot.next_seq),
@@ -145,7 +143,8 @@ def register_kv_state(
             emitter.publisher.drop_next(count, evict_replay=evict_replay)
             return emitter.publisher.next_seq
 
-        next_seq = await worker.call(arm)  # the publishing thread owns the drop counter
+        # the publishing (step) thread owns the drop counter
+        next_seq = await asyncio.wrap_future(engine.call(arm))
         return JSONResponse({"dropping": count, "evict_replay": evict_replay, "next_seq": next_seq})
 
 

@@ -198,7 +198,7 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
 
 async def api_error_handler(_request: Request, exc: ApiError) -> JSONResponse:

@@ -1,9 +1,10 @@
-"""Running generations on one engine thread and turning token ids into text deltas.
+"""Following a generation from the event loop and turning its token ids into text deltas.
 
-The reference engine is compute-bound and serves one request at a time, so every engine
-call runs on one dedicated worker thread (``EngineWorker``); the event loop only parses,
-awaits and writes. A streaming generation hands its text deltas to the loop through
-``loop.call_soon_threadsafe`` into an ``asyncio.Queue``; a non-streaming one is just awaited.
+The engine computes on its own step thread; a generation's subscriber wakes the event loop
+(``loop.call_soon_threadsafe``) after every token, and ``follow`` turns the tokens seen so far
+into text on the loop. The loop never computes and never waits on the engine. Leaving
+``follow`` early (a stop string, a client gone) closes the generation: the engine frees its
+sequence at the next step.
 
 ``TextAssembler`` detokenises incrementally (decode a short window of recent ids, emit the
 new suffix, so the cost stays linear in the output) and applies stop strings: text that
@@ -15,16 +16,11 @@ concatenated deltas of a stream equal the text of the same request answered at o
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 from kvstrata.engine.generation import Generation
-from kvstrata.errors import EngineError
-
-T = TypeVar("T")
 
 _REPLACEMENT = "\ufffd"  # a decode that ends inside a multi-byte character
 
@@ -88,39 +84,56 @@ class TextAssembler:
         return 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Outcome:
     """A finished (or stopped, or abandoned) generation and its final text."""
 
     generation: Generation
     text: str
     finish_reason: str
+    completion_tokens: int
 
 
-def produce(
-    generation: Generation,
-    assembler: TextAssembler,
-    on_text: Callable[[str], None],
-    cancelled: threading.Event,
-) -> Outcome:
-    """Drive ``generation`` to its end on the calling (engine) thread.
+async def follow(
+    generation: Generation, assembler: TextAssembler, outcome: list[Outcome]
+) -> AsyncGenerator[str, None]:
+    """Text deltas of ``generation`` as its tokens arrive; appends the ``Outcome`` at the end.
 
-    Stops early on a stop string or when ``cancelled`` is set; either way the engine's
-    generator is closed here, on this thread, so its pool blocks and lock are released.
+    Raises the engine's error, if the generation failed. Closing the iterator early cancels the
+    generation (its completed blocks stay cached).
     """
-    iterator = iter(generation)
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+
+    def notify() -> None:  # on the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            loop.call_soon_threadsafe(wake.set)
+
+    generation.subscribe(notify)
+    seen = 0
     try:
-        for _token in iterator:
-            delta = assembler.push(generation.output_ids)
-            if delta:
-                on_text(delta)
-            if assembler.stopped or cancelled.is_set():
+        while True:
+            await wake.wait()
+            wake.clear()
+            done = generation.done  # read before the ids: no token can follow ``done``
+            count = len(generation.output_ids)
+            if count > seen:
+                seen = count
+                delta = assembler.push(generation.output_ids[:seen])
+                if delta:
+                    yield delta
+                if assembler.stopped:
+                    break
+            if done:
+                if generation.error is not None:
+                    raise generation.error
                 break
+        tail = assembler.finish(generation.output_ids[:seen])
+        if tail:
+            yield tail
     finally:
-        generation.close()
-    tail = assembler.finish(generation.output_ids)
-    if tail:
-        on_text(tail)
+        if not generation.done:
+            generation.close()
     if assembler.stopped:
         reason = "stop"
     elif generation.finish_reason is not None:
@@ -128,114 +141,4 @@ def produce(
     else:
         reason = "abort"
     generation.record.finish_reason = reason
-    return Outcome(generation=generation, text=assembler.text, finish_reason=reason)
-
-
-@dataclass(frozen=True)
-class TextEvent:
-    text: str
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    outcome: Outcome
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    error: Exception
-    generation: Generation | None
-
-
-StreamEvent = TextEvent | DoneEvent | ErrorEvent
-
-
-class EngineWorker:
-    """The one thread that runs engine calls, with explicit ``start()`` / ``close()``."""
-
-    def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
-        self._active: set[threading.Event] = set()
-
-    def start(self) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-engine")
-
-    def close(self) -> None:
-        """Abandon running streams, drop queued work and wait for the current call."""
-        for event in list(self._active):
-            event.set()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine thread and await its result."""
-        if self._executor is None:
-            raise EngineError("engine worker is not started")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    def stream(
-        self,
-        prepare: Callable[[], Generation],
-        decode: Callable[[Sequence[int]], str],
-        stops: Sequence[str],
-        on_end: Callable[[Generation], None],
-    ) -> AsyncGenerator[StreamEvent, None]:
-        """Prepare and run a generation on the engine thread, yielding events on the loop.
-
-        The last event is a ``DoneEvent`` or an ``ErrorEvent``. Closing the iterator early
-        (client disconnect) asks the engine thread to stop after its current token.
-        ``on_end`` runs on the engine thread once a prepared generation ends in any way,
-        so its record is reported even when nobody is listening any more.
-        """
-        if self._executor is None:
-            raise EngineError("engine worker is not started")
-        return self._stream(self._executor, prepare, decode, stops, on_end)
-
-    async def _stream(
-        self,
-        executor: ThreadPoolExecutor,
-        prepare: Callable[[], Generation],
-        decode: Callable[[Sequence[int]], str],
-        stops: Sequence[str],
-        on_end: Callable[[Generation], None],
-    ) -> AsyncGenerator[StreamEvent, None]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def post(event: StreamEvent) -> None:
-            if cancelled.is_set():
-                return
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the loop closed under us (shutdown); nobody is listening
-                cancelled.set()
-
-        def job() -> None:
-            generation: Generation | None = None
-            try:
-                generation = prepare()
-                assembler = TextAssembler(decode, stops)
-                outcome = produce(generation, assembler, lambda t: post(TextEvent(t)), cancelled)
-            except Exception as exc:  # handed to the loop, which answers it as an error
-                if generation is not None:
-                    generation.record.error = type(exc).__name__
-                    on_end(generation)
-                post(ErrorEvent(exc, generation))
-                return
-            on_end(generation)
-            post(DoneEvent(outcome))
-
-        self._active.add(cancelled)
-        try:
-            executor.submit(job)
-            while True:
-                event = await queue.get()
-                yield event
-                if not isinstance(event, TextEvent):
-                    return
-        finally:
-            cancelled.set()
-            self._active.discard(cancelled)
+    outcome.append(Outcome(generation, assembler.text, reason, seen))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -58,6 +61,49 @@ class KvMetrics:
             "kvstrata_reuse_disabled_requests",
             "Requests served without reuse because identity was unsafe",
             ["reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "kvstrata_queue_depth", "Requests waiting for their first engine step", registry=r
+        )
+        self.running = Gauge(
+            "kvstrata_running_sequences", "Sequences in the engine's running batch", registry=r
+        )
+        self.queue_delay = Histogram(
+            "kvstrata_queue_delay_seconds",
+            "Arrival to first engine step, per request",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            "kvstrata_step_seconds",
+            "Engine step time (one batched forward)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_sequences = Histogram(
+            "kvstrata_batch_sequences",
+            "Sequences per engine step",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "kvstrata_batch_tokens",
+            "Tokens computed per engine step",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "kvstrata_preemptions",
+            "Running sequences sent back to the queue (pool full)",
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "kvstrata_cancelled_requests", "Requests cancelled before their end", registry=r
+        )
+        self.rejected = Counter(
+            "kvstrata_rejected_requests",
+            "Requests refused because the queue was full (429)",
             registry=r,
         )
         self._prompt_total = 0

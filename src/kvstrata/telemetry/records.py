@@ -17,8 +17,10 @@ class RequestRecord:
     computed_tokens: int = 0
     matched_by_tier: dict[str, int] = field(default_factory=dict)
     reuse_disabled_reason: str | None = None
+    queue_s: float = 0.0  # arrival → first scheduled
     ttft_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # first scheduled → first token (shares steps with other requests)
+    preemptions: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None

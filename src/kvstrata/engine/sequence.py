@@ -1,0 +1,61 @@
+"""One running request's state on the engine thread: its tokens, block table and keys.
+
+``tokens`` is the prompt followed by every sampled token; the first ``num_computed`` have KV in
+the pool, in the blocks of ``table`` (block ``i`` holds positions ``i*B .. i*B+B-1``). The first
+``committed`` entries of ``table`` are committed pool blocks this sequence holds a reference
+on (matched at admission, or published once full); the rest are scratch blocks it owns.
+``keys[i]`` is block ``i``'s chained key, computed when the block is first needed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.engine.generation import Generation
+from kvstrata.engine.kv_pool import PagedKVPool
+from kvstrata.identity import BlockKey, NamespaceRoot, chain_keys
+
+
+@dataclass(eq=False)
+class Sequence:
+    gen: Generation
+    tenant: str
+    lookup: bool
+    store: bool
+    generator: torch.Generator
+    arrival: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    table: list[int] = field(default_factory=list)
+    committed: int = 0
+    keys: list[BlockKey] = field(default_factory=list)
+    root: NamespaceRoot | None = None  # None: reuse disabled, nothing is keyed or published
+    publishable: bool = True
+    admitted_at: float | None = None
+    started: bool = False  # admitted once (metrics of the prompt are recorded once)
+
+    @property
+    def pending_tokens(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def key(self, index: int, block_size: int) -> BlockKey:
+        """Key of full block ``index`` (its tokens must all be in ``tokens``)."""
+        assert self.root is not None
+        while len(self.keys) <= index:
+            i = len(self.keys)
+            parent: NamespaceRoot | BlockKey = self.keys[i - 1] if i else self.root
+            chunk = self.tokens[i * block_size : (i + 1) * block_size]
+            self.keys.append(chain_keys(parent, chunk, block_size)[0])
+        return self.keys[index]
+
+    def release(self, pool: PagedKVPool) -> None:
+        """Drop every block: references on committed ones, scratch ones freed."""
+        pool.release(self.table[: self.committed])
+        for block_id in self.table[self.committed :]:
+            pool.free_scratch(block_id)
+        self.table.clear()
+        self.committed = 0
+        self.num_computed = 0

@@ -1,0 +1,111 @@
+"""Continuous batching: which sequences compute how many tokens in the next engine step.
+
+The scheme is vLLM's: every step has a token budget (``max_num_batched_tokens``). Running
+sequences that decode take one token each first, then running sequences still prefilling take
+chunks of what is left (chunked prefill, oldest first), then waiting sequences are admitted in
+arrival order while the batch has room (``max_num_seqs``), budget remains and the engine's
+``admit`` callback accepts them (it looks the prompt up and checks the device pool has room).
+Admission is strictly FIFO: a sequence that does not fit blocks the ones behind it, so none
+starves. ``preempt_last`` hands the most recently admitted running sequence back to the front
+of the queue when the pool runs out of blocks mid-step (the engine recomputes it later; its
+committed blocks usually still hit).
+
+Pure bookkeeping: no torch, no I/O, no clock. The engine owns the sequences and calls this from
+its one step thread; arrivals from other threads go through the engine's inbox.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from kvstrata.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # sequences in one step's batch
+    max_num_batched_tokens: int = 512  # tokens computed in one step (decodes + prefill chunks)
+    max_waiting: int = 64  # requests queued beyond the batch; more are refused (HTTP 429)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("must be >= 1", key="scheduler.max_num_seqs")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "must be >= scheduler.max_num_seqs (every running sequence decodes each step)",
+                key="scheduler.max_num_batched_tokens",
+            )
+        if self.max_waiting < 0:
+            raise ConfigError("must be >= 0", key="scheduler.max_waiting")
+
+
+class Schedulable(Protocol):
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens to compute before this sequence can sample again (1 when decoding)."""
+        ...
+
+
+S = TypeVar("S", bound=Schedulable)
+
+
+class Scheduler(Generic[S]):
+    """Waiting queue and running batch of one engine."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []
+
+    def add(self, seq: S) -> None:
+        self.waiting.append(seq)
+
+    def plan(self, admit: Callable[[S], bool]) -> list[tuple[S, int]]:
+        """The next step's work: (sequence, tokens to compute), decodes first."""
+        budget = self.config.max_num_batched_tokens
+        work: list[tuple[S, int]] = []
+        for seq in self.running:
+            if seq.pending_tokens == 1:
+                work.append((seq, 1))
+                budget -= 1
+        for seq in self.running:
+            pending = seq.pending_tokens
+            if pending > 1 and budget > 0:
+                take = min(pending, budget)
+                work.append((seq, take))
+                budget -= take
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            take = min(seq.pending_tokens, budget)
+            if take > 0:
+                work.append((seq, take))
+                budget -= take
+        return work
+
+    def preempt_last(self) -> S | None:
+        """Move the most recently admitted running sequence to the front of the queue."""
+        if not self.running:
+            return None
+        seq = self.running.pop()
+        self.waiting.appendleft(seq)
+        return seq
+
+    def remove(self, seq: S) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def __iter__(self) -> Iterator[S]:
+        yield from self.running
+        yield from self.waiting
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.waiting)
