@@ -50,6 +50,14 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    batching = parser.add_argument_group("continuous batching")
+    batching.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    batching.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens computed per step"
+    )
+    batching.add_argument(
+        "--max-waiting", type=int, default=None, help="queued requests before 429 (default 64)"
+    )
     tiers = parser.add_argument_group("tiers (the tiered store below the device pool)")
     tiers.add_argument("--host-gib", type=float, default=None, help="host DRAM tier (0: none)")
     tiers.add_argument(
@@ -150,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
         emitter = KVEventEmitter.from_config(config.events, block_size=config.block_size).start()
     try:
         engine_config = EngineConfig(
-            block_size=config.block_size, pool_blocks=blocks, tenant_secret=config.tenant_secret
+            block_size=config.block_size,
+            pool_blocks=blocks,
+            tenant_secret=config.tenant_secret,
+            scheduler=config.scheduler,
         )
         engine = build_engine(loaded, engine_config, config, metrics=metrics, events=emitter)
         try:

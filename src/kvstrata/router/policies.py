@@ -43,6 +43,8 @@ _MAX_LOAD_FACTOR: Final = 4.0
 
 def _busy_cost(busy: float) -> float:
     return busy / (1.0 - busy + 0.05)
+
+
 """KvstrataPolicy's charge per second of prefill work it adds. Tuned with ``kvstrata sim`` on
 the first half (0–1,768 s) of the Mooncake conversation trace, 16 gpu-a100-8b workers, at the
 rate where the best baseline (llm-d) is 80% busy (×2.56): weights 1 / 3 / 5 / 10 / 20 gave

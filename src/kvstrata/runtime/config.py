@@ -40,6 +40,7 @@ from kvstrata.runtime.config_schema import (
     TIER_NAMES,
 )
 from kvstrata.runtime.events import KVEventsConfig
+from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 
 
@@ -71,6 +72,7 @@ class WorkerConfig:
     debug_endpoints: bool = False
     lookup_timeout_ms: int = 2000
     stats_path: Path | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def tier(self, name: str) -> TierSpec | None:
         return next((spec for spec in self.tiers if spec.name == name), None)
@@ -240,6 +242,15 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
     secret = _read_secret(secret_file, "tenant_secret_file", where)
     token_file = top.get("admin_token_file")
     token = _read_secret(token_file, "admin_token_file", where) if token_file else None
+    sched = _Reader(data.get("scheduler", {}), "scheduler.", where, base)
+    try:
+        scheduler = SchedulerConfig(
+            max_num_seqs=sched.get("max_num_seqs"),
+            max_num_batched_tokens=sched.get("max_num_batched_tokens"),
+            max_waiting=sched.get("max_waiting"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(str(exc).split(": ", 1)[-1], key=exc.key, source=where) from None
     connector = _Reader(data.get("connector", {}), "connector.", where, base)
     timeout = connector.get("lookup_timeout_ms")
     if timeout <= 0:
@@ -256,6 +267,7 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
         debug_endpoints=top.get("debug_endpoints"),
         lookup_timeout_ms=timeout,
         stats_path=connector.get("stats_path"),
+        scheduler=scheduler,
     )
 
 

@@ -43,6 +43,19 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("debug_endpoints", "bool", False, "`serve`: `POST /kv/debug/drop-events` (tests)"),
     Key("pool.gib", "float", 1.0, "device KV pool size in GiB (reference engine)"),
     Key("pool.block_size", "int", 16, "tokens per KV block (reference engine)"),
+    Key("scheduler.max_num_seqs", "int", 16, "`serve`: sequences in one engine step's batch"),
+    Key(
+        "scheduler.max_num_batched_tokens",
+        "int",
+        512,
+        "`serve`: tokens one step computes (decodes first, then prefill chunks)",
+    ),
+    Key(
+        "scheduler.max_waiting",
+        "int",
+        64,
+        "`serve`: requests queued beyond the batch; more get 429 with Retry-After",
+    ),
     Key("tiers.name", "str", None, "`host` (DRAM slab) or `disk` (one file per object)"),
     Key("tiers.gib", "float", None, "capacity in GiB"),
     Key("tiers.path", "path", None, "disk: the tier's directory (required for disk)"),
@@ -79,7 +92,7 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
 )
 BY_PATH: Final = {key.path: key for key in KEYS}
-TABLES: Final = ("pool", "tiers", "events", "connector")
+TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector")
 
 
 # ---- overrides ----------------------------------------------------------------------------------
@@ -147,6 +160,13 @@ _OVERRIDE_LIST: Final = (
     Override("served_model_name", "served_model_name", _set("served_model_name")),
     Override("pool_gib", "pool.gib", _set("pool.gib")),
     Override("block_size", "pool.block_size", _set("pool.block_size")),
+    Override("max_num_seqs", "scheduler.max_num_seqs", _set("scheduler.max_num_seqs")),
+    Override(
+        "max_num_batched_tokens",
+        "scheduler.max_num_batched_tokens",
+        _set("scheduler.max_num_batched_tokens"),
+    ),
+    Override("max_waiting", "scheduler.max_waiting", _set("scheduler.max_waiting")),
     Override("host_gib", "the host tier's gib (0 removes it)", _tier_size("host")),
     Override(
         "host_write_policy", "the host tier's write_policy", _tier_key("host", "write_policy")

@@ -239,6 +239,7 @@ class _Service:
             top_p=body.top_p,
             top_k=max(0, body.top_k),
             seed=body.seed,
+            ignore_eos=body.ignore_eos,
         )
 
     def _final_body(self, endpoint: str, request_id: str, outcome: Outcome) -> dict[str, Any]:

@@ -114,9 +114,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prefill_utilisation": _r(float(prefill_busy.mean())) if len(prefill_busy) else 0.0,
         "kv_occupancy": _r(float(kv.mean())) if len(kv) else 0.0,
         "decode_demand": _r(result.decode_demand),
-        "load_imbalance": (
-            _r(float(per_worker.max()) / placed_mean) if placed_mean > 0 else None
-        ),
+        "load_imbalance": (_r(float(per_worker.max()) / placed_mean) if placed_mean > 0 else None),
         "ttft_prediction_mae_s": (
             _r(np.abs(predicted - ttft).mean())
             if len(predicted) == len(ttft) and len(ttft)

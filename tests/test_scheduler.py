@@ -1,0 +1,73 @@
+"""The continuous-batching scheduler's rules, on plain objects (no model, no pool)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvstrata.errors import ConfigError
+from kvstrata.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(eq=False)
+class Seq:
+    name: str
+    pending_tokens: int
+
+
+def names(work: list[tuple[Seq, int]]) -> list[tuple[str, int]]:
+    return [(seq.name, count) for seq, count in work]
+
+
+def test_decodes_first_then_prefill_chunks_under_the_budget() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10)
+    )
+    prefill, d1, d2 = Seq("prefill", 30), Seq("d1", 1), Seq("d2", 1)
+    scheduler.running = [prefill, d1, d2]
+    assert names(scheduler.plan(lambda s: True)) == [("d1", 1), ("d2", 1), ("prefill", 8)]
+
+
+def test_waiting_requests_join_while_budget_and_seats_remain() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(
+        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=20)
+    )
+    scheduler.running = [Seq("d", 1)]
+    for name, pending in (("a", 5), ("b", 30), ("c", 4)):
+        scheduler.add(Seq(name, pending))
+    work = names(scheduler.plan(lambda s: True))
+    assert work == [("d", 1), ("a", 5), ("b", 14)]  # b's prefill is chunked; c has no seat
+    assert [s.name for s in scheduler.waiting] == ["c"]
+
+
+def test_admission_is_fifo_a_refused_head_blocks_the_rest() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(SchedulerConfig())
+    big, small = Seq("big", 100), Seq("small", 2)
+    scheduler.add(big)
+    scheduler.add(small)
+    assert scheduler.plan(lambda s: s is not big) == []
+    assert list(scheduler.waiting) == [big, small]
+
+
+def test_preempt_last_goes_back_to_the_front_of_the_queue() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(SchedulerConfig())
+    first, last, queued = Seq("first", 1), Seq("last", 1), Seq("queued", 9)
+    scheduler.running = [first, last]
+    scheduler.add(queued)
+    assert scheduler.preempt_last() is last
+    assert scheduler.running == [first] and list(scheduler.waiting) == [last, queued]
+    assert len(scheduler) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_num_seqs": 0},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 4},
+        {"max_waiting": -1},
+    ],
+)
+def test_bad_configuration_names_the_key(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match="scheduler"):
+        SchedulerConfig(**kwargs)
