@@ -14,6 +14,7 @@ from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.verify import run_together
 from kvstrata.errors import ContextTooLong, QueueFull
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.telemetry import KvMetrics
@@ -42,16 +43,6 @@ def max_diff(a: Generation, b: Generation) -> float:
     return max(
         float((x - y).abs().max()) for x, y in zip(a.step_logits, b.step_logits, strict=True)
     )
-
-
-def run_together(gens: list[Generation]) -> None:
-    """Drive every generation to its end from this thread; they share the engine's steps."""
-    iterators = [iter(g) for g in gens]
-    live = list(iterators)
-    while live:
-        for it in list(live):
-            if next(it, None) is None:
-                live.remove(it)
 
 
 def assert_nothing_pinned(engine: ReferenceEngine) -> None:

@@ -50,6 +50,24 @@ def test_verify_reports_exact_reuse(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert list(out)[-1] == "summary"
 
 
+def test_verify_with_concurrency_compares_batched_runs_with_runs_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [
+        json.dumps({"prompt": f"Story {i}: " + "once upon a time " * (2 + 3 * i)}) for i in range(5)
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", lines)
+    args = ["verify", "--prompts", str(prompts), "--model", "tiny", "--json", "--concurrency", "3"]
+    code = main(args)
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["concurrency"] == 3
+    assert out["summary"]["prompts"] == 5 and out["summary"]["all_exact"] is True
+    for result in out["results"]:
+        n = result["prompt_tokens"]
+        assert result["matched_tokens"] == (n - 1 if n >= 16 else 0)
+        assert result["max_abs_logit_diff"] <= 1e-4
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

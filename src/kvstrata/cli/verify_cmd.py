@@ -21,6 +21,13 @@ def register(sub: Any) -> None:
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max |Δlogit| allowed")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--pool-blocks", type=int, default=2048)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="also replay N prompts at a time in shared engine steps (fresh and cached runs "
+        "side by side), each compared with its reference run alone",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -35,11 +42,14 @@ def run(args: argparse.Namespace) -> int:
         load_model(args.model),
         EngineConfig(block_size=args.block_size, pool_blocks=args.pool_blocks),
     )
-    verdicts = list(verify_prompts(engine, prompts, max_tokens=args.max_tokens))
+    verdicts = list(
+        verify_prompts(engine, prompts, max_tokens=args.max_tokens, concurrency=args.concurrency)
+    )
     summary = summarise(verdicts, args.tolerance)
     result = {
         "model": args.model,
         "tolerance": args.tolerance,
+        "concurrency": args.concurrency,
         "reuse_disabled": (
             engine.reuse_disabled.reason.value if engine.reuse_disabled is not None else None
         ),

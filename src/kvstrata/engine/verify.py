@@ -4,6 +4,11 @@ For operators who must know before turning caching on. Each prompt runs twice on
 engine: first a fresh prefill (no lookup; its blocks are stored), then a run that reuses the
 longest cached prefix. Both decode greedily; we compare the logits of every step and the
 greedy tokens.
+
+With ``concurrency`` N > 1 the fresh reference of every prompt still runs alone, and then the
+prompts are replayed N at a time in shared engine steps, each as a fresh run and a cached run
+side by side: mixed batches of cached and uncached sequences, prefill chunks and decodes of
+different lengths. Both batched runs are compared with the reference run alone.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
 from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import DEFAULT_TENANT
@@ -89,33 +96,91 @@ def read_prompts(path: Path) -> list[VerifyPrompt]:
     return prompts
 
 
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _compare(reference: Generation, other: Generation) -> tuple[float, bool]:
+    diff = max(
+        float((a - b).abs().max().item())
+        for a, b in zip(reference.step_logits, other.step_logits, strict=True)
+    )
+    return diff, reference.output_ids == other.output_ids
+
+
 def verify_tokens(
     engine: ReferenceEngine, token_ids: Sequence[int], *, tenant: str, max_tokens: int
 ) -> tuple[int, float, bool]:
     """(matched tokens, max |Δlogit| over all steps, greedy tokens equal) for one prompt."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = _greedy(max_tokens)
     fresh = engine.generate(
         token_ids, params, tenant=tenant, lookup=False, store=True, keep_logits=True
     ).run()
     cached = engine.generate(token_ids, params, tenant=tenant, keep_logits=True).run()
-    diff = max(
-        float((a - b).abs().max().item())
-        for a, b in zip(fresh.step_logits, cached.step_logits, strict=True)
-    )
-    return cached.record.matched_tokens, diff, fresh.output_ids == cached.output_ids
+    diff, equal = _compare(fresh, cached)
+    return cached.record.matched_tokens, diff, equal
+
+
+def run_together(generations: Sequence[Generation]) -> None:
+    """Drive generations to their ends from this thread; they share the engine's steps."""
+    iterators = [iter(g) for g in generations]
+    for _ in zip_longest(*iterators):
+        pass
+
+
+def _encode(engine: ReferenceEngine, item: VerifyPrompt) -> list[int]:
+    if item.messages is not None:
+        return engine.encode_chat(item.messages)
+    assert item.prompt is not None
+    return engine.encode_prompt(item.prompt)
 
 
 def verify_prompts(
-    engine: ReferenceEngine, prompts: Sequence[VerifyPrompt], *, max_tokens: int = 32
+    engine: ReferenceEngine,
+    prompts: Sequence[VerifyPrompt],
+    *,
+    max_tokens: int = 32,
+    concurrency: int = 1,
 ) -> Iterator[PromptVerdict]:
-    for item in prompts:
-        if item.messages is not None:
-            ids = engine.encode_chat(item.messages)
-        else:
-            assert item.prompt is not None
-            ids = engine.encode_prompt(item.prompt)
-        matched, diff, equal = verify_tokens(engine, ids, tenant=item.tenant, max_tokens=max_tokens)
-        yield PromptVerdict(item.line, item.tenant, len(ids), matched, diff, equal)
+    if concurrency < 1:
+        raise InvalidInput("concurrency must be at least 1")
+    if concurrency == 1:
+        for item in prompts:
+            ids = _encode(engine, item)
+            matched, diff, equal = verify_tokens(
+                engine, ids, tenant=item.tenant, max_tokens=max_tokens
+            )
+            yield PromptVerdict(item.line, item.tenant, len(ids), matched, diff, equal)
+        return
+    params = _greedy(max_tokens)
+    for start in range(0, len(prompts), concurrency):
+        group = prompts[start : start + concurrency]
+        encoded = [_encode(engine, item) for item in group]
+        references = [
+            engine.generate(
+                ids, params, tenant=item.tenant, lookup=False, store=True, keep_logits=True
+            ).run()
+            for item, ids in zip(group, encoded, strict=True)
+        ]
+        batched: list[tuple[Generation, Generation]] = []
+        for item, ids in zip(group, encoded, strict=True):
+            fresh = engine.generate(ids, params, tenant=item.tenant, lookup=False, keep_logits=True)
+            cached = engine.generate(ids, params, tenant=item.tenant, keep_logits=True)
+            batched.append((fresh, cached))
+        run_together([g for pair in batched for g in pair])
+        for item, ids, reference, (fresh, cached) in zip(
+            group, encoded, references, batched, strict=True
+        ):
+            fresh_diff, fresh_equal = _compare(reference, fresh)
+            cached_diff, cached_equal = _compare(reference, cached)
+            yield PromptVerdict(
+                item.line,
+                item.tenant,
+                len(ids),
+                cached.record.matched_tokens,
+                max(fresh_diff, cached_diff),
+                fresh_equal and cached_equal,
+            )
 
 
 def summarise(verdicts: Sequence[PromptVerdict], tolerance: float) -> dict[str, Any]:
