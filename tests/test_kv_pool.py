@@ -102,19 +102,43 @@ def test_illegal_transitions_raise() -> None:
         pool.allocate(key("a"), None)
 
 
-def test_write_and_gather_round_trip() -> None:
-    pool = make_pool()
-    a = pool.allocate(key("a"), None)
-    b = pool.allocate(key("b"), key("a"))
-    assert a is not None and b is not None
-    keys = torch.arange(8, dtype=torch.float32).view(1, 4, 2)  # [H, 2 blocks * B, D]
-    values = -keys
-    pool.write_layer(0, [a, b], keys, values)
-    pool.commit(a)
-    pool.commit(b)
-    gathered = pool.gather([a, b])
-    assert torch.equal(gathered[0, 0], keys)
-    assert torch.equal(gathered[0, 1], values)
+def test_scratch_blocks_publish_under_their_key_or_stay_private() -> None:
+    pool = make_pool(num_blocks=4)
+    a = pool.allocate_scratch()
+    assert a is not None
+    assert pool.blocks_available == 3 and pool.lookup_prefix([key("a")]) == []
+    pool.kv[:, :, :, a] = 7.0
+    assert pool.publish(a, key("a"), None, info="A")
+    assert pool.lookup_prefix([key("a")]) == [a]
+    assert pool.blocks_available == 3  # the publisher still holds it
+    b = pool.allocate_scratch()
+    assert b is not None
+    assert not pool.publish(b, key("a"), None)  # the key is cached already
+    assert not pool.publish(b, key("b"), key("missing"))  # the parent is not
+    assert pool.publish(b, key("b"), key("a"), info="B")
+    assert pool.children(key("a")) == [(b, "B")]
+    c = pool.allocate_scratch()
+    assert c is not None
+    pool.copy_block(a, c)  # copy-on-write of a shared block into private memory
+    assert torch.equal(pool.block_view(c), pool.block_view(a))
+    pool.free_scratch(c)
+    pool.release([a, b])
+    assert pool.blocks_available == 4
+    with pytest.raises(PoolStateError):
+        pool.free_scratch(a)  # committed, not scratch
+
+
+def test_scratch_blocks_are_never_evicted_and_evict_unreferenced_leaves() -> None:
+    pool = make_pool(num_blocks=2)
+    a = pool.allocate_scratch()
+    assert a is not None and pool.publish(a, key("a"), None)
+    pool.release([a])
+    s1 = pool.allocate_scratch()
+    s2 = pool.allocate_scratch()  # evicts the unreferenced committed block
+    assert s1 is not None and s2 is not None
+    assert pool.lookup_prefix([key("a")]) == [] and pool.evictions == 1
+    assert pool.allocate_scratch() is None  # scratch blocks are never taken back
+    assert pool.blocks_available == 0
 
 
 @settings(max_examples=60, deadline=None)

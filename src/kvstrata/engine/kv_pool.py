@@ -280,19 +280,6 @@ class PagedKVPool:
         self._free_block(block_id)
         self._publish()
 
-    def write_layer(
-        self, layer: int, block_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Copy one layer's K and V for consecutive blocks (``[H, len(block_ids) * B, D]``)."""
-        for block_id in block_ids:
-            if self._blocks[block_id].state is not BlockState.PENDING:
-                raise PoolStateError("write to a block that is not PENDING")
-        c = self.config
-        shape = (c.num_kv_heads, len(block_ids), c.block_size, c.head_dim)
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        self.kv[layer, 0].index_copy_(1, index, keys.reshape(shape).to(self.kv.device))
-        self.kv[layer, 1].index_copy_(1, index, values.reshape(shape).to(self.kv.device))
-
     def block_view(self, block_id: int) -> torch.Tensor:
         """One block's KV as a strided ``[L, 2, H, B, D]`` view (copy it to store it)."""
         return self.kv[:, :, :, block_id]
@@ -302,15 +289,6 @@ class PagedKVPool:
         if self._blocks[block_id].state is not BlockState.PENDING:
             raise PoolStateError("write to a block that is not PENDING")
         self.kv[:, :, :, block_id].copy_(data)
-
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """KV of the given blocks as ``[L, 2, H, len(block_ids) * B, D]`` (one copy)."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        picked = self.kv.index_select(3, index)
-        c = self.config
-        return picked.view(
-            c.num_layers, 2, c.num_kv_heads, len(block_ids) * c.block_size, c.head_dim
-        )
 
     # ---- statistics ---------------------------------------------------------------------
     @property
