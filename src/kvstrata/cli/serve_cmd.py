@@ -50,6 +50,22 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    limits = parser.add_argument_group("limits (what one request may ask for and send)")
+    limits.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="most output tokens a request may ask for; also the default (limits.max_tokens)",
+    )
+    limits.add_argument(
+        "--max-body-mib", type=float, default=None, help="largest request body (413 above it)"
+    )
+    limits.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a request body may take to arrive (408 after it)",
+    )
     tiers = parser.add_argument_group("tiers (the tiered store below the device pool)")
     tiers.add_argument("--host-gib", type=float, default=None, help="host DRAM tier (0: none)")
     tiers.add_argument(
