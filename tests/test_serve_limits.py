@@ -1,7 +1,8 @@
-"""What a worker refuses before it computes: bad input.
+"""What a worker refuses before it computes: bad input and long outputs.
 
-A real uvicorn server (tiny model); bodies that are not valid JSON text for httpx's encoder
-(lone surrogates) are sent as the raw JSON escapes a client would send.
+A real uvicorn server (tiny model) with a small output limit, so that it is cheap to reach;
+bodies that are not valid JSON text for httpx's encoder (lone surrogates) are sent as the
+raw JSON escapes a client would send.
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ import pytest
 from http_helpers import serving
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import load_model
+from kvstrata.errors import ApiError, ContextTooLong
+from kvstrata.runtime.config import ServeLimits
 from kvstrata.serve.app import create_app
+from kvstrata.serve.limits import output_budget
+from kvstrata.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.telemetry import KvMetrics
 
 MODEL = "tiny"
+MAX_TOKENS = 24
+LIMITS = ServeLimits(max_tokens=MAX_TOKENS)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
@@ -34,7 +41,7 @@ class Served:
 def served() -> Iterator[Served]:
     metrics = KvMetrics()
     engine = ReferenceEngine(load_model(MODEL), EngineConfig(pool_blocks=128), metrics=metrics)
-    app = create_app(engine, model_name=MODEL, metrics=metrics)
+    app = create_app(engine, model_name=MODEL, metrics=metrics, limits=LIMITS)
     with serving(app) as client:
         yield Served(engine, client)
 
@@ -144,3 +151,66 @@ def test_small_temperatures_sample_without_nan(served: Served, path: str) -> Non
     for temperature in (1e-5, 1e-4, 1e-3):
         body = _body(path, "small temperature", max_tokens=6, temperature=temperature, seed=3)
         assert _text(path, _post(served, path, body)) is not None
+
+
+# ---- max_tokens: the server's limit -------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [(COMPLETIONS, "max_tokens"), (CHAT, "max_tokens"), (CHAT, "max_completion_tokens")],
+)
+def test_max_tokens_above_the_limit_is_a_400(
+    served: Served, path: str, field: str, stream: bool
+) -> None:
+    body = _body(path, "too long an answer", stream=stream)
+    body.pop("max_tokens")
+    body[field] = MAX_TOKENS + 1
+    error = _error(_post(served, path, body), 400)
+    assert error["message"] == f"{field} must be at most {MAX_TOKENS}"
+    assert error["param"] == field
+    body[field] = MAX_TOKENS
+    if not stream:
+        assert _post(served, path, body).status_code == 200
+
+
+def test_chat_without_max_tokens_stops_at_the_limit(served: Served) -> None:
+    body = _body(CHAT, "tell me everything about foxes")
+    body.pop("max_tokens")
+    usage = _post(served, CHAT, body).json()["usage"]
+    assert 0 < usage["completion_tokens"] <= MAX_TOKENS
+
+
+def test_the_context_window_still_bounds_the_output(served: Served) -> None:
+    room = 3
+    prompt = [100 + i % 500 for i in range(served.engine.max_model_len - room)]
+    body = _body(COMPLETIONS, "", prompt=prompt)
+    body.pop("max_tokens")  # the default (16) capped by the room left
+    response = _post(served, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= room
+    body["max_tokens"] = room + 1
+    assert _error(_post(served, COMPLETIONS, body), 400)["code"] == "context_length_exceeded"
+
+
+def test_output_budget_rules() -> None:
+    def budget(body: dict[str, Any], prompt: int = 10) -> int:
+        kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+        request = kind.model_validate(body)
+        return output_budget(request, prompt_tokens=prompt, max_model_len=100, limit=50)
+
+    chat: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    text: dict[str, Any] = {"prompt": "x"}
+    assert budget(chat) == 50  # chat: the limit ...
+    assert budget(chat, prompt=80) == 20  # ... or the room left, whichever is less
+    assert budget({**chat, "max_tokens": 7}) == 7
+    assert budget(text) == 16  # completions: OpenAI's default ...
+    assert budget(text, prompt=95) == 5  # ... capped by the room left
+    assert budget({**text, "max_tokens": None}) == 50  # null: as long as allowed (as vLLM)
+    assert budget({**text, "max_tokens": 50}) == 50
+    assert budget({**text, "max_tokens": 40}, prompt=95) == 40  # the engine refuses it
+    with pytest.raises(ApiError, match="max_tokens must be at most 50"):
+        budget({**text, "max_tokens": 51})
+    with pytest.raises(ApiError, match="max_completion_tokens must be at most 50"):
+        budget({**chat, "max_tokens": 10, "max_completion_tokens": 51})
+    with pytest.raises(ContextTooLong):
+        budget(text, prompt=100)

@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
                 metrics=metrics,
                 admin_token=args.admin_token or config.admin_token,
                 debug_endpoints=config.debug_endpoints,
+                limits=config.limits,
             )
             _banner(name, args.host, args.port, engine.device, blocks, config.block_size)
             if engine.bridge is not None:

@@ -34,9 +34,11 @@ from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ApiError, ContextTooLong, InvalidInput
 from kvstrata.identity import DEFAULT_TENANT
+from kvstrata.runtime.config import ServeLimits
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
+from kvstrata.serve.limits import DEFAULT_LIMITS, output_budget
 from kvstrata.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,15 +78,17 @@ def create_app(
     metrics: KvMetrics,
     admin_token: str | None = None,
     debug_endpoints: bool = False,
+    limits: ServeLimits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures.
 
-    ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests).
+    ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests);
+    ``limits`` bounds output lengths (``serve.limits``).
     """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
     worker = EngineWorker()
-    service = _Service(engine, model_name, worker)
+    service = _Service(engine, model_name, worker, limits)
     kv_runtime = KvStateRuntime(engine.events, worker) if engine.events is not None else None
 
     @asynccontextmanager
@@ -139,8 +143,11 @@ def create_app(
 class _Service:
     """Turns parsed requests into engine work on the worker thread and into responses."""
 
-    def __init__(self, engine: ReferenceEngine, model_name: str, worker: EngineWorker) -> None:
+    def __init__(
+        self, engine: ReferenceEngine, model_name: str, worker: EngineWorker, limits: ServeLimits
+    ) -> None:
         self.engine = engine
+        self.limits = limits
         self.model_name = model_name
         self.worker = worker
         self.created = int(time.time())
@@ -195,14 +202,12 @@ class _Service:
 
         def prepare() -> Generation:
             prompt_ids = encode()
-            max_tokens = body.requested_max_tokens()
-            if max_tokens is None:
-                max_tokens = engine.max_model_len - len(prompt_ids)
-                if max_tokens < 1:
-                    raise ContextTooLong(
-                        f"prompt of {len(prompt_ids)} tokens fills the context window of "
-                        f"{engine.max_model_len} tokens"
-                    )
+            max_tokens = output_budget(
+                body,
+                prompt_tokens=len(prompt_ids),
+                max_model_len=engine.max_model_len,
+                limit=self.limits.max_tokens,
+            )
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=body.temperature,

@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 4
 MAX_TENANT_CHARS = 128
 SEED_MIN = -(1 << 63)  # what torch.Generator.manual_seed accepts (engine.sampling checks too)
 SEED_MAX = (1 << 64) - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _valid_text(value: str) -> str:
@@ -113,7 +114,14 @@ class SamplingRequest(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def requested_max_tokens(self) -> int | None:
+        """The output length asked for, defaults included (None: as long as allowed)."""
         return self.max_tokens
+
+    def explicit_max_tokens_param(self) -> str | None:
+        """The field that set the output length explicitly (None: a default applies)."""
+        if "max_tokens" in self.model_fields_set and self.max_tokens is not None:
+            return "max_tokens"
+        return None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -123,7 +131,7 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -190,7 +198,8 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``; ``max_tokens`` unset → fill the context window."""
+    """``POST /v1/chat/completions``; ``max_tokens`` unset → the server's limit or the room
+    left in the context window, whichever is less (``limits.output_budget``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -199,6 +208,11 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def explicit_max_tokens_param(self) -> str | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens is not None else None
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them: role and one string of content.
