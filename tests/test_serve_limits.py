@@ -1,13 +1,15 @@
-"""What a worker refuses before it computes: bad input and long outputs.
+"""What a worker refuses before it computes: bad input, long outputs, large and slow bodies.
 
-A real uvicorn server (tiny model) with a small output limit, so that it is cheap to reach;
+A real uvicorn server (tiny model) with small limits, so that each one is cheap to reach;
 bodies that are not valid JSON text for httpx's encoder (lone surrogates) are sent as the
-raw JSON escapes a client would send.
+raw JSON escapes a client would send, and the body limits are probed with raw sockets.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import load_model
 from kvstrata.errors import ApiError, ContextTooLong
 from kvstrata.runtime.config import ServeLimits
+from kvstrata.runtime.config_schema import MIB
 from kvstrata.serve.app import create_app
 from kvstrata.serve.limits import output_budget
 from kvstrata.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -27,7 +30,8 @@ from kvstrata.telemetry import KvMetrics
 
 MODEL = "tiny"
 MAX_TOKENS = 24
-LIMITS = ServeLimits(max_tokens=MAX_TOKENS)
+BODY_TIMEOUT_S = 1.0
+LIMITS = ServeLimits(max_tokens=MAX_TOKENS, max_body_bytes=4 * MIB, body_timeout_s=BODY_TIMEOUT_S)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
@@ -35,6 +39,10 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 class Served:
     engine: ReferenceEngine
     client: httpx.Client
+
+    @property
+    def port(self) -> int:
+        return int(self.client.base_url.port or 0)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +222,88 @@ def test_output_budget_rules() -> None:
         budget({**chat, "max_tokens": 10, "max_completion_tokens": 51})
     with pytest.raises(ContextTooLong):
         budget(text, prompt=100)
+
+
+# ---- request bodies: size and time ----------------------------------------------------------
+def _raw_exchange(port: int, request: bytes, timeout_s: float) -> tuple[bytes, float]:
+    """Send ``request`` and read until the server closes the connection (or ``timeout_s``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        started = time.monotonic()
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):  # b"": the server closed the connection
+            received += chunk
+        return received, time.monotonic() - started
+
+
+def _status_and_error(raw: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"connection: close" in head.lower()
+    return status, dict(json.loads(body)["error"])
+
+
+def test_a_body_that_never_arrives_is_a_408_and_the_connection_closes(served: Served) -> None:
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b'{"prompt":'
+    )
+    raw, elapsed = _raw_exchange(served.port, request, timeout_s=10 * BODY_TIMEOUT_S)
+    status, error = _status_and_error(raw)
+    assert status == 408 and error["code"] == "request_timeout"
+    assert BODY_TIMEOUT_S * 0.9 <= elapsed < 5 * BODY_TIMEOUT_S
+    assert served.client.get("/health").status_code == 200
+
+
+def test_a_declared_oversized_body_is_a_413_before_it_is_sent(served: Served) -> None:
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 10485760\r\n\r\n"
+    )
+    raw, elapsed = _raw_exchange(served.port, request, timeout_s=10 * BODY_TIMEOUT_S)
+    status, error = _status_and_error(raw)
+    assert status == 413 and error["code"] == "request_too_large"
+    assert elapsed < BODY_TIMEOUT_S  # answered from the header, not after a timeout
+
+
+def test_a_10_mb_body_is_a_413(served: Served) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x" * (10 * 1024 * 1024)}).encode()
+    response = served.client.post(
+        COMPLETIONS, content=body, headers={"Content-Type": "application/json"}
+    )
+    assert _error(response, 413)["code"] == "request_too_large"
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(served: Served) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(5 * 1024):
+            yield b"x" * 1024
+        yield b'"}'
+
+    response = served.client.post(
+        COMPLETIONS, content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    assert "content-length" not in response.request.headers  # sent chunked
+    assert _error(response, 413)["code"] == "request_too_large"
+    small = iter([b'{"model": "tiny", "prompt": "chunked", ', b'"max_tokens": 2}'])
+    ok = served.client.post(
+        COMPLETIONS, content=small, headers={"Content-Type": "application/json"}
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_refusals_are_counted_by_status(served: Served) -> None:
+    def refused() -> float:
+        text = served.client.get("/metrics").text
+        line = 'kvstrata_requests_total{endpoint="/v1/completions",status="413"} '
+        found = [row for row in text.splitlines() if row.startswith(line)]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    before = refused()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 99999999\r\n\r\n"
+    )
+    _raw_exchange(served.port, request, timeout_s=10 * BODY_TIMEOUT_S)
+    assert refused() == before + 1

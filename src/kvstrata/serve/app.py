@@ -38,7 +38,7 @@ from kvstrata.runtime.config import ServeLimits
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
-from kvstrata.serve.limits import DEFAULT_LIMITS, output_budget
+from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits, output_budget
 from kvstrata.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,7 +83,7 @@ def create_app(
     """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures.
 
     ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests);
-    ``limits`` bounds output lengths (``serve.limits``).
+    ``limits`` bounds request bodies and output lengths (``serve.limits``).
     """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
@@ -104,6 +104,7 @@ def create_app(
             worker.close()
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
+    app.add_middleware(BodyLimits, limits=limits)  # inside the counter: it counts 408s and 413s
     app.add_middleware(_RequestCounter, metrics=metrics)
     app.exception_handler(ApiError)(protocol.api_error_handler)
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
