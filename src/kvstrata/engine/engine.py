@@ -139,10 +139,17 @@ class ReferenceEngine:
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        """Flush write-back queues and close the tiers (the device pool needs nothing)."""
+        """Keep what the write policies promise, then close the tiers (a graceful stop).
+
+        A write-back (or selective) first level copies a device block only when the pool
+        evicts it, so blocks still only in the pool are evicted now: the demotion listener
+        stores each one the store wants, as eviction under pressure would. ``store.close()``
+        then drains every write-back queue below. Blocks held by a running generation stay.
+        """
         if self.bridge is not None:
+            self.pool.clear()
             self.bridge.store.close()
-        self._flush_events()  # what the write-back drain just stored
+        self._flush_events()  # what the demotions and the write-back drain just stored
 
     def _flush_events(self) -> None:
         """Publish this step's KV events as one batch (on the engine thread, as ZMQ needs)."""
