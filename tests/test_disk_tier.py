@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvstrata.objects import KVObjectMeta
+from kvstrata.runtime.config import WorkerConfig, disk_tier
+from kvstrata.runtime.store_factory import build_store
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.disk import DiskTier
 from tier_helpers import CAPACITY, OBJ, FakeClock, load_bytes, make_object, store
@@ -86,6 +89,34 @@ def test_disk_recovery_cleans_damaged_files(tmp_path: Path, damage: str) -> None
         assert not path.exists() and not temp.exists()
         assert list(again.keys()) == [good.key]
         assert load_bytes(again, good.key) == good_payload
+
+
+def test_objects_invalidated_by_the_recovery_scan_are_counted(tmp_path: Path) -> None:
+    objects = [make_object(i) for i in range(10)]
+    with DiskTier(tmp_path, 16 * OBJ) as tier:
+        for meta, payload in objects:
+            assert store(tier, meta, payload)
+        paths = [tier.path_of(meta.key) for meta, _ in objects]
+    for path in paths[:8]:  # bit rot in eight payloads
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0x01
+        path.write_bytes(raw)
+    registry = CollectorRegistry()
+    config = WorkerConfig(tiers=(disk_tier(tmp_path, 16 * OBJ),))
+    restarted = build_store(OBJ, config, registry)  # what `kvstrata serve` builds at start
+    assert restarted is not None
+    try:
+        labels = {"tier": "disk", "reason": "recovery_scan"}
+        assert registry.get_sample_value("kvstrata_tier_invalidated_total", labels) == 8
+        assert registry.get_sample_value("kvstrata_tier_objects", {"tier": "disk"}) == 2
+        assert sorted(restarted.levels[0].tier.keys()) == sorted(m.key for m, _ in objects[8:])
+    finally:
+        restarted.close()
+    clean = CollectorRegistry()
+    again = build_store(OBJ, config, clean)  # nothing left to invalidate: no count
+    assert again is not None
+    again.close()
+    assert clean.get_sample_value("kvstrata_tier_invalidated_total", labels) is None
 
 
 def test_disk_recovery_respects_capacity_and_ttl(tmp_path: Path) -> None:

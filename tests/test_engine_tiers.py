@@ -177,6 +177,24 @@ def test_other_tenant_gets_nothing_from_lower_tiers(engine: ReferenceEngine) -> 
     assert alice.record.matched_by_tier == {"host": 79}
 
 
+@pytest.mark.parametrize("host_policy", [WritePolicy.WRITE_BACK, WritePolicy.SELECTIVE])
+def test_close_demotes_the_device_pool_and_drains_write_back(
+    tiny_model: LoadedModel, tmp_path: Path, host_policy: WritePolicy
+) -> None:
+    """Blocks only in the device pool at close (the host level copies on eviction) reach the
+    disk tier (write-back below the host) before the tiers close."""
+    host = TierConfig("host", host_policy, selective_min_uses=1)
+    first = make(tiny_model, tmp_path, host=host)
+    prompt = tokens(120, seed=12)
+    first.generate(prompt, SamplingParams(max_tokens=1)).run()
+    assert first.bridge is not None
+    assert first.bridge.store.levels[1].tier.object_count == 0  # nothing below the pool yet
+    first.close()
+    second = make(tiny_model, tmp_path, host=host)
+    assert exact_from(second, prompt) == {"disk": 112}
+    second.close()
+
+
 def test_disk_tier_survives_an_engine_restart(tiny_model: LoadedModel, tmp_path: Path) -> None:
     first = make(tiny_model, tmp_path)
     prompt = tokens(120, seed=10)

@@ -13,7 +13,7 @@ from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.fleet.supervisor import WorkerSpec
 from kvstrata.identity import secret_digest
-from kvstrata.runtime.config import WorkerConfig, load_worker_config
+from kvstrata.runtime.config import ServeLimits, WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB, KEYS, OVERRIDES, reference_markdown
 from kvstrata.store.config import WritePolicy
 
@@ -116,6 +116,10 @@ ttl_s = 3600
         ),
         ("[events]\nendpoint = '127.0.0.1:5'\n", "events.endpoint"),
         ("tenant_secret_file = 'missing-secret'\n", "tenant_secret_file"),
+        ("[limits]\nmax_tokens = 0\n", "limits.max_tokens"),
+        ("[limits]\nmax_body_mib = -1\n", "limits.max_body_mib"),
+        ("[limits]\nbody_timeout_s = inf\n", "limits.body_timeout_s"),
+        ("[limits]\nrequests_per_s = 5\n", "limits.requests_per_s"),
         (
             "[[tiers]]\nname = 'disk'\npath = 'd'\ngib = 1\n[[tiers]]\nname = 'host'\ngib = 1\n",
             "tiers",
@@ -128,6 +132,21 @@ def test_a_bad_file_names_the_key_and_the_file(tmp_path: Path, text: str, key: s
         load_worker_config(path)
     assert raised.value.key == key
     assert str(path) in str(raised.value) and repr(key) in str(raised.value)
+
+
+def test_serve_limits_from_the_file_and_the_flags(tmp_path: Path) -> None:
+    assert WorkerConfig().limits == ServeLimits(4096, 4 << 20, 30.0)
+    path = _write(tmp_path, "[limits]\nmax_tokens = 512\nmax_body_mib = 0.5\n")
+    config = load_worker_config(path)
+    assert config.limits == ServeLimits(max_tokens=512, max_body_bytes=1 << 19, body_timeout_s=30.0)
+    args = _args("serve", "--config", str(path), "--max-tokens-limit", "64",
+                 "--body-timeout-s", "2.5")  # fmt: skip
+    assert serve_cmd.worker_config(args).limits == ServeLimits(64, 1 << 19, 2.5)
+    assert describe(config)["limits"] == {
+        "max_tokens": 512,
+        "max_body_bytes": 1 << 19,
+        "body_timeout_s": 30.0,
+    }
 
 
 def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:

@@ -76,6 +76,11 @@ def describe(config: WorkerConfig) -> dict[str, Any]:
         "secret_digest": config.secret_digest,
         "admin_token": "set" if config.admin_token else None,
         "debug_endpoints": config.debug_endpoints,
+        "limits": {
+            "max_tokens": config.limits.max_tokens,
+            "max_body_bytes": config.limits.max_body_bytes,
+            "body_timeout_s": config.limits.body_timeout_s,
+        },
         "lookup_timeout_ms": config.lookup_timeout_ms,
         "stats_path": str(config.stats_path) if config.stats_path else None,
     }

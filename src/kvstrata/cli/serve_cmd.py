@@ -12,9 +12,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
@@ -57,6 +59,22 @@ def register(sub: Any) -> None:
     )
     batching.add_argument(
         "--max-waiting", type=int, default=None, help="queued requests before 429 (default 64)"
+    )
+    limits = parser.add_argument_group("limits (what one request may ask for and send)")
+    limits.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="most output tokens a request may ask for; also the default (limits.max_tokens)",
+    )
+    limits.add_argument(
+        "--max-body-mib", type=float, default=None, help="largest request body (413 above it)"
+    )
+    limits.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a request body may take to arrive (408 after it)",
     )
     tiers = parser.add_argument_group("tiers (the tiered store below the device pool)")
     tiers.add_argument("--host-gib", type=float, default=None, help="host DRAM tier (0: none)")
@@ -140,8 +158,6 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput("--port must lie in 1..65535")
     config = worker_config(args)
 
-    import uvicorn
-
     from kvstrata.engine.engine import EngineConfig
     from kvstrata.engine.factory import build_engine
     from kvstrata.engine.model_loader import load_model
@@ -154,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     blocks = pool_blocks_for(loaded, config.block_size, config.pool_bytes)
     metrics = KvMetrics()
     emitter = None
+    terminated = False
     if config.events is not None:
         emitter = KVEventEmitter.from_config(config.events, block_size=config.block_size).start()
     try:
@@ -172,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
                 metrics=metrics,
                 admin_token=args.admin_token or config.admin_token,
                 debug_endpoints=config.debug_endpoints,
+                limits=config.limits,
             )
             _banner(name, args.host, args.port, engine.device, blocks, config.block_size)
             if engine.bridge is not None:
@@ -190,13 +208,44 @@ def run(args: argparse.Namespace) -> int:
                     f"{publisher.endpoint} (replay {publisher.replay_endpoint}); /kv/info, /kv/dump"
                 )
             sys.stdout.flush()
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            terminated = _serve(app, args.host, args.port, args.log_level)
         finally:
-            engine.close()  # flush write-back queues to disk (and publish what that stored)
+            engine.close()  # demote the device pool, flush write-back queues to disk
     finally:
         if emitter is not None:
             emitter.close()
+    if terminated:  # end as a SIGTERM ends a process, now that everything is persisted
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised from our handler once uvicorn has finished its graceful shutdown."""
+
+
+def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _serve(app: Any, host: str, port: int, log_level: str) -> bool:
+    """Run uvicorn until it stops; True when SIGTERM stopped it.
+
+    On SIGTERM uvicorn shuts down gracefully, restores the handler it found and raises the
+    signal again. Under the default handler that kills the process on the spot, before the
+    caller's ``engine.close()`` persists the device pool and the write-back queues; so the
+    handler it finds is this one, which turns the second SIGTERM into an exception.
+    """
+    import uvicorn
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    except _Terminated:
+        return True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return False
 
 
 def _banner(name: str, host: str, port: int, device: str, blocks: int, block_size: int) -> None:

@@ -177,11 +177,18 @@ class ReferenceEngine:
         self._step_s_avg = 0.05
 
     def close(self) -> None:
-        """Stop the loop, flush write-back queues and close the tiers."""
+        """Stop the loop, keep what the write policies promise, close the tiers (graceful stop).
+
+        A write-back (or selective) first level copies a device block only when the pool
+        evicts it, so blocks still only in the pool are evicted now: the demotion listener
+        stores each one the store wants, as eviction under pressure would. ``store.close()``
+        then drains every write-back queue below. Blocks held by a running generation stay.
+        """
         self.stop_loop()
         if self.bridge is not None:
+            self.pool.clear()
             self.bridge.store.close()
-        self._flush_events()  # what the write-back drain just stored
+        self._flush_events()  # what the demotions and the write-back drain just stored
 
     def _flush_events(self) -> None:
         """Publish this step's KV events as one batch (on the engine thread, as ZMQ needs)."""

@@ -9,7 +9,7 @@ generates the reference page ``docs/configuration.md`` (a test checks the page i
 A file looks like ``examples/worker.toml``: top-level keys, a ``[pool]`` table, one
 ``[[tiers]]`` table per tier below the device pool (fastest first: ``host`` then ``disk``),
 each with an optional ``[tiers.rollout]`` table, an ``[events]`` table (KV events for a fleet
-index) and a ``[connector]`` table (vLLM only).
+index), a ``[connector]`` table (vLLM only) and a ``[limits]`` table (``serve`` only).
 
 Overrides (``OVERRIDES``) are flat names — the ``serve`` flags without dashes, and the flat keys
 the connector has always taken (``host_gib``, ``disk_dir``, ...) — applied to the parsed
@@ -21,6 +21,7 @@ naming the key and the file, never a traceback.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,15 @@ class TierSpec:
 
 
 @dataclass(frozen=True)
+class ServeLimits:
+    """What a ``serve`` worker accepts from one client request (the ``[limits]`` table)."""
+
+    max_tokens: int = 4096
+    max_body_bytes: int = 4 * MIB
+    body_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     model: str = "smollm2"
     served_model_name: str | None = None
@@ -70,6 +80,7 @@ class WorkerConfig:
     tenant_secret: bytes = field(default=b"", repr=False)
     admin_token: str | None = field(default=None, repr=False)
     debug_endpoints: bool = False
+    limits: ServeLimits = ServeLimits()
     lookup_timeout_ms: int = 2000
     stats_path: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -265,10 +276,23 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
         tenant_secret=secret,
         admin_token=token.decode("utf-8").strip() if token else None,
         debug_endpoints=top.get("debug_endpoints"),
+        limits=_limits(_Reader(data.get("limits", {}), "limits.", where, base)),
         lookup_timeout_ms=timeout,
         stats_path=connector.get("stats_path"),
         scheduler=scheduler,
     )
+
+
+def _limits(limits: _Reader) -> ServeLimits:
+    max_tokens, body_mib, timeout = (
+        limits.get(name) for name in ("max_tokens", "max_body_mib", "body_timeout_s")
+    )
+    if max_tokens < 1:
+        raise limits.fail("max_tokens", "must be at least 1")
+    for name, value in (("max_body_mib", body_mib), ("body_timeout_s", timeout)):
+        if not 0 < value < math.inf:
+            raise limits.fail(name, "must be a positive, finite number")
+    return ServeLimits(max_tokens, max(1, int(body_mib * MIB)), timeout)
 
 
 def _read_secret(path: Path | None, key: str, where: str) -> bytes:

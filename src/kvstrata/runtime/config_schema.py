@@ -41,6 +41,20 @@ KEYS: Final[tuple[Key, ...]] = (
     ),
     Key("admin_token_file", "path", None, "`serve`: bearer token required on `/admin`"),
     Key("debug_endpoints", "bool", False, "`serve`: `POST /kv/debug/drop-events` (tests)"),
+    Key(
+        "limits.max_tokens",
+        "int",
+        4096,
+        "`serve`: most output tokens a request may ask for (more: a 400); a chat request "
+        "that sets none gets this, or the room left in the context window if that is less",
+    ),
+    Key("limits.max_body_mib", "float", 4.0, "`serve`: largest request body in MiB (more: a 413)"),
+    Key(
+        "limits.body_timeout_s",
+        "float",
+        30.0,
+        "`serve`: seconds a request body may take to arrive (longer: a 408, connection closed)",
+    ),
     Key("pool.gib", "float", 1.0, "device KV pool size in GiB (reference engine)"),
     Key("pool.block_size", "int", 16, "tokens per KV block (reference engine)"),
     Key("scheduler.max_num_seqs", "int", 16, "`serve`: sequences in one engine step's batch"),
@@ -92,7 +106,7 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
 )
 BY_PATH: Final = {key.path: key for key in KEYS}
-TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector")
+TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector", "limits")
 
 
 # ---- overrides ----------------------------------------------------------------------------------
@@ -191,6 +205,9 @@ _OVERRIDE_LIST: Final = (
     ),
     Override("tenant_secret_file", "tenant_secret_file", _set("tenant_secret_file")),
     Override("debug_endpoints", "debug_endpoints", _set("debug_endpoints")),
+    Override("max_tokens_limit", "limits.max_tokens", _set("limits.max_tokens")),
+    Override("max_body_mib", "limits.max_body_mib", _set("limits.max_body_mib")),
+    Override("body_timeout_s", "limits.body_timeout_s", _set("limits.body_timeout_s")),
     Override("events_endpoint", "events.endpoint", _set("events.endpoint")),
     Override("replay_endpoint", "events.replay_endpoint", _set("events.replay_endpoint")),
     Override("events_replay_endpoint", "events.replay_endpoint", _set("events.replay_endpoint")),

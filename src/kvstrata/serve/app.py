@@ -37,9 +37,11 @@ from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ApiError, ContextTooLong, InvalidInput, QueueFull
 from kvstrata.identity import DEFAULT_TENANT
+from kvstrata.runtime.config import ServeLimits
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
+from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits, output_budget
 from kvstrata.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,14 +73,16 @@ def create_app(
     metrics: KvMetrics,
     admin_token: str | None = None,
     debug_endpoints: bool = False,
+    limits: ServeLimits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures.
 
-    ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests).
+    ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests);
+    ``limits`` bounds request bodies and output lengths (``serve.limits``).
     """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
-    service = _Service(engine, model_name)
+    service = _Service(engine, model_name, limits)
     kv_runtime = KvStateRuntime(engine.events, engine) if engine.events is not None else None
 
     @asynccontextmanager
@@ -94,6 +98,7 @@ def create_app(
             await asyncio.to_thread(engine.stop_loop)
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
+    app.add_middleware(BodyLimits, limits=limits)  # inside the counter: it counts 408s and 413s
     app.add_middleware(_RequestCounter, metrics=metrics)
     app.exception_handler(ApiError)(protocol.api_error_handler)
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
@@ -135,8 +140,9 @@ def create_app(
 class _Service:
     """Turns parsed requests into queued generations and their tokens into responses."""
 
-    def __init__(self, engine: ReferenceEngine, model_name: str) -> None:
+    def __init__(self, engine: ReferenceEngine, model_name: str, limits: ServeLimits) -> None:
         self.engine = engine
+        self.limits = limits
         self.model_name = model_name
         self.created = int(time.time())
         self.vocab_size = int(engine.model.config.vocab_size)
@@ -225,14 +231,12 @@ class _Service:
         return JSONResponse(self._final_body(endpoint, request_id, outcome[0]), headers=timing)
 
     def _params(self, body: SamplingRequest, prompt_tokens: int) -> SamplingParams:
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = self.engine.max_model_len - prompt_tokens
-            if max_tokens < 1:
-                raise ContextTooLong(
-                    f"prompt of {prompt_tokens} tokens fills the context window of "
-                    f"{self.engine.max_model_len} tokens"
-                )
+        max_tokens = output_budget(
+            body,
+            prompt_tokens=prompt_tokens,
+            max_model_len=self.engine.max_model_len,
+            limit=self.limits.max_tokens,
+        )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,

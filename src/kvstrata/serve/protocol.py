@@ -3,9 +3,12 @@
 Requests are parsed strictly (a string where a number belongs is a 400, not a coercion)
 and unknown fields are ignored, as OpenAI clients send many optional ones. Parameters the
 reference engine cannot honour (``n > 1``, penalties, logprobs, non-text content) are
-rejected with a 400 rather than silently dropped. Responses are plain dicts shaped like
-OpenAI's; ``usage.prompt_tokens_details.cached_tokens`` carries the matched prefix tokens,
-as OpenAI and vLLM report them. Every error, FastAPI's own included (malformed JSON, schema
+rejected with a 400 rather than silently dropped, and so is anything that would only fail
+later, inside the engine: a ``seed`` outside what ``torch.Generator.manual_seed`` accepts,
+text that is not valid Unicode (a JSON escape such as ``"\\ud800"`` decodes to a lone
+surrogate, which no tokenizer can encode). Responses are plain dicts shaped like OpenAI's;
+``usage.prompt_tokens_details.cached_tokens`` carries the matched prefix tokens, as OpenAI
+and vLLM report them. Every error, FastAPI's own included (malformed JSON, schema
 violations, unknown routes), is answered as ``{"error": {message, type, param, code}}``.
 """
 
@@ -24,6 +27,20 @@ from kvstrata.errors import ApiError
 
 MAX_STOP_STRINGS = 4
 MAX_TENANT_CHARS = 128
+SEED_MIN = -(1 << 63)  # what torch.Generator.manual_seed accepts (engine.sampling checks too)
+SEED_MAX = (1 << 64) - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _valid_text(value: str) -> str:
+    """``value`` unless it holds a lone surrogate (not Unicode text: it cannot be encoded)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text must be valid Unicode: lone surrogate {value[exc.start]!r} at index {exc.start}"
+        ) from None
+    return value
 
 
 class _Strict(BaseModel):
@@ -42,7 +59,7 @@ class SamplingRequest(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # extension; -1 (vLLM) and 0 both mean off
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -53,6 +70,11 @@ class SamplingRequest(_Strict):
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
+
+    @field_validator("model", "user", "kvstrata_tenant")
+    @classmethod
+    def _valid_name(cls, value: str | None) -> str | None:
+        return None if value is None else _valid_text(value)
 
     @field_validator("n")
     @classmethod
@@ -83,6 +105,8 @@ class SamplingRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
         if any(not stop for stop in stops):
             raise ValueError("stop sequences must be non-empty")
+        for stop in stops:
+            _valid_text(stop)
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -91,7 +115,14 @@ class SamplingRequest(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def requested_max_tokens(self) -> int | None:
+        """The output length asked for, defaults included (None: as long as allowed)."""
         return self.max_tokens
+
+    def explicit_max_tokens_param(self) -> str | None:
+        """The field that set the output length explicitly (None: a default applies)."""
+        if "max_tokens" in self.model_fields_set and self.max_tokens is not None:
+            return "max_tokens"
+        return None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -101,7 +132,7 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -115,6 +146,9 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty")
         if isinstance(value, list) and any(isinstance(v, int) and v < 0 for v in value):
             raise ValueError("token ids must be non-negative")
+        for text in [value] if isinstance(value, str) else value:
+            if isinstance(text, str):
+                _valid_text(text)
         return value
 
     @field_validator("echo")
@@ -152,9 +186,21 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _valid_content(
+        cls, value: str | list[ContentPart] | None
+    ) -> str | list[ContentPart] | None:
+        for part in [value] if isinstance(value, str) else value or []:
+            text = part if isinstance(part, str) else part.text
+            if text is not None:
+                _valid_text(text)
+        return value
+
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``; ``max_tokens`` unset → fill the context window."""
+    """``POST /v1/chat/completions``; ``max_tokens`` unset → the server's limit or the room
+    left in the context window, whichever is less (``limits.output_budget``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -163,6 +209,11 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def explicit_max_tokens_param(self) -> str | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens is not None else None
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them: role and one string of content.

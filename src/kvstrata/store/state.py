@@ -26,6 +26,9 @@ from kvstrata.store.policy import EvictionPolicy
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import Tier, TierError
 
+RECOVERY_SCAN = "recovery_scan"
+"""``kvstrata_tier_invalidated_total`` reason of objects a tier's start-up scan found corrupt."""
+
 
 class StoreCore:
     def __init__(
@@ -53,6 +56,10 @@ class StoreCore:
                 if meta is not None:
                     level.policy.on_insert(meta, now)
                     self._feed.stored(level.name, meta)
+            # What the tier invalidated before this store took it over: the corrupt or torn
+            # objects a durable medium's start-up recovery scan deleted.
+            if found := level.tier.counters.invalidated:
+                self.metrics.invalid.labels(tier=level.name, reason=RECOVERY_SCAN).inc(found)
             self.metrics.tier_enabled.labels(tier=level.name).set(1)
             self._publish(level)
 

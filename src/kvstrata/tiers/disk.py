@@ -13,11 +13,13 @@ survives it), not against power loss.
 
 Verification: ``recover()`` (run by the constructor) checks header, meta checksum, file size,
 that the file name matches the key, and the payload digest; anything else is deleted and
-counted in ``counters.invalidated`` — it never raises. ``prepare_load`` re-verifies the payload
-digest on every read (``verify_reads=True``, the default, the same policy as every tier below
-the device pool), because disk bytes can rot or be touched by others: a mismatch marks the
-object INVALID, deletes the file, counts it and returns ``None``. ``verify_reads=False`` is for
-measuring what verification costs (``kvstrata bench tiers``), not for production.
+counted in ``counters.invalidated`` — it never raises (a store built over the tier exports that
+count as ``kvstrata_tier_invalidated_total{reason="recovery_scan"}``). ``prepare_load``
+re-verifies the payload digest on every read (``verify_reads=True``, the default, the same
+policy as every tier below the device pool), because disk bytes can rot or be touched by
+others: a mismatch marks the object INVALID, deletes the file, counts it and returns ``None``.
+``verify_reads=False`` is for measuring what verification costs (``kvstrata bench tiers``), not
+for production.
 
 Failures: an ``OSError`` while writing (ENOSPC, EFBIG, EIO …) removes the temp file, releases the
 reservation and raises ``TierError`` from ``complete_store`` — the medium failed, as the
