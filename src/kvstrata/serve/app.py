@@ -209,6 +209,7 @@ class _Service:
                 top_p=body.top_p,
                 top_k=max(0, body.top_k),
                 seed=body.seed,
+                ignore_eos=body.ignore_eos,
             )
             return engine.generate(prompt_ids, params, tenant=tenant, request_id=request_id)
 

@@ -51,6 +51,7 @@ class SamplingRequest(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: bool | int | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past EOS
     kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
 
     @field_validator("n")
