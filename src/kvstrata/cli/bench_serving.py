@@ -72,10 +72,14 @@ _LABELS = {
 }
 
 
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def _range(fig: dict[str, Any]) -> str:
     if fig["median"] is None:
         return "n/a"
-    return f"{fig['median']:.4g} [{fig['min']:.4g}, {fig['max']:.4g}]"
+    return f"{_num(fig['median'])} [{_num(fig['min'])}, {_num(fig['max'])}]"
 
 
 def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
@@ -111,7 +115,8 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         )
     )
     rates = data["rates"]
-    out.append(("saturating / half rate (req/s)", "", "", f"inf / {rates['half_req_s']:.4g}", ""))
+    offered = f"inf (vLLM did {rates['saturating_req_s']:.4g}) / {rates['half_req_s']:.4g}"
+    out.append(("offered rate, saturating / half (req/s)", "", "", offered, ""))
     kv = data["kv_bytes"]
     out.append(("KV bytes (kvstrata, vLLM)", str(kv["kvstrata"]), str(kv["vllm"]), "", ""))
     return out
