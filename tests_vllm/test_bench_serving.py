@@ -30,6 +30,10 @@ def _main_python() -> Path:
     return python
 
 
+def _not_json(constant: str) -> None:
+    raise AssertionError(f"{constant} is not JSON")
+
+
 def test_tiny_serving_bench_runs_both_servers_and_reports(smol: Path, tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvstrata.cli.main", "bench", "serving", "--json"]
     for key, value in TINY.items():
@@ -45,7 +49,7 @@ def test_tiny_serving_bench_runs_both_servers_and_reports(smol: Path, tmp_path: 
         env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
-    data = json.loads(proc.stdout)
+    data = json.loads(proc.stdout, parse_constant=_not_json)  # no Infinity / NaN
     for name in ("throughput_ratio", "ttft_p50_ratio", "ttft_p99_ratio", "tpot_ratio"):
         assert data[name] is not None and data[name] > 0, name
         assert data["ratio_spread"][name]["min"] is not None

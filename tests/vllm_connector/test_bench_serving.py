@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from kvstrata.bench.serving import (
     ServingSettings,
     client_argv,
     kvstrata_command,
+    report,
     run_order,
     vllm_command,
 )
@@ -240,13 +242,16 @@ def test_saturating_rate_needs_vllm_throughput() -> None:
 
 def test_report_is_strict_json_and_renders_a_table() -> None:
     runs = _runs()
-    data = summarize(runs, repeats=3) | {
-        "rates": {"saturating_offered_req_s": "inf", "saturating_req_s": 5.0, "half_req_s": 2.5},
-        "kv_bytes": {"kvstrata": 10, "vllm": 10},
-        "runs": [r.to_dict() for r in runs],
-    }
-    assert data["runs"][0]["request_rate"] == "inf"
-    json.dumps(data, allow_nan=False)  # --json prints it as one object
+    settings = ServingSettings()
+    kv = KvBudget.for_model(SMOLLM2, settings)
+    pythons = {"kvstrata": Path("/main/python"), "vllm": Path("/vllm/python")}
+    data = report(runs, settings, kv, model_dir=Path("/m"), pythons=pythons, wall_s=12.34)
+    assert data["runs"][0]["request_rate"] == "inf" and "texts" not in data["runs"][0]
+    assert data["rates"]["saturating_req_s"] == 5.0
+    assert data["rates"]["half_req_s"] == 1.0  # what the half-phase runs were offered
+    assert data["kv_bytes"]["kvstrata"] == data["kv_bytes"]["vllm"] == kv.bytes
+    assert data["repeats"] == 3 and data["wall_s"] == 12.3
+    json.dumps(data, allow_nan=False)  # --json prints it as one strict JSON object
     rows = bench_serving.rows(data)
     assert rows[0][0].startswith("throughput_ratio")
     assert "NOT met" in rows[0][4]

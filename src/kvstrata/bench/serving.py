@@ -55,7 +55,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -318,12 +318,32 @@ def run(
                 for side in run_order(repeat):
                     say(f"bench serving: {phase} rate {rates[phase]:.4g} req/s, #{repeat} {side}")
                     runs.append(run_one(servers, phase, repeat, side, rates[phase]))
-    report = summarize(runs, settings.repeats)
-    return report | {
+    return report(
+        runs,
+        settings,
+        kv,
+        model_dir=model_dir,
+        pythons={"kvstrata": kvstrata_python, "vllm": servers.vllm_python},
+        wall_s=time.perf_counter() - wall,
+    )
+
+
+def report(
+    runs: Sequence[RunRecord],
+    settings: ServingSettings,
+    kv: KvBudget,
+    *,
+    model_dir: Path,
+    pythons: Mapping[str, Path],
+    wall_s: float,
+) -> dict[str, Any]:
+    """``summarize`` plus the rates, KV bytes, settings and every run (strict JSON)."""
+    half = [r.request_rate for r in runs if r.phase == "half"]
+    return summarize(runs, settings.repeats) | {
         "rates": {
             "saturating_offered_req_s": "inf",
             "saturating_req_s": saturating_rate(runs),
-            "half_req_s": rates["half"],
+            "half_req_s": half[0] if half else None,
             "procedure": "saturating: every request at t=0 (rate inf); saturating_req_s = "
             "vLLM's median req/s there; half: Poisson arrivals at saturating_req_s / 2",
         },
@@ -339,10 +359,10 @@ def run(
         "settings": asdict(settings),
         "model": {"dir": str(model_dir), "dtype": "float32"},
         "servers": {
-            "kvstrata_python": str(kvstrata_python),
-            "vllm_python": str(servers.vllm_python),
+            "kvstrata_python": str(pythons["kvstrata"]),
+            "vllm_python": str(pythons["vllm"]),
             "restarted_for_every_run": True,
         },
-        "runs": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in runs],
-        "wall_s": round(time.perf_counter() - wall, 1),
+        "runs": [r.to_dict() for r in runs],
+        "wall_s": round(wall_s, 1),
     }
