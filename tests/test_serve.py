@@ -119,6 +119,21 @@ def test_completion_greedy_reports_usage_and_cached_tokens(served: Served) -> No
     assert cached == again["prompt_tokens"] - 1
 
 
+def test_ignore_eos_generates_max_tokens(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``ignore_eos`` (benchmark clients send it so every answer has the same length):
+    with every token an EOS, a request stops after one token unless it sets the flag."""
+    vocab = int(served.engine.model.config.vocab_size)
+    monkeypatch.setattr(served.engine, "eos_token_ids", frozenset(range(vocab)))
+    body = _completion_body(_long_prompt("ignore-eos"), max_tokens=5)
+    stopped = _ok(served.client.post("/v1/completions", json=body))
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] < 5
+    body["ignore_eos"] = True
+    full = _ok(served.client.post("/v1/completions", json=body))
+    assert full["choices"][0]["finish_reason"] == "length"
+    assert full["usage"]["completion_tokens"] == 5
+
+
 def test_completion_accepts_token_ids_and_single_item_list(served: Served) -> None:
     text = _long_prompt("token-ids")
     ids = served.engine.encode_prompt(text)

@@ -18,32 +18,34 @@ and reordered round-robin (prefix 0, 1, …, P-1, 0, 1, …), so between two use
 other prefix passes through the cache: with a working set ≥ 4× the KV cache, vLLM alone has
 evicted the prefix before it returns and must recompute it, while kvstrata can reload it.
 
-Servers run with ``OMP_NUM_THREADS=1`` (see ``_env``). Before the client starts, each server
-gets one short unrelated warm-up request (kernels, allocator); the client's own ready check is
-off, so no workload prompt is cached beforehand. After the client, the server's ``/metrics``
-give where prompt tokens came from (computed, vLLM prefix cache, external = kvstrata) and the
-mean prefill time; the connector's stats file gives kvstrata's load and save seconds.
+Servers run with ``OMP_NUM_THREADS=1`` (``servers.server_env``). Before the client starts,
+each server gets one short unrelated warm-up request (kernels, allocator); the client's own
+ready check is off, so no workload prompt is cached beforehand. After the client, the
+server's ``/metrics`` give where prompt tokens came from (computed, vLLM prefix cache,
+external = kvstrata) and the mean prefill time; the connector's stats file gives kvstrata's
+load and save seconds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstrata.bench.servers import (
+    free_port,
+    http,
+    run_serve_client,
+    running_server,
+    server_env,
+    tail,
+)
 from kvstrata.errors import InvalidInput
 
 BLOCK_SIZE = 32
@@ -264,107 +266,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-# --- processes -------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
-    env.update(
-        HF_HUB_OFFLINE="1",
-        # 1, not 2: with a KV connector (kvstrata's or vLLM's ExampleConnector alike), 2 OpenMP
-        # threads on this busy 2-core box made every kernel wait (64 decode steps: 2.1 s plain,
-        # 3–135 s with a connector); with 1 thread both take ~2 s.
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-        TOKENIZERS_PARALLELISM="false",
-    )
-    return env
-
-
-def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if data else {}
-    request = urllib.request.Request(url, data=data, headers=headers)
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        payload: bytes = response.read()
-        return payload
-
-
-@contextlib.contextmanager
-def _server(argv: list[str], env: dict[str, str], log: Path, port: int) -> Iterator[str]:
-    """Start a vLLM OpenAI server (own process group), wait for ``/health``, always kill it."""
-    base = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None:
-                    raise InvalidInput(f"vLLM server exited ({proc.returncode}):\n{_tail(log)}")
-                if time.monotonic() > deadline:
-                    raise InvalidInput(f"vLLM server not ready after 600 s:\n{_tail(log)}")
-                try:
-                    _http(f"{base}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, OSError):
-                    time.sleep(1)
-            yield base
-        finally:
-            _kill_group(proc)
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stray children of an exited server
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=20)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _tail(log: Path, chars: int = 4000) -> str:
-    try:
-        return log.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
 def _run_client(workload: ServingWorkload, model: str, port: int) -> dict[str, Any]:
-    """``vllm.benchmarks.serve``: its parser and ``main``, prompts reordered round-robin."""
+    """``vllm.benchmarks.serve`` with its prompts reordered round-robin."""
     import vllm.benchmarks.serve as serve  # type: ignore[import-not-found]
-    from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found]
 
-    parser = FlexibleArgumentParser()
-    serve.add_cli_args(parser)
-    args = parser.parse_args(client_argv(workload, model=model, port=port))
     original = serve.get_samples
 
     def cycled(*a: Any, **kw: Any) -> Any:
         return round_robin(original(*a, **kw), workload.num_prefixes)
 
-    serve.get_samples = cycled
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for our JSON
-            result: dict[str, Any] = serve.main(args)
-    finally:
-        serve.get_samples = original
-    return result
+    argv = client_argv(workload, model=model, port=port)
+    return run_serve_client(argv, {"get_samples": cycled})
 
 
 def run_mode(
@@ -386,19 +298,20 @@ def run_mode(
         if mode == "kvstrata"
         else None
     )
-    port = _free_port()
+    port = free_port()
     argv = server_argv(
         workload, model=str(model_dir), port=port, bytes_per_token=bytes_per_token,
         transfer=transfer,
     )  # fmt: skip
     log = mode_tmp / "server.log"
     started = time.perf_counter()
-    with _server(argv, _env(mode_tmp), log, port) as base:
+    command = [sys.executable, *argv]
+    with running_server(command, server_env(mode_tmp), log, port, name="vLLM server") as base:
         ready_s = time.perf_counter() - started
         warm = {"model": str(model_dir), "prompt": "Hello, warm-up.", "max_tokens": 2}
-        _http(f"{base}/v1/completions", warm, timeout=300)
+        http(f"{base}/v1/completions", warm, timeout=300)
         result = _run_client(workload, str(model_dir), port)
-        metrics = parse_metrics(_http(f"{base}/metrics").decode())
+        metrics = parse_metrics(http(f"{base}/metrics").decode())
     figures = client_figures(result)
     figures["server_ready_s"] = round(ready_s, 1)
     figures["server_metrics"] = metrics
@@ -409,7 +322,7 @@ def run_mode(
     figures["vllm_cached_tokens_per_request"] = (
         metrics.get("vllm_prefix_cache_hit_tokens", 0.0) / requests
     )
-    kv_lines = [line for line in _tail(log, 200_000).splitlines() if "KV cache size" in line]
+    kv_lines = [line for line in tail(log, 200_000).splitlines() if "KV cache size" in line]
     if kv_lines:
         figures["server_kv_cache_line"] = kv_lines[-1].split("]", 1)[-1].strip()
     if transfer is not None:

@@ -10,6 +10,7 @@ from kvstrata.cli import (
     bench_hash,
     bench_index,
     bench_reuse,
+    bench_serving,
     bench_tiers,
     bench_ttft,
     bench_vllm,
@@ -26,3 +27,4 @@ def register(sub: Any) -> None:
     bench_tiers.register(bench_sub)
     bench_index.register(bench_sub)
     bench_vllm.register(bench_sub)
+    bench_serving.register(bench_sub)

