@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvstrata.engine.hf_identity import model_facts
-from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.engine.model_loader import LoadedModel, load_model
 from kvstrata.identity import (
     AdapterIdentity,
     ModelFacts,
@@ -19,9 +19,15 @@ from kvstrata.identity import (
 )
 
 
+@pytest.fixture(scope="module")
+def fresh_tiny() -> LoadedModel:
+    """A model of our own: engines switch the shared one to their paged attention."""
+    return load_model("tiny")
+
+
 @pytest.fixture()
-def facts(tiny_model: LoadedModel) -> ModelFacts:
-    return model_facts(tiny_model, block_size=16, kv_dtype="float32")
+def facts(fresh_tiny: LoadedModel) -> ModelFacts:
+    return model_facts(fresh_tiny, block_size=16, kv_dtype="float32")
 
 
 def with_config(facts: ModelFacts, **changes: Any) -> ModelFacts:
