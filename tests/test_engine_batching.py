@@ -113,6 +113,31 @@ def test_preemption_when_the_pool_is_full_stays_exact(tiny_model: LoadedModel) -
     assert_nothing_pinned(engine)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_on_a_small_pool_stay_exact(tiny_model: LoadedModel, seed: int) -> None:
+    """Staggered arrivals, shared prefixes, chunking and preemption, all at once."""
+    rng = np.random.default_rng(seed)
+    engine = make(tiny_model, pool_blocks=24, max_num_seqs=6, max_num_batched_tokens=48)
+    shared = tokens(40, seed=100 + seed)
+    requests = []
+    for i in range(10):
+        own = tokens(int(rng.integers(1, 45)), seed=1000 * seed + i)
+        prompt = (shared[: int(rng.integers(0, 41))] + own)[:80]
+        params = SamplingParams(max_tokens=int(rng.integers(3, 20)), ignore_eos=True)
+        requests.append((prompt, params))
+    reference = [alone(engine, p, q) for p, q in requests]
+    gens: list[Generation] = []
+    for prompt, params in requests:
+        gens.append(engine.generate(prompt, params, keep_logits=True))
+        for _ in range(int(rng.integers(0, 4))):
+            engine.step()
+    run_together(gens)
+    for ref, got in zip(reference, gens, strict=True):
+        assert got.output_ids == ref.output_ids
+        assert max_diff(ref, got) <= 1e-4
+    assert_nothing_pinned(engine)
+
+
 def test_cancel_frees_the_sequence_and_keeps_completed_blocks(tiny_model: LoadedModel) -> None:
     engine = make(tiny_model)
     prompt = tokens(40, seed=21)

@@ -516,29 +516,31 @@ class ReferenceEngine:
     def _reserve(self, work: list[tuple[Seq, int]]) -> list[tuple[Seq, int]]:
         """Give every scheduled sequence the blocks its new tokens go to, preempting the most
         recently admitted sequences when the pool runs out."""
-        block_size = self.config.block_size
         planned = list(work)
         i = 0
         while i < len(planned):
             seq, count = planned[i]
-            needed = math.ceil((seq.num_computed + count) / block_size)
-            while len(seq.table) < needed:
-                block_id = self.pool.allocate_scratch()
-                if block_id is not None:
-                    seq.table.append(block_id)
-                    continue
-                victim = self.scheduler.preempt_last()
-                if victim is None:
-                    raise EngineError("the KV pool has no free block")
-                self._preempt(victim)
-                planned = [(s, n) for s, n in planned if s is not victim]
-                if victim is seq:
-                    break
-            else:
+            if self._grow(seq, count):
                 i += 1
                 continue
-            # ``seq`` itself was preempted; ``planned[i]`` is now the next entry
+            victim = self.scheduler.preempt_last()
+            if victim is None:  # cannot happen: ``seq`` itself is running
+                raise EngineError("the KV pool has no free block")
+            self._preempt(victim)
+            planned = [(s, n) for s, n in planned if s is not victim]
+            if victim is not seq:  # retry ``seq``, wherever it now stands
+                i = next(k for k, (s, _) in enumerate(planned) if s is seq)
         return planned
+
+    def _grow(self, seq: Seq, count: int) -> bool:
+        """Scratch blocks until ``seq``'s table covers ``count`` more tokens; False: pool full."""
+        needed = math.ceil((seq.num_computed + count) / self.config.block_size)
+        while len(seq.table) < needed:
+            block_id = self.pool.allocate_scratch()
+            if block_id is None:
+                return False
+            seq.table.append(block_id)
+        return True
 
     def _preempt(self, seq: Seq) -> None:
         seq.release(self.pool)
