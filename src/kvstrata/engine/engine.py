@@ -565,7 +565,8 @@ class ReferenceEngine:
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             n_blocks = math.ceil(stop / block_size)
-            slices.append(SeqSlice(len(ids) - count, count, stop, table[:n_blocks].to(self.device)))
+            blocks = table[:n_blocks].to(self.device)
+            slices.append(SeqSlice.make(len(ids) - count, count, stop, blocks))
             if stop == len(seq.tokens):
                 sampled.append(index)
                 rows.append(len(ids) - 1)

@@ -46,6 +46,14 @@ class SeqSlice:
     length: int  # new tokens computed this step
     context: int  # tokens attended to (past + new)
     blocks: torch.Tensor  # pool block ids covering ``context`` tokens (long)
+    mask: torch.Tensor | None = None  # ``causal_mask(length, context)`` when both exceed 1
+
+    @classmethod
+    def make(cls, start: int, length: int, context: int, blocks: torch.Tensor) -> SeqSlice:
+        """The slice, with its mask built once for every layer of the step."""
+        needs_mask = 1 < length < context
+        mask = causal_mask(length, context, blocks.device) if needs_mask else None
+        return cls(start, length, context, blocks, mask)
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class BatchLayout:
     seqs: tuple[SeqSlice, ...]
 
 
-def _causal_mask(length: int, context: int, device: torch.device) -> torch.Tensor:
+def causal_mask(length: int, context: int, device: torch.device) -> torch.Tensor:
     """Row i (new token at position context - length + i) sees keys 0..context - length + i."""
     rows = torch.arange(length, device=device).unsqueeze(1) + (context - length)
     return torch.arange(context, device=device).unsqueeze(0) <= rows
@@ -98,7 +106,7 @@ def paged_attention_forward(
             both = picked.view(2, 1, heads, -1, head_dim)[:, :, :, : seq.context]
             k, v = both[0].to(query.dtype), both[1].to(query.dtype)
             causal = False
-            mask = None if seq.length == 1 else _causal_mask(seq.length, seq.context, q.device)
+            mask = seq.mask
         attended = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
         )
