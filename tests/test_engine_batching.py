@@ -47,7 +47,7 @@ def max_diff(a: Generation, b: Generation) -> float:
 
 def assert_nothing_pinned(engine: ReferenceEngine) -> None:
     assert engine.pool.blocks_available == engine.pool.config.num_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.batch.scheduler.running and not engine.batch.scheduler.waiting
 
 
 def mixed_prompts() -> list[list[int]]:

@@ -52,8 +52,8 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 def idle(engine: ReferenceEngine) -> bool:
     return (
-        not engine.scheduler.running
-        and not engine.scheduler.waiting
+        not engine.batch.scheduler.running
+        and not engine.batch.scheduler.waiting
         and engine.pool.blocks_available == engine.pool.config.num_blocks
     )
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -37,17 +36,15 @@ import torch
 
 from kvstrata.costs import DEFAULT_PREFILL_MODEL, OnlinePrefillFit
 from kvstrata.engine.adapter import Adapter
+from kvstrata.engine.batch import BatchRunner
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.paged_attention import (
-    BATCH_KWARG,
-    BatchLayout,
-    SeqSlice,
     use_paged_attention,
 )
-from kvstrata.engine.sampling import SamplingParams, sample_next
+from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.sequence import Sequence as Seq
 from kvstrata.engine.tiering import PoolBridge
 from kvstrata.errors import ContextTooLong, EngineError, InvalidInput, QueueFull, RequestCancelled
@@ -62,11 +59,9 @@ from kvstrata.identity import (
     namespace_root,
 )
 from kvstrata.runtime import tokenization
-from kvstrata.runtime.blocks import BlockInfo, block_tokens
 from kvstrata.runtime.events import KVEventEmitter
-from kvstrata.runtime.scheduler import Scheduler, SchedulerConfig
+from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.runtime.wiring import wire
-from kvstrata.store.levels import RequestScope
 from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
 
@@ -163,7 +158,18 @@ class ReferenceEngine:
         wire(pool=self.pool, store=store, demotion=self.bridge, emitter=events)
         self.eos_token_ids = self._eos_ids()
         self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
-        self.scheduler: Scheduler[Seq] = Scheduler(self.config.scheduler)
+        self.batch = BatchRunner(
+            model=self.model,
+            pool=self.pool,
+            bridge=self.bridge,
+            scheduler=self.config.scheduler,
+            metrics=self.metrics,
+            costs=self.costs,
+            device=self.device,
+            model_id=self.model_id,
+            is_stop=self._is_stop,
+            dequeued=self._dequeued,
+        )
         self._step_lock = threading.RLock()  # one step at a time; held by the step thread
         self._inbox_lock = threading.Lock()
         self._wake = threading.Condition(self._inbox_lock)
@@ -171,10 +177,8 @@ class ReferenceEngine:
         self._cancels: list[Generation] = []
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._queued = 0  # submitted, never admitted yet (the bound of ``max_waiting``)
-        self._by_gen: dict[int, Seq] = {}
         self._loop: threading.Thread | None = None
         self._stopping = False
-        self._step_s_avg = 0.05
 
     def close(self) -> None:
         """Stop the loop, keep what the write policies promise, close the tiers (graceful stop).
@@ -311,8 +315,8 @@ class ReferenceEngine:
 
     def _retry_after(self) -> float:
         """Seconds until the queue has likely moved: queued work over the batch's pace."""
-        waiting = self._queued + len(self.scheduler.running)
-        per_request = self._step_s_avg * 32  # ~a prefill chunk and a short answer
+        waiting = self._queued + len(self.batch.scheduler.running)
+        per_request = self.batch.step_s_avg * 32  # ~a prefill chunk and a short answer
         return max(1.0, waiting * per_request / self.config.scheduler.max_num_seqs)
 
     # ---- the step loop ------------------------------------------------------------------------
@@ -347,7 +351,7 @@ class ReferenceEngine:
                     and not self._inbox
                     and not self._cancels
                     and not self._calls
-                    and not len(self.scheduler)
+                    and not len(self.batch)
                 ):
                     self._wake.wait(0.5)
                 if self._stopping:
@@ -365,27 +369,10 @@ class ReferenceEngine:
         with self._step_lock, torch.inference_mode():
             self._run_calls()
             self._take_inbox()
-            work = self.scheduler.plan(self._admit)
-            work = self._reserve(work)
-            self.metrics.running.set(len(self.scheduler.running))
-            if not work:
-                self._flush_events()
-                return False
-            started = time.perf_counter()
             try:
-                self._forward(work)
-            except Exception as exc:
-                for seq, _ in work:
-                    self._finish(seq, "error", exc)
+                return self.batch.run_step()
+            finally:
                 self._flush_events()
-                raise
-            elapsed = time.perf_counter() - started
-            self._step_s_avg = 0.9 * self._step_s_avg + 0.1 * elapsed
-            self.metrics.step.observe(elapsed)
-            self.metrics.batch_sequences.observe(len(work))
-            self.metrics.batch_tokens.observe(sum(n for _, n in work))
-            self._flush_events()
-            return True
 
     def _run_calls(self) -> None:
         with self._wake:
@@ -402,254 +389,18 @@ class ReferenceEngine:
             arrivals, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
         for seq in arrivals:
-            self._by_gen[id(seq.gen)] = seq
-            self.scheduler.add(seq)
+            self.batch.add(seq)
         for generation in cancels:
-            cancelled = self._by_gen.get(id(generation))
-            if cancelled is not None:
-                self._finish(cancelled, "abort")
-                self.metrics.cancelled.inc()
+            self.batch.cancel(generation)
+
+    def _dequeued(self) -> None:
+        with self._wake:
+            self._queued -= 1
+            self.metrics.queue_depth.set(self._queued)
 
     def _abort_all(self, error: BaseException) -> None:
         self._take_inbox()
-        for seq in list(self.scheduler):
-            self._finish(seq, "abort", error)
-
-    # ---- admission: lookup, promotion, the partial tail --------------------------------------
-    def _admit(self, seq: Seq) -> bool:
-        block_size = self.config.block_size
-        needed = math.ceil((len(seq.tokens) + 1) / block_size)
-        if self.scheduler.running and self.pool.blocks_available < needed:
-            return False
-        now = time.perf_counter()
-        if not seq.started:
-            with self._wake:
-                self._queued -= 1
-                self.metrics.queue_depth.set(self._queued)
-            seq.gen.record.queue_s = now - seq.arrival
-            self.metrics.queue_delay.observe(seq.gen.record.queue_s)
-        seq.admitted_at = now
-        matched_by_tier = self._lookup(seq) if seq.lookup else {}
-        if not seq.started:
-            seq.started = True
-            record = seq.gen.record
-            record.matched_tokens = seq.num_computed
-            record.computed_tokens = len(seq.tokens) - seq.num_computed
-            record.matched_by_tier = matched_by_tier
-            if record.reuse_disabled_reason is not None:
-                self.metrics.reuse_disabled.labels(reason=record.reuse_disabled_reason).inc()
-            self.metrics.observe_prefill(
-                prompt_tokens=len(seq.tokens), matched_by_tier=matched_by_tier
-            )
-        return True
-
-    def _lookup(self, seq: Seq) -> dict[str, int]:
-        """Reference the longest reusable prefix of ``seq.tokens`` (all but the last token)."""
-        block_size = self.config.block_size
-        tokens = seq.tokens
-        full = (len(tokens) - 1) // block_size  # blocks wholly before the last token
-        keys = [seq.key(i, block_size) for i in range(len(tokens) // block_size)]
-        held = self.pool.lookup_prefix(keys[:full])
-        self.pool.acquire(held)
-        by_tier = {"device": len(held) * block_size} if held else {}
-        seq.table, seq.committed = list(held), len(held)
-        if self.bridge is not None and len(held) < full:
-            promoted = self.bridge.promote(keys[:full], len(held), self._scope(seq), tokens)
-            seq.table += promoted.block_ids
-            seq.committed = len(seq.table)
-            for tier, count in promoted.tokens_by_tier.items():
-                by_tier[tier] = by_tier.get(tier, 0) + count
-        seq.num_computed = seq.committed * block_size
-        rest = len(tokens) - 1 - seq.num_computed
-        if seq.committed == full and rest > 0:
-            tail_tier = self._reuse_tail(seq, keys, rest)
-            if tail_tier is not None:
-                seq.num_computed += rest
-                by_tier[tail_tier] = by_tier.get(tail_tier, 0) + rest
-        return by_tier
-
-    def _reuse_tail(self, seq: Seq, keys: list[BlockKey], rest: int) -> str | None:
-        """Copy the first ``rest`` positions of block ``committed`` from a cached block that
-        continues the prompt (its full key, or a child whose tokens start the same way)."""
-        block_size = self.config.block_size
-        index = seq.committed
-        donor: int | None = None
-        tier = "device"
-        acquired: list[int] = []
-        if index < len(keys):  # the prompt fills this block: its key names the donor
-            donor = self.pool.block_id(keys[index])
-            if donor is not None:
-                self.pool.acquire([donor])
-                acquired = [donor]
-            elif self.bridge is not None:
-                promoted = self.bridge.promote(
-                    keys[: index + 1], index, self._scope(seq), seq.tokens
-                )
-                if promoted.block_ids:
-                    donor, acquired = promoted.block_ids[0], promoted.block_ids
-                    tier = next(iter(promoted.tokens_by_tier))
-        elif index > 0:
-            want = tuple(seq.tokens[index * block_size : index * block_size + rest])
-            for child, info in self.pool.children(keys[index - 1]):
-                tokens = info.tokens if isinstance(info, BlockInfo) else None
-                if tokens is not None and tokens[:rest] == want:
-                    donor = child
-                    self.pool.acquire([donor])
-                    acquired = [donor]
-                    break
-        if donor is None:
-            return None
-        try:
-            scratch = self.pool.allocate_scratch()
-            if scratch is None:
-                return None
-            self.pool.copy_block(donor, scratch)
-            seq.table.append(scratch)
-        finally:
-            self.pool.release(acquired)
-        return tier
-
-    def _scope(self, seq: Seq) -> RequestScope:
-        return RequestScope(tenant=seq.tenant, model=self.model_id, request_id=seq.gen.request_id)
-
-    # ---- blocks for this step's tokens ----------------------------------------------------
-    def _reserve(self, work: list[tuple[Seq, int]]) -> list[tuple[Seq, int]]:
-        """Give every scheduled sequence the blocks its new tokens go to, preempting the most
-        recently admitted sequences when the pool runs out."""
-        planned = list(work)
-        i = 0
-        while i < len(planned):
-            seq, count = planned[i]
-            if self._grow(seq, count):
-                i += 1
-                continue
-            victim = self.scheduler.preempt_last()
-            if victim is None:  # cannot happen: ``seq`` itself is running
-                raise EngineError("the KV pool has no free block")
-            self._preempt(victim)
-            planned = [(s, n) for s, n in planned if s is not victim]
-            if victim is not seq:  # retry ``seq``, wherever it now stands
-                i = next(k for k, (s, _) in enumerate(planned) if s is seq)
-        return planned
-
-    def _grow(self, seq: Seq, count: int) -> bool:
-        """Scratch blocks until ``seq``'s table covers ``count`` more tokens; False: pool full."""
-        needed = math.ceil((seq.num_computed + count) / self.config.block_size)
-        while len(seq.table) < needed:
-            block_id = self.pool.allocate_scratch()
-            if block_id is None:
-                return False
-            seq.table.append(block_id)
-        return True
-
-    def _preempt(self, seq: Seq) -> None:
-        seq.release(self.pool)
-        seq.keys = seq.keys[: len(seq.tokens) // self.config.block_size]
-        seq.gen.record.preemptions += 1
-        self.metrics.preemptions.inc()
-
-    # ---- the forward ---------------------------------------------------------------------------
-    def _forward(self, work: list[tuple[Seq, int]]) -> None:
-        block_size = self.config.block_size
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        slices: list[SeqSlice] = []
-        sampled: list[int] = []
-        rows: list[int] = []
-        for index, (seq, count) in enumerate(work):
-            start, stop = seq.num_computed, seq.num_computed + count
-            table = torch.tensor(seq.table, dtype=torch.long)
-            pos = torch.arange(start, stop)
-            ids += seq.tokens[start:stop]
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            n_blocks = math.ceil(stop / block_size)
-            blocks = table[:n_blocks].to(self.device)
-            slices.append(SeqSlice.make(len(ids) - count, count, stop, blocks))
-            if stop == len(seq.tokens):
-                sampled.append(index)
-                rows.append(len(ids) - 1)
-        layout = BatchLayout(
-            kv=self.pool.kv, slots=torch.cat(slots).to(self.device), seqs=tuple(slices)
-        )
-        forward_started = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.cat(positions).unsqueeze(0).to(self.device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
-            **{BATCH_KWARG: layout},
-        )
-        logits = out.logits[0].float()
-        if len(work) == 1:  # a step of one prefill chunk: a clean observation of its cost
-            seq, count = work[0]
-            if count > 1:
-                self.costs.observe(count, seq.num_computed, time.perf_counter() - forward_started)
-        for seq, count in work:
-            seq.num_computed += count
-            self._publish_full_blocks(seq)
-        for row, index in enumerate(sampled):
-            self._sample(work[index][0], logits[row])
-
-    def _publish_full_blocks(self, seq: Seq) -> None:
-        """Commit every scratch block that is now full, so others reuse it at once."""
-        block_size = self.config.block_size
-        full = seq.num_computed // block_size
-        if not seq.store or seq.root is None or not seq.publishable:
-            return
-        while seq.committed < full:
-            index = seq.committed
-            key = seq.key(index, block_size)
-            parent = seq.keys[index - 1] if index else None
-            scratch = seq.table[index]
-            existing = self.pool.block_id(key)
-            if existing is not None:  # another request published the same block first
-                self.pool.acquire([existing])
-                self.pool.free_scratch(scratch)
-                seq.table[index] = existing
-                seq.committed += 1
-                continue
-            info = BlockInfo(
-                seq.tenant, index * block_size, block_tokens(seq.tokens, index, block_size)
-            )
-            if not self.pool.publish(scratch, key, parent, info):
-                seq.publishable = False
-                return
-            seq.committed += 1
-            if self.bridge is not None:
-                self.bridge.write_through([scratch], seq.keys, index, seq.tenant, seq.tokens)
-
-    # ---- sampling and the end of a sequence ------------------------------------------------
-    def _sample(self, seq: Seq, logits: torch.Tensor) -> None:
-        gen = seq.gen
-        if gen.keep_logits:
-            gen.step_logits.append(logits.detach().cpu())
-        token = sample_next(logits, gen.params, seq.generator)
-        seq.tokens.append(token)
-        if len(gen.output_ids) == 0:
-            now = time.perf_counter()
-            record = gen.record
-            record.ttft_s = now - seq.arrival
-            record.prefill_s = now - (seq.admitted_at or seq.arrival)
-            self.metrics.ttft.observe(record.ttft_s)
-            self.metrics.prefill.observe(record.prefill_s)
-        gen._emit(token)
-        if self._is_stop(token, gen.params):
-            self._finish(seq, "stop")
-        elif len(gen.output_ids) >= gen.params.max_tokens:
-            self._finish(seq, "length")
-
-    def _finish(self, seq: Seq, reason: str, error: BaseException | None = None) -> None:
-        if self._by_gen.pop(id(seq.gen), None) is None:
-            return
-        if not seq.started:
-            with self._wake:
-                self._queued -= 1
-                self.metrics.queue_depth.set(self._queued)
-        self.scheduler.remove(seq)
-        seq.release(self.pool)
-        seq.gen._finish(reason, error)
+        self.batch.abort_all(error)
 
     def _root(self, tenant: str) -> NamespaceRoot | None:
         if isinstance(self.fingerprint, ReuseDisabled):
