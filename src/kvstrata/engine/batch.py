@@ -18,7 +18,7 @@ import torch
 from kvstrata.costs import OnlinePrefillFit
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.kv_pool import PagedKVPool
-from kvstrata.engine.paged_attention import BATCH_KWARG, BatchLayout, SeqSlice
+from kvstrata.engine.paged_attention import BATCH_KWARG, BatchLayout, DecodeBatch, SeqSlice
 from kvstrata.engine.sampling import SamplingParams, sample_next
 from kvstrata.engine.sequence import Sequence as Seq
 from kvstrata.engine.tiering import PoolBridge
@@ -240,6 +240,9 @@ class BatchRunner:
         slices: list[SeqSlice] = []
         sampled: list[int] = []
         rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_contexts: list[int] = []
         for index, (seq, count) in enumerate(work):
             start, stop = seq.num_computed, seq.num_computed + count
             table = torch.tensor(seq.table, dtype=torch.long)
@@ -248,13 +251,26 @@ class BatchRunner:
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             n_blocks = math.ceil(stop / block_size)
-            blocks = table[:n_blocks].to(self.device)
-            slices.append(SeqSlice.make(len(ids) - count, count, stop, blocks))
+            if count == 1:  # one token: batched with every other such sequence
+                decode_rows.append(len(ids) - 1)
+                decode_tables.append(seq.table[:n_blocks])
+                decode_contexts.append(stop)
+            else:
+                blocks = table[:n_blocks].to(self.device)
+                slices.append(SeqSlice.make(len(ids) - count, count, stop, blocks))
             if stop == len(seq.tokens):
                 sampled.append(index)
                 rows.append(len(ids) - 1)
+        decode = None
+        if decode_rows:
+            decode = DecodeBatch.make(
+                decode_rows, decode_tables, decode_contexts, block_size, self.device
+            )
         layout = BatchLayout(
-            kv=self.pool.kv, slots=torch.cat(slots).to(self.device), seqs=tuple(slices)
+            kv=self.pool.kv,
+            slots=torch.cat(slots).to(self.device),
+            seqs=tuple(slices),
+            decode=decode,
         )
         forward_started = time.perf_counter()
         out = self.model(

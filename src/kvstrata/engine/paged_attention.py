@@ -57,10 +57,66 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """Every sequence of the step that computes one token, attended to in one batch.
+
+    Cascade layout: sequences are grouped by their first block; the blocks every table of a
+    group starts with (``groups[i][1]``, full blocks of every context) are gathered once for
+    the group, and each sequence's remaining blocks (``own``, padded to the longest) in one
+    gather for the batch. Decoding requests that share a cached prefix read it once per layer,
+    not once per request. ``rows`` are ordered group by group.
+    """
+
+    rows: torch.Tensor  # [S] packed row of each sequence's token (long)
+    groups: tuple[tuple[int, torch.Tensor], ...]  # (sequences, shared block ids) per group
+    own: torch.Tensor  # [S * w] the rest of each table, padded to w blocks (long)
+    own_valid: torch.Tensor  # [1, S, 1, w * B] bool: an own position inside the context
+
+    @classmethod
+    def make(
+        cls,
+        rows: list[int],
+        tables: list[list[int]],
+        contexts: list[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> DecodeBatch:
+        by_first: dict[int, list[int]] = {}
+        for i, table in enumerate(tables):
+            by_first.setdefault(table[0], []).append(i)
+        order: list[int] = []
+        groups: list[tuple[int, torch.Tensor]] = []
+        rests: list[list[int]] = []
+        own_len: list[int] = []
+        for members in by_first.values():
+            # shared: full blocks of every member's context; each keeps one own block at least
+            full = min(min(contexts[i] // block_size, len(tables[i]) - 1) for i in members)
+            first = tables[members[0]]
+            shared = 0
+            while shared < full and all(tables[i][shared] == first[shared] for i in members):
+                shared += 1
+            groups.append((len(members), torch.tensor(first[:shared], dtype=torch.long)))
+            for i in members:
+                order.append(i)
+                rests.append(tables[i][shared:])
+                own_len.append(contexts[i] - shared * block_size)
+        width = max(len(rest) for rest in rests)
+        padded = [rest + [rest[-1]] * (width - len(rest)) for rest in rests]
+        valid = torch.arange(width * block_size).unsqueeze(0) < torch.tensor(own_len).unsqueeze(1)
+        return cls(
+            rows=torch.tensor([rows[i] for i in order], dtype=torch.long, device=device),
+            groups=tuple((n, blocks.to(device)) for n, blocks in groups),
+            own=torch.tensor(padded, dtype=torch.long, device=device).reshape(-1),
+            own_valid=valid.view(1, len(order), 1, -1).to(device),
+        )
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     kv: torch.Tensor  # the pool's ``[L, 2, H, N, B, D]`` tensor
     slots: torch.Tensor  # [T] flat pool slot of every new token (long)
-    seqs: tuple[SeqSlice, ...]
+    seqs: tuple[SeqSlice, ...]  # sequences computing more than one token
+    decode: DecodeBatch | None = None
 
 
 def causal_mask(length: int, context: int, device: torch.device) -> torch.Tensor:
@@ -94,6 +150,8 @@ def paged_attention_forward(
     out = torch.empty(
         (1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype, device=query.device
     )
+    if layout.decode is not None:
+        out[0, layout.decode.rows] = _decode_attention(pool, query, layout.decode, scaling)
     for seq in layout.seqs:
         rows = slice(seq.start, seq.start + seq.length)
         q = query[:, :, rows]
@@ -112,6 +170,55 @@ def paged_attention_forward(
         )
         out[0, rows] = attended[0].transpose(0, 1)
     return out, None
+
+
+def _decode_attention(
+    pool: torch.Tensor, query: torch.Tensor, decode: DecodeBatch, scaling: float | None
+) -> torch.Tensor:
+    """One-token queries of S sequences over their contexts → ``[S, Hq, D]``.
+
+    Softmax attention in two parts merged exactly (the log-sum-exp identity): each group's
+    shared blocks against all of the group's queries at once (one matmul with
+    members × group-size rows), and every sequence's own blocks (padded, masked to -inf) in
+    one batched matmul. Work is in ``[H, S, ...]`` order, the gathered layout.
+    """
+    heads, head_dim = pool.shape[1], pool.shape[4]
+    count = decode.rows.numel()
+    q_heads = query.shape[1]
+    group = q_heads // heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    q = query[0, :, decode.rows].view(heads, group, count, head_dim).transpose(1, 2)
+    q = q * scale  # [H, S, g, D]
+    own = pool.index_select(2, decode.own).view(2, heads, count, -1, head_dim).to(q.dtype)
+    own_scores = torch.matmul(q, own[0].transpose(-1, -2))  # [H, S, g, T_own]
+    own_scores = own_scores.masked_fill(~decode.own_valid, float("-inf"))
+    top = own_scores.amax(-1, keepdim=True)
+    tops, sums, outs = [], [], []
+    start = 0
+    for members, blocks in decode.groups:
+        rows = slice(start, start + members)
+        start += members
+        if blocks.numel() == 0:
+            tops.append(torch.full_like(top[:, rows], float("-inf")))
+            sums.append(torch.zeros_like(top[:, rows]))
+            outs.append(torch.zeros_like(q[:, rows]))
+            continue
+        kv = pool.index_select(2, blocks).view(2, heads, -1, head_dim).to(q.dtype)
+        flat = q[:, rows].reshape(heads, members * group, head_dim)
+        scores = torch.matmul(flat, kv[0].transpose(-1, -2)).view(heads, members, group, -1)
+        peak = scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores - peak)
+        tops.append(peak)
+        sums.append(weights.sum(-1, keepdim=True))
+        out = torch.matmul(weights.view(heads, members * group, -1), kv[1])
+        outs.append(out.view(heads, members, group, head_dim))
+    shared_top, shared_sum, shared_out = torch.cat(tops, 1), torch.cat(sums, 1), torch.cat(outs, 1)
+    top = torch.maximum(top, shared_top)
+    own_w = torch.exp(own_scores - top)
+    rescale = torch.exp(shared_top - top)  # 0 where a group shares nothing
+    total = shared_sum * rescale + own_w.sum(-1, keepdim=True)
+    attended = (shared_out * rescale + torch.matmul(own_w, own[1])) / total
+    return attended.permute(1, 0, 2, 3).reshape(count, q_heads, head_dim)
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
