@@ -138,6 +138,28 @@ def test_random_arrivals_on_a_small_pool_stay_exact(tiny_model: LoadedModel, see
     assert_nothing_pinned(engine)
 
 
+def test_a_request_waits_for_a_prefix_in_flight_instead_of_computing_it_twice(
+    tiny_model: LoadedModel,
+) -> None:
+    # step 1: 64 of the first prompt; step 2: its last 41 (blocks 4, 5 in flight) and, with
+    # budget left, the second would compute those blocks again: it is deferred one step
+    engine = make(tiny_model, max_num_batched_tokens=64)
+    prefix = tokens(100, seed=40)
+    first, second = prefix + tokens(5, seed=41), prefix + tokens(7, seed=42)
+    reference = [alone(engine, p, GREEDY) for p in (first, second)]
+    before = engine.metrics.value("kvstrata_computed_tokens_total")
+    gens = [engine.generate(p, GREEDY, keep_logits=True) for p in (first, second)]
+    run_together(gens)
+    assert gens[0].record.matched_tokens == 0
+    assert gens[1].record.matched_tokens == 96  # the first request's six prefix blocks
+    assert engine.metrics.value("kvstrata_admissions_deferred_total") > 0
+    computed = engine.metrics.value("kvstrata_computed_tokens_total") - before
+    assert computed == len(first) + len(second) - 96
+    for ref, got in zip(reference, gens, strict=True):
+        assert got.output_ids == ref.output_ids and max_diff(ref, got) <= 1e-4
+    assert_nothing_pinned(engine)
+
+
 def test_cancel_frees_the_sequence_and_keeps_completed_blocks(tiny_model: LoadedModel) -> None:
     engine = make(tiny_model)
     prompt = tokens(40, seed=21)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvstrata.errors import ConfigError
-from kvstrata.runtime.scheduler import Scheduler, SchedulerConfig
+from kvstrata.runtime.scheduler import Admission, Scheduler, SchedulerConfig
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ def test_decodes_first_then_prefill_chunks_under_the_budget() -> None:
     )
     prefill, d1, d2 = Seq("prefill", 30), Seq("d1", 1), Seq("d2", 1)
     scheduler.running = [prefill, d1, d2]
-    assert names(scheduler.plan(lambda s: True)) == [("d1", 1), ("d2", 1), ("prefill", 8)]
+    assert names(scheduler.plan(lambda s: Admission.ADMIT)) == [("d1", 1), ("d2", 1), ("prefill", 8)]
 
 
 def test_waiting_requests_join_while_budget_and_seats_remain() -> None:
@@ -36,7 +36,7 @@ def test_waiting_requests_join_while_budget_and_seats_remain() -> None:
     scheduler.running = [Seq("d", 1)]
     for name, pending in (("a", 5), ("b", 30), ("c", 4)):
         scheduler.add(Seq(name, pending))
-    work = names(scheduler.plan(lambda s: True))
+    work = names(scheduler.plan(lambda s: Admission.ADMIT))
     assert work == [("d", 1), ("a", 5), ("b", 14)]  # b's prefill is chunked; c has no seat
     assert [s.name for s in scheduler.waiting] == ["c"]
 
@@ -46,8 +46,24 @@ def test_admission_is_fifo_a_refused_head_blocks_the_rest() -> None:
     big, small = Seq("big", 100), Seq("small", 2)
     scheduler.add(big)
     scheduler.add(small)
-    assert scheduler.plan(lambda s: s is not big) == []
+    def admit(seq: Seq) -> Admission:
+        return Admission.WAIT if seq is big else Admission.ADMIT
+
+    assert scheduler.plan(admit) == []
     assert list(scheduler.waiting) == [big, small]
+
+
+def test_a_deferred_request_keeps_its_place_and_lets_the_next_go() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(SchedulerConfig())
+    waits, first, second = Seq("waits", 40), Seq("first", 3), Seq("second", 2)
+    for seq in (waits, first, second):
+        scheduler.add(seq)
+
+    def admit(seq: Seq) -> Admission:
+        return Admission.DEFER if seq is waits else Admission.ADMIT
+
+    assert names(scheduler.plan(admit)) == [("first", 3), ("second", 2)]
+    assert list(scheduler.waiting) == [waits]
 
 
 def test_preempt_last_goes_back_to_the_front_of_the_queue() -> None:

@@ -25,7 +25,7 @@ from kvstrata.engine.tiering import PoolBridge
 from kvstrata.errors import EngineError
 from kvstrata.identity import BlockKey
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
-from kvstrata.runtime.scheduler import Scheduler, SchedulerConfig
+from kvstrata.runtime.scheduler import Admission, Scheduler, SchedulerConfig
 from kvstrata.store.levels import RequestScope
 from kvstrata.telemetry import KvMetrics
 
@@ -101,11 +101,14 @@ class BatchRunner:
         return True
 
     # ---- admission: lookup, promotion, the partial tail --------------------------------------
-    def _admit(self, seq: Seq) -> bool:
+    def _admit(self, seq: Seq) -> Admission:
         block_size = self.block_size
         needed = math.ceil((len(seq.tokens) + 1) / block_size)
         if self.scheduler.running and self.pool.blocks_available < needed:
-            return False
+            return Admission.WAIT
+        if seq.lookup and self._waits_for_blocks_in_flight(seq):
+            self.metrics.deferred.inc()
+            return Admission.DEFER
         now = time.perf_counter()
         if not seq.started:
             self._dequeued()
@@ -124,7 +127,23 @@ class BatchRunner:
             self.metrics.observe_prefill(
                 prompt_tokens=len(seq.tokens), matched_by_tier=matched_by_tier
             )
-        return True
+        return Admission.ADMIT
+
+    def _waits_for_blocks_in_flight(self, seq: Seq) -> bool:
+        """Is the first block ``seq`` would compute being computed by a running sequence that
+        will publish it? Then ``seq`` hits it in a step or two instead of computing it too."""
+        if seq.root is None:
+            return False
+        full = (len(seq.tokens) - 1) // self.block_size
+        keys = [seq.key(i, self.block_size) for i in range(full)]
+        matched = len(self.pool.lookup_prefix(keys))
+        if matched >= full:
+            return False
+        wanted = keys[matched]
+        return any(
+            other.store and other.publishable and wanted in other.keys[other.committed :]
+            for other in self.scheduler.running
+        )
 
     def _lookup(self, seq: Seq) -> dict[str, int]:
         """Reference the longest reusable prefix of ``seq.tokens`` (all but the last token)."""

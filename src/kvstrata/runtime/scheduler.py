@@ -5,8 +5,11 @@ sequences that decode take one token each first, then running sequences still pr
 chunks of what is left (chunked prefill, oldest first), then waiting sequences are admitted in
 arrival order while the batch has room (``max_num_seqs``), budget remains and the engine's
 ``admit`` callback accepts them (it looks the prompt up and checks the device pool has room).
-Admission is strictly FIFO: a sequence that does not fit blocks the ones behind it, so none
-starves. ``preempt_last`` hands the most recently admitted running sequence back to the front
+Admission is FIFO: a sequence that does not fit (``Admission.WAIT``) blocks the ones behind
+it, so none starves. One exception, ``Admission.DEFER``: a sequence whose prompt continues
+blocks another running sequence is computing right now steps aside (keeping its place) until
+those blocks are published and it can hit them, instead of computing them a second time.
+``preempt_last`` hands the most recently admitted running sequence back to the front
 of the queue when the pool runs out of blocks mid-step (the engine recomputes it later; its
 committed blocks usually still hit).
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from kvstrata.errors import ConfigError
@@ -42,6 +46,12 @@ class SchedulerConfig:
             raise ConfigError("must be >= 0", key="scheduler.max_waiting")
 
 
+class Admission(Enum):
+    ADMIT = "admit"  # joins the running batch now
+    WAIT = "wait"  # does not fit now; holds the queue behind it
+    DEFER = "defer"  # waits for blocks in flight; the ones behind it may go first
+
+
 class Schedulable(Protocol):
     @property
     def pending_tokens(self) -> int:
@@ -63,7 +73,7 @@ class Scheduler(Generic[S]):
     def add(self, seq: S) -> None:
         self.waiting.append(seq)
 
-    def plan(self, admit: Callable[[S], bool]) -> list[tuple[S, int]]:
+    def plan(self, admit: Callable[[S], Admission]) -> list[tuple[S, int]]:
         """The next step's work: (sequence, tokens to compute), decodes first."""
         budget = self.config.max_num_batched_tokens
         work: list[tuple[S, int]] = []
@@ -77,16 +87,22 @@ class Scheduler(Generic[S]):
                 take = min(pending, budget)
                 work.append((seq, take))
                 budget -= take
+        deferred: list[S] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not admit(seq):
+            seq = self.waiting.popleft()
+            decision = admit(seq)
+            if decision is Admission.WAIT:
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
+            if decision is Admission.DEFER:
+                deferred.append(seq)
+                continue
             self.running.append(seq)
             take = min(seq.pending_tokens, budget)
             if take > 0:
                 work.append((seq, take))
                 budget -= take
+        self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return work
 
     def preempt_last(self) -> S | None:

@@ -98,6 +98,12 @@ class KvMetrics:
             "Running sequences sent back to the queue (pool full)",
             registry=r,
         )
+        self.deferred = Counter(
+            "kvstrata_admissions_deferred",
+            "Admissions put off one step: the prompt's next block was being computed by a "
+            "running request (hit it instead of computing it twice)",
+            registry=r,
+        )
         self.cancelled = Counter(
             "kvstrata_cancelled_requests", "Requests cancelled before their end", registry=r
         )
