@@ -57,7 +57,7 @@ KEYS: Final[tuple[Key, ...]] = (
     ),
     Key("pool.gib", "float", 1.0, "device KV pool size in GiB (reference engine)"),
     Key("pool.block_size", "int", 16, "tokens per KV block (reference engine)"),
-    Key("scheduler.max_num_seqs", "int", 16, "`serve`: sequences in one engine step's batch"),
+    Key("scheduler.max_num_seqs", "int", 64, "`serve`: sequences in one engine step's batch"),
     Key(
         "scheduler.max_num_batched_tokens",
         "int",

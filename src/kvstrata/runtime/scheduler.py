@@ -30,7 +30,7 @@ from kvstrata.errors import ConfigError
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 16  # sequences in one step's batch
+    max_num_seqs: int = 64  # sequences in one step's batch
     max_num_batched_tokens: int = 512  # tokens computed in one step (decodes + prefill chunks)
     max_waiting: int = 64  # requests queued beyond the batch; more are refused (HTTP 429)
 
