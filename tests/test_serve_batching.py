@@ -192,3 +192,4 @@ def test_32_concurrent_streams_are_all_served_in_shared_steps(
     ):
         assert name in metrics
     wait_until(lambda: idle(engine))
+    assert engine.metrics.value("kvstrata_running_sequences") == 0

@@ -94,6 +94,7 @@ class BatchRunner:
                 self._finish(seq, "error", exc)
             raise
         elapsed = time.perf_counter() - started
+        self.metrics.running.set(len(self.scheduler.running))  # what finished this step left
         self.step_s_avg = 0.9 * self.step_s_avg + 0.1 * elapsed
         self.metrics.step.observe(elapsed)
         self.metrics.batch_sequences.observe(len(work))
