@@ -26,7 +26,11 @@ def test_decodes_first_then_prefill_chunks_under_the_budget() -> None:
     )
     prefill, d1, d2 = Seq("prefill", 30), Seq("d1", 1), Seq("d2", 1)
     scheduler.running = [prefill, d1, d2]
-    assert names(scheduler.plan(lambda s: Admission.ADMIT)) == [("d1", 1), ("d2", 1), ("prefill", 8)]
+    assert names(scheduler.plan(lambda s: Admission.ADMIT)) == [
+        ("d1", 1),
+        ("d2", 1),
+        ("prefill", 8),
+    ]
 
 
 def test_waiting_requests_join_while_budget_and_seats_remain() -> None:
@@ -46,6 +50,7 @@ def test_admission_is_fifo_a_refused_head_blocks_the_rest() -> None:
     big, small = Seq("big", 100), Seq("small", 2)
     scheduler.add(big)
     scheduler.add(small)
+
     def admit(seq: Seq) -> Admission:
         return Admission.WAIT if seq is big else Admission.ADMIT
 

@@ -251,6 +251,8 @@ async def _forward(
             _log.warning("worker %s failed (%s); re-routing %s", worker_id, exc, request_id)
             continue
         extra = {WORKER_HEADER: worker_id}
+        if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
+            extra["Retry-After"] = upstream.headers["retry-after"]
         if body.stream and upstream.status_code == 200:
             return StreamingResponse(
                 _relay(fleet, reservation, upstream),
