@@ -82,7 +82,7 @@ def test_mixed_batch_equals_each_request_alone(tiny_model: LoadedModel, budget: 
 
 def test_decode_joins_running_prefill_chunks(tiny_model: LoadedModel) -> None:
     """A request arriving while another decodes is admitted at the next step, not after."""
-    engine = make(tiny_model, max_num_batched_tokens=32)
+    engine = make(tiny_model, max_num_batched_tokens=32, max_num_seqs=4)
     first = engine.generate(tokens(20, seed=7), SamplingParams(max_tokens=40, ignore_eos=True))
     it = iter(first)
     for _ in range(3):
@@ -143,7 +143,7 @@ def test_a_request_waits_for_a_prefix_in_flight_instead_of_computing_it_twice(
 ) -> None:
     # step 1: 64 of the first prompt; step 2: its last 41 (blocks 4, 5 in flight) and, with
     # budget left, the second would compute those blocks again: it is deferred one step
-    engine = make(tiny_model, max_num_batched_tokens=64)
+    engine = make(tiny_model, max_num_batched_tokens=64, max_num_seqs=4)
     prefix = tokens(100, seed=40)
     first, second = prefix + tokens(5, seed=41), prefix + tokens(7, seed=42)
     reference = [alone(engine, p, GREEDY) for p in (first, second)]
