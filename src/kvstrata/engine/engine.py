@@ -171,8 +171,7 @@ class ReferenceEngine:
             dequeued=self._dequeued,
         )
         self._step_lock = threading.RLock()  # one step at a time; held by the step thread
-        self._inbox_lock = threading.Lock()
-        self._wake = threading.Condition(self._inbox_lock)
+        self._wake = threading.Condition()  # guards the inbox, cancels, calls and the queue bound
         self._inbox: list[Seq] = []
         self._cancels: list[Generation] = []
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []

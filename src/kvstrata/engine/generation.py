@@ -48,17 +48,12 @@ class Generation:
     _driver: Driver | None = field(default=None, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _done: bool = False
-    _cancelled: bool = False
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     # ---- caller side ------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self._done
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
 
     def __iter__(self) -> Iterator[int]:
         seen = 0
@@ -97,7 +92,6 @@ class Generation:
         with self._cond:
             if self._done:
                 return
-            self._cancelled = True
         if self._driver is not None:
             self._driver.cancel(self)
 
