@@ -22,6 +22,8 @@ from kvstrata.identity import BlockKey
 from kvstrata.tiers.base import Tier, TierError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
+from kvstrata.tiers.remote import RemoteTier
+from kvstrata.tiers.remote_client import RemoteConfig
 from tier_helpers import CAPACITY, OBJ, FakeClock, load_bytes, make_object, store
 
 
@@ -29,23 +31,32 @@ from tier_helpers import CAPACITY, OBJ, FakeClock, load_bytes, make_object, stor
 class Case:
     # The concrete union, not ``Tier``: both also offer ``counters`` and ``take_dropped``,
     # which the protocol does not (yet) name. ``_satisfy_protocol`` checks the protocol.
-    tier: HostTier | DiskTier
+    tier: HostTier | DiskTier | RemoteTier
     clock: FakeClock
 
 
-def _satisfy_protocol(host: HostTier, disk: DiskTier) -> tuple[Tier, Tier]:
-    """Never called: type checkers verify here that both tiers satisfy ``Tier``."""
-    return host, disk
+def _satisfy_protocol(host: HostTier, disk: DiskTier, remote: RemoteTier) -> tuple[Tier, ...]:
+    """Never called: type checkers verify here that every tier satisfies ``Tier``."""
+    return host, disk, remote
 
 
-@pytest.fixture(params=["host", "disk"])
-def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
+@pytest.fixture(params=["host", "disk", "remote", "remote-cluster"])
+def case(request: pytest.FixtureRequest, tmp_path: Path, remote_namespace: str) -> Iterator[Case]:
     clock = FakeClock()
-    tier: HostTier | DiskTier
+    tier: HostTier | DiskTier | RemoteTier
     if request.param == "host":
         tier = HostTier(CAPACITY, OBJ, clock=clock)
-    else:
+    elif request.param == "disk":
         tier = DiskTier(tmp_path / "disk", CAPACITY, clock=clock)
+    elif request.param == "remote":
+        server = request.getfixturevalue("remote_server")
+        tier = RemoteTier(
+            RemoteConfig(url=server.url, namespace=remote_namespace), CAPACITY, clock=clock
+        )
+    else:
+        cluster = request.getfixturevalue("remote_cluster")
+        config = RemoteConfig(cluster=cluster.seeds, namespace=remote_namespace)
+        tier = RemoteTier(config, CAPACITY, clock=clock)
     yield Case(tier, clock)
     tier.close()
 
