@@ -145,4 +145,7 @@ class PoolBridge:
         except BaseException:
             self.pool.release(result.block_ids)  # the caller never learns of them
             raise
+        finally:
+            if located:
+                self.bridge.finish_promotion()
         return result

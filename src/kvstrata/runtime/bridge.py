@@ -159,7 +159,12 @@ class StoreBridge:
         if fetch_s > self.recompute_estimate(tokens, first * self.block_size):
             self.store.metrics.recompute_decisions.labels(reason="fetch_slower").inc()
             return []
+        self.store.read_ahead(located)  # a shared tier fetches the whole plan in one batch
         return located
+
+    def finish_promotion(self) -> None:
+        """Drop what ``plan_promotion`` read ahead and no load took (counted as unused)."""
+        self.store.discard_read_ahead()
 
     def load_verified(self, located: Located, tenant: str, sink: PayloadSink) -> LoadOutcome:
         """Pin ``located``, check it, hand its bytes to ``sink``; what happened."""

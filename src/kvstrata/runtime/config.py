@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.errors import ConfigError
+from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.identity import secret_digest
 from kvstrata.runtime.config_schema import (
     BY_PATH,
@@ -43,6 +43,7 @@ from kvstrata.runtime.config_schema import (
 from kvstrata.runtime.events import KVEventsConfig
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
+from kvstrata.tiers.remote_client import RemoteConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class TierSpec:
     path: Path | None = None
     durable: bool = True
     eviction_policy: str = "kvstrata"
+    remote: RemoteConfig | None = None
 
     @property
     def name(self) -> str:
@@ -248,7 +250,9 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
     if len(set(names)) != len(names):
         raise ConfigError("each tier may appear once", key="tiers.name", source=where)
     if names != sorted(names, key=TIER_NAMES.index):
-        raise ConfigError("tiers go fastest first: host, then disk", key="tiers", source=where)
+        raise ConfigError(
+            "tiers go fastest first: host, then disk, then remote", key="tiers", source=where
+        )
     secret_file = top.get("tenant_secret_file")
     secret = _read_secret(secret_file, "tenant_secret_file", where)
     token_file = top.get("admin_token_file")
@@ -314,7 +318,8 @@ def _tier(entry: Mapping[str, Any], index: int, where: str, base: Path) -> TierS
         raise tier.fail("gib", "must be a positive number of GiB")
     path = tier.get("path")
     if (name == "disk") != (path is not None):
-        raise tier.fail("path", "the disk tier needs a path; the host tier takes none")
+        raise tier.fail("path", "the disk tier needs a path; the other tiers take none")
+    remote = _remote(tier, name, where)
     policy_name = tier.get("write_policy")
     try:
         write_policy = WritePolicy(policy_name)
@@ -351,7 +356,41 @@ def _tier(entry: Mapping[str, Any], index: int, where: str, base: Path) -> TierS
         path=path,
         durable=tier.get("durable"),
         eviction_policy=eviction,
+        remote=remote,
     )
+
+
+def _remote(tier: _Reader, name: str, where: str) -> RemoteConfig | None:
+    url, cluster = tier.get("url"), tier.get("cluster")
+    if name != "remote":
+        for key in ("url", "cluster", "password_file"):
+            if tier.get(key):
+                raise tier.fail(key, "only the remote tier takes this")
+        return None
+    if (url is None) == (not cluster):
+        raise tier.fail("url", "the remote tier needs exactly one of url or cluster")
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise tier.fail("url", f"must be redis://host:port[/db] or rediss://..., got {url!r}")
+    password_file = tier.get("password_file")
+    password = None
+    if password_file is not None:
+        raw = _read_secret(password_file, "tiers.password_file", where)
+        password = raw.decode("utf-8").strip()
+    timeout = tier.get("timeout_ms")
+    if timeout <= 0:
+        raise tier.fail("timeout_ms", "must be positive")
+    try:
+        return RemoteConfig(
+            url=url,
+            cluster=tuple(cluster or ()),
+            password=password,
+            tls=tier.get("tls") or (url or "").startswith("rediss://"),
+            namespace=tier.get("namespace"),
+            timeout_s=timeout / 1000,
+            connect_timeout_s=timeout / 1000,
+        )
+    except InvalidInput as exc:
+        raise tier.fail("namespace", str(exc)) from None
 
 
 def _rollout(table: Mapping[str, Any], where: str, index: int, base: Path) -> RolloutConfig:
@@ -401,6 +440,15 @@ def _events(table: Mapping[str, Any] | None, where: str, base: Path) -> KVEvents
 
 
 # ---- programmatic construction (tests, benchmarks) ----------------------------------------------
+def remote_tier(
+    remote: RemoteConfig,
+    capacity_bytes: int,
+    config: TierConfig | None = None,
+) -> TierSpec:
+    """A remote tier spec (``config`` defaults to write-through, no TTL, no quotas)."""
+    return TierSpec(capacity_bytes, config or TierConfig("remote"), remote=remote)
+
+
 def host_tier(
     capacity_bytes: int, config: TierConfig | None = None, *, eviction_policy: str = "kvstrata"
 ) -> TierSpec:

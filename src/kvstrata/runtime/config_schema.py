@@ -15,7 +15,7 @@ from typing import Any, Final
 
 GIB: Final = 1 << 30
 MIB: Final = 1 << 20
-TIER_NAMES: Final = ("host", "disk")
+TIER_NAMES: Final = ("host", "disk", "remote")
 EVICTION_POLICIES: Final = ("kvstrata", "lru")
 
 
@@ -70,10 +70,26 @@ KEYS: Final[tuple[Key, ...]] = (
         64,
         "`serve`: requests queued beyond the batch; more get 429 with Retry-After",
     ),
-    Key("tiers.name", "str", None, "`host` (DRAM slab) or `disk` (one file per object)"),
+    Key(
+        "tiers.name",
+        "str",
+        None,
+        "`host` (DRAM slab), `disk` (one file per object) or `remote` (Redis/Valkey, shared)",
+    ),
     Key("tiers.gib", "float", None, "capacity in GiB"),
     Key("tiers.path", "path", None, "disk: the tier's directory (required for disk)"),
     Key("tiers.durable", "bool", True, "disk: fsync every object (off: survives process death)"),
+    Key("tiers.url", "str", None, "remote: one node, `redis://host:port/db` (`rediss://`: TLS)"),
+    Key("tiers.cluster", "list[str]", None, "remote: Redis Cluster seed nodes, `host:port`"),
+    Key("tiers.password_file", "path", None, "remote: file holding the server's password"),
+    Key("tiers.tls", "bool", False, "remote: TLS to the server (cluster; a url says rediss://)"),
+    Key(
+        "tiers.namespace",
+        "str",
+        "kvstrata",
+        "remote: key prefix; workers sharing a namespace share objects and one capacity",
+    ),
+    Key("tiers.timeout_ms", "int", 500, "remote: bound on every call (connect and reply)"),
     Key(
         "tiers.write_policy",
         "str",
@@ -192,6 +208,13 @@ _OVERRIDE_LIST: Final = (
     ),
     Override("disk_write", "the disk tier's write_policy", _tier_key("disk", "write_policy")),
     Override("durable", "the disk tier's durable", _tier_key("disk", "durable")),
+    Override("remote_url", "the remote tier's url", _tier_key("remote", "url")),
+    Override("remote_cluster", "the remote tier's cluster seeds", _tier_key("remote", "cluster")),
+    Override("remote_gib", "the remote tier's gib (0 removes it)", _tier_size("remote")),
+    Override(
+        "remote_write_policy", "the remote tier's write_policy", _tier_key("remote", "write_policy")
+    ),
+    Override("remote_namespace", "the remote tier's namespace", _tier_key("remote", "namespace")),
     Override("tier_ttl_s", "ttl_s of every tier", _every_tier("ttl_s")),
     Override("eviction_policy", "eviction_policy of every tier", _every_tier("eviction_policy")),
     Override("policy", "eviction_policy of every tier", _every_tier("eviction_policy")),

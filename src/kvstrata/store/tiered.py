@@ -67,6 +67,13 @@ class _Demote:
     key: BlockKey
 
 
+@dataclass(frozen=True)
+class _SelfEvicting:
+    """Admission checks passed for a tier that evicts itself: reserve there, unlocked."""
+
+    meta: KVObjectMeta
+
+
 class TieredStore(StoreCore):
     def __init__(
         self,
@@ -104,7 +111,20 @@ class TieredStore(StoreCore):
 
     # ---- lookup and load --------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey], scope: RequestScope) -> list[Located]:
-        """Longest prefix of ``keys`` available in some active level (fastest level wins)."""
+        """Longest prefix of ``keys`` available in some active level (fastest level wins).
+
+        When the local levels end short of ``keys`` and a shared level (``evicts_itself``) is
+        active, the rest is probed there first, outside the lock (one pipelined round trip)."""
+        found, shared = self._lookup_locked(keys, scope)
+        if len(found) < len(keys) and shared:
+            for index in shared:
+                self.levels[index].tier.probe(keys[len(found) :])
+            found, _ = self._lookup_locked(keys, scope)
+        return found
+
+    def _lookup_locked(
+        self, keys: Sequence[BlockKey], scope: RequestScope
+    ) -> tuple[list[Located], list[int]]:
         found: list[Located] = []
         with self._lock:
             active = [i for i, lvl in enumerate(self.levels) if self._active(lvl, scope)]
@@ -113,7 +133,20 @@ class TieredStore(StoreCore):
                 if hit is None:
                     break
                 found.append(hit)
-        return found
+        return found, [i for i in active if self.levels[i].tier.evicts_itself]
+
+    def read_ahead(self, located: Sequence[Located]) -> None:
+        """Fetch the objects of a planned promotion level by level in one batch each (a
+        shared tier pipelines them; local tiers ignore it). Outside the lock."""
+        by_level: dict[int, list[BlockKey]] = {}
+        for loc in located:
+            by_level.setdefault(loc.level, []).append(loc.key)
+        for index, keys in by_level.items():
+            self.levels[index].tier.read_ahead(keys)
+
+    def discard_read_ahead(self) -> None:
+        for level in self.levels:
+            level.tier.discard_read_ahead()
 
     def _locate(self, key: BlockKey, active: list[int], tenant: str) -> Located | None:
         if key in self._pending_delete:
@@ -271,13 +304,17 @@ class TieredStore(StoreCore):
         for _ in range(_MAX_DEMOTIONS):
             with self._lock:
                 outcome = self._try_reserve(index, meta)
+            if isinstance(outcome, _SelfEvicting):
+                return self._reserve_self_evicting(index, outcome.meta)
             if not isinstance(outcome, _Demote):
                 return outcome
             self._demote_and_remove(index, outcome.key)
         self.metrics.rejections.labels(tier=self.levels[index].name, reason="no_room").inc()
         return False
 
-    def _try_reserve(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool | _Demote:
+    def _try_reserve(
+        self, index: int, meta: KVObjectMeta
+    ) -> StoreSlot | bool | _Demote | _SelfEvicting:
         """Under the lock: admission checks, evictions that need no I/O, the reservation."""
         level = self.levels[index]
         tier, name, key = level.tier, level.name, meta.key
@@ -297,6 +334,9 @@ class TieredStore(StoreCore):
             self.metrics.rejections.labels(tier=name, reason="busy").inc()
             return False
         meta = meta.with_ttl(level.config.ttl_s)  # each level's own TTL, not the source's
+        if tier.evicts_itself:  # quotas and victims are the tier's (shared with other writers)
+            self._storing.add((index, key))  # claimed: the reservation's I/O runs unlocked
+            return _SelfEvicting(meta)
         quota = level.config.quota_for(meta.tenant)
         if quota is not None:
             if meta.size > quota:
@@ -327,6 +367,30 @@ class TieredStore(StoreCore):
             return False
         self._storing.add((index, key))
         return slot
+
+    def _reserve_self_evicting(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool:
+        """One reservation in a tier that evicts itself; its I/O (a round trip to a shared
+        ledger) runs outside the lock, the key already claimed in ``_storing``."""
+        level = self.levels[index]
+        try:
+            slot = level.tier.prepare_store(meta)
+        except TierError:
+            slot = None
+            failed = True
+        else:
+            failed = False
+        with self._lock:
+            self._sync_dropped(level)
+            if slot is not None:
+                return slot
+            self._storing.discard((index, meta.key))
+            if failed:
+                self.metrics.write_failures.labels(tier=level.name).inc()
+            else:
+                self.metrics.rejections.labels(tier=level.name, reason="refused_by_tier").inc()
+            if meta.key in self._pending_delete:
+                self._finish_delete(meta.key)
+        return False
 
     def _copy(self, source: int, target: int, key: BlockKey, *, cause: str) -> bool:
         """Read ``key`` from ``source`` and admit it into ``target``; all I/O outside the lock."""

@@ -111,6 +111,17 @@ def use_class(uses: int) -> int:
     return min((uses - 2).bit_length() + 1, USE_CLASSES - 1)
 
 
+def value_per_byte(meta: KVObjectMeta, fetch_s_per_byte: float | None = None) -> float:
+    """Prefill seconds a hit on ``meta`` saves, per byte it occupies: the value every
+    kvstrata policy prices an object with (``ValuePolicy`` here, the remote tier's shared
+    ledger through the store factory). ``fetch_s_per_byte``: the object is demoted to a tier
+    that serves it back at that cost, so losing it here only costs the slower fetch."""
+    saved = max(meta.recompute_s, 0.0)
+    if fetch_s_per_byte is not None:
+        saved = min(saved, fetch_s_per_byte * meta.size)
+    return saved / max(meta.size, 1)
+
+
 class HitDensity:
     """Per-class hit and exit histograms over log-scale ages, and the densities they imply."""
 
@@ -184,10 +195,7 @@ class ValuePolicy(LeafHeapPolicy):
     # ---- value ---------------------------------------------------------------------------
     def saved_s(self, meta: KVObjectMeta) -> float:
         """Seconds a hit on ``meta`` saves compared with losing it from this tier."""
-        saved = max(meta.recompute_s, 0.0)
-        if self._fetch_s_per_byte is not None:
-            saved = min(saved, self._fetch_s_per_byte * meta.size)
-        return saved
+        return value_per_byte(meta, self._fetch_s_per_byte) * max(meta.size, 1)
 
     def score(self, key: BlockKey, now: float) -> float:
         """Expected prefill seconds saved per second and per byte by keeping ``key``."""
@@ -201,7 +209,7 @@ class ValuePolicy(LeafHeapPolicy):
         key = meta.key
         self._uses[key] = 1
         self._last_use[key] = now
-        self._value_per_byte[key] = self.saved_s(meta) / max(meta.size, 1)
+        self._value_per_byte[key] = value_per_byte(meta, self._fetch_s_per_byte)
         return now  # the base heap keeps LRU order: the fallback when sampling fails
 
     def _priority_on_access(self, key: BlockKey, now: float) -> float:

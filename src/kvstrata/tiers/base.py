@@ -24,12 +24,19 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   ``counters``, ``evictable``, ``reserved``: read-only views; ``take_dropped`` drains the
   keys the tier dropped by itself (expiry, invalidation) so that the owner can keep its
   policy in step.
+- Shared media (the remote tier) add three things, no-ops for the others: ``evicts_itself``
+  (True: the tier picks its own victims — other writers share its capacity — so
+  ``prepare_store`` returning ``None`` is final and the store's policy never names a victim
+  there; ``take_evicted`` drains the keys it evicted), ``probe(keys)`` (refresh the read-only
+  views of ``keys`` from the medium: I/O, called without locks before a lookup) and
+  ``read_ahead(keys)`` / ``discard_read_ahead()`` (fetch a planned promotion's objects in one
+  batch; drop what no load took).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +71,7 @@ class LoadLease:
 class Tier(Protocol):
     name: str
     capacity_bytes: int
+    evicts_itself: bool
 
     @property
     def used_bytes(self) -> int: ...
@@ -86,6 +94,22 @@ class Tier(Protocol):
 
     def reserved(self, key: BlockKey) -> bool:
         """The key occupies room in any state (pending, committed, expired but still pinned)."""
+        ...
+
+    def take_evicted(self) -> list[BlockKey]:
+        """Keys a tier that ``evicts_itself`` evicted since the last call."""
+        ...
+
+    def probe(self, keys: Sequence[BlockKey]) -> None:
+        """Make the views of ``keys`` current (I/O; call without holding locks)."""
+        ...
+
+    def read_ahead(self, keys: Sequence[BlockKey]) -> None:
+        """Fetch these objects in one batch for the ``prepare_load`` calls to come."""
+        ...
+
+    def discard_read_ahead(self) -> None:
+        """Drop what ``read_ahead`` fetched and no load took."""
         ...
 
     def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None: ...
@@ -206,6 +230,19 @@ class IndexedTierViews:
     _lock: threading.Lock
     _clock: Callable[[], float]
     _dropped: list[BlockKey]
+    evicts_itself = False  # the store's policy picks this tier's victims
+
+    def take_evicted(self) -> list[BlockKey]:
+        return []
+
+    def probe(self, keys: Sequence[BlockKey]) -> None:
+        """Local media: the index is always current."""
+
+    def read_ahead(self, keys: Sequence[BlockKey]) -> None:
+        """Local media: a load is as cheap one by one."""
+
+    def discard_read_ahead(self) -> None:
+        pass
 
     def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
         raise NotImplementedError

@@ -156,6 +156,9 @@ class RemoteTier:
         self._pins: dict[BlockKey, int] = {}
         self._dropped: list[BlockKey] = []
         self._evicted: list[BlockKey] = []
+        # Ledger version at which recent victims left: a commit reply older than that must
+        # not make the object visible here again (replies of concurrent calls can cross).
+        self._gone_at: OrderedDict[BlockKey, int] = OrderedDict()
         self._ahead: dict[BlockKey, tuple[bytes, bytes]] = {}
         self._ahead_bytes = 0
         self._touches: list[str] = []
@@ -244,6 +247,10 @@ class RemoteTier:
             evicted, self._evicted = self._evicted, []
         return evicted
 
+    def ping(self) -> None:
+        """One round trip to the ledger's node; ``RemoteUnavailable`` when it does not answer."""
+        self._client.call(self.ledger_node, lambda conn: conn.ping())
+
     def breaker_open(self) -> bool:
         return any(b.is_open for b in self._client.breakers().values())
 
@@ -312,7 +319,7 @@ class RemoteTier:
             self._apply(reply)
             if status == "ok":
                 self._pending[meta.key] = meta
-        self._delete_victims(reply.victims)
+        self._delete_victims(reply.victims, reply.version)
         if status != "ok":
             with self._lock:
                 self.remote_counters.count(self.remote_counters.refused, status)
@@ -350,7 +357,8 @@ class RemoteTier:
         with self._lock:
             self._pending.pop(meta.key, None)
             self._apply(reply)
-            self._learn(meta)
+            if self._gone_at.pop(meta.key, -1) < reply.version:
+                self._learn(meta)
             self._counters.stores += 1
         return True
 
@@ -555,7 +563,7 @@ class RemoteTier:
         del meta
         return present
 
-    def _delete_victims(self, victims: Sequence[Victim]) -> None:
+    def _delete_victims(self, victims: Sequence[Victim], version: int) -> None:
         if not victims:
             return
         names: list[str] = []
@@ -567,6 +575,9 @@ class RemoteTier:
         with self._lock:
             for victim, key in zip(victims, keys, strict=True):
                 self._known.pop(key, None)
+                self._gone_at[key] = version
+                if len(self._gone_at) > 4096:
+                    self._gone_at.popitem(last=False)
                 self._evicted.append(key)
                 self.remote_counters.count(self.remote_counters.evicted, victim.reason)
         metas = [n for n in names if n.endswith(":m")]
@@ -585,7 +596,7 @@ class RemoteTier:
             return
         with self._lock:
             self._apply(reply)
-        self._delete_victims(reply.victims)
+        self._delete_victims(reply.victims, reply.version)
 
     def refresh_tenants(self, tenants: Sequence[str]) -> None:
         """Ask the ledger for these tenants' bytes (one call)."""
