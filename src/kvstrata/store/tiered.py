@@ -114,26 +114,32 @@ class TieredStore(StoreCore):
         """Longest prefix of ``keys`` available in some active level (fastest level wins).
 
         When the local levels end short of ``keys`` and a shared level (``evicts_itself``) is
-        active, the rest is probed there first, outside the lock (one pipelined round trip)."""
-        found, shared = self._lookup_locked(keys, scope)
-        if len(found) < len(keys) and shared:
+        active, the rest is probed there first, outside the lock (one pipelined round trip):
+        other writers add and evict objects there, so its local views are only as fresh as
+        the last probe."""
+        found, shared = self._lookup_locked(keys, scope, local_only=True)
+        if not shared:
+            return found
+        if len(found) < len(keys):  # what other writers hold (or dropped) is on the server
             for index in shared:
                 self.levels[index].tier.probe(keys[len(found) :])
-            found, _ = self._lookup_locked(keys, scope)
+        found, _ = self._lookup_locked(keys, scope, local_only=False)
         return found
 
     def _lookup_locked(
-        self, keys: Sequence[BlockKey], scope: RequestScope
+        self, keys: Sequence[BlockKey], scope: RequestScope, *, local_only: bool
     ) -> tuple[list[Located], list[int]]:
         found: list[Located] = []
         with self._lock:
             active = [i for i, lvl in enumerate(self.levels) if self._active(lvl, scope)]
+            shared = [i for i in active if self.levels[i].tier.evicts_itself]
+            search = [i for i in active if i not in shared] if local_only else active
             for key in keys:
-                hit = self._locate(key, active, scope.tenant)
+                hit = self._locate(key, search, scope.tenant)
                 if hit is None:
                     break
                 found.append(hit)
-        return found, [i for i in active if self.levels[i].tier.evicts_itself]
+        return found, shared
 
     def read_ahead(self, located: Sequence[Located]) -> None:
         """Fetch the objects of a planned promotion level by level in one batch each (a

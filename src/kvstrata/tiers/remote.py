@@ -668,6 +668,10 @@ class RemoteTier:
     def _count_error(self, op: str) -> None:
         with self._lock:
             self.remote_counters.count(self.remote_counters.errors, op)
+            if self.breaker_open():  # an outage: the server may have lost anything it held
+                self._known.clear()
+                self._ahead.clear()
+                self._ahead_bytes = 0
 
     @staticmethod
     def _claim_slot(token: object) -> _Slot:
