@@ -193,15 +193,22 @@ class StoreCore:
 
     def _finish_delete(self, key: BlockKey) -> int:
         removed = 0
+        failed = False
         for index, level in enumerate(self.levels):
             if (index, key) in self._storing:
                 continue  # its completion sees the pending delete and removes it
-            if level.tier.remove(key):
+            try:
+                gone = level.tier.remove(key)
+            except TierError:  # a remote medium that is down: the key stays invisible here
+                self.metrics.write_failures.labels(tier=level.name).inc()
+                failed = True
+                continue
+            if gone:
                 level.policy.on_remove(key)
                 self._feed.removed(level.name, key)
                 removed += 1
                 self._publish(level)
-        if any(level.tier.reserved(key) for level in self.levels):
+        if failed or any(level.tier.reserved(key) for level in self.levels):
             self._pending_delete.add(key)
         else:
             self._pending_delete.discard(key)

@@ -27,10 +27,14 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvstrata.errors import InvalidInput
 from kvstrata.tiers.base import TierError
+
+_CLIENT_ERRORS = (redis.RedisError, RedisClusterException, OSError)
+"""What redis-py raises when a server or a cluster is unreachable, slow or inconsistent."""
 
 
 class RemoteUnavailable(TierError):
@@ -153,7 +157,7 @@ class RemoteClient:
                 self.cluster = RedisCluster(
                     startup_nodes=seeds, ssl=config.tls, retry=retry, **common
                 )
-        except redis.RedisError as exc:
+        except _CLIENT_ERRORS as exc:
             raise RemoteUnavailable(f"cannot reach {config.where}: {exc}") from exc
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstrata-remote")
 
@@ -199,7 +203,7 @@ class RemoteClient:
             raise RemoteUnavailable(f"{node}: circuit open")
         try:
             result = fn(self.connection(node))
-        except (redis.RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             breaker.failure(self._clock())
             if self.cluster is not None:
                 self._refresh_topology()
@@ -218,7 +222,7 @@ class RemoteClient:
         for key in keys:
             try:
                 groups.setdefault(self.node_of(key), []).append(key)
-            except (redis.RedisError, OSError) as exc:
+            except _CLIENT_ERRORS as exc:
                 return {k: RemoteUnavailable(str(exc)) for k in keys}
 
         def run(node: str, members: list[str]) -> list[Any]:
@@ -264,7 +268,7 @@ class RemoteClient:
     def _refresh_topology(self) -> None:
         assert self.cluster is not None
         # On failure the next call tries again; the breaker bounds how often.
-        with contextlib.suppress(redis.RedisError, OSError):
+        with contextlib.suppress(*_CLIENT_ERRORS):
             self.cluster.nodes_manager.initialize()
 
     def close(self) -> None:
