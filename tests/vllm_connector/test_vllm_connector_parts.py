@@ -30,6 +30,7 @@ from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
 from kvstrata.identity import ModelFacts, ModelFingerprint, ReuseDisabled, ReuseDisabledReason
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.store_factory import build_store
+from kvstrata.runtime.valkey_server import ValkeyServer
 from kvstrata.runtime.wiring import wire
 
 BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
@@ -280,3 +281,48 @@ def test_worker_publishes_kvstrata_events_with_the_tier_as_medium(tmp_path: Path
     assert event.namespace == tenant_for_salt("salt").name
     sub.close()
     worker.close()
+
+
+def _remote_worker(
+    tmp_path: Path, layers: dict[str, torch.Tensor], url: str, namespace: str, name: str
+) -> ConnectorWorker:
+    """A worker whose only tier is the shared remote one (no host, no disk)."""
+    settings = connector_config(
+        {"remote_url": url, "remote_gib": 0.01, "remote_namespace": namespace}
+    )
+    codec = BlockCodec(layers, BLOCKS, BS)
+    store = build_store(codec.block_bytes, settings, CollectorRegistry())
+    assert store is not None and [level.name for level in store.levels] == ["remote"]
+    return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / f"stats-{name}.json")
+
+
+def test_workers_share_a_remote_tier_and_load_it_by_read_ahead(
+    tmp_path: Path, remote_server: ValkeyServer, remote_namespace: str
+) -> None:
+    layers_a = {"l0": cpu_layer(0), "l1": cpu_layer(1)}
+    layers_b = {"l0": torch.zeros_like(layers_a["l0"]), "l1": torch.zeros_like(layers_a["l1"])}
+    writer = _remote_worker(tmp_path, layers_a, remote_server.url, remote_namespace, "a")
+    reader = _remote_worker(tmp_path, layers_b, remote_server.url, remote_namespace, "b")
+    tokens = list(range(1, 3 * BS + 2))
+    planner_a = SchedulerPlanner(_fingerprint(), BS, writer.lookup, tenant_of=tenant_for_salt)
+    assert planner_a.matched_tokens("a", tokens, None, 0) == 0
+    planner_a.after_alloc("a", [0, 1, 2, 3], 0)
+    writer.save(planner_a.build([ScheduledRequest("a", [0, 1, 2, 3], True, 0, len(tokens))]).saves)
+    assert writer.stats.blocks_saved == 3
+    # The reader's store never saw these blocks: every hit is the remote tier's.
+    planner_b = SchedulerPlanner(_fingerprint(), BS, reader.lookup, tenant_of=tenant_for_salt)
+    assert planner_b.matched_tokens("other", tokens, "tenant-b", 0) == 0  # tenants stay apart
+    assert planner_b.matched_tokens("b", tokens, None, 0) == 3 * BS
+    planner_b.after_alloc("b", [3, 4, 5, 0], 3 * BS)
+    plan = planner_b.build([ScheduledRequest("b", [3, 4, 5, 0], True, 3 * BS, 1)])
+    assert reader.load(plan.loads) == set()
+    for name, tensor in layers_b.items():
+        assert torch.equal(tensor[3:6], layers_a[name][0:3])
+    reader.end_step()
+    remote = json.loads((tmp_path / "stats-b.json").read_text())["tiers"]["remote"]
+    # One pipelined batch fetched the whole prefix; the loads took all of it.
+    assert remote["read_ahead_bytes"] == 3 * reader.codec.block_bytes
+    assert remote["read_ahead_unused_bytes"] == 0
+    assert remote["loads"] == 3
+    writer.close()
+    reader.close()

@@ -87,6 +87,15 @@ def register(sub: Any) -> None:
     tiers.add_argument("--disk-dir", type=Path, default=None, help="local disk tier directory")
     tiers.add_argument("--disk-gib", type=float, default=None, help="disk tier size (0: none)")
     tiers.add_argument("--disk-write-policy", choices=[p.value for p in WritePolicy], default=None)
+    tiers.add_argument(
+        "--remote-url",
+        default=None,
+        help="remote tier on Redis/Valkey, redis://host:port/db (shared by every worker that "
+        "names the same server and namespace)",
+    )
+    tiers.add_argument(
+        "--remote-gib", type=float, default=None, help="remote tier capacity (0: none)"
+    )
     tiers.add_argument("--tier-ttl-s", type=float, default=None, help="object TTL in every tier")
     tiers.add_argument("--eviction-policy", choices=["kvstrata", "lru"], default=None)
     tiers.add_argument(

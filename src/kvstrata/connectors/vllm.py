@@ -7,6 +7,9 @@ Load it with::
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"host_gib": 1, "disk_dir": "...", "disk_gib": 4})
 
+(or ``{"remote_url": "redis://host:6379/0", "remote_gib": 4}``: a Redis/Valkey tier that every
+vLLM instance with the same url and ``remote_namespace`` shares.)
+
 (``vllm_settings`` lists every key.) vLLM builds one instance per role:
 
 - scheduler side (``SchedulerPlanner``): keys every full block of a request with kvstrata's
@@ -29,6 +32,7 @@ This is the only kvstrata module that imports vLLM (an optional extra: ``kvstrat
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +61,13 @@ from kvstrata.connectors.vllm_lookup import (
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner, StepPlan
 from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
-from kvstrata.identity import ModelFacts, ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+from kvstrata.identity import (
+    BlockKey,
+    ModelFacts,
+    ModelFingerprint,
+    ReuseDisabled,
+    ReuseDisabledReason,
+)
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
 from kvstrata.runtime.store_factory import build_store
@@ -114,7 +124,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         store = build_store(
             codec.block_bytes, self.settings, CollectorRegistry(), record_events=events is not None
         )
-        assert store is not None  # connector_config refuses a config without tiers
+        if store is None:  # its only tier, a remote one, was unreachable (build_store said so)
+            logger.warning("kvstrata: no tier could be opened; vLLM runs without kvstrata's KV")
+            register_local(self.engine_id, _no_hits)
+            self._server = LookupServer(endpoint_for(self.engine_id), _no_hits).start()
+            return
         emitter = None
         if events is not None:
             emitter = KVEventEmitter.from_config(events, block_size=self.block_size).start()
@@ -171,8 +185,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._server is not None:
             self._server.close()
             self._server = None
+        unregister_local(self.engine_id)
         if self._worker is not None:
-            unregister_local(self.engine_id)
             self._worker.close()
             self._worker = None
         if self._lookup is not None:
@@ -237,6 +251,10 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._planner is not None:
             self._planner.finished(request.request_id)
         return False, None
+
+
+def _no_hits(tenant: str, keys: Sequence[BlockKey]) -> int:
+    return 0
 
 
 def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprint | ReuseDisabled:

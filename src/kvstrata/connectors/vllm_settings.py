@@ -7,10 +7,14 @@ The connector is configured like every kvstrata worker (``docs/configuration.md`
   the file — the keys this connector has always taken are among them: ``host_gib``,
   ``disk_dir``, ``disk_gib``, ``disk_write``, ``durable``, ``policy``, ``tenant_secret_file``,
   ``events_endpoint``, ``events_replay_endpoint``, ``events_topic``, ``worker_id``,
-  ``stats_path``, ``lookup_timeout_ms``.
+  ``stats_path``, ``lookup_timeout_ms``; a shared remote tier: ``remote_url`` (or
+  ``remote_cluster``), ``remote_gib``, ``remote_namespace``, ``remote_write_policy``.
 
-At least one tier must be configured. ``pool`` and ``model`` settings are the reference
-engine's and are ignored here (vLLM owns its pool and model).
+At least one tier must be configured (a remote tier alone will do: vLLM instances sharing its
+url and namespace reuse each other's prefixes). A remote tier unreachable at start-up is left
+out with a warning; without any tier left, vLLM runs without kvstrata's KV. ``pool`` and
+``model`` settings are the reference engine's and are ignored here (vLLM owns its pool and
+model).
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ def connector_config(extra: Mapping[str, Any] | None) -> WorkerConfig:
     )
     if not config.tiers:
         raise ConfigError(
-            "the kvstrata connector needs a tier: host_gib and/or disk_dir + disk_gib, or "
-            "[[tiers]] in the config file",
+            "the kvstrata connector needs a tier: host_gib, disk_dir + disk_gib and/or "
+            "remote_url + remote_gib, or [[tiers]] in the config file",
             source=SOURCE,
         )
     return config

@@ -1,16 +1,20 @@
 """The worker side of the vLLM connector: kvstrata's tiered store behind vLLM's KV tensors.
 
-One ``ConnectorWorker`` per vLLM worker process owns the ``TieredStore`` (host and/or disk
-tiers), the ``BlockCodec`` over vLLM's registered KV tensors, an optional KV event emitter and
-the counters. It is driven by the connector, once per engine step, on the worker thread:
+One ``ConnectorWorker`` per vLLM worker process owns the ``TieredStore`` (host, disk and/or a
+shared remote tier), the ``BlockCodec`` over vLLM's registered KV tensors, an optional KV event
+emitter and the counters. It is driven by the connector, once per engine step, on the worker
+thread:
 
-- ``load(plan.loads)`` before the forward: for each request, its blocks are looked up again,
-  pinned, checked (representation and size here; the payload digest by the tier, on every
-  read unless a tier's ``verify_reads`` is off) and scattered into vLLM's blocks — through the
-  runtime's ``StoreBridge``, the same code the reference engine loads with. The first block
-  that is missing, fails a check or whose tier errs ends that request's load: it and every
-  later block of the request are returned as failed (``get_block_ids_with_load_errors``), so
-  vLLM recomputes them (never uses them).
+- ``load(plan.loads)`` before the forward: for each request, its blocks are planned again
+  through the bridge's ``plan_promotion`` (a shared remote tier then fetches the whole prefix
+  in one pipelined, shard-parallel batch — read-ahead — instead of a round trip per block;
+  what no load took is dropped by ``finish_promotion`` and counted as unused), pinned, checked
+  (representation and size here; the payload digest by the tier, on every read unless a
+  tier's ``verify_reads`` is off) and scattered into vLLM's blocks — through the runtime's
+  ``StoreBridge``, the same code the reference engine loads with. The first block that is
+  missing, fails a check or whose tier errs ends that request's load: it and every later
+  block of the request are returned as failed (``get_block_ids_with_load_errors``), so vLLM
+  recomputes them (never uses them).
 - ``save(plan.saves)`` after the forward: blocks kvstrata does not hold yet are gathered and
   put, each with its xxh3-128 payload digest, parent key, position and tokens. A block whose
   load failed is replaced when vLLM has recomputed it (its later blocks may hold bad bytes
@@ -18,8 +22,10 @@ the counters. It is driven by the connector, once per engine step, on the worker
 - ``end_step()`` publishes the step's KV events (one batch, ``medium`` = tier name) and, when
   asked, writes the counters to a JSON file (how tests in another process read them).
 
-``lookup(tenant, keys)`` answers the scheduler side (in-process or through ``vllm_lookup``);
-the store is thread-safe, so lookups may come from the lookup server's thread.
+``lookup(tenant, keys)`` answers the scheduler side (in-process or through ``vllm_lookup``) with
+the blocks held *and* worth loading (the bridge's break-even test, the one ``plan_promotion``
+applies), so the scheduler never promises blocks the load would then refuse; the store is
+thread-safe, so lookups may come from the lookup server's thread.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from kvstrata.runtime.bridge import LoadOutcome, StoreBridge
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
+from kvstrata.tiers.base import Tier
+from kvstrata.tiers.remote import RemoteTier
 
 logger = logging.getLogger("kvstrata.connectors.vllm")
 
@@ -102,7 +110,9 @@ class ConnectorWorker:
 
     # ---- scheduler queries ------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[BlockKey]) -> int:
-        found = len(self.store.lookup(keys, RequestScope(tenant=tenant, model=self.model)))
+        located = self.store.lookup(keys, RequestScope(tenant=tenant, model=self.model))
+        # The keys start after vLLM's own hit, whose length is not sent: context offset 0.
+        found = len(located) if self.bridge.worth_loading(located, 0) else 0
         with self._stats_lock:
             self.stats.lookups += 1
             self.stats.lookup_blocks_found += found
@@ -125,13 +135,17 @@ class ConnectorWorker:
     def _load_request(self, request: RequestLoad) -> list[int]:
         keys = [BlockKey(k) for k in request.keys]
         scope = RequestScope(tenant=request.tenant, model=self.model)
-        located = self.store.lookup(keys, scope)
+        located = self.bridge.plan_promotion(keys, 0, scope)
         rows = torch.empty((len(keys), self.codec.block_bytes), dtype=torch.uint8)
         loaded = 0
-        for index, loc in enumerate(located):
-            if not self._load_one(loc, request.tenant, rows[index]):
-                break
-            loaded += 1
+        try:
+            for index, loc in enumerate(located):
+                if not self._load_one(loc, request.tenant, rows[index]):
+                    break
+                loaded += 1
+        finally:
+            if located:
+                self.bridge.finish_promotion()
         if loaded == len(located) < len(keys):  # gone since the scheduler looked
             self.stats.load_missing += 1
         if loaded:
@@ -231,13 +245,7 @@ class ConnectorWorker:
             return
         self._written = current
         body = asdict(current) | {
-            "tiers": {
-                level.name: {
-                    "objects": level.tier.object_count,
-                    "used_bytes": level.tier.used_bytes,
-                }
-                for level in self.store.levels
-            },
+            "tiers": {level.name: _tier_stats(level.tier) for level in self.store.levels},
             "block_bytes": self.codec.block_bytes,
             "pid": os.getpid(),
         }
@@ -251,3 +259,16 @@ class ConnectorWorker:
         if self.emitter is not None:
             self.emitter.flush()
             self.emitter.close()
+
+
+def _tier_stats(tier: Tier) -> dict[str, int]:
+    """A tier's usage for the stats file (a remote tier adds its read-ahead bytes)."""
+    body = {
+        "objects": tier.object_count,
+        "used_bytes": tier.used_bytes,
+        "loads": tier.counters.loads,
+    }
+    if isinstance(tier, RemoteTier):
+        body["read_ahead_bytes"] = tier.remote_counters.read_ahead_bytes
+        body["read_ahead_unused_bytes"] = tier.remote_counters.read_ahead_unused_bytes
+    return body

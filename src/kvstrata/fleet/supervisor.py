@@ -1,10 +1,11 @@
 """Worker processes for ``kvstrata up``: start, wait until ready, watch, restart, stop.
 
 Each worker is a real ``kvstrata serve`` child process with its own engine, device pool,
-host tier and event publisher, on a port chosen here. Its ZMQ endpoints take random ports;
-the router learns them from ``/kv/info``. A worker that dies is noticed twice over: by this
-supervisor (the process exited) and by the router's health loop (it stops answering); with
-``restart=True`` it is started again on the same port, as a new incarnation (new epoch).
+host tier and event publisher (and, with ``remote_url``, a remote tier all of them share), on
+a port chosen here. Its ZMQ endpoints take random ports; the router learns them from
+``/kv/info``. A worker that dies is noticed twice over: by this supervisor (the process
+exited) and by the router's health loop (it stops answering); with ``restart=True`` it is
+started again on the same port, as a new incarnation (new epoch).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class WorkerSpec:
     host_gib: float | None = 0.5
     config: Path | None = None
     disk_dir: Path | None = None
+    remote_url: str | None = None  # a remote tier every worker of the fleet shares
+    remote_gib: float | None = None
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -71,6 +74,8 @@ class WorkerSpec:
             ("--pool-gib", self.pool_gib),
             ("--host-gib", self.host_gib),
             ("--disk-dir", self.disk_dir),
+            ("--remote-url", self.remote_url),
+            ("--remote-gib", self.remote_gib),
         ):
             if value is not None:
                 overrides += [flag, str(value)]

@@ -146,21 +146,28 @@ class StoreBridge:
     ) -> list[Located]:
         """The blocks ``keys[first:]`` worth loading from the store (empty: recompute)."""
         located = self.store.lookup(keys[first:], scope)
-        if not located:
+        if not self.worth_loading(located, first):
             return []
+        self.store.read_ahead(located)  # a shared tier fetches the whole plan in one batch
+        return located
+
+    def worth_loading(self, located: Sequence[Located], first: int) -> bool:
+        """The break-even test of ``plan_promotion`` alone (no read-ahead): may an engine
+        promise these blocks (e.g. the vLLM connector's scheduler side) before it loads them?"""
+        if not located:
+            return False
         tokens = len(located) * self.block_size
         min_tokens = max(
             self.store.levels[loc.level].config.rollout.min_reusable_tokens for loc in located
         )
         if tokens < min_tokens:
             self.store.metrics.recompute_decisions.labels(reason="below_min_tokens").inc()
-            return []
+            return False
         fetch_s = self.store.estimated_fetch_s(located)
         if fetch_s > self.recompute_estimate(tokens, first * self.block_size):
             self.store.metrics.recompute_decisions.labels(reason="fetch_slower").inc()
-            return []
-        self.store.read_ahead(located)  # a shared tier fetches the whole plan in one batch
-        return located
+            return False
+        return True
 
     def finish_promotion(self) -> None:
         """Drop what ``plan_promotion`` read ahead and no load took (counted as unused)."""
