@@ -60,7 +60,7 @@ def remote_tier_of(spec: TierSpec) -> RemoteTier:
     except RemoteUnavailable:
         tier.close()
         raise
-    return tier
+    return tier.start()
 
 
 def _tier(spec: TierSpec, block_bytes: int) -> Tier:
