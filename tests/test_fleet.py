@@ -27,7 +27,8 @@ import httpx
 import pytest
 
 from kvstrata.engine.model_loader import LoadedModel
-from kvstrata.fleet.supervisor import Supervisor, WorkerSpec, free_port
+from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
+from kvstrata.runtime.processes import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

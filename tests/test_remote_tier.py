@@ -22,8 +22,9 @@ import pytest
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.config import WorkerConfig, remote_tier
+from kvstrata.runtime.processes import free_port
 from kvstrata.runtime.store_factory import build_store
-from kvstrata.runtime.valkey_server import ValkeyCluster, ValkeyServer, free_port
+from kvstrata.runtime.valkey_server import ValkeyCluster, ValkeyServer
 from kvstrata.store.config import TierConfig
 from kvstrata.store.levels import RequestScope
 from kvstrata.store.policies import SharedLedgerPolicy

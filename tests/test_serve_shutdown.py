@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvstrata.fleet.supervisor import free_port
+from kvstrata.runtime.processes import free_port
 
 PROMPTS = [
     f"[shutdown {i}] A graceful stop must keep every block the write policy promised. " * 2

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import redis
 
-from kvstrata.fleet.supervisor import free_port
+from kvstrata.runtime.processes import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

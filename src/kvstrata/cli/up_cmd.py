@@ -172,7 +172,8 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
-    from kvstrata.fleet.supervisor import Supervisor, WorkerSpec, free_port
+    from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
+    from kvstrata.runtime.processes import free_port
 
     worker_config(args)  # a bad --config or flag fails here, before anything starts
     if args.model in MODEL_NAMES:

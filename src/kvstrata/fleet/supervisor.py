@@ -10,11 +10,9 @@ started again on the same port, as a new incarnation (new epoch).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,25 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from kvstrata.runtime.processes import die_with_parent
+
 _log = logging.getLogger(__name__)
-
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-"""Loaded here, not in the child: between fork and exec only async-signal-safe work is safe
-(an ``import`` there could wait forever on a lock another thread held at the fork)."""
-
-
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it if the supervisor dies, even by SIGKILL."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -117,7 +99,7 @@ class WorkerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.starts += 1
 

