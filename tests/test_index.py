@@ -151,7 +151,8 @@ def test_each_block_counts_at_its_fastest_medium() -> None:
         ),
     )
     assert depth(index, doc)["w"] == (8, (4, 2, 1, 1))
-    assert index.blocks_held("w") == (4, 2, 3, 1)
+    assert index.blocks_held("w") == (4, 2, 3, 0)  # the remote block is the shared tier's
+    assert index.shared_blocks() == 1
     # Losing block 5 from host ends the prefix there.
     index.apply_batch("w", batch(removed([hashes[5]], "cpu")))
     assert depth(index, doc)["w"] == (5, (4, 1, 0, 0))
@@ -399,6 +400,99 @@ def test_more_than_sixteen_workers_match_like_sixteen() -> None:
             assert got_large[f"w{i}"] == (held, (0, 0, held, 0))
 
 
+# ------------------------------------------------------------------------------ shared tier
+def test_a_remote_block_from_one_worker_counts_for_every_worker() -> None:
+    """Worker a writes blocks 0-1 to device and 0-3 to the shared remote tier: b and c (which
+    never saw the prefix) match 4 remote blocks; a matches 2 device + 2 remote."""
+    index = make_index()
+    doc = tokens(40, 4)
+    hashes = engine_hashes(doc)
+    index.add_worker("b")
+    index.add_worker("c")
+    index.apply_batch(
+        "a", batch(stored(hashes[:2], doc[:8]), stored(hashes, doc, medium="remote"), epoch=1)
+    )
+    assert depth(index, doc) == {
+        "a": (4, (2, 0, 0, 2)),
+        "b": (4, (0, 0, 0, 4)),
+        "c": (4, (0, 0, 0, 4)),
+    }
+    assert index.blocks_held("a") == (2, 0, 0, 0) and index.shared_blocks() == 4
+    # b's own host copy of block 0 is faster for b; the rest stays remote.
+    index.apply_batch("b", batch(stored(hashes[:1], doc[:4], medium="host")))
+    assert depth(index, doc)["b"] == (4, (0, 1, 0, 3))
+    # A child b stores on device under a parent only the shared tier holds is placeable.
+    more = doc + tokens(41, 1)
+    index.apply_batch("b", batch(stored(engine_hashes(more)[4:], more[16:], hashes[3])))
+    assert index.stats.orphan_blocks == 0
+    assert depth(index, more)["b"] == (5, (1, 1, 0, 3))
+    assert depth(index, more)["c"] == (4, (0, 0, 0, 4))
+
+
+def test_any_workers_remote_removal_clears_the_shared_block() -> None:
+    index = make_index()
+    doc = tokens(42, 3)
+    hashes = engine_hashes(doc)
+    index.apply_batch("a", batch(stored(hashes, doc, medium="remote")))
+    index.add_worker("b")
+    # b's store evicted block 2 from the shared tier (a wrote it): gone for everyone.
+    index.apply_batch("b", batch(removed(hashes[2:], "remote")))
+    assert depth(index, doc) == {"a": (2, (0, 0, 0, 2)), "b": (2, (0, 0, 0, 2))}
+    index.apply_batch("b", batch(removed(hashes[2:], "remote")))  # twice: unknown
+    assert index.stats.unknown_removals == 1
+    index.apply_batch("a", batch(removed(hashes[:2], "valkey")))
+    assert depth(index, doc) == {"a": (0, (0, 0, 0, 0)), "b": (0, (0, 0, 0, 0))}
+    assert len(index) == 0 and index.shared_blocks() == 0
+
+
+def test_shared_blocks_outlive_the_announcing_workers_restart_resync_and_removal() -> None:
+    index = make_index()
+    doc = tokens(43, 3)
+    hashes = engine_hashes(doc)
+    index.apply_batch(
+        "a", batch(stored(hashes, doc), stored(hashes, doc, medium="remote"), epoch=1)
+    )
+    index.add_worker("b", epoch=7)
+    remote_only = (3, (0, 0, 0, 3))
+    index.apply_batch("a", batch(epoch=2))  # a restarted: its device blocks are stale
+    assert depth(index, doc) == {"a": remote_only, "b": remote_only}
+    index.apply_batch("a", batch(AllBlocksCleared(), epoch=2))
+    index.mark_inconsistent("a")
+    assert depth(index, doc) == {"a": (0, (0, 0, 0, 0)), "b": remote_only}
+    index.replace_worker("a", 3, [])
+    assert depth(index, doc)["a"] == remote_only
+    index.remove_worker("a")
+    assert depth(index, doc) == {"b": remote_only}
+    # A duplicate announcement (another worker's dump lists what it probed) changes nothing.
+    index.apply_batch("b", batch(stored(hashes, doc, medium="remote")))
+    assert index.stats.duplicate_stores == 3 and index.shared_blocks() == 3
+
+
+def test_a_worker_without_the_shared_tier_does_not_count_its_blocks() -> None:
+    index = make_index()
+    doc = tokens(44, 2)
+    hashes = engine_hashes(doc)
+    index.apply_batch("a", batch(stored(hashes, doc, medium="remote")))
+    index.add_worker("b")
+    index.set_shared_access("b", False)
+    assert depth(index, doc) == {"a": (2, (0, 0, 0, 2)), "b": (0, (0, 0, 0, 0))}
+    index.set_shared_access("b", True)
+    assert depth(index, doc)["b"] == (2, (0, 0, 0, 2))
+
+
+def test_shared_blocks_reach_workers_beyond_the_first_word() -> None:
+    """20 workers (two 64-bit words of slots): the shared slot lends its blocks to all."""
+    index = make_index()
+    doc = tokens(45, 3)
+    for i in range(20):
+        index.add_worker(f"w{i}")
+    index.apply_batch("w3", batch(stored(engine_hashes(doc), doc, medium="remote")))
+    store_chain(index, "w18", doc[:BS], medium="host")
+    got = depth(index, doc)
+    assert got["w18"] == (3, (0, 1, 0, 2))
+    assert all(got[f"w{i}"] == (3, (0, 0, 0, 3)) for i in range(20) if i != 18)
+
+
 def test_match_of_an_empty_request_and_of_a_numpy_array() -> None:
     index = make_index()
     doc = tokens(18, 2)
@@ -518,6 +612,8 @@ class IndexModel:
     def __init__(self, index: GlobalIndex) -> None:
         self.index = index  # only for its hashers (the request side of the contract)
         self.held: dict[str, dict[int, tuple[int, set[int]]]] = {}
+        self.shared: dict[int, int] = {}  # the shared (remote) tier: engine → router hash
+        self.blind: set[str] = set()  # workers that do not reach the shared tier
         self.consistent: dict[str, bool] = {}
         self.orphans = 0
         self.duplicates = 0
@@ -534,12 +630,17 @@ class IndexModel:
     ) -> None:
         ns, salt, toks = DOCS[doc]
         held = self.held[worker]
-        if parent is not None and parent not in held:
+        if parent is not None and parent not in held and parent not in self.shared:
             self.orphans += stop - start
             return
         hashes = engine_hashes(toks, salt, ns)
         for i in range(start, stop):
             router = self.router_hash(ns, toks[: (i + 1) * BS])
+            if medium == Medium.REMOTE:
+                if self.shared.get(hashes[i]) == router:
+                    self.duplicates += 1
+                self.shared[hashes[i]] = router
+                continue
             current = held.get(hashes[i])
             if current is not None and current[0] == router:
                 if medium in current[1]:
@@ -549,6 +650,10 @@ class IndexModel:
                 held[hashes[i]] = (router, {medium})
 
     def remove(self, worker: str, hashes: list[int], medium: int) -> None:
+        if medium == Medium.REMOTE:  # any worker's removal: the shared object is gone
+            for h in hashes:
+                self.shared.pop(h, None)
+            return
         held = self.held.get(worker, {})
         for h in hashes:
             if h in held:
@@ -565,6 +670,9 @@ class IndexModel:
             media: dict[int, set[int]] = {}
             for router, where in held.values():
                 media.setdefault(router, set()).update(where)
+            if worker not in self.blind:
+                for router in self.shared.values():
+                    media.setdefault(router, set()).add(Medium.REMOTE)
             tiers = [0, 0, 0, 0]
             if self.consistent[worker]:
                 for router in request:
@@ -660,6 +768,15 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.remove_worker(worker)
         self.model.held.pop(worker, None)
         self.model.consistent.pop(worker, None)
+        self.model.blind.discard(worker)
+
+    @rule(worker=st.sampled_from(WORKERS), reaches=st.booleans())
+    def shared_access(self, worker: str, reaches: bool) -> None:
+        self.index.set_shared_access(worker, reaches)
+        if reaches:
+            self.model.blind.discard(worker)
+        else:
+            self.model.blind.add(worker)
 
     @invariant()
     def matches_equal_the_model(self) -> None:
@@ -677,6 +794,8 @@ class IndexMachine(RuleBasedStateMachine):
                 for medium in media:
                     per_medium[medium] += 1
             assert self.index.blocks_held(worker) == tuple(per_medium)
+        routers.update(self.model.shared.values())
+        assert self.index.shared_blocks() == len(self.model.shared)
         assert len(self.index) == len(routers)
         assert sorted(self.index.workers) == sorted(self.model.held)
         assert self.index.stats.orphan_blocks == self.model.orphans

@@ -257,3 +257,20 @@ def test_serve_flags_parse_into_an_events_config() -> None:
         worker_config(_serve_args("--replay-endpoint", "tcp://127.0.0.1:*"))
     with pytest.raises(InvalidInput, match="ZMQ endpoint"):
         worker_config(_serve_args("--events-endpoint", "127.0.0.1:5555"))
+
+
+def test_info_reports_each_tiers_measured_fetch_per_block(worker: Worker) -> None:
+    """After the host tier served loads, ``/kv/info`` says what a block costs to fetch from
+    it: the store's own measurement (the router prices fetches with it)."""
+    prompt = tokens(6 * B + 3, seed=70)
+    complete(worker.client, prompt)  # written through to host
+    worker.engine.call(worker.engine.pool.clear).result(TIMEOUT_S)  # gone from the pool
+    assert worker.engine.bridge is not None
+    host = worker.engine.bridge.store.levels[0]
+    hits = host.tier.counters.loads
+    complete(worker.client, prompt)
+    assert host.tier.counters.loads > hits
+    figures = worker.client.get("/kv/info").json()["fetch_s_per_block"]
+    assert set(figures) == {"host"}
+    assert figures["host"] > 0
+    assert figures["host"] == pytest.approx(host.fetch_s_per_byte * BLOCK_BYTES)

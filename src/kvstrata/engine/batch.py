@@ -113,6 +113,8 @@ class BatchRunner:
         now = time.perf_counter()
         if not seq.started:
             self._dequeued()
+            if self.bridge is not None:
+                self.bridge.prefetch_done(seq.gen.request_id)  # admission loads the rest
             seq.gen.record.queue_s = now - seq.arrival
             self.metrics.queue_delay.observe(seq.gen.record.queue_s)
         seq.admitted_at = now
@@ -364,6 +366,8 @@ class BatchRunner:
             return
         if not seq.started:
             self._dequeued()
+            if self.bridge is not None:
+                self.bridge.prefetch_done(seq.gen.request_id)
         self.scheduler.remove(seq)
         seq.release(self.pool)
         seq.gen._finish(reason, error)

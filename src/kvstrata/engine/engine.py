@@ -18,6 +18,13 @@ concurrent requests and later turns hit it, and a cancelled request keeps what i
 Threads: ``generate`` and ``Generation.close`` may be called from any thread; everything else
 runs on the step thread — the engine's own loop (``start_loop``) in a server, or the caller
 iterating a generation when no loop runs. ``call`` runs a function between steps.
+
+Prefetch: with the loop running and a store whose shared (remote) level sits below a local
+one, a request submitted while the engine is busy (a step in progress, or others queued) has
+its prefix handed to the pool bridge's prefetcher at once: it copies what only the shared
+level holds into the local level on its own thread, so admission finds it there. Admission
+(or leaving the queue) cancels it. A request submitted to an idle engine is admitted at the
+next step, before any prefetch could finish, so none is started.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from kvstrata.runtime import tokenization
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.runtime.wiring import wire
+from kvstrata.store.levels import RequestScope
 from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
 
@@ -78,6 +86,7 @@ class EngineConfig:
     tenant_secret: bytes = b""
     max_model_len: int | None = None  # None → the model's max_position_embeddings
     reuse: bool = True  # False: never look up or store (the fresh-prefill baseline)
+    prefetch: bool = True  # prefetch queued requests' prefixes from a shared store level
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -152,7 +161,11 @@ class ReferenceEngine:
         self.bridge: PoolBridge | None = None
         if store is not None:
             self.bridge = PoolBridge(
-                store, self.pool, model_id=self.model_id, recompute_estimate=self.costs.marginal_s
+                store,
+                self.pool,
+                model_id=self.model_id,
+                recompute_estimate=self.costs.marginal_s,
+                prefetch=self.config.prefetch,
             )
         self.events = events
         wire(pool=self.pool, store=store, demotion=self.bridge, emitter=events)
@@ -176,6 +189,7 @@ class ReferenceEngine:
         self._cancels: list[Generation] = []
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._queued = 0  # submitted, never admitted yet (the bound of ``max_waiting``)
+        self._stepping = False  # a step is running (guarded by ``_wake``): arrivals will wait
         self._loop: threading.Thread | None = None
         self._stopping = False
 
@@ -293,7 +307,21 @@ class ReferenceEngine:
             generation._driver = self
             self._inbox.append(seq)
             self._wake.notify()
+            waits = self._stepping or self._queued > 1
+        if waits and lookup:
+            self._prefetch(seq, prompt)
         return generation
+
+    def _prefetch(self, seq: Seq, prompt: list[int]) -> None:
+        """Hand a queued request's prefix to the prefetcher (keys are hashed on its thread)."""
+        root, bridge, block_size = seq.root, self.bridge, self.config.block_size
+        full = len(prompt) // block_size  # admission's blocks, and the tail's donor if full
+        if root is None or bridge is None or full == 0:
+            return
+        blocks = prompt[: full * block_size]
+        rid = seq.gen.request_id
+        scope = RequestScope(tenant=seq.tenant, model=self.model_id, request_id=rid)
+        bridge.prefetch(rid, lambda: chain_keys(root, blocks, block_size), scope)
 
     def cancel(self, generation: Generation) -> None:
         """Free ``generation`` at the next step (``Generation.close`` calls this)."""
@@ -328,6 +356,8 @@ class ReferenceEngine:
         if self._loop is not None:
             return
         self._stopping = False
+        if self.bridge is not None:
+            self.bridge.start_prefetch()
         self._loop = threading.Thread(target=self._run_loop, name="kvstrata-engine", daemon=True)
         self._loop.start()
 
@@ -341,6 +371,8 @@ class ReferenceEngine:
             self._wake.notify()
         loop.join()
         self._loop = None
+        if self.bridge is not None:
+            self.bridge.stop_prefetch()
 
     def _run_loop(self) -> None:
         while True:
@@ -366,12 +398,18 @@ class ReferenceEngine:
     def step(self) -> bool:
         """Run one step; False when there was nothing to do."""
         with self._step_lock, torch.inference_mode():
-            self._run_calls()
-            self._take_inbox()
+            with self._wake:
+                self._stepping = True
             try:
-                return self.batch.run_step()
+                self._run_calls()
+                self._take_inbox()
+                try:
+                    return self.batch.run_step()
+                finally:
+                    self._flush_events()
             finally:
-                self._flush_events()
+                with self._wake:
+                    self._stepping = False
 
     def _run_calls(self) -> None:
         with self._wake:

@@ -7,13 +7,19 @@ between the pool's ``[L, 2, H, B, D]`` block views and the memoryviews the bridg
 - it is a pool listener: when the pool evicts a block the store wants, its bytes are staged
   and demoted (the store's first level decides whether to keep it);
 - ``write_through`` copies freshly committed blocks when the first level is write-through;
-- ``promote`` loads the longest worthwhile prefix beyond the device hit into the pool.
+- ``promote`` loads the longest worthwhile prefix beyond the device hit into the pool;
+- ``prefetch`` (when the store has a shared level below a local one and the engine asks for
+  it) hands a queued request's prefix to a ``store.prefetch.Prefetcher``, which copies what
+  only the shared level holds into the local one on its own thread. The pool is the step
+  thread's, so the prefetch thread asks this bridge's mirror of the pool's committed keys
+  (kept by the listener calls, under a lock of its own) what the pool holds.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,7 @@ from kvstrata.objects import Representation
 from kvstrata.runtime.blocks import BlockInfo, EvictedBlock, ResidentBlock, block_tokens
 from kvstrata.runtime.bridge import LoadOutcome, RecomputeEstimate, StoreBridge
 from kvstrata.store.levels import RequestScope
+from kvstrata.store.prefetch import Prefetcher, can_prefetch
 from kvstrata.store.tiered import TieredStore
 
 BLOCK_LAYOUT = "kvstrata.block.v1[L,2,H,B,D]"
@@ -45,7 +52,10 @@ class PoolBridge:
         *,
         model_id: str,
         recompute_estimate: RecomputeEstimate,
+        prefetch: bool = True,
     ) -> None:
+        """``prefetch``: prefetch queued requests' prefixes from a shared level (only when the
+        store has one below a local level; started by ``start_prefetch``)."""
         self.pool = pool
         c = pool.config
         self.shape = (c.num_layers, 2, c.num_kv_heads, c.block_size, c.head_dim)
@@ -63,6 +73,11 @@ class PoolBridge:
             recompute_estimate=recompute_estimate,
         )
         self._staging = torch.empty(self.shape, dtype=c.dtype)
+        self._resident_lock = threading.Lock()
+        self._resident: set[BlockKey] = set()  # the pool's committed keys (prefetch only)
+        self.prefetcher: Prefetcher | None = None
+        if prefetch and can_prefetch(store):
+            self.prefetcher = Prefetcher(store, skip=self._pool_holds)
 
     @property
     def store(self) -> TieredStore:
@@ -75,8 +90,14 @@ class PoolBridge:
     # ---- PoolListener -----------------------------------------------------------------------
     def block_committed(self, block: ResidentBlock) -> None:
         """Commits are written through by ``write_through`` (it knows the block ids)."""
+        if self.prefetcher is not None:
+            with self._resident_lock:
+                self._resident.add(block.key)
 
     def block_evicted(self, block: EvictedBlock) -> None:
+        if self.prefetcher is not None:
+            with self._resident_lock:
+                self._resident.discard(block.key)
         if self.bridge.wants_demotion(block):
             self.bridge.demote(block, self._staged(block.block_id))
 
@@ -99,6 +120,33 @@ class PoolBridge:
             parent = keys[i - 1] if i > 0 else None
             info = BlockInfo(tenant, i * size, block_tokens(token_ids, i, size))
             self.bridge.put(keys[i], parent, info, self._staged(block_id))
+
+    # ---- prefetch (submitted from any thread, run on the prefetcher's) -----------------------
+    def _pool_holds(self, key: BlockKey) -> bool:
+        with self._resident_lock:
+            return key in self._resident
+
+    def start_prefetch(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.start()
+
+    def stop_prefetch(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def prefetch(
+        self, request_id: str, keys: Callable[[], Sequence[BlockKey]], scope: RequestScope
+    ) -> bool:
+        """Start fetching a queued request's prefix (``keys``, computed on the prefetch
+        thread) into the store's local level; False when nothing was queued."""
+        if self.prefetcher is None:
+            return False
+        return self.prefetcher.submit(request_id, keys, scope)
+
+    def prefetch_done(self, request_id: str) -> None:
+        """The request was admitted (or left the queue): stop prefetching for it."""
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(request_id)
 
     # ---- store → device ---------------------------------------------------------------------
     def promote(

@@ -52,7 +52,7 @@ from kvstrata.fleet.workers import (
     fetch_info,
 )
 from kvstrata.identity import secret_digest
-from kvstrata.index.core import ConsistencyMode, GlobalIndex
+from kvstrata.index.core import ConsistencyMode, GlobalIndex, Medium
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import RouteDecision, RouteRequest
@@ -159,11 +159,23 @@ class Fleet:
 
     # ------------------------------------------------------------------ workers
     def _profile(self, worker_id: str) -> CostProfile:
-        """The policy's cost lookup; called by the router, so under the lock."""
+        """The policy's cost lookup; called by the router, so under the lock.
+
+        Fetch figures are what each worker measured (``/kv/info``, every health round). A
+        worker that has not fetched from the shared (remote) tier yet is priced with the
+        mean of the other workers' remote figures: they read the same servers."""
         state = self._table.by_id.get(worker_id)
         if state is None:
             raise KeyError(worker_id)
-        return state.profile()
+        shared: float | None = None
+        if state.measured_fetch[Medium.REMOTE] is None:
+            figures = [
+                f
+                for s in self._table.by_id.values()
+                if (f := s.measured_fetch[Medium.REMOTE]) is not None
+            ]
+            shared = sum(figures) / len(figures) if figures else None
+        return state.profile(shared)
 
     def _ensure_index(self, info: WorkerInfo) -> EventPlane:
         """The index and event plane, made by the first attach (lifecycle: one caller)."""
@@ -206,9 +218,11 @@ class Fleet:
         if self.config.mode is ConsistencyMode.EXACT:
             events.attach(info)
         state = WorkerState(info, default_profile(info.block_size))
+        state.measured_fetch = info.fetch_s_per_block
         with self._lock:
+            assert self._index is not None
+            self._index.set_shared_access(info.worker_id, info.reaches_shared_tier)
             if self.config.mode is not ConsistencyMode.EXACT:
-                assert self._index is not None
                 self._index.add_worker(info.worker_id, info.epoch)
             previous = self._table.by_id.get(info.worker_id)
             if previous is not None:  # keep what was learned about this machine's speed
@@ -273,6 +287,8 @@ class Fleet:
                 current = self._table.by_id.get(info.worker_id)
                 if current is not None:
                     current.failures = 0
+                    if current.info.epoch == info.epoch:
+                        current.measured_fetch = info.fetch_s_per_block
 
     def worker_views(self) -> list[WorkerView]:
         """A consistent snapshot of every worker and what the index holds of it."""

@@ -141,6 +141,12 @@ class _IndexCollector(Collector):
             inconsistent.add_metric([worker], 0.0 if index.is_consistent(worker) else 1.0)
         yield blocks
         yield inconsistent
+        shared = GaugeMetricFamily(
+            "kvstrata_index_shared_blocks",
+            "Blocks the index holds in the shared (remote) tier, which every worker reaches",
+        )
+        shared.add_metric([], float(index.shared_blocks()))
+        yield shared
         lag = GaugeMetricFamily(
             "kvstrata_index_event_lag_seconds",
             "Event time → applied to the index, over recent batches",

@@ -8,8 +8,9 @@ that answers garbage is treated as unreachable, never trusted.
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.errors import InvalidInput
 from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
 from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index.model import Medium, parse_medium
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import WorkerLoad
 
@@ -41,6 +43,20 @@ class WorkerInfo:
     replay_endpoint: str | None
     next_seq: int
     secret_digest: str | None = None  # None: the worker does not say how it salts tenants
+    tiers: tuple[str, ...] = ()  # the media it holds KV in (empty: it does not say)
+    fetch_s_per_block: tuple[float | None, float | None, float | None, float | None] = (
+        None,
+        None,
+        None,
+        None,
+    )
+    """Measured seconds to bring one block from each medium (``Medium`` order; None: not
+    measured yet), from the worker's store: the router prices fetches with these."""
+
+    @property
+    def reaches_shared_tier(self) -> bool:
+        """Does the worker have the shared (remote) tier? (Unknown: assume it does.)"""
+        return not self.tiers or Medium.REMOTE in {parse_medium(t) for t in self.tiers}
 
     @classmethod
     def from_json(cls, base_url: str, body: Any) -> WorkerInfo:
@@ -61,12 +77,30 @@ class WorkerInfo:
                 secret_digest=(
                     None if body.get("secret_digest") is None else str(body["secret_digest"])
                 ),
+                tiers=tuple(str(t) for t in body.get("tiers", ())),
+                fetch_s_per_block=_fetch_figures(body.get("fetch_s_per_block") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
         return info
+
+
+def _fetch_figures(
+    body: dict[str, Any],
+) -> tuple[float | None, float | None, float | None, float | None]:
+    """``{tier name: seconds per block | null}`` → per ``Medium``; unknown names, negative or
+    non-finite figures are left out (a garbage figure must not steer the router)."""
+    figures: list[float | None] = [None, None, None, None]
+    for name, value in body.items():
+        medium = parse_medium(str(name))
+        if medium is None or value is None:
+            continue
+        seconds = float(value)
+        if math.isfinite(seconds) and seconds >= 0:
+            figures[medium] = seconds
+    return (figures[0], figures[1], figures[2], figures[3])
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +164,14 @@ class WorkerState:
     decode_step_s: float = 0.02
     mean_output_tokens: float = 64.0
     kv_blocks_capacity: int = 0
+    measured_fetch: tuple[float | None, float | None, float | None, float | None] = (
+        None,
+        None,
+        None,
+        None,
+    )
+    """The worker's own fetch figures per medium (``WorkerInfo.fetch_s_per_block``), updated
+    by every health round."""
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
 
@@ -140,8 +182,17 @@ class WorkerState:
     def worker_id(self) -> str:
         return self.info.worker_id
 
-    def profile(self) -> CostProfile:
-        return self.profile_prior.with_prefill(self.prefill_fit.model())
+    def profile(self, shared_fetch_s: float | None = None) -> CostProfile:
+        """The prior with the refitted prefill model and the measured fetch figures;
+        ``shared_fetch_s`` stands in for an unmeasured remote figure (other workers' figure
+        for the same shared tier)."""
+        measured = list(self.measured_fetch)
+        if measured[Medium.REMOTE] is None:
+            measured[Medium.REMOTE] = shared_fetch_s
+        prior = self.profile_prior.fetch_s_per_block
+        a, b, c, d = (p if m is None else m for m, p in zip(measured, prior, strict=True))
+        profile = self.profile_prior.with_prefill(self.prefill_fit.model())
+        return replace(profile, fetch_s_per_block=(a, b, c, d))
 
     def begin(
         self,

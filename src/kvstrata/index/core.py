@@ -24,6 +24,25 @@ lookup is one dict probe per block for all workers at once, and a longest-prefix
 router hash; when two engine hashes of one worker name the same router hash (vLLM's
 ``cache_salt`` changes engine hashes, not tokens) the worker's bit stays set until the last
 of them is removed.
+
+The remote tier is shared: every worker of the model reaches the same objects (one Valkey
+namespace), so a block announced with ``medium = remote`` is not the announcing worker's.
+It goes into a *shared slot* (a pseudo-worker, allocated with the first remote block, never
+matched itself) with its own engine hash → router hash map, and:
+
+- every worker that reaches the shared tier (all, unless :meth:`set_shared_access` says
+  otherwise — the fleet clears it for workers that report no remote tier) counts a shared
+  block as held in its remote tier, so ``match`` splits it as a remote block for each of them;
+- it is removed by a remote ``BlockRemoved`` from *any* worker (the store announces the shared
+  ledger's victims whoever wrote them), not only from the one that announced it;
+- a worker's restart (new epoch), resync, clear or removal leaves shared blocks alone: the
+  objects outlive the worker that wrote them. A parent held only there places a child too.
+
+Shared entries are hints like any other: a block the ledger dropped without anyone noticing
+(the server lost its data), or one a worker's dump lists after another worker evicted it (a
+dump names the remote objects the worker knows of — its writes, loads and probes — and it is
+not told of others' evictions), costs a routing mistake, since the worker re-checks its
+BLAKE3 keys: its lookup misses and it recomputes.
 """
 
 from __future__ import annotations
@@ -127,6 +146,10 @@ class GlobalIndex:
         self._next_slot = 0
         self._approx: dict[int, dict[int, float]] = {}
         self._approx_writes = 0
+        self._shared_slot: int | None = None  # the shared (remote) tier's pseudo-slot
+        self._shared_held: dict[BlockHash, int] = {}  # engine hash → router hash
+        self._shared_refs: dict[int, int] = {}  # router hash → engine hashes placing it
+        self._blind: set[str] = set()  # workers that cannot reach the shared tier
 
     # ---------------------------------------------------------------- hashing
     def hasher(self, tenant: str | None) -> RouterHasher:
@@ -168,9 +191,18 @@ class GlobalIndex:
         self._next_slot += 1
         return slot
 
+    def set_shared_access(self, worker_id: str, reaches: bool) -> None:
+        """Does ``worker_id`` reach the shared (remote) tier? (Default: yes.)"""
+        if reaches:
+            self._blind.discard(worker_id)
+        else:
+            self._blind.add(worker_id)
+
     def remove_worker(self, worker_id: str) -> int:
-        """Forget a worker (dead or drained): drop its entries; returns how many."""
+        """Forget a worker (dead or drained): drop its entries (not the shared tier's, which
+        outlive it); returns how many."""
         worker = self._workers.pop(worker_id, None)
+        self._blind.discard(worker_id)
         if worker is None:
             return 0
         dropped = self._drop_entries(worker)
@@ -222,8 +254,12 @@ class GlobalIndex:
         a, b, c, d = worker.per_medium
         return (a, b, c, d)
 
+    def shared_blocks(self) -> int:
+        """Blocks in the shared (remote) tier, as announced by any worker."""
+        return len(self._shared_held)
+
     def __len__(self) -> int:
-        """Distinct router hashes held by any worker (exact entries)."""
+        """Distinct router hashes held by any worker or the shared tier (exact entries)."""
         return len(self._entries)
 
     # ---------------------------------------------------------------- events
@@ -274,10 +310,13 @@ class GlobalIndex:
         parent: int | None = None
         if event.parent_block_hash is not None:
             packed = worker.held.get(event.parent_block_hash)
-            if packed is None:
-                self.stats.orphan_blocks += n
-                return
-            parent = packed >> _BITS_PER_SLOT
+            if packed is not None:
+                parent = packed >> _BITS_PER_SLOT
+            else:
+                parent = self._shared_held.get(event.parent_block_hash)
+                if parent is None:
+                    self.stats.orphan_blocks += n
+                    return
         router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
         self.store_hashes(worker.worker_id, router, medium, engine_hashes=event.block_hashes)
 
@@ -297,12 +336,16 @@ class GlobalIndex:
         *,
         engine_hashes: Sequence[BlockHash] | None = None,
     ) -> None:
-        """Record blocks by router hash; the simulator calls this directly (engine = router)."""
+        """Record blocks by router hash; the simulator calls this directly (engine = router).
+        Remote blocks go to the shared tier (see the module docstring)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             self.add_worker(worker_id)
             worker = self._workers[worker_id]
         keys: Sequence[BlockHash] = router_hashes if engine_hashes is None else engine_hashes
+        if medium is Medium.REMOTE:
+            self._store_shared(keys, router_hashes)
+            return
         medium_bit = 1 << medium
         entry_bit = medium_bit << (worker.slot * _BITS_PER_SLOT)
         entries = self._entries
@@ -336,6 +379,9 @@ class GlobalIndex:
     def remove_hashes(
         self, worker_id: str, engine_hashes: Sequence[BlockHash], medium: Medium
     ) -> None:
+        if medium is Medium.REMOTE:  # whoever announced it: the object is gone for everyone
+            self._remove_shared(engine_hashes)
+            return
         worker = self._workers.get(worker_id)
         if worker is None:
             self.stats.unknown_removals += len(engine_hashes)
@@ -356,6 +402,54 @@ class GlobalIndex:
             self._release(worker, router_hash, medium, entry_bit)
             worker.per_medium[medium] -= 1
             self.stats.blocks_removed += 1
+
+    def _store_shared(
+        self, engine_hashes: Sequence[BlockHash], router_hashes: Sequence[int]
+    ) -> None:
+        if self._shared_slot is None:
+            self._shared_slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+        entry_bit = (1 << Medium.REMOTE) << (self._shared_slot * _BITS_PER_SLOT)
+        held, refs, entries = self._shared_held, self._shared_refs, self._entries
+        placed = 0
+        for engine_hash, router_hash in zip(engine_hashes, router_hashes, strict=True):
+            current = held.get(engine_hash)
+            if current == router_hash:
+                self.stats.duplicate_stores += 1
+                continue
+            if current is not None:  # the engine hash named other content: forget that one
+                self._unref_shared(current, entry_bit)
+            held[engine_hash] = router_hash
+            count = refs.get(router_hash, 0)
+            refs[router_hash] = count + 1
+            if not count:
+                entries[router_hash] = entries.get(router_hash, 0) | entry_bit
+            placed += 1
+        self.stats.blocks_stored += placed
+
+    def _remove_shared(self, engine_hashes: Sequence[BlockHash]) -> None:
+        if self._shared_slot is None:
+            self.stats.unknown_removals += len(engine_hashes)
+            return
+        entry_bit = (1 << Medium.REMOTE) << (self._shared_slot * _BITS_PER_SLOT)
+        for engine_hash in engine_hashes:
+            router_hash = self._shared_held.pop(engine_hash, None)
+            if router_hash is None:
+                self.stats.unknown_removals += 1
+                continue
+            self._unref_shared(router_hash, entry_bit)
+            self.stats.blocks_removed += 1
+
+    def _unref_shared(self, router_hash: int, entry_bit: int) -> None:
+        count = self._shared_refs[router_hash] - 1
+        if count:
+            self._shared_refs[router_hash] = count
+            return
+        del self._shared_refs[router_hash]
+        value = self._entries.get(router_hash, 0) & ~entry_bit
+        if value:
+            self._entries[router_hash] = value
+        else:
+            self._entries.pop(router_hash, None)
 
     def _forget(self, worker: _Worker, engine_hash: BlockHash, packed: int) -> None:
         router_hash = packed >> _BITS_PER_SLOT
@@ -450,17 +544,25 @@ class GlobalIndex:
         Workers marked inconsistent (lost events, resync pending) match nothing: when unsure,
         the router must assume a recompute. Probing stops at the first block no worker holds
         (no prefix can reach past it); the rest is a few numpy passes over the packed values
-        for all workers at once (:func:`_slot_prefixes`).
+        for all workers at once (:func:`_slot_prefixes`). Shared-tier blocks count as remote
+        blocks of every worker that reaches the shared tier.
         """
         if self.mode is ConsistencyMode.APPROXIMATE:
             return self._match_approx(router_hashes, self._clock() if now is None else now)
         hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
         values = _probe(self._entries, hashes)
-        live = 0
+        live = reach = 0
         for worker in self._workers.values():
             if worker.consistent:
                 live |= 1 << (worker.slot * _BITS_PER_SLOT)
-        counts = _slot_prefixes(values, self._next_slot, live) if values and live else None
+                if worker.worker_id not in self._blind:
+                    reach |= 1 << (worker.slot * _BITS_PER_SLOT)
+        shared = self._shared_slot if self._shared_refs else None
+        counts = (
+            _slot_prefixes(values, self._next_slot, live, shared=shared, reach=reach)
+            if values and live
+            else None
+        )
         result: dict[str, PrefixMatch] = {}
         for worker in self._workers.values():
             if counts is None or not counts[0, worker.slot]:

@@ -4,6 +4,10 @@ Each indexed router hash maps to an int with 4 bits per worker slot (one per med
 device, host, disk, remote). A lookup probes the request's hashes in order and stops at the
 first block nobody holds; :func:`slot_prefixes` then turns the probed values into each slot's
 prefix depth and fastest-medium split with a few numpy passes (16 slots per uint64 word).
+
+A shared slot (the index's fleet-wide remote tier) is not a worker: its remote bit is lent to
+every slot in ``reach`` before the prefix is taken, so each of those workers counts a shared
+block as held in its own remote tier.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ SLOT_MASK: Final = (1 << BITS_PER_SLOT) - 1
 _NUMPY_SLOTS: Final = 64 // BITS_PER_SLOT
 """16 worker slots pack into one uint64 word; more slots take several words per block."""
 _MASK64: Final = (1 << 64) - 1
-_LOW_BITS: Final = np.uint64(0x1111_1111_1111_1111)
+_LOW_INT: Final = 0x1111_1111_1111_1111
+_LOW_BITS: Final = np.uint64(_LOW_INT)
 """Bit 0 of every nibble: one presence bit per slot."""
 _LANE_MASK: Final = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
 _ONE: Final = np.uint64(1)
@@ -43,14 +48,22 @@ def probe(entries: dict[int, int], hashes: Sequence[int]) -> list[int]:
     return values
 
 
-def slot_prefixes(values: list[int], slots: int, live: int) -> npt.NDArray[np.int64]:
+def slot_prefixes(
+    values: list[int],
+    slots: int,
+    live: int,
+    *,
+    shared: int | None = None,
+    reach: int = 0,
+) -> npt.NDArray[np.int64]:
     """``[4, slots]``: per slot, prefix depth and its blocks at best on device, host, disk.
 
     ``live`` has bit ``4·slot`` set for every slot that may match. Values wider than one
     uint64 (more than 16 slots) are split into 64-bit words through their bytes; each word is
     then handled alike: a slot's block is present when its nibble is non-zero, a running AND
     of presence gives the prefix (prefix-closed by construction), and masked bit counts per
-    nibble give the depth and the fastest-medium split.
+    nibble give the depth and the fastest-medium split. ``shared`` is the shared slot: where
+    its remote bit is set, every slot with bit ``4·slot`` in ``reach`` gets its remote bit too.
     """
     words = max(1, -(-slots // _NUMPY_SLOTS))
     if words == 1:  # array.array converts a list of ints faster than numpy does
@@ -60,11 +73,19 @@ def slot_prefixes(values: list[int], slots: int, live: int) -> npt.NDArray[np.in
         raw = b"".join(v.to_bytes(width, "little") for v in values)
         packed = np.frombuffer(raw, dtype="<u8").reshape(-1, words)
     counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
+    lent: npt.NDArray[np.uint64] | None = None
+    if shared is not None and reach:
+        shared_word, lane = divmod(shared, _NUMPY_SLOTS)
+        bit = np.uint64(BITS_PER_SLOT * lane + 3)
+        lent = (packed[:, shared_word] >> bit) & _ONE  # 1 where the shared slot holds it
     for word in range(words):
         v = np.ascontiguousarray(packed[:, word], dtype=np.uint64)
         mask = np.uint64((live >> (64 * word)) & _MASK64)
         if not mask:
             continue
+        if lent is not None:
+            lanes = np.uint64(((reach >> (64 * word)) & _LOW_INT) << 3)
+            v = v | (lent * lanes)
         present = (v | (v >> _ONE) | (v >> _TWO) | (v >> _THREE)) & _LOW_BITS
         alive = np.bitwise_and.accumulate(present) & mask
         device = v & alive

@@ -67,9 +67,11 @@ def _match(matches: Mapping[str, PrefixMatch], worker_id: str) -> PrefixMatch:
 class TtftEstimator:
     """Estimated time to first token of a request on a worker (see :mod:`.costs`).
 
-    ``queue + min(fetch + prefill of the missing tokens, prefill of everything) +
-    interference``: a worker recomputes rather than fetch when fetching is slower, as the
-    engine's break-even rule does. The last prompt token is always computed.
+    ``queue + min(fetch + prefill of the missing tokens, prefill of all but the device
+    prefix) + interference``: blocks in the device pool are used in place; the blocks beyond
+    them (host, disk, remote — a remote block priced with the worker's measured fetch cost)
+    are fetched unless recomputing them is faster, as the engine's break-even rule decides
+    for the store's part of a prefix. The last prompt token is always computed.
     """
 
     def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
@@ -87,9 +89,10 @@ class TtftEstimator:
         cached = min(match.blocks * profile.block_size, prompt - 1)
         prefill_s = profile.prefill.seconds(prompt - cached, cached)
         fetch_s = profile.fetch_s(match.tier_blocks)
-        full_s = profile.prefill.seconds(prompt, 0)
-        if fetch_s + prefill_s > full_s:
-            prefill_s, fetch_s = full_s, 0.0
+        on_device = min(match.tier_blocks[0] * profile.block_size, cached)
+        recompute_s = profile.prefill.seconds(prompt - on_device, on_device)
+        if fetch_s + prefill_s > recompute_s:
+            prefill_s, fetch_s, cached = recompute_s, 0.0, on_device
         interference_s = profile.interference_s(prompt - cached, load.active_decodes)
         ttft = load.queued_s + prefill_s + fetch_s + interference_s
         return WorkerEstimate(

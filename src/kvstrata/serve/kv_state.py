@@ -4,7 +4,10 @@ Why here: a fleet index learns a worker's blocks from its live KV events and, af
 some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. Endpoints:
 
 - ``GET /kv/info``: worker id, epoch, model name, fingerprint (hex digest), block size, the
-  bound live/replay endpoints (random ports resolved), the next live seq and the media.
+  bound live/replay endpoints (random ports resolved), the next live seq, the media and each
+  store tier's measured fetch seconds per block (``fetch_s_per_block``: the store's EWMA of
+  its loads times the block size in bytes; null until the tier served a load). The router
+  polls this page for health, so it prices fetches with what the worker measured.
 - ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
   events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
   consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
@@ -153,8 +156,15 @@ def kv_info_body(
 ) -> dict[str, Any]:
     publisher = emitter.publisher
     tiers = [DEVICE_MEDIUM]
+    fetch: dict[str, float | None] = {}
     if engine.bridge is not None:
-        tiers += [level.name for level in engine.bridge.store.levels]
+        store = engine.bridge.store
+        tiers += [level.name for level in store.levels]
+        block_bytes = engine.pool.config.bytes_per_block
+        with store.exclusive():  # the figures are the store lock's
+            for level in store.levels:
+                per_byte = level.fetch_s_per_byte
+                fetch[level.name] = per_byte * block_bytes if per_byte > 0 else None
     return {
         "worker_id": emitter.worker_id,
         "epoch": emitter.epoch,
@@ -165,5 +175,6 @@ def kv_info_body(
         "replay_endpoint": publisher.replay_endpoint,
         "next_seq": publisher.next_seq,
         "tiers": tiers,
+        "fetch_s_per_block": fetch,
         "secret_digest": secret_digest(engine.config.tenant_secret),
     }

@@ -2,10 +2,18 @@
 
 ``StoreCore`` owns everything the store lock guards — the levels (tier, policy, config, the
 enable switch), use counts, pending deletes, which keys are being stored (reserved, bytes in
-flight: invisible) or demoted (not picked as a victim again), and the change feed — plus the
-short, I/O-free operations on it: views (``resident``, ``take_events``), rollout checks, the
-registration of a finished store, the removal of a victim, the completion of a delete.
-``TieredStore`` (``tiered``) adds the movement of bytes, which happens outside the lock.
+flight: invisible) or demoted (not picked as a victim again), the change feed and the
+prefetched objects not used yet — plus the short, I/O-free operations on it: views
+(``resident``, ``take_events``), rollout checks, the registration of a finished store, the
+removal of a victim, the completion of a delete. ``TieredStore`` (``tiered``) adds the
+movement of bytes, which happens outside the lock.
+
+Prefetch accounting (``TieredStore.prefetch`` copies a queued request's blocks from a shared
+level into a faster one): an object a prefetch made visible in a level is *unused* until the
+first hit on it there (its bytes count as used) or until it leaves that level without one —
+evicted, demoted, deleted, expired, dropped, or still there when the store closes (its bytes
+count as wasted: the seed's "prefetch waste"). Every removal goes through ``_gone``, so no
+path can forget the accounting.
 
 Every method here whose name starts with ``_`` expects the caller to hold ``self._lock``.
 """
@@ -28,6 +36,8 @@ from kvstrata.tiers.base import Tier, TierError
 
 RECOVERY_SCAN = "recovery_scan"
 """``kvstrata_tier_invalidated_total`` reason of objects a tier's start-up scan found corrupt."""
+PREFETCH = "prefetch"
+"""The ``cause`` of a store that a prefetch made (``kvstrata_tier_stores_total{cause}``)."""
 
 
 class StoreCore:
@@ -43,12 +53,17 @@ class StoreCore:
         self.metrics = metrics if metrics is not None else StoreMetrics()
         self.clock = clock
         self._lock = threading.RLock()
-        self._feed = EventFeed(record_events)
+        self._feed = EventFeed(
+            record_events, shared=[lvl.name for lvl in self.levels if lvl.tier.evicts_itself]
+        )
         self._uses = UseCounter(self._held_anywhere)
         # Deleted while a reader or a movement held them: invisible now, removed when it ends.
         self._pending_delete: set[BlockKey] = set()
         self._storing: set[tuple[int, BlockKey]] = set()  # reserved, bytes in flight: invisible
         self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
+        self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
+        # (level, key) → seconds of a shared level's batched read-ahead its next load adds
+        self._ahead_s: dict[tuple[int, BlockKey], float] = {}
         now = clock()
         for level in self.levels:
             for key in list(level.tier.keys()):  # objects recovered from a durable medium
@@ -158,6 +173,9 @@ class StoreCore:
         level.policy.on_insert(meta, self.clock())
         self._feed.stored(level.name, meta)
         self.metrics.stores.labels(tier=level.name, cause=cause).inc()
+        if cause == PREFETCH:
+            self._prefetched[(level.name, key)] = meta.size
+            self.metrics.prefetch_bytes.labels(tier=level.name).inc(meta.size)
         self._publish(level)
         return True
 
@@ -170,7 +188,7 @@ class StoreCore:
             return False
         if removed:  # else pinned since the check, or gone: give up this round
             level.policy.on_remove(key)
-            self._feed.removed(level.name, key)
+            self._gone(level, key)
             self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
             self._publish(level)
         return removed
@@ -197,6 +215,7 @@ class StoreCore:
         for index, level in enumerate(self.levels):
             if (index, key) in self._storing:
                 continue  # its completion sees the pending delete and removes it
+            known = level.tier.meta(key) if level.tier.evicts_itself else None
             try:
                 gone = level.tier.remove(key)
             except TierError:  # a remote medium that is down: the key stays invisible here
@@ -205,7 +224,7 @@ class StoreCore:
                 continue
             if gone:
                 level.policy.on_remove(key)
-                self._feed.removed(level.name, key)
+                self._gone(level, key, None if known is None else known.tenant)
                 removed += 1
                 self._publish(level)
         if failed or any(level.tier.reserved(key) for level in self.levels):
@@ -220,16 +239,38 @@ class StoreCore:
             self._publish(level)
 
     def _sync_dropped(self, level: Level) -> None:
-        for key in level.tier.take_evicted():  # a self-evicting tier's victims (shared tier)
+        for key, tenant in level.tier.take_evicted():  # a shared tier's victims, any writer's
             level.policy.on_remove(key)
-            self._feed.removed(level.name, key)
+            self._gone(level, key, tenant)
             self.metrics.evictions.labels(tier=level.name, outcome="shared_ledger").inc()
         for key in level.tier.take_dropped():
             if level.tier.reserved(key):
                 continue  # stored again since it was dropped: the policy's entry is live
             level.policy.on_remove(key)
-            self._feed.removed(level.name, key)
+            self._gone(level, key)
             self.metrics.invalid.labels(tier=level.name, reason="dropped_by_tier").inc()
+
+    def _gone(self, level: Level, key: BlockKey, tenant: str | None = None) -> None:
+        """``key`` left ``level``: announce it, and waste a prefetch nobody used."""
+        self._feed.removed(level.name, key, tenant)
+        wasted = self._prefetched.pop((level.name, key), None)
+        if wasted is not None:
+            self.metrics.prefetch_wasted_bytes.labels(tier=level.name, reason="removed").inc(wasted)
+
+    def _prefetch_used(self, level: Level, key: BlockKey) -> None:
+        """A hit on ``key`` in ``level``: a prefetch of it there (if any) paid off."""
+        used = self._prefetched.pop((level.name, key), None)
+        if used is not None:
+            self.metrics.prefetch_used_bytes.labels(tier=level.name).inc(used)
+
+    def waste_unused_prefetches(self) -> None:
+        """Closing: what was prefetched and never used is wasted (takes the lock)."""
+        with self._lock:
+            for (name, _), size in self._prefetched.items():
+                self.metrics.prefetch_wasted_bytes.labels(tier=name, reason="unused_at_close").inc(
+                    size
+                )
+            self._prefetched.clear()
 
     def _publish(self, level: Level) -> None:
         self._sync_dropped(level)

@@ -48,7 +48,7 @@ from kvstrata.objects import KVObjectMeta
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.policy import EvictionPolicy
-from kvstrata.store.state import StoreCore
+from kvstrata.store.state import PREFETCH, StoreCore
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import LoadLease, StoreSlot, Tier, TierError
@@ -97,8 +97,10 @@ class TieredStore(StoreCore):
         self._writeback.start()
 
     def close(self) -> None:
-        """Flush every write-back queue, stop the flusher, close the tiers."""
+        """Flush every write-back queue, stop the flusher, close the tiers (prefetched objects
+        still unused count as wasted)."""
         self._writeback.close()
+        self.waste_unused_prefetches()
         for level in self.levels:
             level.tier.close()
 
@@ -143,16 +145,78 @@ class TieredStore(StoreCore):
 
     def read_ahead(self, located: Sequence[Located]) -> None:
         """Fetch the objects of a planned promotion level by level in one batch each (a
-        shared tier pipelines them; local tiers ignore it). Outside the lock."""
-        by_level: dict[int, list[BlockKey]] = {}
+        shared tier pipelines them; local tiers ignore it). Outside the lock.
+
+        The batch's time is shared out over its objects by size and added to each one's load
+        time when it is loaded, so a level's measured fetch cost still includes the network."""
+        by_level: dict[int, list[Located]] = {}
         for loc in located:
-            by_level.setdefault(loc.level, []).append(loc.key)
-        for index, keys in by_level.items():
-            self.levels[index].tier.read_ahead(keys)
+            by_level.setdefault(loc.level, []).append(loc)
+        for index, locs in by_level.items():
+            tier = self.levels[index].tier
+            if not tier.evicts_itself:
+                continue  # local media: a load is as cheap one by one
+            started = time.perf_counter()
+            tier.read_ahead([loc.key for loc in locs])
+            per_byte = (time.perf_counter() - started) / max(1, sum(x.meta.size for x in locs))
+            with self._lock:
+                for loc in locs:
+                    self._ahead_s[(index, loc.key)] = per_byte * loc.meta.size
 
     def discard_read_ahead(self) -> None:
+        with self._lock:
+            self._ahead_s.clear()
         for level in self.levels:
             level.tier.discard_read_ahead()
+
+    def prefetch(
+        self,
+        keys: Sequence[BlockKey],
+        scope: RequestScope,
+        *,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> int:
+        """Copy what only a shared level holds of the prefix ``keys`` into the fastest local
+        level the request uses, before the request is admitted; the blocks placed there.
+
+        Admission's lookup takes the fastest level, so it then loads them from there. The
+        lookup probes the shared level outside the lock, the shared level reads the blocks in
+        one pipelined batch, and each is copied through the same two-phase ``_copy`` as a
+        write-through (cause ``prefetch``: ``StoreCore`` books its later use or waste). Stops
+        at the first block that cannot be placed (admission's prefix ends there too) or once
+        ``cancelled()`` (the request was admitted meanwhile). Blocks a local level already
+        holds are left alone. What the batch read and no copy took stays in the shared tier's
+        read-ahead buffer until the next promotion discards it (counted there as unused);
+        this method never discards it, since a promotion may be using it concurrently.
+        """
+        located = self.lookup(keys, scope)
+        with self._lock:
+            target = next(
+                (
+                    i
+                    for i, level in enumerate(self.levels)
+                    if not level.tier.evicts_itself and self._active(level, scope)
+                ),
+                None,
+            )
+        if target is None:
+            return 0
+        todo = [
+            loc
+            for loc in located
+            if loc.level > target and self.levels[loc.level].tier.evicts_itself
+        ]
+        by_level: dict[int, list[BlockKey]] = {}
+        for loc in todo:
+            by_level.setdefault(loc.level, []).append(loc.key)
+        for index, level_keys in by_level.items():
+            self.levels[index].tier.read_ahead(level_keys)
+        placed = 0
+        for loc in todo:
+            if cancelled() or not self._copy(loc.level, target, loc.key, cause=PREFETCH):
+                break
+            placed += 1
+        return placed
 
     def _locate(self, key: BlockKey, active: list[int], tenant: str) -> Located | None:
         if key in self._pending_delete:
@@ -215,6 +279,8 @@ class TieredStore(StoreCore):
         """Book a hit; returns the selective levels below that the object has now earned."""
         level = self.levels[located.level]
         self._uses.add(located.key)
+        self._prefetch_used(level, located.key)
+        seconds += self._ahead_s.pop((located.level, located.key), 0.0)  # its read-ahead share
         level.policy.on_access(located.key, self.clock())
         self.metrics.hits.labels(tier=level.name).inc()
         self.metrics.fetched_bytes.labels(tier=level.name).inc(meta.size)

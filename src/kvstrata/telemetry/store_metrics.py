@@ -1,4 +1,11 @@
-"""Prometheus metrics of the tiered store, bound to an injected registry."""
+"""Prometheus metrics of the tiered store, bound to an injected registry.
+
+Prefetch (a queued request's blocks copied from a shared tier into a faster one before its
+prefill is scheduled) has three byte counters per target tier: prefetched, later used (a hit
+there) and wasted (left the tier unused, or still unused at shutdown) — the seed's "prefetch
+waste" is ``wasted / prefetched``. ``kvstrata_prefetch_requests_total{outcome}`` says what
+became of each prefetch the engine asked for.
+"""
 
 from __future__ import annotations
 
@@ -56,6 +63,33 @@ class StoreMetrics:
             "kvstrata_breakeven_recompute",
             "Requests that recomputed instead of fetching from a lower tier",
             ["reason"],
+            registry=r,
+        )
+
+        self.prefetch_bytes = Counter(
+            "kvstrata_prefetch_bytes",
+            "Bytes a prefetch copied into a tier ahead of the request that asked for them",
+            ["tier"],
+            registry=r,
+        )
+        self.prefetch_used_bytes = Counter(
+            "kvstrata_prefetch_used_bytes",
+            "Prefetched bytes later hit in the tier they were prefetched into",
+            ["tier"],
+            registry=r,
+        )
+        self.prefetch_wasted_bytes = Counter(
+            "kvstrata_prefetch_wasted_bytes",
+            "Prefetched bytes that left the tier without a hit (removed) or were never used "
+            "before shutdown (unused_at_close): prefetch waste",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.prefetch_requests = Counter(
+            "kvstrata_prefetch_requests",
+            "Prefetches asked for, by outcome (copied, nothing_to_fetch, cancelled, failed, "
+            "dropped_queue_full)",
+            ["outcome"],
             registry=r,
         )
 

@@ -27,10 +27,11 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
 - Shared media (the remote tier) add three things, no-ops for the others: ``evicts_itself``
   (True: the tier picks its own victims — other writers share its capacity — so
   ``prepare_store`` returning ``None`` is final and the store's policy never names a victim
-  there; ``take_evicted`` drains the keys it evicted), ``probe(keys)`` (refresh the read-only
-  views of ``keys`` from the medium: I/O, called without locks before a lookup) and
-  ``read_ahead(keys)`` / ``discard_read_ahead()`` (fetch a planned promotion's objects in one
-  batch; drop what no load took).
+  there; ``take_evicted`` drains the keys it evicted, each with the tenant that owned it, so
+  the owner can announce the removal of an object another writer stored), ``probe(keys)``
+  (refresh the read-only views of ``keys`` from the medium: I/O, called without locks
+  before a lookup) and ``read_ahead(keys)`` / ``discard_read_ahead()`` (fetch a planned
+  promotion's objects in one batch; drop what no load took).
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ class Tier(Protocol):
         """The key occupies room in any state (pending, committed, expired but still pinned)."""
         ...
 
-    def take_evicted(self) -> list[BlockKey]:
-        """Keys a tier that ``evicts_itself`` evicted since the last call."""
+    def take_evicted(self) -> list[tuple[BlockKey, str]]:
+        """(key, tenant) of the objects a tier that ``evicts_itself`` evicted since the last
+        call (whoever wrote them: the tier is shared)."""
         ...
 
     def probe(self, keys: Sequence[BlockKey]) -> None:
@@ -232,7 +234,7 @@ class IndexedTierViews:
     _dropped: list[BlockKey]
     evicts_itself = False  # the store's policy picks this tier's victims
 
-    def take_evicted(self) -> list[BlockKey]:
+    def take_evicted(self) -> list[tuple[BlockKey, str]]:
         return []
 
     def probe(self, keys: Sequence[BlockKey]) -> None:

@@ -155,7 +155,7 @@ class RemoteTier:
         self._pending: dict[BlockKey, KVObjectMeta] = {}
         self._pins: dict[BlockKey, int] = {}
         self._dropped: list[BlockKey] = []
-        self._evicted: list[BlockKey] = []
+        self._evicted: list[tuple[BlockKey, str]] = []
         # Ledger version at which recent victims left: a commit reply older than that must
         # not make the object visible here again (replies of concurrent calls can cross).
         self._gone_at: OrderedDict[BlockKey, int] = OrderedDict()
@@ -249,8 +249,9 @@ class RemoteTier:
             dropped, self._dropped = self._dropped, []
         return dropped
 
-    def take_evicted(self) -> list[BlockKey]:
-        """Keys the shared ledger evicted to admit this writer's objects (by value, quota)."""
+    def take_evicted(self) -> list[tuple[BlockKey, str]]:
+        """(key, tenant) of the objects the shared ledger evicted to admit this writer's
+        objects (by value, quota) or swept as expired, whoever wrote them."""
         with self._lock:
             evicted, self._evicted = self._evicted, []
         return evicted
@@ -590,7 +591,7 @@ class RemoteTier:
                 self._gone_at[key] = version
                 if len(self._gone_at) > 4096:
                     self._gone_at.popitem(last=False)
-                self._evicted.append(key)
+                self._evicted.append((key, victim.tenant))
                 self.remote_counters.count(self.remote_counters.evicted, victim.reason)
         metas = [n for n in names if n.endswith(":m")]
         replies = self._client.pipelined(
