@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
             slot.buffer[:] = payload
             if tier.complete_store(slot, True):
                 stored.append(int(seed))
-        evicted = [key.hex() for key in tier.take_evicted()]
+        evicted = [key.hex() for key, _ in tier.take_evicted()]
         print(json.dumps({"stored": stored, "refused": refused, "evicted": evicted}))
     finally:
         tier.close()

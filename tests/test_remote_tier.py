@@ -164,7 +164,7 @@ def test_lowest_value_goes_first_and_hits_raise_value(
         assert store(t, *_valued(10, 5.0))  # evicts the lowest score: 2.0 (seed 3)
         assert store(t, *_valued(11, 5.0))  # then 1.0 × 2 uses = 2.0 vs 3.0: seed 1
         assert t.remote_counters.evicted == {"value": 2}
-        assert set(t.take_evicted()) == {objects[3][0].key, objects[1][0].key}
+        assert {k for k, _ in t.take_evicted()} == {objects[3][0].key, objects[1][0].key}
         left = sorted(k.hex() for k in t.scan_keys())
         expect = [
             objects[0][0].key,
@@ -187,7 +187,7 @@ def test_leaves_go_before_their_prefix(remote_server: ValkeyServer, remote_names
         for (meta, payload), value in zip(chain, [1.0, 5.0, 3.0], strict=True):
             assert store(t, KVObjectMeta(**{**meta.__dict__, "recompute_s": value}), payload)
         assert store(t, *_valued(50, 10.0))
-        assert t.take_evicted() == [chain[2][0].key]  # the leaf, not the cheap root
+        assert t.take_evicted() == [(chain[2][0].key, "t0")]  # the leaf, not the cheap root
     finally:
         t.close()
 
