@@ -168,7 +168,12 @@ def _run_mode(plan: _Plan, mode: str, budget: int | None) -> dict[str, Any]:
         for name in WriterResult.COUNTS:
             setattr(totals, name, getattr(totals, name) + entry[name])
         totals.saved_prefill_s += entry["saved_prefill_s"]
-    evictions = info["evicted_keys"] if mode == "lru" else sum(e["evicted"] for e in writers)
+    if mode == "lru":  # the server evicts; no writer's admissions do
+        evictions = info["evicted_keys"]
+        for entry in writers:
+            entry.pop("evicted")
+    else:
+        evictions = sum(entry["evicted"] for entry in writers)
     return {
         "mode": mode,
         "saved_prefill_s": round(totals.saved_prefill_s, 3),
@@ -262,13 +267,16 @@ def _summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[f"{field}_spread"] = spread
     out["requests"] = runs[0]["requests"]
     writers = len(runs[0]["per_writer"])
+    fields = ["saved_prefill_s", "token_hit_rate", "stored", "refused"]
+    if runs[0]["mode"] == "value":  # the server's LRU evictions belong to no writer
+        fields.append("evicted")
     out["per_writer"] = [
         {
             "writer": w,
             "requests": runs[0]["per_writer"][w]["requests"],
             **{
                 field: statistics.median(run["per_writer"][w][field] for run in runs)
-                for field in ("saved_prefill_s", "token_hit_rate", "stored", "evicted")
+                for field in fields
             },
         }
         for w in range(writers)
