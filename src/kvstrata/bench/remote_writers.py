@@ -108,7 +108,7 @@ class _ValueWriter(_Writer):
     def __init__(self, job: WriterJob) -> None:
         super().__init__(job)
         config = RemoteConfig(url=job.url, namespace=NAMESPACE, timeout_s=30.0)
-        self.tier = RemoteTier(config, job.capacity_bytes, value_of=value_per_byte)
+        self.tier = RemoteTier(config, job.capacity_bytes, value_of=value_per_byte).start()
 
     def serve(self, index: int) -> None:
         tier, chain = self.tier, self.job.chains[index]

@@ -94,7 +94,7 @@ class _RemoteRun:
                 url=url, namespace=namespace, timeout_s=30.0, read_ahead_bytes=count * size * 2
             ),
             count * size * 2,
-        )
+        ).start()  # hits booked in the background, as a worker's store factory does
         self.raw = redis.Redis.from_url(url, socket_timeout=30.0)
         self.keys: list[BlockKey] = [meta.key for meta in metas]
         self.data_keys = [self.tier.data_key(key) for key in self.keys]
