@@ -22,20 +22,25 @@ across writers must go through the shared server). All writers of a run talk to 
   the charitable layout for LRU (a meta and a payload key could be evicted separately).
 
 Same memory: the LRU server gets the memory the value server's data used when the run ended
-(the tier is full from early on): ``maxmemory = lru_baseline + (value_used − value_baseline)``
-where each ``baseline`` is that server's ``used_memory`` when empty. The value figure counts
-the ledger's bookkeeping, so the LRU gets that room for extra blocks (``lru_budget="used"``,
-the default). ``lru_budget="blocks"`` instead gives it room for exactly ``capacity_blocks`` of
-its own objects (the per-object cost measured on the empty LRU server first): the same block
-count, which is what the two would hold with real (MiB) blocks, where the ledger's ~0.5 KiB per
-object is noise. The first repeat runs ``value`` first, so there is always a measured budget;
-repeats alternate the order, and each LRU run uses the latest value run's figure.
+(the tier is full from early on): ``maxmemory = lru_baseline + (value_used − value_baseline)
++ allowance``. Each ``baseline`` is that server's ``used_memory`` when empty, with one idle
+connection per writer open. The value figure counts the ledger's bookkeeping, so the LRU gets
+that room for extra blocks (``lru_budget="used"``, the default). ``allowance`` is room for the
+LRU writers' transient client buffers (a pipeline of ``LRU_PIPELINE`` values in and out per
+writer): the value server has no limit, so its writers' buffers never show in its figure, and
+without the room they would crowd out LRU data. ``lru_budget="blocks"`` instead gives the LRU
+room for exactly ``capacity_blocks`` of its own objects (the per-object cost measured on the
+empty LRU server first), plus the allowance: the same block count, which is what the two would
+hold with real (MiB) blocks, where the ledger's ~0.5 KiB per object is noise. Both favour the
+LRU. The first repeat runs ``value`` first, so there is always a measured budget; repeats
+alternate the order, and each LRU run uses the latest value run's figure.
 
 Saved prefill seconds: ``recompute_s`` of the hit blocks, priced by the same cost model and
 the same ``chain_metas`` objects as the simulated ``bench eviction`` (only ``size`` and
-``digest`` differ: payloads are ``payload_bytes`` of deterministic bytes per block, so the
-bench runs in minutes, not hours). Token hit rate = hit tokens / prompt tokens. Writers pass
-a barrier every ``sync_every`` requests, so the interleaving stays close to trace order.
+``digest`` differ: payloads are ``payload_bytes`` of deterministic bytes per block; what a
+replay costs is round trips, 3–4 per block the remote tier stores, not bytes). Token hit rate
+= hit tokens / prompt tokens. Writers pass a barrier every ``sync_every`` requests, so the
+interleaving stays close to trace order.
 """
 
 from __future__ import annotations
