@@ -103,7 +103,7 @@ def register(sub: Any) -> None:
         default=f"{REMOTE_CAPACITY_FRACTION * 100:.4f}%",
         help="capacity in blocks or percent of the replayed distinct blocks (default "
         f"{REMOTE_CAPACITY_FRACTION * 100:.2f}%%: 10,000 of the Mooncake trace's 182,790)",
-        metavar="N|P%%",
+        metavar="N|P%",
     )
     remote.add_argument("--remote-repeat", type=int, default=3, help="runs of each mode")
     remote.add_argument(
