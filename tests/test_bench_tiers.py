@@ -1,4 +1,7 @@
-"""``kvstrata bench tiers``: the CLI runs end to end and reports positive rates (no thresholds)."""
+"""``kvstrata bench tiers``: the CLI runs end to end and reports positive rates (no thresholds).
+
+The remote section runs on a real Valkey server: one the bench starts itself, or the session's
+server named with ``--remote-url`` (then nothing of the bench's may be left on it)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,27 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli.main import main
+from kvstrata.runtime.valkey_server import ValkeyServer
+
+REMOTE_RATES = ("get_gbps", "raw_get_gbps", "put_gbps", "raw_set_gbps")
+READ_AHEAD_RATES = ("read_ahead_gbps", "raw_sequential_get_gbps", "raw_pipelined_get_gbps")
+
+
+def _check_remote(section: dict[str, object]) -> None:
+    read_ahead = section["read_ahead"]
+    assert isinstance(read_ahead, dict)
+    for table, rates, ratios in (
+        (section, REMOTE_RATES, ("ratio", "put_ratio")),
+        (read_ahead, READ_AHEAD_RATES, ("read_ahead_ratio", "read_ahead_vs_raw_pipeline")),
+    ):
+        for field in (*rates, *ratios):
+            value = table[field]
+            assert isinstance(value, float) and value > 0, field
+            low, high = table[f"{field}_spread"]
+            assert 0 < low <= high, field
+        for field in rates:
+            low, high = table[f"{field}_spread"]
+            assert low <= table[field] <= high  # the median lies within its rounds
 
 
 def test_bench_tiers_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -33,7 +57,35 @@ def test_bench_tiers_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert [s["size_bytes"] for s in result["sizes"]] == [65536, 131072]
     for entry in result["sizes"]:
         assert entry["host"]["ratio"] > 0 and entry["disk"]["ratio"] > 0
+        _check_remote(entry["remote"])
+    _check_remote(result["remote"])
+    remote = result["remote"]
+    assert remote["verify"] is True and remote["server"] == "started by the bench"
+    assert remote["batch_objects"] == 3
     assert list(tmp_path.iterdir()) == []  # the bench cleans up its files
+
+
+def test_bench_tiers_remote_on_a_given_server_leaves_nothing_behind(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, remote_server: ValkeyServer
+) -> None:
+    argv = ["bench", "tiers", "--sizes", "0.0625", "--objects", "4", "--repeat", "2"]
+    with remote_server.connection() as conn:
+        before = set(conn.scan_iter(match="*bench-tiers-*"))
+        assert (
+            main([*argv, "--dir", str(tmp_path), "--remote-url", remote_server.url, "--json"]) == 0
+        )
+        left = set(conn.scan_iter(match="*bench-tiers-*"))
+    result = json.loads(capsys.readouterr().out)
+    assert result["remote"]["server"] == "given"
+    _check_remote(result["remote"])
+    assert left == before == set()
+
+
+def test_bench_tiers_without_remote(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["bench", "tiers", "--sizes", "0.0625", "--objects", "2", "--repeat", "1"]
+    assert main([*argv, "--dir", str(tmp_path), "--no-remote", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "remote" not in result and all("remote" not in s for s in result["sizes"])
 
 
 def test_bench_tiers_table_and_cold(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -41,6 +93,7 @@ def test_bench_tiers_table_and_cold(capsys: pytest.CaptureFixture[str], tmp_path
     assert main([*argv, "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "raw_read_gbps" in out and "memcpy_gbps" in out and "verify_cost_ratio" in out
+    assert "raw_get_gbps" in out and "read_ahead.read_ahead_ratio" in out
 
 
 def test_bench_tiers_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:

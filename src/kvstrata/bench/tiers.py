@@ -35,6 +35,9 @@ copies run on ``threads`` intra-op threads (default 1): on a small shared machin
 copy stalls whenever one of its threads is preempted, which measures the neighbours, not the
 tier; pass ``threads=0`` for torch's default. Every
 round's destination is checked against the source once, so a fast-but-wrong path cannot pass.
+
+``remote`` (on by default): the remote tier on a Valkey server against plain redis-py ``GET``/
+``SET`` of the same bytes; see ``kvstrata.bench.tiers_remote`` (medians, not best rounds).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstrata.bench.tiers_remote import RemoteBench
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
@@ -267,8 +271,11 @@ def run_tier_bench(
     directory: str | os.PathLike[str] | None = None,
     cold: bool = False,
     threads: int = 1,
+    remote: bool = True,
+    remote_url: str | None = None,
 ) -> dict[str, Any]:
-    """Run host and disk measurements for each object size; one JSON-ready dict."""
+    """Run host, disk (and remote: on ``remote_url`` or a Valkey server started here)
+    measurements for each object size; one JSON-ready dict."""
     if not sizes_mib or any(s <= 0 for s in sizes_mib):
         raise InvalidInput("sizes must be positive MiB values")
     if objects <= 0 or repeat <= 0 or threads < 0:
@@ -277,7 +284,12 @@ def run_tier_bench(
     if threads:
         torch.set_num_threads(threads)
     try:
-        result = _run(sizes_mib, objects, repeat, directory, cold)
+        if remote:
+            with RemoteBench(remote_url, repeat) as bench:
+                result = _run(sizes_mib, objects, repeat, directory, cold, bench)
+                result["remote"] = bench.section(objects)
+        else:
+            result = _run(sizes_mib, objects, repeat, directory, cold, None)
     finally:
         torch.set_num_threads(saved_threads)
     result["torch_threads"] = threads or saved_threads
@@ -290,6 +302,7 @@ def _run(
     repeat: int,
     directory: str | os.PathLike[str] | None,
     cold: bool,
+    remote: RemoteBench | None,
 ) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-tiers-", dir=directory))
     per_size: list[dict[str, Any]] = []
@@ -311,18 +324,19 @@ def _run(
             disk_all.append(disk)
             host_verify.append(host_v)
             disk_verify.append(disk_v)
-            per_size.append(
-                {
-                    "size_mib": mib,
-                    "size_bytes": size,
-                    "host": {**_rates([host], ("get", "memcpy")), **_verify_fields([host_v])},
-                    "disk": {
-                        **_rates([disk], ("read", "raw_read")),
-                        "ratio_vs_readinto": _rates([disk], ("read", "raw_readinto"))["ratio"],
-                        **_verify_fields([disk_v]),
-                    },
-                }
-            )
+            entry: dict[str, Any] = {
+                "size_mib": mib,
+                "size_bytes": size,
+                "host": {**_rates([host], ("get", "memcpy")), **_verify_fields([host_v])},
+                "disk": {
+                    **_rates([disk], ("read", "raw_read")),
+                    "ratio_vs_readinto": _rates([disk], ("read", "raw_readinto"))["ratio"],
+                    **_verify_fields([disk_v]),
+                },
+            }
+            if remote is not None:
+                entry["remote"] = remote.measure(source.numpy(), metas)
+            per_size.append(entry)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {

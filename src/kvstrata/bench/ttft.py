@@ -4,8 +4,11 @@ The prompt is a deterministic sequence of ordinary (non-special) token ids. Fres
 runs are interleaved and the median of each is reported, so background noise hits both
 alike. The hit has everything but the last block cached (the last prompt token is always
 computed) in the chosen tier: ``device`` (the engine's pool), ``host`` (the pool is cleared
-before each hit, so every block is promoted from host DRAM) or ``disk`` (the pool is cleared
-and the host tier switched off; ``--cold`` also drops the files from the page cache).
+before each hit, so every block is promoted from host DRAM), ``disk`` (the pool is cleared
+and the host tier switched off; ``--cold`` also drops the files from the page cache) or
+``remote`` (a Redis/Valkey remote tier is the only tier below the pool, written through; the
+pool is cleared before each hit, so every block is probed, read ahead and loaded over the
+network, digest verified).
 Exactness is checked on the same prompt and tier: logits of every step of a 32-token greedy
 continuation, fresh vs hit.
 """

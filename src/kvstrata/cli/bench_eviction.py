@@ -1,8 +1,16 @@
 """``kvstrata bench eviction``: saved prefill of lru / kvstrata / belady on a trace.
 
 A thin edge: reads a Mooncake-format trace (or generates a synthetic one), optionally keeps
-one time half of it, resolves capacities, calls ``kvstrata.bench.eviction`` and prints the
-report (one JSON object with ``--json``, otherwise a table). Progress goes to stderr.
+one time half of it (or its first ``--requests``), resolves capacities, calls
+``kvstrata.bench.eviction`` and prints the report (one JSON object with ``--json``, otherwise
+a table). Progress goes to stderr.
+
+``--remote-writers N`` switches to the multi-writer remote mode instead
+(``kvstrata.bench.eviction_remote``): N writer processes against real Valkey servers, the
+remote tier's shared value ledger vs the server's ``allkeys-lru``. Every block it stores costs
+a few round trips, so it replays the first ``REMOTE_DEFAULT_REQUESTS`` requests unless
+``--requests`` says otherwise, at ``--remote-capacity`` (default: the simulated mode's
+smallest default capacity as a share of the Mooncake trace's distinct blocks).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from kvstrata.bench.eviction import (
     run_eviction_bench,
     stderr_progress,
 )
+from kvstrata.bench.eviction_remote import REMOTE_CAPACITY_FRACTION, run_remote_multi_writer
 from kvstrata.cli.output import emit
 from kvstrata.cli.traces import load_source
 from kvstrata.costs import PROFILES
@@ -25,6 +34,7 @@ from kvstrata.workloads.mooncake import TraceRequest
 from kvstrata.workloads.synthetic import PRESETS
 
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data"
+REMOTE_DEFAULT_REQUESTS = 2000
 
 
 def register(sub: Any) -> None:
@@ -72,6 +82,40 @@ def register(sub: Any) -> None:
         default=",".join(POLICY_NAMES),
         help="comma-separated subset of " + ",".join(POLICY_NAMES),
     )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="replay only the first N requests (remote mode default "
+        f"{REMOTE_DEFAULT_REQUESTS}; otherwise all)",
+    )
+    remote = parser.add_argument_group("multi-writer remote mode")
+    remote.add_argument(
+        "--remote-writers",
+        type=int,
+        default=0,
+        help="N writer processes on real Valkey servers: the remote tier's value ledger vs "
+        "the server's allkeys-lru (instead of the simulated policies)",
+    )
+    remote.add_argument(
+        "--remote-capacity",
+        type=_capacity_spec,
+        default=f"{REMOTE_CAPACITY_FRACTION * 100:.4f}%",
+        help="capacity in blocks or percent of the replayed distinct blocks (default "
+        f"{REMOTE_CAPACITY_FRACTION * 100:.2f}%%: 10,000 of the Mooncake trace's 182,790)",
+        metavar="N|P%",
+    )
+    remote.add_argument("--remote-repeat", type=int, default=3, help="runs of each mode")
+    remote.add_argument(
+        "--remote-payload-bytes", type=int, default=4096, help="stand-in payload per block"
+    )
+    remote.add_argument(
+        "--remote-lru-budget",
+        choices=("used", "blocks"),
+        default="used",
+        help="LRU server memory: the value server's measured data memory (used) or room for "
+        "the same number of blocks (blocks)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.set_defaults(func=run)
@@ -79,6 +123,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     requests, source = _load(args)
+    if args.remote_writers:
+        return _run_remote(args, requests, source)
     policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown or not policies:
@@ -120,8 +166,70 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_remote(args: argparse.Namespace, requests: list[TraceRequest], source: str) -> int:
+    distinct = len({block for request in requests for block in request.hash_ids})
+    capacity = max(1, _resolve(args.remote_capacity, distinct))
+    report = run_remote_multi_writer(
+        requests,
+        capacity,
+        writers=args.remote_writers,
+        repeats=args.remote_repeat,
+        payload_bytes=args.remote_payload_bytes,
+        cost_model=PROFILES[args.cost_model](),
+        lru_budget=args.remote_lru_budget,
+        progress=None if args.quiet else stderr_progress,
+    )
+    result: dict[str, Any] = {
+        "trace": source,
+        "requests": len(requests),
+        "distinct_blocks": distinct,
+        "remote_multi_writer": report,
+    }
+    rows: list[tuple[Any, ...]] = []
+    for mode in ("value", "lru"):
+        summary = report[mode]
+        rows.append(
+            (mode, "all", summary["requests"], summary["saved_prefill_s"],
+             "{:.1f}-{:.1f}".format(*summary["saved_prefill_s_spread"]),
+             summary["token_hit_rate"], summary["evictions"])
+        )  # fmt: skip
+        for writer in summary["per_writer"]:
+            rows.append(
+                (mode, writer["writer"], writer["requests"], writer["saved_prefill_s"], "",
+                 writer["token_hit_rate"], "")
+            )  # fmt: skip
+    emit(
+        result,
+        as_json=args.json,
+        title=(
+            f"Multi-writer remote eviction on {source}: {args.remote_writers} writers, "
+            f"{capacity} blocks, value/lru saved prefill = {report['ratio']}"
+        ),
+        columns=(
+            "mode",
+            "writer",
+            "requests",
+            "saved s (median)",
+            "spread",
+            "token hit rate",
+            "evictions",
+        ),
+        rows=rows,
+    )
+    return 0
+
+
 def _load(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     requests, source = load_source(args.trace, args.synthetic, args.seed, args.data_dir)
+    limit = args.requests
+    if limit is None and args.remote_writers:
+        limit = REMOTE_DEFAULT_REQUESTS
+    if limit is not None:
+        if limit < 1:
+            raise InvalidInput(f"--requests must be >= 1, got {limit}")
+        if limit < len(requests):
+            requests = requests[:limit]
+            source += f" (first {limit} requests)"
     if args.half is not None and requests:
         first = min(request.timestamp_ms for request in requests)
         last = max(request.timestamp_ms for request in requests)
@@ -136,14 +244,17 @@ def _capacity_specs(text: str) -> tuple[str, ...]:
     specs = tuple(part.strip() for part in text.split(",") if part.strip())
     if not specs:
         raise argparse.ArgumentTypeError(f"expected capacities, got {text!r}")
-    for spec in specs:
-        try:
-            value = float(spec[:-1]) if spec.endswith("%") else int(spec)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"bad capacity {spec!r}") from exc
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"capacity must be >= 0, got {spec!r}")
-    return specs
+    return tuple(_capacity_spec(spec) for spec in specs)
+
+
+def _capacity_spec(spec: str) -> str:
+    try:
+        value = float(spec[:-1]) if spec.endswith("%") else int(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad capacity {spec!r}") from exc
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"capacity must be >= 0, got {spec!r}")
+    return spec
 
 
 def _resolve(spec: str, distinct_blocks: int) -> int:

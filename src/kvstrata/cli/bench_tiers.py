@@ -1,4 +1,5 @@
-"""``kvstrata bench tiers``: host slab and disk tier throughput against memcpy and raw reads."""
+"""``kvstrata bench tiers``: host slab, disk and remote tier throughput against memcpy, raw
+reads and plain redis-py ``GET``/``SET``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from kvstrata.errors import InvalidInput
 
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
-        "tiers", help="tier throughput: host get/put vs memcpy, disk read vs raw os.read"
+        "tiers",
+        help="tier throughput: host get/put vs memcpy, disk read vs raw os.read, "
+        "remote get/put vs plain redis GET/SET",
     )
     parser.add_argument(
         "--sizes", default="1,2,4", help="object sizes in MiB, comma separated (fractions allowed)"
@@ -25,6 +28,12 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads for copies (0: default)"
     )
+    parser.add_argument(
+        "--remote-url",
+        default=None,
+        help="Redis/Valkey server of the remote section (default: start a local valkey-server)",
+    )
+    parser.add_argument("--no-remote", action="store_true", help="skip the remote section")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -46,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         directory=args.dir,
         cold=args.cold,
         threads=args.threads,
+        remote=not args.no_remote,
+        remote_url=args.remote_url,
     )
     rows = [
         (label, tier, metric, value)
@@ -53,10 +64,19 @@ def run(args: argparse.Namespace) -> int:
             ("all sizes", result),
             *((f"{s['size_mib']:g} MiB", s) for s in result["sizes"]),
         ]
-        for tier in ("host", "disk")
-        for metric, value in entry[tier].items()
-        if "_gbps" in metric or "ratio" in metric
+        for tier in ("host", "disk", "remote")
+        if tier in entry
+        for metric, value in _flat(entry[tier])
+        if ("_gbps" in metric or "ratio" in metric) and not isinstance(value, list)
     ]
+    remote = result.get("remote")
+    remote_title = (
+        ""
+        if remote is None
+        else f", remote get/raw GET = {remote['ratio']:.2f}, put/raw SET = "
+        f"{remote['put_ratio']:.2f}, read-ahead/sequential GET = "
+        f"{remote['read_ahead']['read_ahead_ratio']:.2f}"
+    )
     emit(
         result,
         as_json=args.json,
@@ -65,9 +85,19 @@ def run(args: argparse.Namespace) -> int:
             f"host get/memcpy = {result['host']['ratio']:.2f}, "
             f"disk read/raw = {result['disk']['ratio']:.2f}; read verification costs "
             f"host {result['host']['verify_cost_ratio']:.2f}x, "
-            f"disk {result['disk']['verify_cost_ratio']:.2f}x"
+            f"disk {result['disk']['verify_cost_ratio']:.2f}x{remote_title}"
         ),
         columns=("size", "tier", "metric", "value"),
         rows=rows,
     )
     return 0
+
+
+def _flat(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for name, value in section.items():
+        if isinstance(value, dict):
+            out += _flat(value, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, value))
+    return out

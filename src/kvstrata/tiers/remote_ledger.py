@@ -28,8 +28,13 @@ and passed in. Evicting ``x`` raises ``L`` to ``score(x)``, so objects not used 
 fall behind newly admitted or recently hit ones: recency, frequency and value per byte in one
 static priority, which a sorted set can hold. (The local tiers' LHD-style hit density varies
 with the time since last use, which a shared sorted set cannot keep current without rescoring
-every member.) A committed child lifts its parent's score to just above its own, so leaves
-go first and prefixes are never orphaned by eviction.
+every member.) Whenever an object's score rises (its commit, a hit), its ancestors that are
+not above it are lifted to just above it, all the way up the chain: a parent always scores
+above each of its committed children, so leaves go first and eviction never orphans a prefix.
+(Lifting only the direct parent on commit is not enough: a later hit on the child, or a
+grandchild's commit, leaves the root below its descendants, and on the Mooncake trace ~89% of
+such evictions then dropped an object whose children were still resident.) A hit batch is
+booked deepest key first, so one walk up a chain lifts it and the shallower keys stop at once.
 
 Time is passed in by the caller (``now``), never read on the server: tests run on fake clocks
 and every writer's clock decides for its own requests.
@@ -76,6 +81,22 @@ local function get(k)
   local raw = redis.call('HGET', INFO, k)
   if not raw then return nil end
   return cjson.decode(raw)
+end
+
+-- Lift the committed ancestors of rec (whose score is `score`) that are not above it to just
+-- above it, up the chain, so a parent always outscores its children (leaves go first).
+local function lift(rec, score)
+  local p = rec.p
+  while p ~= '' do
+    local pscore = redis.call('ZSCORE', Z, p)
+    if not pscore or tonumber(pscore) > score then return end
+    local prec = get(p)
+    if not prec then return end
+    score = score + math.max(math.abs(score) * 1e-12, 1e-300)
+    redis.call('ZADD', Z, score, p)
+    redis.call('ZADD', P..'t:'..prec.t, score, p)
+    p = prec.p
+  end
 end
 
 local function victim(k, tenant, reason)
@@ -186,15 +207,7 @@ local score = clock + rec.u * rec.v
 redis.call('ZADD', Z, score, key)
 redis.call('ZADD', P..'t:'..rec.t, score, key)
 if rec.x >= 0 then redis.call('ZADD', E, rec.x, key) end
-if rec.p ~= '' then
-  local pscore = redis.call('ZSCORE', Z, rec.p)
-  if pscore and tonumber(pscore) <= score then
-    local lifted = score + math.max(math.abs(score) * 1e-12, 1e-300)
-    local prec = get(rec.p)
-    redis.call('ZADD', Z, lifted, rec.p)
-    if prec then redis.call('ZADD', P..'t:'..prec.t, lifted, rec.p) end
-  end
-end
+lift(rec, score)
 bump()
 return reply('ok')
 """
@@ -213,12 +226,13 @@ return reply('ok', present)
 """
 )
 
-# ARGV: prefix, now, key... : a hit on each key (uses + 1, score = L + uses · value).
+# ARGV: prefix, now, key... : a hit on each key (uses + 1, score = L + uses · value), booked
+# last key first (loads run head first, so that is deepest first: one lift per chain).
 TOUCH = (
     _COMMON
     + r"""
 local clock = tonumber(redis.call('GET', CLOCK) or '0')
-for i = 3, #ARGV do
+for i = #ARGV, 3, -1 do
   local k = ARGV[i]
   local rec = get(k)
   if rec and rec.st == 'C' then
@@ -229,6 +243,7 @@ for i = 3, #ARGV do
     if score > old then
       redis.call('ZADD', Z, score, k)
       redis.call('ZADD', P..'t:'..rec.t, score, k)
+      lift(rec, score)
     end
   end
 end
