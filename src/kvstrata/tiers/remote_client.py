@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +65,8 @@ class RemoteConfig:
     pending_timeout_s: float = 30.0
     expiry_grace_s: float = 60.0
     read_ahead_bytes: int = 256 << 20
+    pipeline_bytes: int = 1 << 20
+    socket_read_bytes: int = 1 << 20
     meta_cache_entries: int = 1 << 17
 
     def __post_init__(self) -> None:
@@ -142,6 +144,7 @@ class RemoteClient:
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,
             "password": config.password,
+            "socket_read_size": config.socket_read_bytes,
         }
         self.cluster: RedisCluster | None = None
         self.single: redis.Redis | None = None
@@ -215,9 +218,17 @@ class RemoteClient:
         self,
         keys: Sequence[str],
         build: Callable[[Any, str], None],
+        *,
+        sizes: Mapping[str, int] | None = None,
     ) -> dict[str, Any | RemoteUnavailable]:
-        """One pipeline per node, nodes in parallel: ``build(pipe, key)`` queues one command
-        per key; returns each key's reply, or the ``RemoteUnavailable`` of its node."""
+        """Pipelines per node, nodes in parallel: ``build(pipe, key)`` queues one command
+        per key; returns each key's reply, or the ``RemoteUnavailable`` of its node.
+
+        With ``sizes`` (the bytes each key's reply carries), a node's keys go in pipelines
+        of at most ``pipeline_bytes`` each, one after the other: measured on loopback, one
+        pipeline of many MiB-sized replies is 2-3x slower than the same GETs one by one
+        (the client's reader re-buffers a reply it cannot consume yet), while small replies
+        gain a lot from batching."""
         groups: dict[str, list[str]] = {}
         for key in keys:
             try:
@@ -225,12 +236,31 @@ class RemoteClient:
             except _CLIENT_ERRORS as exc:
                 return {k: RemoteUnavailable(str(exc)) for k in keys}
 
+        limit = self.config.pipeline_bytes
+
+        def batches(members: list[str]) -> list[list[str]]:
+            if sizes is None:
+                return [members]
+            out: list[list[str]] = [[]]
+            held = 0
+            for key in members:
+                size = sizes.get(key, limit)
+                if out[-1] and held + size > limit:
+                    out.append([])
+                    held = 0
+                out[-1].append(key)
+                held += size
+            return out
+
         def run(node: str, members: list[str]) -> list[Any]:
             def go(conn: redis.Redis) -> list[Any]:
-                pipe = conn.pipeline(transaction=False)
-                for key in members:
-                    build(pipe, key)
-                return list(pipe.execute())
+                replies: list[Any] = []
+                for batch in batches(members):
+                    pipe = conn.pipeline(transaction=False)
+                    for key in batch:
+                        build(pipe, key)
+                    replies += pipe.execute()
+                return replies
 
             return list(self.call(node, go))
 
