@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstrata.fleet.supervisor import Supervisor, WorkerSpec, free_port
+from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
+from kvstrata.runtime.processes import free_port
 from kvstrata.runtime.valkey_server import ValkeyServer
 from test_fleet import PROMPTS, FleetUnderTest, _wait
 
