@@ -66,7 +66,7 @@ def test_damaged_server_bytes_are_caught(tier: RemoteTier, damage: str) -> None:
         elif damage == "garbage_meta":
             conn.set(mkey, b"\x00" * 40)
         else:  # a valid meta, but of another key
-            from kvstrata.tiers.remote import encode_meta
+            from kvstrata.tiers.remote_format import encode_meta
 
             conn.set(mkey, encode_meta(other))
     assert tier.prepare_load(meta.key) is None
@@ -96,7 +96,7 @@ def test_a_second_worker_reads_what_the_first_wrote(
         assert load_bytes(b, meta.key) == payload
         assert b.prepare_store(meta) is None  # held by another writer: refused as "exists"
         assert b.remote_counters.refused == {"exists": 1}
-        b.refresh_tenants(["t0"])
+        b.refresh_usage(["t0"])
         assert b.used_bytes == a.used_bytes == OBJ and b.tenant_bytes("t0") == OBJ
     finally:
         a.close()
@@ -203,7 +203,7 @@ def test_quota_evicts_only_the_tenants_own(
             assert store(t, *_valued(i, 5.0, tenant="a"))
         assert t.tenant_bytes("a") == 2 * OBJ
         assert t.remote_counters.evicted == {"quota": 2}
-        t.refresh_tenants(["b"])
+        t.refresh_usage(["b"])
         assert t.tenant_bytes("b") == OBJ  # untouched, although it scores lowest
         big, _ = make_object(9, size=3 * OBJ, tenant="a")
         assert t.prepare_store(big) is None and t.remote_counters.refused == {"quota": 1}
@@ -520,7 +520,7 @@ def test_writers_within_quota_never_lose_objects_to_another_tenant(
     results = _writers(remote_server.url, remote_namespace, capacity, extra, quotas)
     t = tier_on(remote_server.url, remote_namespace, capacity=capacity)
     try:
-        t.refresh_tenants(["t0", "t1", "t2"])
+        t.refresh_usage(["t0", "t1", "t2"])
         assert [t.tenant_bytes(f"t{w}") for w in range(3)] == [10 * OBJ] * 3
         own = [{_hex(s) for s in range(10 * w, 10 * w + 10)} for w in range(3)]
         for w, result in enumerate(results):

@@ -19,8 +19,9 @@ import redis
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, payload_digest
 from kvstrata.store.value_policy import value_per_byte
-from kvstrata.tiers.remote import RemoteTier, encode_meta
+from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_client import RemoteConfig
+from kvstrata.tiers.remote_format import encode_meta
 from kvstrata.workloads.mooncake import TraceRequest
 
 NAMESPACE = "bench-eviction"

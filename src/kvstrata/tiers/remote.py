@@ -1,10 +1,6 @@
 """Remote tier on Redis/Valkey (one node or a Redis Cluster), shared by every worker.
 
-Object layout (``ns`` = ``RemoteConfig.namespace``; the braces are a cluster hash tag, so an
-object's two keys live on one slot and objects spread over the shards)::
-
-    ns:{<key hex>}:m   u64 xxh3-64(meta JSON) little endian | meta JSON (``KVObjectMeta``)
-    ns:{<key hex>}:d   the payload (``meta.size`` bytes)
+Object layout: ``remote_format`` (meta and payload under one cluster hash tag).
 
 Two-phase store, as the ``Tier`` contract asks:
 
@@ -45,7 +41,6 @@ than one timeout per backoff period.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -53,13 +48,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, payload_digest
 from kvstrata.tiers.base import LoadLease, StoreSlot, TierCounters, TierError
 from kvstrata.tiers.remote_client import RemoteClient, RemoteConfig, RemoteUnavailable
+from kvstrata.tiers.remote_format import (
+    data_key,
+    decode_meta,
+    encode_meta,
+    key_of_meta,
+    meta_key,
+    meta_pattern,
+)
 from kvstrata.tiers.remote_ledger import (
     COMMIT,
     REMOVE,
@@ -103,22 +104,6 @@ class _Slot:
 class _Lease:
     meta: KVObjectMeta
     done: bool = False
-
-
-def encode_meta(meta: KVObjectMeta) -> bytes:
-    body = json.dumps(meta.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-    return xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
-
-
-def decode_meta(raw: bytes, key: BlockKey) -> KVObjectMeta | None:
-    """The meta stored for ``key``, or None when it is garbage, torn or another key's."""
-    if len(raw) < 9 or xxhash.xxh3_64_intdigest(raw[8:]).to_bytes(8, "little") != raw[:8]:
-        return None
-    try:
-        meta = KVObjectMeta.from_dict(json.loads(raw[8:]))
-    except (ValueError, KeyError, TypeError):
-        return None
-    return meta if meta.key == key else None
 
 
 class RemoteTier:
@@ -196,10 +181,10 @@ class RemoteTier:
 
     # ---------------------------------------------------------------- keys
     def meta_key(self, key: BlockKey) -> str:
-        return f"{self._ns}:{{{key.hex()}}}:m"
+        return meta_key(self._ns, key)
 
     def data_key(self, key: BlockKey) -> str:
-        return f"{self._ns}:{{{key.hex()}}}:d"
+        return data_key(self._ns, key)
 
     @property
     def client(self) -> RemoteClient:
@@ -337,7 +322,7 @@ class RemoteTier:
         return StoreSlot(meta, memoryview(bytearray(meta.size)), _Slot(meta))
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
-        handle = self._claim_slot(slot.token)
+        self._claim_slot(slot.token)
         meta = slot.meta
         if not success or payload_digest(slot.buffer) != meta.digest:
             with self._lock:
@@ -346,7 +331,6 @@ class RemoteTier:
                     self._counters.invalidated += 1
             self._release(meta, "cancelled")
             return False
-        del handle
         try:
             reply = self._script("commit", [self._prefix, meta.key.hex(), repr(self._clock())])
         except RemoteUnavailable as exc:
@@ -473,7 +457,7 @@ class RemoteTier:
             if ahead is not None:
                 self._ahead_bytes -= len(ahead[1])
         if expired:
-            self._sync_usage()
+            self.refresh_usage()
             with self._lock:
                 self._counters.misses += 1
             return None
@@ -508,7 +492,7 @@ class RemoteTier:
             with self._lock:
                 self._known.pop(key, None)
                 self._counters.misses += 1
-            self._sync_usage()
+            self.refresh_usage()
             return None
         with self._lock:
             self._learn(meta)
@@ -549,16 +533,15 @@ class RemoteTier:
             self._known.pop(key, None)
             self._counters.invalidated += 1
             self._dropped.append(key)
+        if not self._delete_objects([key]):
+            self._count_error("invalidate")
         try:
-            self._client.call(
-                self._client.node_of(self.meta_key(key)),
-                lambda conn: conn.delete(self.meta_key(key), self.data_key(key)),
-            )
             reply = self._script("remove", [self._prefix, repr(self._clock()), key.hex()])
-            with self._lock:
-                self._apply(reply)
         except RemoteUnavailable:
             self._count_error("invalidate")
+            return
+        with self._lock:
+            self._apply(reply)
 
     # ---------------------------------------------------------------- removal
     def remove(self, key: BlockKey) -> bool:
@@ -567,33 +550,26 @@ class RemoteTier:
         with self._lock:
             if self._pins.get(key) or key in self._pending:
                 return False
-            meta = self._known.pop(key, None)
+            self._known.pop(key, None)
         try:
             reply = self._script("remove", [self._prefix, repr(self._clock()), key.hex()])
-            self._client.call(
-                self._client.node_of(self.meta_key(key)),
-                lambda conn: conn.delete(self.meta_key(key), self.data_key(key)),
-            )
         except RemoteUnavailable as exc:
             self._count_error("remove")
             raise TierError(f"removing {key.hex()} failed: {exc}") from exc
+        if not self._delete_objects([key]):
+            self._count_error("remove")
+            raise TierError(f"removing {key.hex()} failed: its shard did not answer")
         present = bool(int(reply.extra[0]))  # type: ignore[call-overload]
         with self._lock:
             self._apply(reply)
             if present:
                 self._counters.removed += 1
-        del meta
         return present
 
     def _delete_victims(self, victims: Sequence[Victim], version: int) -> None:
         if not victims:
             return
-        names: list[str] = []
-        keys = []
-        for victim in victims:
-            key = BlockKey(bytes.fromhex(victim.key_hex))
-            keys.append(key)
-            names += [self.meta_key(key), self.data_key(key)]
+        keys = [BlockKey(bytes.fromhex(victim.key_hex)) for victim in victims]
         with self._lock:
             for victim, key in zip(victims, keys, strict=True):
                 self._known.pop(key, None)
@@ -602,15 +578,21 @@ class RemoteTier:
                     self._gone_at.popitem(last=False)
                 self._evicted.append((key, victim.tenant))
                 self.remote_counters.count(self.remote_counters.evicted, victim.reason)
-        metas = [n for n in names if n.endswith(":m")]
-        replies = self._client.pipelined(
-            metas, lambda pipe, name: pipe.delete(name, name[:-1] + "d")
-        )
-        if any(isinstance(r, RemoteUnavailable) for r in replies.values()):
+        if not self._delete_objects(keys):
             self._count_error("evict")  # their server TTL or a later read catches them
 
-    def _sync_usage(self, tenants: Sequence[str] = ()) -> None:
-        """Sweep expired objects in the ledger and refresh the usage figures (one call)."""
+    def _delete_objects(self, keys: Sequence[BlockKey]) -> bool:
+        """Delete the meta and payload keys of ``keys`` (one pipeline per shard); False when
+        a shard did not answer."""
+        by_name = {self.meta_key(k): k for k in keys}
+        replies = self._client.pipelined(
+            list(by_name), lambda pipe, name: pipe.delete(name, self.data_key(by_name[name]))
+        )
+        return not any(isinstance(r, RemoteUnavailable) for r in replies.values())
+
+    def refresh_usage(self, tenants: Sequence[str] = ()) -> None:
+        """Sweep expired objects in the ledger and refresh the usage figures, these
+        tenants' bytes included (one call)."""
         try:
             reply = self._script("usage", [self._prefix, repr(self._clock()), *tenants])
         except RemoteUnavailable:
@@ -620,21 +602,15 @@ class RemoteTier:
             self._apply(reply)
         self._delete_victims(reply.victims, reply.version)
 
-    def refresh_tenants(self, tenants: Sequence[str]) -> None:
-        """Ask the ledger for these tenants' bytes (one call)."""
-        self._sync_usage(tenants)
-
     def scan_keys(self) -> list[BlockKey]:
         """Every committed object in the shared tier (a ``SCAN`` of every primary)."""
         out: list[BlockKey] = []
-        pattern = f"{self._ns}:{{*}}:m"
+        pattern = meta_pattern(self._ns)
         for node in self._client.nodes():
             names = self._client.call(
                 node, lambda conn: list(conn.scan_iter(match=pattern, count=1000))
             )
-            for name in names:
-                text = _text(name)
-                out.append(BlockKey(bytes.fromhex(text[len(self._ns) + 2 : -3])))
+            out += [key_of_meta(self._ns, _text(name)) for name in names]
         return out
 
     # ---------------------------------------------------------------- lifecycle
@@ -699,13 +675,12 @@ class RemoteTier:
                 self._ahead_bytes = 0
 
     @staticmethod
-    def _claim_slot(token: object) -> _Slot:
+    def _claim_slot(token: object) -> None:
         if not isinstance(token, _Slot):
             raise TierError("slot does not belong to a remote tier")
         if token.done:
             raise TierError("slot completed twice")
         token.done = True
-        return token
 
 
 def _text(value: object) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -315,12 +315,3 @@ def _node(seed: str) -> ClusterNode:
     if not host or not port.isdigit():
         raise InvalidInput(f"cluster seed must be host:port, got {seed!r}")
     return ClusterNode(host, int(port))  # type: ignore[no-untyped-call]
-
-
-def chunks(items: Iterable[str], size: int) -> list[list[str]]:
-    out: list[list[str]] = []
-    for item in items:
-        if not out or len(out[-1]) >= size:
-            out.append([])
-        out[-1].append(item)
-    return out
