@@ -66,6 +66,16 @@ class NoWorkerAvailable(KvstrataError):
     """No healthy worker to send the request to."""
 
 
+class AuthError(KvstrataError):
+    """A caller that is not allowed: ``status`` 401 (no or unknown credential) or 403 (a known
+    credential without the right). ``reason`` is the audit reason code."""
+
+    def __init__(self, status: int, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
 class ApiError(KvstrataError):
     """An error answered to an HTTP client as ``{"error": {message, type, param, code}}``."""
 

@@ -42,6 +42,7 @@ from kvstrata.runtime.config_schema import (
 )
 from kvstrata.runtime.events import KVEventsConfig
 from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.security.config import SecurityConfig
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 from kvstrata.tiers.remote_client import RemoteConfig
 
@@ -86,6 +87,7 @@ class WorkerConfig:
     lookup_timeout_ms: int = 2000
     stats_path: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def tier(self, name: str) -> TierSpec | None:
         return next((spec for spec in self.tiers if spec.name == name), None)
@@ -284,6 +286,28 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
         lookup_timeout_ms=timeout,
         stats_path=connector.get("stats_path"),
         scheduler=scheduler,
+        security=_security(_Reader(data.get("security", {}), "security.", where, base)),
+    )
+
+
+def _security(table: _Reader) -> SecurityConfig:
+    ttl = table.get("tombstone_ttl_s")
+    if not 0 < ttl < math.inf:
+        raise table.fail("tombstone_ttl_s", "must be a positive, finite number")
+    cert, key = table.get("tls_cert_file"), table.get("tls_key_file")
+    if (cert is None) != (key is None):
+        raise table.fail("tls_key_file", "tls_cert_file and tls_key_file go together")
+    for name in ("keys_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
+        path = table.get(name)
+        if path is not None and not path.is_file():
+            raise table.fail(name, f"no such file: {path}")
+    return SecurityConfig(
+        keys_file=table.get("keys_file"),
+        audit_path=table.get("audit_path"),
+        tombstone_ttl_s=ttl,
+        tls_cert_file=cert,
+        tls_key_file=key,
+        tls_ca_file=table.get("tls_ca_file"),
     )
 
 
@@ -430,12 +454,21 @@ def _events(table: Mapping[str, Any] | None, where: str, base: Path) -> KVEvents
     buffer_steps = events.get("buffer_steps")
     if buffer_steps < 1:
         raise events.fail("buffer_steps", "must be at least 1")
+    curve_secret, curve_clients = events.get("curve_secret_file"), events.get("curve_clients_dir")
+    if (curve_secret is None) != (curve_clients is None):
+        raise events.fail("curve_clients_dir", "goes together with curve_secret_file")
+    if curve_secret is not None and not curve_secret.is_file():
+        raise events.fail("curve_secret_file", f"no such file: {curve_secret}")
+    if curve_clients is not None and not curve_clients.is_dir():
+        raise events.fail("curve_clients_dir", f"no such directory: {curve_clients}")
     return KVEventsConfig(
         endpoint,
         events.get("replay_endpoint"),
         worker_id=worker_id,
         topic=events.get("topic"),
         buffer_steps=buffer_steps,
+        curve_secret_file=curve_secret,
+        curve_clients_dir=curve_clients,
     )
 
 

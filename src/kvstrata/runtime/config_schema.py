@@ -118,11 +118,42 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("events.worker_id", "str", None, "this worker's id in events (serve: HOSTNAME:PORT)"),
     Key("events.topic", "str", "", "ZMQ topic of the event stream"),
     Key("events.buffer_steps", "int", 10_000, "batches kept for replay"),
+    Key(
+        "events.curve_secret_file",
+        "path",
+        None,
+        "CURVE secret certificate of this worker (`zmq.auth` format): encrypts and "
+        "authenticates the event and replay sockets (`kvstrata up` generates one)",
+    ),
+    Key(
+        "events.curve_clients_dir",
+        "path",
+        None,
+        "CURVE: directory of the public certificates of subscribers allowed in "
+        "(required with `curve_secret_file`)",
+    ),
+    Key(
+        "security.keys_file",
+        "path",
+        None,
+        "API keys file (hashes → tenant, roles; reloaded when it changes); unset: "
+        "single-tenant, admin/debug/dump endpoints off (see docs/security.md)",
+    ),
+    Key("security.audit_path", "path", None, "audit JSON lines go here (unset: the log)"),
+    Key(
+        "security.tombstone_ttl_s",
+        "float",
+        24 * 3600.0,
+        "seconds a deleted key refuses late write-backs, events and recovered copies",
+    ),
+    Key("security.tls_cert_file", "path", None, "serve HTTPS with this certificate (PEM)"),
+    Key("security.tls_key_file", "path", None, "the certificate's private key (PEM)"),
+    Key("security.tls_ca_file", "path", None, "CA bundle a router trusts for workers' HTTPS"),
     Key("connector.lookup_timeout_ms", "int", 2000, "vLLM: scheduler → worker lookup timeout"),
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
 )
 BY_PATH: Final = {key.path: key for key in KEYS}
-TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector", "limits")
+TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector", "limits", "security")
 
 
 # ---- overrides ----------------------------------------------------------------------------------
@@ -240,9 +271,30 @@ _OVERRIDE_LIST: Final = (
         "lookup_timeout_ms", "connector.lookup_timeout_ms", _set("connector.lookup_timeout_ms")
     ),
     Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
+    Override("keys_file", "security.keys_file", _set("security.keys_file")),
+    Override("audit_path", "security.audit_path", _set("security.audit_path")),
+    Override("tombstone_ttl_s", "security.tombstone_ttl_s", _set("security.tombstone_ttl_s")),
+    Override("tls_cert_file", "security.tls_cert_file", _set("security.tls_cert_file")),
+    Override("tls_key_file", "security.tls_key_file", _set("security.tls_key_file")),
+    Override("tls_ca_file", "security.tls_ca_file", _set("security.tls_ca_file")),
+    Override("curve_secret_file", "events.curve_secret_file", _set("events.curve_secret_file")),
+    Override("curve_clients_dir", "events.curve_clients_dir", _set("events.curve_clients_dir")),
 )
 OVERRIDES: Final[Mapping[str, Override]] = {o.name: o for o in _OVERRIDE_LIST}
-PATH_OVERRIDES: Final = frozenset({"disk_dir", "tenant_secret_file", "stats_path"})
+PATH_OVERRIDES: Final = frozenset(
+    {
+        "disk_dir",
+        "tenant_secret_file",
+        "stats_path",
+        "keys_file",
+        "audit_path",
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_ca_file",
+        "curve_secret_file",
+        "curve_clients_dir",
+    }
+)
 
 
 # ---- the reference page -------------------------------------------------------------------------

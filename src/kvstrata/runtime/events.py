@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import zmq
@@ -61,6 +62,11 @@ class KVEventsConfig:
     worker_id: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
+    curve_secret_file: Path | None = None
+    """CURVE: this worker's secret key (a ``zmq.auth`` certificate file); with it the live
+    and replay sockets are encrypted and accept only the clients in ``curve_clients_dir``."""
+    curve_clients_dir: Path | None = None
+    """CURVE: directory of the public certificates of the subscribers allowed in."""
 
 
 @dataclass
