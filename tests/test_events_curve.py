@@ -133,15 +133,17 @@ def test_unauthorised_subscriber_gets_nothing_and_the_publisher_keeps_serving(
 ) -> None:
     """``plain``: no server key at all; ``intruder``: the server key, an unlisted client key."""
     curve = None if who == "plain" else keys.intruder
-    with _publisher(keys) as publisher:
-        with ZmqEventSubscriber(publisher.endpoint, context=ctx, curve=curve) as outsider:
-            assert not publisher.wait_for_subscriber(REFUSED_WAIT_MS / 1000)
-            with ZmqEventSubscriber(publisher.endpoint, context=ctx, curve=keys.client) as member:
-                assert publisher.wait_for_subscriber(TIMEOUT_S)
-                for block_hash in range(3):
-                    publisher.publish([_stored(block_hash)])
-                assert [b.seq for b in _receive(member, 3)] == [0, 1, 2]
-                assert outsider.poll(timeout_ms=REFUSED_WAIT_MS).batches == []
+    with (
+        _publisher(keys) as publisher,
+        ZmqEventSubscriber(publisher.endpoint, context=ctx, curve=curve) as outsider,
+    ):
+        assert not publisher.wait_for_subscriber(REFUSED_WAIT_MS / 1000)
+        with ZmqEventSubscriber(publisher.endpoint, context=ctx, curve=keys.client) as member:
+            assert publisher.wait_for_subscriber(TIMEOUT_S)
+            for block_hash in range(3):
+                publisher.publish([_stored(block_hash)])
+            assert [b.seq for b in _receive(member, 3)] == [0, 1, 2]
+            assert outsider.poll(timeout_ms=REFUSED_WAIT_MS).batches == []
     assert outsider.stats.batches == 0
 
 

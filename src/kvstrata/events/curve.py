@@ -10,7 +10,7 @@ Small frozen values, parsed once at the edge and handed to sockets:
 
 - ``CurveServer``: the server's key pair and the allowed clients' public keys (a directory of
   ``zmq.auth`` public certificates, or an explicit set);
-- ``CurveClient``: the client's key pair and the server's public key;
+- ``CurveClient``: the client's key pair and the server's public key (``KeyPair.client_of``);
 - ``ZapGuard``: the ZAP authenticator of one context (``start``/``stop``, never in a
   constructor); one per context, since a context has one ZAP endpoint.
 
@@ -29,18 +29,23 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from kvstrata.errors import InvalidInput
+
 KEY_BYTES: Final = 32
 Z85_CHARS: Final = 40
 
 
-class CurveKeyError(ValueError):
+class CurveKeyError(InvalidInput):
     """A certificate file or key that cannot be used (missing, no secret part, bad length)."""
 
 
 def _key(value: bytes | None, what: str) -> bytes:
     if value is None:
         raise CurveKeyError(f"{what} is missing")
-    raw = z85.decode(value) if len(value) == Z85_CHARS else value
+    try:
+        raw = z85.decode(value) if len(value) == Z85_CHARS else value
+    except (ValueError, KeyError, IndexError) as exc:
+        raise CurveKeyError(f"{what} is not z85 text: {exc!r}") from exc
     if len(raw) != KEY_BYTES:
         raise CurveKeyError(f"{what} must be {KEY_BYTES} bytes (or {Z85_CHARS} z85 characters)")
     return raw
@@ -51,9 +56,10 @@ def decode_public_key(text: str) -> bytes:
     if len(text) != Z85_CHARS:
         raise CurveKeyError(f"a CURVE public key is {Z85_CHARS} z85 characters")
     try:
-        return _key(text.encode("ascii"), "public key")
-    except (UnicodeEncodeError, ValueError, KeyError) as exc:
-        raise CurveKeyError(f"not a z85 CURVE key: {exc}") from exc
+        encoded = text.encode("ascii")
+    except UnicodeEncodeError as exc:
+        raise CurveKeyError("a CURVE public key is ASCII z85 text") from exc
+    return _key(encoded, "public key")
 
 
 def encode_public_key(key: bytes) -> str:
@@ -80,6 +86,22 @@ def load_public_keys(directory: Path) -> frozenset[bytes]:
     except (OSError, ValueError) as exc:
         raise CurveKeyError(f"cannot read the client certificates in {directory}: {exc}") from exc
     return frozenset(_key(key, "client public key") for key in found)
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """One party's CURVE keys (e.g. the router's client certificate, read once)."""
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+
+    @classmethod
+    def from_file(cls, secret_file: Path) -> KeyPair:
+        return cls(*load_key_pair(secret_file))
+
+    def client_of(self, server_key: bytes) -> CurveClient:
+        """These keys as a client of the server whose public key is ``server_key``."""
+        return CurveClient(_key(server_key, "server public key"), self.public_key, self.secret_key)
 
 
 @dataclass(frozen=True)
@@ -116,8 +138,7 @@ class CurveClient:
 
     @classmethod
     def from_file(cls, secret_file: Path, server_key: bytes) -> CurveClient:
-        public, secret = load_key_pair(secret_file)
-        return cls(_key(server_key, "server public key"), public, secret)
+        return KeyPair.from_file(secret_file).client_of(server_key)
 
     def apply(self, socket: zmq.Socket[bytes]) -> None:
         """Make ``socket`` a CURVE client of ``server_key`` (before connect)."""
@@ -160,8 +181,10 @@ class ZapGuard:
 
 
 def create_certificate(directory: Path, name: str) -> tuple[Path, Path]:
-    """A new key pair in ``directory``: (public certificate, secret certificate) paths."""
+    """A new key pair in ``directory``: (public certificate, secret certificate) paths; the
+    secret one readable by its owner only."""
     public, secret = zmq.auth.create_certificates(directory, name)
+    Path(secret).chmod(0o600)
     return Path(public), Path(secret)
 
 
@@ -169,6 +192,7 @@ __all__ = [
     "CurveClient",
     "CurveKeyError",
     "CurveServer",
+    "KeyPair",
     "ZapGuard",
     "create_certificate",
     "decode_public_key",
