@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.security.audit import AuditLog
 from kvstrata.store.config import TierConfig
@@ -43,7 +42,13 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _summary(line: dict[str, Any]) -> tuple[Any, ...]:
-    return (line["audit"], line["reason"], line.get("tier"), line.get("tenant"), line.get("objects"))
+    return (
+        line["audit"],
+        line["reason"],
+        line.get("tier"),
+        line.get("tenant"),
+        line.get("objects"),
+    )
 
 
 def test_store_records_evict_quota_switch_digest_and_expiry(tmp_path: Path) -> None:
@@ -73,7 +78,7 @@ def test_store_records_evict_quota_switch_digest_and_expiry(tmp_path: Path) -> N
     finally:
         store.close()
         audit.close()
-    hex_of = {name: [BlockKey(obj[0].key).hex()] for name, obj in (("e0", e0), ("e1", e1), ("e2", e2))}
+    hex_of = {name: [obj[0].key.hex()] for name, obj in (("e0", e0), ("e1", e1), ("e2", e2))}
     assert [_summary(line) for line in _lines(audit_path)] == [
         ("evict", "already_below", "host", "t0", hex_of["e1"]),
         ("quota_reject", "larger_than_quota", "host", "greedy", [greedy[0].key.hex()]),
