@@ -132,6 +132,7 @@ def register(sub: Any) -> None:
     events.add_argument(
         "--worker-id", default=None, help="this worker's id in events (default: HOSTNAME:PORT)"
     )
+    _curve_arguments(events)
     events.add_argument(
         "--debug-endpoints",
         action="store_true",
@@ -139,6 +140,23 @@ def register(sub: Any) -> None:
         help="serve POST /kv/debug/drop-events (event gap injection, for recovery tests)",
     )
     parser.set_defaults(func=run)
+
+
+def _curve_arguments(group: Any) -> None:
+    """CURVE on the event and replay sockets (``events.curve_*``; ``up`` generates both)."""
+    group.add_argument(
+        "--curve-secret-file",
+        type=Path,
+        default=None,
+        help="this worker's CURVE certificate (zmq.auth secret file): encrypts the event and "
+        "replay sockets; required for endpoints beyond loopback",
+    )
+    group.add_argument(
+        "--curve-clients-dir",
+        type=Path,
+        default=None,
+        help="directory of the public certificates of the subscribers (routers) allowed in",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:

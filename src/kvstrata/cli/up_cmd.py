@@ -21,11 +21,14 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB
+
+if TYPE_CHECKING:
+    from kvstrata.fleet.curve_keys import FleetKeys
 
 _log = logging.getLogger(__name__)
 
@@ -102,10 +105,19 @@ def register(sub: Any) -> None:
     router.add_argument(
         "--config", type=Path, default=None, help="read tenant_secret_file from this worker config"
     )
+    router.add_argument(
+        "--curve-secret-file",
+        type=Path,
+        default=None,
+        help="the router's CURVE certificate (zmq.auth secret file) for workers whose events "
+        "are encrypted (its public half must be in their curve_clients_dir)",
+    )
     router.set_defaults(func=run_router)
 
 
-def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
+def _serve_frontdoor(
+    args: argparse.Namespace, urls: list[str], curve_secret_file: Path | None = None
+) -> None:
     import uvicorn
 
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
@@ -119,6 +131,7 @@ def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
         mode=ConsistencyMode(args.index),
         worker_urls=urls,
         tenant_secret=worker_config(args).tenant_secret,
+        curve_client_secret_file=curve_secret_file or getattr(args, "curve_secret_file", None),
     )
     fleet = Fleet(FleetTokenizer(model_dir), config)
     for url in urls:
@@ -181,6 +194,7 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     remote_url = _remote_url(args, cleanup)
+    curve = _fleet_curve(cleanup)
     config = worker_config(args, remote_url=remote_url)
     _announce_remote(config, args.workers, embedded=args.remote == "embedded")
     disk = config.tier("disk")
@@ -200,7 +214,8 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
                 ["--tenant-secret-file", str(args.tenant_secret_file.resolve())]
                 if args.tenant_secret_file is not None
                 else []
-            ),
+            )
+            + curve.worker_args(),
             disk_dir=disk.path / f"w{i}" if disk is not None and disk.path is not None else None,
             log_path=None if args.log_dir is None else args.log_dir / f"w{i}.log",
         )
@@ -211,7 +226,16 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     cleanup.callback(supervisor.stop)
     supervisor.start()
     print(f"{args.workers} workers ready in {time.monotonic() - started:.1f} s", flush=True)
-    _serve_frontdoor(args, supervisor.urls)
+    _serve_frontdoor(args, supervisor.urls, curve.router_secret_file)
+
+
+def _fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:
+    """The fleet's CURVE certificates, in a 0700 run directory removed when ``up`` exits."""
+    from kvstrata.fleet.curve_keys import FleetKeys
+
+    keys = FleetKeys.generate()
+    cleanup.callback(keys.remove)
+    return keys
 
 
 def _remote_url(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> str | None:

@@ -41,7 +41,9 @@ from typing import Any
 
 import httpx
 
-from kvstrata.errors import NoWorkerAvailable
+from kvstrata.errors import ConfigError, NoWorkerAvailable
+from kvstrata.events.curve import CurveKeyError, KeyPair
+from kvstrata.fleet.curve_keys import curve_refusal
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
 from kvstrata.fleet.workers import (
@@ -88,6 +90,10 @@ class FleetConfig:
     request_timeout_s: float = 600.0
     tenant_secret: bytes = b""
     worker_urls: list[str] = field(default_factory=list)
+    curve_client_secret_file: Path | None = None
+    """The router's CURVE certificate (secret): with it, the fleet subscribes to CURVE workers
+    (whose public keys ``/kv/info`` advertises) and refuses plaintext ones; without it, it
+    refuses CURVE workers. No silent downgrade either way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +157,12 @@ class Fleet:
         self.metrics = FleetMetrics()
         self._lock = threading.Lock()
         self._secret_digest = secret_digest(config.tenant_secret)
+        self._curve_keys: KeyPair | None = None
+        if config.curve_client_secret_file is not None:
+            try:
+                self._curve_keys = KeyPair.from_file(config.curve_client_secret_file)
+            except CurveKeyError as exc:
+                raise ConfigError(str(exc), key="curve_client_secret_file") from exc
         self._table = _Table(MappingProxyType({}), MappingProxyType({}))
         self._index: GlobalIndex | None = None
         self._router: Router | None = None
@@ -186,7 +198,7 @@ class Fleet:
                 mode=self.config.mode,
                 tenant_secret=self.config.tenant_secret,
             )
-            events = EventPlane(index, self._lock)
+            events = EventPlane(index, self._lock, curve_keys=self._curve_keys)
             # Registering may run the collector, which takes the lock: do it outside.
             self.metrics.export_index(index, events.stats, self._lock)
             events.start()
@@ -214,6 +226,7 @@ class Fleet:
                 f"(digest {info.secret_digest}, the router's {self._secret_digest}): refused; "
                 "give router and workers the same tenant_secret_file"
             )
+        self._check_curve(info)
         events = self._ensure_index(info)
         if self.config.mode is ConsistencyMode.EXACT:
             events.attach(info)
@@ -232,6 +245,12 @@ class Fleet:
         self.metrics.worker_healthy.labels(info.worker_id).set(1)
         self.metrics.worker_events.labels(info.worker_id, "attached").inc()
         return info
+
+    def _check_curve(self, info: WorkerInfo) -> None:
+        refusal = curve_refusal(info, router_has_keys=self._curve_keys is not None)
+        if refusal is not None:
+            self.metrics.worker_events.labels(info.worker_id, "refused_curve").inc()
+            raise refusal
 
     def _stop_traffic(self, state: WorkerState) -> None:
         """Under the lock: no more requests to this incarnation (counted once)."""

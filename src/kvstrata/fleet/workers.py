@@ -17,6 +17,7 @@ import httpx
 
 from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.errors import InvalidInput
+from kvstrata.events.curve import CurveKeyError, decode_public_key
 from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.model import Medium, parse_medium
@@ -52,6 +53,8 @@ class WorkerInfo:
     )
     """Measured seconds to bring one block from each medium (``Medium`` order; None: not
     measured yet), from the worker's store: the router prices fetches with these."""
+    curve_public_key: bytes | None = None
+    """The event sockets' CURVE server key (None: plaintext sockets)."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -79,8 +82,13 @@ class WorkerInfo:
                 ),
                 tiers=tuple(str(t) for t in body.get("tiers", ())),
                 fetch_s_per_block=_fetch_figures(body.get("fetch_s_per_block") or {}),
+                curve_public_key=(
+                    None
+                    if body.get("curve_public_key") is None
+                    else decode_public_key(str(body["curve_public_key"]))
+                ),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, CurveKeyError) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")

@@ -31,6 +31,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.runtime.blocks import BlockInfo, EvictedBlock
+from kvstrata.security.audit import Action
 from kvstrata.store.config import WritePolicy
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
@@ -186,6 +187,13 @@ class StoreBridge:
                 meta = lease.meta
                 if meta.representation != self.representation or meta.size != self.block_bytes:
                     self.store.metrics.invalid.labels(tier=level.name, reason="incompatible").inc()
+                    self.store.audit.record(
+                        Action.INVALIDATE,
+                        "incompatible",
+                        tier=level.name,
+                        keys=[located.key],
+                        tenant=tenant,
+                    )
                     return LoadOutcome.INCOMPATIBLE
                 sink(lease.buffer)
         except KvstrataError:

@@ -86,6 +86,7 @@ class WorkerConfig:
     limits: ServeLimits = ServeLimits()
     lookup_timeout_ms: int = 2000
     stats_path: Path | None = None
+    lookup_curve_secret_file: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -272,6 +273,9 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
     timeout = connector.get("lookup_timeout_ms")
     if timeout <= 0:
         raise connector.fail("lookup_timeout_ms", "must be positive")
+    lookup_curve = connector.get("lookup_curve_secret_file")
+    if lookup_curve is not None and not lookup_curve.is_file():
+        raise connector.fail("lookup_curve_secret_file", f"no such file: {lookup_curve}")
     return WorkerConfig(
         model=top.get("model"),
         served_model_name=top.get("served_model_name"),
@@ -285,6 +289,7 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
         limits=_limits(_Reader(data.get("limits", {}), "limits.", where, base)),
         lookup_timeout_ms=timeout,
         stats_path=connector.get("stats_path"),
+        lookup_curve_secret_file=lookup_curve,
         scheduler=scheduler,
         security=_security(_Reader(data.get("security", {}), "security.", where, base)),
     )

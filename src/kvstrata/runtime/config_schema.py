@@ -151,6 +151,13 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("security.tls_ca_file", "path", None, "CA bundle a router trusts for workers' HTTPS"),
     Key("connector.lookup_timeout_ms", "int", 2000, "vLLM: scheduler → worker lookup timeout"),
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
+    Key(
+        "connector.lookup_curve_secret_file",
+        "path",
+        None,
+        "vLLM: a CURVE certificate (`zmq.auth` secret file) both connector sides load: the "
+        "scheduler → worker lookup socket is encrypted and admits only that key",
+    ),
 )
 BY_PATH: Final = {key.path: key for key in KEYS}
 TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector", "limits", "security")
@@ -271,6 +278,11 @@ _OVERRIDE_LIST: Final = (
         "lookup_timeout_ms", "connector.lookup_timeout_ms", _set("connector.lookup_timeout_ms")
     ),
     Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
+    Override(
+        "lookup_curve_secret_file",
+        "connector.lookup_curve_secret_file",
+        _set("connector.lookup_curve_secret_file"),
+    ),
     Override("keys_file", "security.keys_file", _set("security.keys_file")),
     Override("audit_path", "security.audit_path", _set("security.audit_path")),
     Override("tombstone_ttl_s", "security.tombstone_ttl_s", _set("security.tombstone_ttl_s")),
@@ -293,6 +305,7 @@ PATH_OVERRIDES: Final = frozenset(
         "tls_ca_file",
         "curve_secret_file",
         "curve_clients_dir",
+        "lookup_curve_secret_file",
     }
 )
 

@@ -8,6 +8,8 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   store tier's measured fetch seconds per block (``fetch_s_per_block``: the store's EWMA of
   its loads times the block size in bytes; null until the tier served a load). The router
   polls this page for health, so it prices fetches with what the worker measured.
+  ``curve_public_key``: the event sockets' CURVE server key (z85; null without CURVE), which
+  a subscriber needs (with a client certificate the worker lists) to receive anything.
 - ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
   events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
   consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
@@ -177,4 +179,5 @@ def kv_info_body(
         "tiers": tiers,
         "fetch_s_per_block": fetch,
         "secret_digest": secret_digest(engine.config.tenant_secret),
+        "curve_public_key": publisher.curve_public_key,
     }

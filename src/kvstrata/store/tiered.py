@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
+from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.policy import EvictionPolicy
@@ -82,8 +83,11 @@ class TieredStore(StoreCore):
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.time,
         record_events: bool = False,
+        audit: AuditLog = NULL_AUDIT,
     ) -> None:
-        super().__init__(levels, metrics=metrics, clock=clock, record_events=record_events)
+        super().__init__(
+            levels, metrics=metrics, clock=clock, record_events=record_events, audit=audit
+        )
         self._writeback = WriteBackQueue(
             self,
             self.metrics,
@@ -247,9 +251,9 @@ class TieredStore(StoreCore):
         with self._lock:
             if lease is None:
                 if not hidden:
-                    self._forget_if_gone(level, key)
                     if level.tier.counters.invalidated > invalid_before:
-                        self.metrics.invalid.labels(tier=level.name, reason="digest_mismatch").inc()
+                        self._digest_mismatch(level, key)
+                    self._forget_if_gone(level, key)
             elif (
                 lease.meta.tenant != tenant
                 or key in self._pending_delete
@@ -412,12 +416,12 @@ class TieredStore(StoreCore):
         quota = level.config.quota_for(meta.tenant)
         if quota is not None:
             if meta.size > quota:
-                self.metrics.rejections.labels(tier=name, reason="quota").inc()
+                self._quota_reject(level, meta, "larger_than_quota")
                 return False
             while tier.tenant_bytes(meta.tenant) + meta.size > quota:
                 evicted = self._evict_now(index, tenant=meta.tenant)
                 if evicted is False:
-                    self.metrics.rejections.labels(tier=name, reason="quota").inc()
+                    self._quota_reject(level, meta, "quota_full")
                     return False
                 if isinstance(evicted, _Demote):
                     return evicted
@@ -479,9 +483,9 @@ class TieredStore(StoreCore):
         lease = src.tier.prepare_load(key)
         if lease is None:  # evicted or deleted meanwhile, or failed verification: skip it
             with self._lock:
-                self._forget_if_gone(src, key)
                 if src.tier.counters.invalidated > invalid_before:
-                    self.metrics.invalid.labels(tier=src.name, reason="digest_mismatch").inc()
+                    self._digest_mismatch(src, key)
+                self._forget_if_gone(src, key)
             return False
         try:
             payload = lease.buffer
