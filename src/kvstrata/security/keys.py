@@ -282,11 +282,12 @@ class Authenticator:
         self.keys_file = keys_file
         self.admin_token = admin_token
         self.reload_interval_s = reload_interval_s
+        single = keys_file is None  # one trust domain: the header names the namespace as-is
         self._extra: tuple[tuple[bytes, Principal], ...] = tuple(
-            (token.encode(), principal)
-            for token, principal in (
-                (admin_token, Principal(ADMIN_TOKEN_ID, _DEFAULT_TENANT, frozenset(Role))),
-                (fleet_key, Principal(FLEET_KEY_ID, _DEFAULT_TENANT, frozenset({Role.FLEET}))),
+            (token.encode(), Principal(key_id, _DEFAULT_TENANT, roles, open_namespaces=single))
+            for token, key_id, roles in (
+                (admin_token, ADMIN_TOKEN_ID, frozenset(Role)),
+                (fleet_key, FLEET_KEY_ID, frozenset({Role.FLEET})),
             )
             if token
         )

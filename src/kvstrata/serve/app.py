@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -116,26 +116,22 @@ def create_app(
         app, engine, model_name=model_name, auth=guard, debug_endpoints=debug_endpoints
     )
 
-    def caller(request: Request) -> Principal:
-        """A dependency: resolved before the body is validated, so a caller without a key
+    def caller(request: Request) -> None:
+        """A route dependency: runs before the body is validated, so a caller without a key
         learns nothing from the body's error messages."""
-        return guard.check(request, {Role.TENANT}, "run completions")
+        request.state.kvstrata_principal = guard.check(request, {Role.TENANT}, "run completions")
 
-    @app.post(COMPLETIONS, response_model=None)
-    async def completions(
-        request: Request, body: CompletionRequest, principal: Annotated[Principal, Depends(caller)]
-    ) -> Response:
-        tenant = guard.namespace(request, principal, body.kvstrata_tenant)
-        return await service.completions(request, body, tenant)
+    def tenant_of(request: Request, body: SamplingRequest) -> str:
+        principal: Principal = request.state.kvstrata_principal
+        return guard.namespace(request, principal, body.kvstrata_tenant)
 
-    @app.post(CHAT, response_model=None)
-    async def chat_completions(
-        request: Request,
-        body: ChatCompletionRequest,
-        principal: Annotated[Principal, Depends(caller)],
-    ) -> Response:
-        tenant = guard.namespace(request, principal, body.kvstrata_tenant)
-        return await service.chat(request, body, tenant)
+    @app.post(COMPLETIONS, response_model=None, dependencies=[Depends(caller)])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await service.completions(request, body, tenant_of(request, body))
+
+    @app.post(CHAT, response_model=None, dependencies=[Depends(caller)])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await service.chat(request, body, tenant_of(request, body))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -208,7 +204,11 @@ class _Service:
         encode: Callable[[], list[int]],
         prompt_param: str,
     ) -> Response:
-        request_id = request_id_of(request)
+        # The request id (a client's X-Request-Id, or new) names the request in logs and
+        # audit; the generation's own id adds a suffix, so it is unique even when a client
+        # repeats its id (the engine keys prefetches by it).
+        correlation = request_id_of(request)
+        request_id = f"{correlation}.{uuid.uuid4().hex[:8]}"
         engine = self.engine
         try:
             prompt_ids = encode()  # on the loop: the tokenizer has one user, no locking
@@ -216,9 +216,7 @@ class _Service:
                 prompt_ids,
                 self._params(body, len(prompt_ids)),
                 tenant=tenant,
-                # unique per generation even when a client repeats its X-Request-Id (the
-                # engine keys prefetches by it); the prefix keeps logs and audit correlated
-                request_id=f"{request_id}.{uuid.uuid4().hex[:8]}",
+                request_id=request_id,
             )
         except Exception as exc:
             return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
@@ -228,7 +226,7 @@ class _Service:
         deltas = follow(generation, assembler, outcome)
         if body.stream:
             chunks = self._chunks(endpoint, request_id, deltas, outcome, body.include_usage())
-            headers = {**_SSE_HEADERS, REQUEST_ID_HEADER: request_id}
+            headers = {**_SSE_HEADERS, REQUEST_ID_HEADER: correlation}
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         watcher = asyncio.create_task(_cancel_when_gone(request, generation))
         try:
@@ -246,7 +244,7 @@ class _Service:
             PREFILL_HEADER: f"{record.prefill_s:.6f}",
             TTFT_HEADER: f"{record.ttft_s:.6f}",
             MATCHED_HEADER: str(record.matched_tokens),
-            REQUEST_ID_HEADER: request_id,
+            REQUEST_ID_HEADER: correlation,
         }
         return JSONResponse(self._final_body(endpoint, request_id, outcome[0]), headers=timing)
 
