@@ -116,10 +116,10 @@ class Principal:
         if requested in self.shared:
             return requested
         prefix = self.tenant + "/"
-        if self.sub_namespaces:
-            sub = requested.removeprefix(prefix)
+        if self.sub_namespaces and requested.startswith(prefix):
+            sub = requested[len(prefix) :]
             if sub and "/" not in sub:
-                return prefix + sub
+                return requested
         raise AuthError(
             403,
             "this key may not use that namespace (a header may only narrow the key's tenant)",
