@@ -27,6 +27,7 @@ from kvstrata.runtime.event_exposure import is_local_endpoint
 from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
 from kvstrata.serve.app import create_app
 from kvstrata.telemetry import KvMetrics
+from security_helpers import ADMIN_KEY, admin_auth
 from tier_helpers import worker_tiers
 
 B = 16
@@ -62,7 +63,8 @@ def _worker(tiny_model: LoadedModel, events: KVEventsConfig) -> Iterator[Worker]
         events=emitter,
     )
     try:
-        with serving(create_app(engine, model_name="tiny", metrics=metrics)) as client:
+        app = create_app(engine, model_name="tiny", metrics=metrics, auth=admin_auth())
+        with serving(app) as client:
             yield Worker(engine, client)
     finally:
         engine.close()
@@ -87,7 +89,9 @@ def plain_worker(tiny_model: LoadedModel) -> Iterator[Worker]:
 
 
 def _fleet(worker: Worker, router_secret: Path | None) -> Fleet:
-    config = FleetConfig(worker_urls=[worker.url], curve_client_secret_file=router_secret)
+    config = FleetConfig(
+        worker_urls=[worker.url], curve_client_secret_file=router_secret, api_key=ADMIN_KEY
+    )
     return Fleet(cast(FleetTokenizer, object()), config)
 
 

@@ -56,17 +56,15 @@ def test_principal_from_key_and_namespace_narrowing(tmp_path: Path) -> None:
     assert (who.key_id, who.tenant) == ("acme-1", "acme")
     assert who.namespace(None) == "acme"
     assert who.namespace("acme") == "acme"
-    assert who.namespace("chat-7") == "acme/chat-7"
     assert who.namespace("acme/chat-7") == "acme/chat-7"
     assert who.namespace("shared-system") == "shared-system"
-    assert who.namespace("globex") == "acme/globex"  # a name narrows, never leaves the tenant
-    for forbidden in ("globex/x", "acme/a/b", "other/chat-7"):
+    for forbidden in ("globex", "chat-7", "globex/x", "acme/a/b", "other/chat-7", "acme/"):
         with pytest.raises(AuthError) as refused:
             who.namespace(forbidden)
         assert refused.value.status == 403
     g = auth.authenticate(f"Bearer {globex}")
     with pytest.raises(AuthError):
-        g.namespace("chat-7")  # no sub-namespaces for this key
+        g.namespace("globex/chat-7")  # no sub-namespaces for this key
     assert g.namespace("shared-system") == "shared-system"
     auth.authorize(auth.authenticate(f"Bearer {obs}"), OBSERVE, "read metrics")
     with pytest.raises(AuthError) as denied:
@@ -93,8 +91,7 @@ def test_single_tenant_is_anonymous_and_privileged_actions_are_off() -> None:
     auth.authorize(who, OBSERVE, "read metrics", open_single_tenant=True)
     admin = Authenticator(admin_token="s3cret")
     assert Role.ADMIN in admin.authenticate("Bearer s3cret").roles
-    with pytest.raises(AuthError):
-        admin.authenticate("Bearer wrong")
+    assert admin.authenticate("Bearer wrong") is ANONYMOUS  # OpenAI clients send "EMPTY"
 
 
 def test_reload_takes_new_keys_and_keeps_old_ones_on_a_bad_file(tmp_path: Path) -> None:
