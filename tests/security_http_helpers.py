@@ -117,15 +117,16 @@ def worker_app(
     events = KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", worker_id="sec:1")
     emitter = KVEventEmitter.from_config(events, block_size=B).start()
     metrics = KvMetrics()
+    audit = AuditLog(audit_path, component="worker").start()
     engine = build_engine(
         tiny_model,
         EngineConfig(block_size=B, pool_blocks=16),
         worker_tiers(host_bytes=16 * BLOCK_BYTES),
         metrics=metrics,
         events=emitter,
+        audit=audit,
     )
     authenticator = Authenticator(keys_path, reload_interval_s=0.0)
-    audit = AuditLog(audit_path, component="worker").start()
     app = create_app(
         engine,
         model_name="tiny",

@@ -212,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
             tenant_secret=config.tenant_secret,
             scheduler=config.scheduler,
         )
-        engine = build_engine(loaded, engine_config, config, metrics=metrics, events=emitter)
+        engine = build_engine(
+            loaded, engine_config, config, metrics=metrics, events=emitter, audit=audit
+        )
         try:
             name = config.served_model_name or config.model
             _banner(name, args.host, args.port, engine.device, blocks, config.block_size, tls)
