@@ -117,7 +117,11 @@ def build_store(
     if not levels:
         return None
     store = TieredStore(
-        levels, metrics=StoreMetrics(registry), clock=time.time, record_events=record_events
+        levels,
+        metrics=StoreMetrics(registry),
+        clock=time.time,
+        record_events=record_events,
+        tombstone_ttl_s=config.security.tombstone_ttl_s,
     )
     store.start()
     return store

@@ -49,8 +49,8 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
-from kvstrata.store.erasure import ErasingCore
 from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.erasure import ErasingCore
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.state import PREFETCH

@@ -2,8 +2,9 @@
 
 Layout: ``root/objects/<first two hex digits>/<key hex>.kv`` (format: ``disk_format``),
 ``root/TOMBSTONES`` (deletions, ``disk_tombstones``: the recovery scan removes every object a
-live tombstone covers, e.g. a file whose unlink a SIGKILL interrupted), plus ``root/LOCK``, held with ``flock`` so that two live tiers never share a directory (a recovery
-scan deletes temp files, which would destroy a live writer's work).
+live tombstone covers, e.g. a file whose unlink a SIGKILL interrupted), plus ``root/LOCK``,
+held with ``flock`` so that two live tiers never share a directory (a recovery scan deletes
+temp files, which would destroy a live writer's work).
 
 Crash safety: an object is written to a temp file in its final directory, flushed and
 ``fsync``'d, renamed over its final name and the directory is ``fsync``'d. ``rename`` is atomic,

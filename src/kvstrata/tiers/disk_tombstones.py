@@ -34,7 +34,7 @@ _VERSION = "t1"
 
 def encode_line(mark: Tombstone) -> bytes:
     body = f"{_VERSION} {mark.key.hex()} {mark.deleted_at!r} {mark.expires_at!r}"
-    return f"{body} {xxhash.xxh3_64_hexdigest(body.encode("ascii"))}\n".encode("ascii")
+    return f"{body} {xxhash.xxh3_64_hexdigest(body.encode('ascii'))}\n".encode("ascii")
 
 
 def decode_line(line: bytes) -> Tombstone | None:

@@ -637,7 +637,9 @@ class RemoteTier:
                 if len(self._gone_at) > 4096:
                     self._gone_at.popitem(last=False)
         try:
-            deleted = erase_objects(self._client, self._ns, marks, now, self._scripts["erase_object"])
+            deleted = erase_objects(
+                self._client, self._ns, marks, now, self._scripts["erase_object"]
+            )
         except RemoteUnavailable as exc:
             self._count_error("erase")
             raise TierError(f"erasing {len(marks)} objects failed: {exc}") from exc
