@@ -492,6 +492,8 @@ def test_engine_delete_empties_every_tier_and_the_next_request_is_a_full_miss(
         engine.generate(ids, GREEDY, tenant=tenant).run()
     root = engine.block_keys(prompt, "acme")[0]
     keep = engine.block_keys(other_prefix, "acme") + engine.block_keys(prompt, "beta")
+    before = {where.split(":")[0] for where in leftovers(engine, root, float("inf"))}
+    assert before == {"device", "host", "disk", "server"}  # the scan sees every tier
     selector = DeleteSelector("acme", keys=tuple(engine.block_keys(prompt[: 2 * B], "acme")))
     report = engine.call(lambda: engine.delete(selector)).result()
     assert set(report.removed) == {"device", "host", "disk", "remote"}
@@ -547,3 +549,5 @@ def test_delete_while_generations_run_leaves_nothing_created_before_it(
     engine.bridge.store.flush()
     assert root in report.keys and report.total > 0
     assert leftovers(engine, root, deleted_at) == []
+    # what the traffic recomputed after the delete is there again, and the scan sees it
+    assert leftovers(engine, root, float("inf"))

@@ -17,7 +17,8 @@ path can forget the accounting.
 
 Tombstones (``store.tombstones``): a deleted key refuses, until its tombstone expires, every
 admission of an object created at or before the deletion (``_buried``); refusals are counted
-(``kvstrata_tier_admission_rejections_total{reason="tombstoned"}``) and audited (``tombstone_refused``).
+(``kvstrata_tier_admission_rejections_total{reason="tombstoned"}``) and audited
+(``tombstone_refused``).
 
 Every method here whose name starts with ``_`` expects the caller to hold ``self._lock``.
 """
