@@ -4,9 +4,10 @@ Runs on the engine thread (``engine.call(lambda: engine.delete(selector)).result
 two steps, so no block is pending in the pool and no demotion or write-through of this engine
 interleaves. Order: survey (the pool's committed blocks of the tenant, every store level's
 objects, the remote server's), select (``store.deletion.select``: descendants followed across
-holders), the pool first (its deleted blocks are announced with reason ``deleted`` and never
-demoted), then the store (tombstones, then every replica). A sequence still running on a deleted
-block keeps reading it, but cannot publish a block under it (its parent is no longer indexed).
+holders), the store (tombstones, then every replica: ``TieredStore.delete_selected``), then the
+pool (its deleted blocks are announced with reason ``deleted`` and never demoted). A sequence
+still running on a deleted block keeps reading it, but cannot publish a block under it (its
+parent is no longer indexed).
 The remote survey and erase are round trips made on the engine thread: a deletion pauses
 serving for that long.
 """
@@ -35,22 +36,11 @@ def delete_everywhere(
     pool: PagedKVPool, store: TieredStore | None, selector: DeleteSelector, now: float
 ) -> DeleteReport:
     refs = pool_refs(pool, selector.tenant)
-    unreachable: list[str] = []
     if store is not None:
-        survey = store.objects_of(selector.tenant)
-        refs += survey.refs
-        unreachable += survey.unreachable
-    keys = select(selector, refs, now)
-    in_pool = pool.delete(keys)
-    report = DeleteReport(
-        removed={DEVICE_MEDIUM: len(in_pool.removed)}, keys=keys, pending=len(in_pool.held)
-    )
-    if store is not None and keys:
-        in_store = store.delete_keys(keys, now=now)
-        report.removed.update(in_store.removed)
-        report.pending += in_store.pending
-        unreachable += in_store.unreachable
-    elif store is not None:
-        report.removed.update({level.name: 0 for level in store.levels})
-    report.unreachable = list(dict.fromkeys(unreachable))
+        report = store.delete_selected(selector, now=now, extra=refs)
+    else:
+        report = DeleteReport({}, select(selector, refs, now))
+    in_pool = pool.delete(report.keys)
+    report.removed = {DEVICE_MEDIUM: len(in_pool.removed), **report.removed}
+    report.pending += len(in_pool.held)
     return report

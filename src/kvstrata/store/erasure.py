@@ -15,16 +15,18 @@ and no replica can come back:
 A medium that fails in step 2 is reported in ``unreachable``; its replicas stay invisible here
 and are retried when the key is next touched. ``objects_of(tenant)`` surveys what a deletion
 selects from: every level's objects of that tenant (the remote tier asks its server), outside
-the store lock.
+the store lock. ``delete_selected(selector)`` is survey + ``store.deletion.select`` +
+``delete_keys`` for a caller without a device pool of its own (the engine adds its pool's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects.tombstone import ObjectRef, Tombstone
+from kvstrata.store.deletion import DeleteReport, DeleteSelector, select
 from kvstrata.store.state import StoreCore
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.tiers.base import TierError
@@ -107,3 +109,22 @@ class ErasingCore(StoreCore):
                     result.removed[self.levels[index].name] += 1
             result.pending = sum(1 for key in unique if key in self._pending_delete)
         return result
+
+    def delete_selected(
+        self,
+        selector: DeleteSelector,
+        *,
+        now: float | None = None,
+        extra: Iterable[ObjectRef] = (),
+    ) -> DeleteReport:
+        """Delete what ``selector`` names on every level; ``extra``: refs of another holder
+        (a device pool) whose chains the selection follows too."""
+        deleted_at = self.clock() if now is None else now
+        survey = self.objects_of(selector.tenant)
+        keys = select(selector, [*extra, *survey.refs], deleted_at)
+        if keys:
+            done = self.delete_keys(keys, now=deleted_at)
+        else:
+            done = StoreDeletion({level.name: 0 for level in self.levels})
+        unreachable = list(dict.fromkeys(survey.unreachable + done.unreachable))
+        return DeleteReport(dict(done.removed), keys, done.pending, unreachable)
