@@ -126,6 +126,7 @@ def build_store(
         clock=time.time,
         record_events=record_events,
         audit=audit,
+        tombstone_ttl_s=config.security.tombstone_ttl_s,
     )
     store.start()
     return store

@@ -23,6 +23,11 @@ never tokens. A digest failure is recorded where the load found it and marked, s
 report of the same drop adds no second line; a drop while no invalidation happened is an
 expiry.
 
+Tombstones (``store.tombstones``): a deleted key refuses, until its tombstone expires, every
+admission of an object created at or before the deletion (``_buried``); refusals are counted
+(``kvstrata_tier_admission_rejections_total{reason="tombstoned"}``) and audited
+(``tombstone_refused``).
+
 Every method here whose name starts with ``_`` expects the caller to hold ``self._lock``.
 """
 
@@ -36,10 +41,12 @@ from contextlib import AbstractContextManager
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.events import EventFeed, StoreEvent
 from kvstrata.store.levels import Level, RequestScope, UseCounter
 from kvstrata.store.policy import EvictionPolicy
+from kvstrata.store.tombstones import Tombstones
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import Tier, TierError
 
@@ -57,12 +64,14 @@ class StoreCore:
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.time,
         record_events: bool = False,
+        tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S,
         audit: AuditLog = NULL_AUDIT,
     ) -> None:
         self.levels = [Level(tier, policy, config) for tier, policy, config in levels]
         self.metrics = metrics if metrics is not None else StoreMetrics()
         self.audit = audit
         self.clock = clock
+        self.tombstones = Tombstones(tombstone_ttl_s)
         self._lock = threading.RLock()
         self._feed = EventFeed(
             record_events, shared=[lvl.name for lvl in self.levels if lvl.tier.evicts_itself]
@@ -80,6 +89,7 @@ class StoreCore:
         self._invalid_seen: dict[str, int] = {}  # level name → tier invalidations accounted
         now = clock()
         for level in self.levels:
+            self.tombstones.restore(level.tier.recovered_tombstones(), now)
             for key in list(level.tier.keys()):  # objects recovered from a durable medium
                 meta = level.tier.meta(key)
                 if meta is not None:
@@ -246,11 +256,30 @@ class StoreCore:
     def _held_anywhere(self, key: BlockKey) -> bool:
         return any(level.tier.meta(key) is not None for level in self.levels)
 
-    def _finish_delete(self, key: BlockKey) -> int:
-        removed = 0
+    def _buried(self, level: Level, meta: KVObjectMeta) -> bool:
+        """Does a deletion's tombstone refuse ``meta`` here? (Counted and audited if so.)"""
+        if not self.tombstones.covers(meta.key, meta.created_at, self.clock()):
+            return False
+        self._refused_buried(level, meta)
+        return True
+
+    def _refused_buried(self, level: Level, meta: KVObjectMeta) -> None:
+        self.metrics.rejections.labels(tier=level.name, reason="tombstoned").inc()
+        self.audit.record(
+            Action.TOMBSTONE_REFUSED,
+            "late_write",
+            tenant=meta.tenant,
+            tier=level.name,
+            keys=[meta.key],
+        )
+
+    def _finish_delete(self, key: BlockKey, skip: frozenset[int] = frozenset()) -> list[int]:
+        """Remove ``key``'s replicas from every level but ``skip``; the levels it left now.
+        What cannot go yet (pinned, in flight, a medium down) keeps the key pending."""
+        removed: list[int] = []
         failed = False
         for index, level in enumerate(self.levels):
-            if (index, key) in self._storing:
+            if (index, key) in self._storing or index in skip:
                 continue  # its completion sees the pending delete and removes it
             known = level.tier.meta(key) if level.tier.evicts_itself else None
             try:
@@ -262,7 +291,7 @@ class StoreCore:
             if gone:
                 level.policy.on_remove(key)
                 self._gone(level, key, None if known is None else known.tenant)
-                removed += 1
+                removed.append(index)
                 self._publish(level)
         if failed or any(level.tier.reserved(key) for level in self.levels):
             self._pending_delete.add(key)
