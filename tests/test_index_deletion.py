@@ -114,7 +114,9 @@ def test_late_replayed_and_stale_dump_events_cannot_resurrect_later_ones_can() -
     index.replace_worker("w0", 7, stale_dump, next_seq=10)  # taken after: the block is back
     assert blocks(index, doc) == {"w0": 4}
 
-    index.delete("acme", router_hashes=index.request_hashes("acme", doc), positions=positions(w0=12))
+    index.delete(
+        "acme", router_hashes=index.request_hashes("acme", doc), positions=positions(w0=12)
+    )
     put(index, "w0", doc, seq=12)  # stored again after the deletion: a fact
     assert blocks(index, doc) == {"w0": 4}
 

@@ -114,11 +114,13 @@ def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
     from kvstrata.index.core import ConsistencyMode
 
     model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)
+    settings = worker_config(args)
     config = FleetConfig(
         policy=args.policy,
         mode=ConsistencyMode(args.index),
         worker_urls=urls,
-        tenant_secret=worker_config(args).tenant_secret,
+        tenant_secret=settings.tenant_secret,
+        tombstone_ttl_s=settings.security.tombstone_ttl_s,
     )
     fleet = Fleet(FleetTokenizer(model_dir), config)
     for url in urls:

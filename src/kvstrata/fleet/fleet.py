@@ -52,12 +52,14 @@ from kvstrata.fleet.workers import (
     fetch_info,
 )
 from kvstrata.identity import secret_digest
-from kvstrata.index.core import ConsistencyMode, GlobalIndex, Medium
+from kvstrata.index.core import ConsistencyMode, GlobalIndex, IndexDeletion, Medium
+from kvstrata.index.tombstones import StreamPosition
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import RouteDecision, RouteRequest
 from kvstrata.router.policies import POLICIES
 from kvstrata.runtime import tokenization
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _log = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ class FleetConfig:
     request_timeout_s: float = 600.0
     tenant_secret: bytes = b""
     worker_urls: list[str] = field(default_factory=list)
+    tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
+    """How long the index refuses late events of deleted blocks (``security.tombstone_ttl_s``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +189,7 @@ class Fleet:
                 info.block_size,
                 mode=self.config.mode,
                 tenant_secret=self.config.tenant_secret,
+                tombstone_ttl_s=self.config.tombstone_ttl_s,
             )
             events = EventPlane(index, self._lock)
             # Registering may run the collector, which takes the lock: do it outside.
@@ -307,6 +312,36 @@ class Fleet:
                 )
                 for state in self._table.by_id.values()
             ]
+
+    def deletion_targets(self) -> list[tuple[str | None, str]]:
+        """Every worker a deletion must reach, healthy or not: (worker id if known, base URL)."""
+        table = self._table
+        urls = list(dict.fromkeys([*self.config.worker_urls, *table.by_url]))
+        return [(table.by_url.get(url), url) for url in urls]
+
+    def apply_deletion(
+        self,
+        tenant: str,
+        *,
+        everything: bool,
+        tokens: list[int] | None,
+        engine_hashes: Sequence[int],
+        positions: Mapping[str, StreamPosition],
+    ) -> IndexDeletion | None:
+        """The index side of a deletion (``GlobalIndex.delete``); None before any attach."""
+        with self._lock:
+            if self._index is None:
+                return None
+            index = self._index
+            hashes: Sequence[int] = index.request_hashes(tenant, tokens).tolist() if tokens else []
+            return index.delete(
+                tenant,
+                everything=everything,
+                router_hashes=hashes,
+                engine_hashes=engine_hashes,
+                positions=positions,
+                now=time.time(),
+            )
 
     def close(self) -> None:
         if self._events is not None:

@@ -39,8 +39,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
+from kvstrata.fleet.deletion import register_deletion
 from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.identity import DEFAULT_TENANT
+from kvstrata.security import Authenticator
+from kvstrata.serve.auth import HttpAuth
 from kvstrata.serve.protocol import (
     MAX_TENANT_CHARS,
     ChatCompletionRequest,
@@ -94,7 +97,9 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
     return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
 
 
-def create_frontdoor_app(fleet: Fleet) -> FastAPI:
+def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
+    """``auth``: the front door's guard (None: single-tenant, nothing privileged)."""
+    guard = auth if auth is not None else HttpAuth(Authenticator())
     client: httpx.AsyncClient | None = None
 
     @asynccontextmanager
@@ -110,6 +115,7 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
             fleet.close()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
+    register_deletion(app, fleet, guard)
 
     async def handle(endpoint: str, request: Request) -> Response:
         assert client is not None

@@ -446,7 +446,7 @@ class GlobalIndex:
         namespace: str,
         *,
         everything: bool = False,
-        router_hashes: Sequence[int] = (),
+        router_hashes: RouterHashes | Sequence[int] = (),
         engine_hashes: Iterable[BlockHash] = (),
         positions: Mapping[str, StreamPosition] | None = None,
         now: float | None = None,
@@ -465,6 +465,8 @@ class GlobalIndex:
         is rare; matching and events pay nothing while no tombstone lives).
         """
         now = self._clock() if now is None else now
+        if isinstance(router_hashes, np.ndarray):
+            router_hashes = router_hashes.tolist()
         if everything:
             targets = self._lineage.namespace(namespace)
         else:
