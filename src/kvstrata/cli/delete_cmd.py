@@ -98,11 +98,12 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    if args.api_key_file is not None:
+    path: Path | None = args.api_key_file
+    if path is not None:
         try:
-            return args.api_key_file.read_text(encoding="utf-8").strip()
+            return path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"--api-key-file {args.api_key_file}: {exc}") from exc
+            raise InvalidInput(f"--api-key-file {path}: {exc}") from exc
     from_env = os.environ.get(API_KEY_ENV)
     return from_env or None
 
