@@ -31,6 +31,7 @@ from kvstrata.cli.main import main as cli_main
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel, ensure_checkpoint
+from kvstrata.events import decode_batch
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
 from kvstrata.fleet.frontdoor import create_frontdoor_app
 from kvstrata.identity import BlockKey
@@ -41,7 +42,6 @@ from kvstrata.security import AuditLog, Authenticator, Role
 from kvstrata.security.keys import generate_api_key, keys_entry_toml
 from kvstrata.serve.app import create_app
 from kvstrata.serve.auth import HttpAuth
-from kvstrata.serve.deletion import register_deletion
 from kvstrata.store.deletion import DeleteReport, DeleteSelector
 from kvstrata.telemetry import KvMetrics
 from kvstrata.tiers.remote_client import RemoteConfig
@@ -90,6 +90,7 @@ class Keys:
     admin: str
     fleet: str
     acme: str
+    globex: str
     file: Path
 
 
@@ -113,7 +114,8 @@ class FleetUnderTest:
 
     def complete(self, prompt: str, tenant: str = "acme") -> dict[str, Any]:
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0}
-        headers = {"Authorization": f"Bearer {self.keys.acme}", "X-Kvstrata-Tenant": tenant}
+        key = self.keys.globex if tenant == "globex" else self.keys.acme
+        headers = {"Authorization": f"Bearer {key}"}
         response = self.router.post("/v1/completions", json=body, headers=headers)
         assert response.status_code == 200, response.text
         answer: dict[str, Any] = response.json()
@@ -129,14 +131,15 @@ class FleetUnderTest:
 
 
 def _keys(tmp_path: Path) -> Keys:
-    admin, fleet, acme = generate_api_key(), generate_api_key(), generate_api_key()
+    admin, fleet, acme, globex = (generate_api_key() for _ in range(4))
     path = tmp_path / "keys.toml"
     path.write_text(
         keys_entry_toml("ops", admin, "ops", [Role.ADMIN], False)
         + keys_entry_toml("router", fleet, "ops", [Role.FLEET], False)
         + keys_entry_toml("acme-app", acme, "acme", [Role.TENANT], False)
+        + keys_entry_toml("globex-app", globex, "globex", [Role.TENANT], False)
     )
-    return Keys(admin, fleet, acme, path)
+    return Keys(admin, fleet, acme, globex, path)
 
 
 def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -182,14 +185,14 @@ def fleet(
             stack.callback(engine.close)
             if not hasattr(ReferenceEngine, "delete"):
                 engine.delete = _stub_delete(engine)  # type: ignore[attr-defined]
-            app = create_app(engine, model_name="tiny", metrics=metrics)
-            register_deletion(app, engine, HttpAuth(Authenticator(keys.file), worker_audit))
+            auth = HttpAuth(Authenticator(keys.file), worker_audit)
+            app = create_app(engine, model_name="tiny", metrics=metrics, auth=auth)
             client = stack.enter_context(serving(app))
             workers.append(Worker(engine, emitter, client))
         urls = [str(w.client.base_url).rstrip("/") for w in workers]
         fleet = Fleet(
             FleetTokenizer(ensure_checkpoint("tiny")),
-            FleetConfig(worker_urls=urls, health_interval_s=0.2),
+            FleetConfig(worker_urls=urls, health_interval_s=0.2, api_key=keys.fleet),
         )
         for url in urls:
             fleet.attach(url)
@@ -249,7 +252,7 @@ def test_delete_a_prefix_under_traffic_leaves_nothing_anywhere(fleet: FleetUnder
     for worker in fleet.workers:  # both workers hold the prompt and a descendant
         for text in (PROMPT, longer):
             body = {"prompt": text, "max_tokens": 2, "temperature": 0.0}
-            headers = {"X-Kvstrata-Tenant": "acme", "Authorization": f"Bearer {fleet.keys.acme}"}
+            headers = {"Authorization": f"Bearer {fleet.keys.acme}"}
             assert worker.client.post("/v1/completions", json=body, headers=headers).is_success
     fleet.complete(PROMPT, tenant="globex")  # the same prompt, another tenant: stays
     _wait(lambda: min(fleet.matched(tokens).values()) > 0, "the index to hold the prompt")
@@ -312,9 +315,8 @@ def test_late_and_stale_events_do_not_resurrect_index_entries(fleet: FleetUnderT
     worker_id = next(w for w, n in fleet.matched(tokens).items() if n > 0)
     _wait(lambda: fleet.matched(tokens)[worker_id] > 0, "the index to hold the prompt")
     worker = fleet.workers[int(worker_id[1:])]
-    from kvstrata.events import decode_batch
-
-    before = worker.client.get("/kv/dump")  # a dump taken before the deletion
+    # a dump taken before the deletion (with the router's fleet key)
+    before = worker.client.get("/kv/dump", headers={"Authorization": f"Bearer {fleet.keys.fleet}"})
     stale = decode_batch(before.content).batch
     stale_seq = int(before.headers["X-Kvstrata-Next-Seq"])
     assert any(e for e in stale.events)

@@ -9,6 +9,7 @@ from kvstrata.cli import (
     bench_cmd,
     config_cmd,
     delete_cmd,
+    keys_cmd,
     serve_cmd,
     sim_cmd,
     up_cmd,
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     up_cmd.register(sub)
     config_cmd.register(sub)
     delete_cmd.register(sub)
+    keys_cmd.register(sub)
     return parser
 
 

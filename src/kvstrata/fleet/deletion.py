@@ -32,12 +32,11 @@ from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.index.tombstones import StreamPosition
 from kvstrata.security import ADMINISTER, Action, AuditLog
-from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth
+from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.deletion_protocol import (
     DELETE_PATH,
     DeleteRequest,
     parse_delete_body,
-    request_id_of,
 )
 from kvstrata.serve.protocol import error_response
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,8 @@ class EventPlane:
         subscribe_settle_s: float = 0.2,
         replay_timeout_s: float = 1.0,
         on_resync: Callable[[str, str], None] | None = None,
+        api_key: str | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.index = index
         self.lock = lock
@@ -67,7 +70,9 @@ class EventPlane:
         self._commands: queue.Queue[tuple[str, object, Future[object]]] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._http = httpx.Client(timeout=30.0)
+        self._api_key = api_key
+        """The router's fleet key, presented to read a worker's ``/kv/dump``."""
+        self._http = httpx.Client(timeout=30.0, verify=verify)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -162,7 +167,7 @@ class EventPlane:
             self.index.remove_worker(worker_id)
 
     def _load_dump(self, worker_id: str, stream: _Stream) -> None:
-        dump = fetch_dump(self._http, stream.info.base_url)
+        dump = fetch_dump(self._http, stream.info.base_url, self._api_key)
         with self.lock:
             self.index.replace_worker(
                 worker_id, dump.epoch, dump.events, ts=dump.ts, next_seq=dump.next_seq

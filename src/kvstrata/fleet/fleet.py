@@ -50,6 +50,7 @@ from kvstrata.fleet.workers import (
     WorkerState,
     default_profile,
     fetch_info,
+    worker_tls,
 )
 from kvstrata.identity import secret_digest
 from kvstrata.index.core import ConsistencyMode, GlobalIndex, IndexDeletion, Medium
@@ -92,6 +93,10 @@ class FleetConfig:
     worker_urls: list[str] = field(default_factory=list)
     tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
     """How long the index refuses late events of deleted blocks (``security.tombstone_ttl_s``)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The router's fleet key: presented to workers' ``/kv/info`` and ``/kv/dump``."""
+    tls_ca_file: Path | None = None
+    """The CA bundle that verifies workers' HTTPS (None: the system CAs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +164,7 @@ class Fleet:
         self._index: GlobalIndex | None = None
         self._router: Router | None = None
         self._events: EventPlane | None = None
-        self._http = http or httpx.Client(timeout=10.0)
+        self._http = http or httpx.Client(timeout=10.0, verify=worker_tls(config.tls_ca_file))
 
     # ------------------------------------------------------------------ workers
     def _profile(self, worker_id: str) -> CostProfile:
@@ -191,7 +196,12 @@ class Fleet:
                 tenant_secret=self.config.tenant_secret,
                 tombstone_ttl_s=self.config.tombstone_ttl_s,
             )
-            events = EventPlane(index, self._lock)
+            events = EventPlane(
+                index,
+                self._lock,
+                api_key=self.config.api_key,
+                verify=worker_tls(self.config.tls_ca_file),
+            )
             # Registering may run the collector, which takes the lock: do it outside.
             self.metrics.export_index(index, events.stats, self._lock)
             events.start()
@@ -211,7 +221,7 @@ class Fleet:
         Lifecycle: one caller at a time (startup, then the health round). No lock is held
         while it talks to the worker or waits on the event plane.
         """
-        info = fetch_info(self._http, base_url)
+        info = fetch_info(self._http, base_url, self.config.api_key)
         if info.secret_digest != self._secret_digest:
             self.metrics.worker_events.labels(info.worker_id, "refused_secret").inc()
             raise WorkerProtocolError(
@@ -269,7 +279,7 @@ class Fleet:
             worker_id = table.by_url.get(url)
             state = table.by_id.get(worker_id) if worker_id else None
             try:
-                info = fetch_info(self._http, url)
+                info = fetch_info(self._http, url, self.config.api_key)
             except (httpx.HTTPError, WorkerProtocolError):
                 if state is not None:
                     with self._lock:

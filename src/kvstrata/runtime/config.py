@@ -297,12 +297,17 @@ def _security(table: _Reader) -> SecurityConfig:
     cert, key = table.get("tls_cert_file"), table.get("tls_key_file")
     if (cert is None) != (key is None):
         raise table.fail("tls_key_file", "tls_cert_file and tls_key_file go together")
-    for name in ("keys_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
+    for name in ("keys_file", "fleet_key_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
         path = table.get(name)
         if path is not None and not path.is_file():
             raise table.fail(name, f"no such file: {path}")
+    fleet_key_file = table.get("fleet_key_file")
+    fleet_key = _read_secret(fleet_key_file, "security.fleet_key_file", table.where)
+    if fleet_key_file is not None and not fleet_key.strip():
+        raise table.fail("fleet_key_file", "the fleet key file is empty")
     return SecurityConfig(
         keys_file=table.get("keys_file"),
+        fleet_key=fleet_key.decode("utf-8").strip() or None,
         audit_path=table.get("audit_path"),
         tombstone_ttl_s=ttl,
         tls_cert_file=cert,

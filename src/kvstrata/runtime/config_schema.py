@@ -139,6 +139,14 @@ KEYS: Final[tuple[Key, ...]] = (
         "API keys file (hashes → tenant, roles; reloaded when it changes); unset: "
         "single-tenant, admin/debug/dump endpoints off (see docs/security.md)",
     ),
+    Key(
+        "security.fleet_key_file",
+        "path",
+        None,
+        "file holding the router's fleet key: one more credential (role fleet, reads "
+        "`/kv/info` and `/kv/dump`) beside the keys file, or alone while clients stay "
+        "anonymous (`kvstrata up` generates it)",
+    ),
     Key("security.audit_path", "path", None, "audit JSON lines go here (unset: the log)"),
     Key(
         "security.tombstone_ttl_s",
@@ -272,6 +280,7 @@ _OVERRIDE_LIST: Final = (
     ),
     Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
     Override("keys_file", "security.keys_file", _set("security.keys_file")),
+    Override("fleet_key_file", "security.fleet_key_file", _set("security.fleet_key_file")),
     Override("audit_path", "security.audit_path", _set("security.audit_path")),
     Override("tombstone_ttl_s", "security.tombstone_ttl_s", _set("security.tombstone_ttl_s")),
     Override("tls_cert_file", "security.tls_cert_file", _set("security.tls_cert_file")),
@@ -287,6 +296,7 @@ PATH_OVERRIDES: Final = frozenset(
         "tenant_secret_file",
         "stats_path",
         "keys_file",
+        "fleet_key_file",
         "audit_path",
         "tls_cert_file",
         "tls_key_file",

@@ -7,12 +7,19 @@ never the body) and raises ``ApiError`` 401 (with ``WWW-Authenticate: Bearer``) 
 ``namespace(principal, body_value, header_value)`` is the tenant a generation runs in: the
 key's tenant, narrowed only as the key allows (``Principal.namespace``); body field and
 header must agree.
+
+Request ids: ``request_id_of(request)`` is the client's ``X-Request-Id`` when it is a plain
+token (1..64 of ``[A-Za-z0-9_-]``), else a fresh one; kept on the request, so the guard's
+audit records and the handler's logs name the same id (the front door forwards it).
 """
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from collections.abc import Iterable
+from typing import Final
 
 from fastapi import Request
 
@@ -21,6 +28,21 @@ from kvstrata.security import NULL_AUDIT, Action, AuditLog, Authenticator, Princ
 
 TENANT_HEADER = "X-Kvstrata-Tenant"
 REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def request_id_of(request: Request) -> str:
+    """The request's id: a valid incoming ``X-Request-Id`` or a new one (the same on every
+    call for one request)."""
+    known = getattr(request.state, "kvstrata_request_id", None)
+    if isinstance(known, str):
+        return known
+    incoming = request.headers.get(REQUEST_ID_HEADER)
+    chosen = (
+        incoming if incoming is not None and _REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+    )
+    request.state.kvstrata_request_id = chosen
+    return chosen
 
 
 class HttpAuth:
@@ -53,6 +75,8 @@ class HttpAuth:
                 principal, allowed, action, open_single_tenant=open_single_tenant
             )
         except AuthError as exc:
+            if exc.status == 401 and request.headers.get("authorization") is not None:
+                exc = AuthError(401, "unknown credential", reason="unknown_key")
             raise self._refused(exc, request, principal, request_id) from None
         return principal
 
@@ -90,7 +114,7 @@ class HttpAuth:
                 exc.reason,
                 tenant=None if principal is None else principal.tenant,
                 key_id=None if principal is None else principal.key_id,
-                request_id=request_id or request.headers.get(REQUEST_ID_HEADER),
+                request_id=request_id or request_id_of(request),
                 plane=f"http {request.method} {request.url.path}",
             )
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
@@ -100,4 +124,4 @@ class HttpAuth:
         return ApiError(exc.status, str(exc), type=error_type, code=exc.reason, headers=headers)
 
 
-__all__ = ["REQUEST_ID_HEADER", "TENANT_HEADER", "HttpAuth"]
+__all__ = ["REQUEST_ID_HEADER", "TENANT_HEADER", "HttpAuth", "request_id_of"]

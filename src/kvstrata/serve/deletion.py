@@ -33,13 +33,12 @@ from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.errors import ApiError
 from kvstrata.identity import BlockKey
 from kvstrata.security import ADMINISTER, Action, AuditLog
-from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth
+from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.deletion_protocol import (
     DELETE_PATH,
     DeleteRequest,
     SelectorKind,
     parse_delete_body,
-    request_id_of,
 )
 from kvstrata.serve.protocol import error_response
 from kvstrata.store.deletion import DeleteReport, DeleteSelector
@@ -129,4 +128,4 @@ def _hex(key: BlockKey) -> str:
     return bytes(key).hex()
 
 
-__all__ = ["DELETE_PATH", "SelectorKind", "register_deletion", "request_id_of"]
+__all__ = ["DELETE_PATH", "SelectorKind", "register_deletion"]

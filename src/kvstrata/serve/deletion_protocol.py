@@ -16,28 +16,17 @@ record's reason; the prompt itself is never logged.
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from enum import StrEnum
 from typing import Final, Self
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstrata.errors import ApiError
 from kvstrata.security.keys import MAX_NAMESPACE_CHARS, valid_namespace
-from kvstrata.serve.auth import REQUEST_ID_HEADER
 from kvstrata.serve.protocol import ChatCompletionRequest, ChatMessage
 
 DELETE_PATH: Final = "/admin/delete"
 MAX_DELETE_TOKENS: Final = 1 << 20
-_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def request_id_of(request: Request) -> str:
-    """The caller's ``X-Request-Id`` when well formed (it joins the audit trail), else new."""
-    given = request.headers.get(REQUEST_ID_HEADER)
-    return given if given is not None and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 class SelectorKind(StrEnum):
@@ -124,5 +113,4 @@ __all__ = [
     "DeleteRequest",
     "SelectorKind",
     "parse_delete_body",
-    "request_id_of",
 ]
