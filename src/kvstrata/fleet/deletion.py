@@ -9,7 +9,8 @@ tenant's namespace, or the prompt's router hashes and their descendants, plus ev
 workers report, leave every worker slot and the shared tier, tombstoned at each worker's
 ``events_next_seq`` so that a late or replayed event cannot bring them back.
 
-Answer: ``status`` ``ok`` (every worker confirmed; HTTP 200), ``partial`` (some did not) or
+Answer: ``status`` ``ok`` (every worker confirmed; HTTP 200), ``partial`` (some did not:
+unreachable, refused, or a tier whose medium failed there) or
 ``failed`` (none did; both HTTP 502, since replicas may remain: run it again), the per-tier
 sums, distinct deleted keys, and one entry per worker (its counts, or why it failed). One
 audit line (``delete``, component ``router``) with the counts and the keys; never the prompt.
@@ -52,17 +53,24 @@ class WorkerOutcome:
     removed: dict[str, int] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
     pending: int = 0
+    unreachable: list[str] = field(default_factory=list)
+    """Tiers whose medium failed on the worker: its deletion is not confirmed."""
     position: StreamPosition | None = None
     error: dict[str, Any] | None = None
+
+    @property
+    def confirmed(self) -> bool:
+        return self.error is None and not self.unreachable
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "worker_id": self.worker_id,
             "url": self.url,
-            "status": "ok" if self.error is None else "failed",
+            "status": "ok" if self.confirmed else "failed",
             "removed": self.removed,
             "deleted_keys": len(self.keys),
             "pending": self.pending,
+            "unreachable": self.unreachable,
         }
         if self.error is not None:
             out["error"] = self.error
@@ -95,11 +103,11 @@ def register_deletion(
                     for worker_id, url in fleet.deletion_targets()
                 )
             )
-        confirmed = [o for o in outcomes if o.error is None]
-        keys = sorted({key for o in confirmed for key in o.keys})
+        answered = [o for o in outcomes if o.error is None]  # a failed tier still deleted some
+        keys = sorted({key for o in answered for key in o.keys})
         positions = {
             o.worker_id: o.position
-            for o in confirmed
+            for o in answered
             if o.worker_id is not None and o.position is not None
         }
         index = await asyncio.to_thread(
@@ -110,10 +118,10 @@ def register_deletion(
             engine_hashes=[event_block_hash(BlockKey(bytes.fromhex(k))) for k in keys],
             positions=positions,
         )
-        removed = _sums(o.removed for o in confirmed)
-        pending = sum(o.pending for o in confirmed)
-        failed = len(outcomes) - len(confirmed)
-        status = "ok" if not failed else ("partial" if confirmed else "failed")
+        removed = _sums(o.removed for o in answered)
+        pending = sum(o.pending for o in answered)
+        failed = sum(not o.confirmed for o in outcomes)
+        status = "ok" if not failed else ("partial" if failed < len(outcomes) else "failed")
         audit.record(
             Action.DELETE,
             body.kind.value,
@@ -213,6 +221,10 @@ def _read_answer(outcome: WorkerOutcome, answer: Mapping[str, Any]) -> None:
     outcome.removed = {k: int(v) for k, v in removed.items()}
     outcome.keys = [k.lower() for k in keys]
     outcome.pending = int(answer.get("pending", 0))
+    unreachable = answer.get("unreachable", [])
+    if not isinstance(unreachable, list) or not all(isinstance(t, str) for t in unreachable):
+        raise ValueError("unreachable must list tier names")
+    outcome.unreachable = list(unreachable)
     if isinstance(next_seq, int) and (epoch is None or isinstance(epoch, int)):
         outcome.position = StreamPosition(epoch, next_seq)
 

@@ -12,9 +12,11 @@ earlier ``BlockStored`` of a deleted key (``index.tombstones``).
 
 Answer::
 
-    {"removed": {tier: n}, "deleted_keys": n, "pending": n, "keys": [hex, ...],
+    {"removed": {tier: n}, "deleted_keys": n, "pending": n, "unreachable": [tier, ...],
+     "keys": [hex, ...],
      "events_next_seq": S, "events_epoch": E, "worker_id": W}
 
+``unreachable`` names tiers whose medium failed (their replicas may remain: not confirmed).
 ``keys`` (block keys in hex: object ids, never tokens) tell the router which entries go when
 the worker chose them (``older_than``). One audit line (``delete``; reason = the selector
 kind; tenant, key id, request id, counts per tier and the keys) records it; never the prompt.
@@ -117,6 +119,7 @@ def answer_body(report: DeleteReport, outcome: _Outcome) -> dict[str, Any]:
         "removed": dict(report.removed),
         "deleted_keys": len(report.keys),
         "pending": report.pending,
+        "unreachable": list(report.unreachable),
         "keys": [_hex(key) for key in report.keys],
         "events_next_seq": outcome.next_seq,
         "events_epoch": outcome.epoch,

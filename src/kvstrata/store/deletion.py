@@ -8,7 +8,7 @@ the deletion plane (``serve.deletion``, ``fleet.deletion``) be written against i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstrata.identity import BlockKey
 
@@ -33,6 +33,8 @@ class DeleteReport:
     """Every key deleted (audit, index)."""
     pending: int = 0
     """Replicas pinned or in flight: invisible now, removed when released."""
+    unreachable: list[str] = field(default_factory=list)
+    """Tiers whose medium failed: their replicas may remain (invisible here)."""
 
 
 __all__ = ["DeleteReport", "DeleteSelector"]
