@@ -8,6 +8,7 @@ import sys
 from kvstrata.cli import (
     bench_cmd,
     config_cmd,
+    delete_cmd,
     keys_cmd,
     serve_cmd,
     sim_cmd,
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cmd.register(sub)
     up_cmd.register(sub)
     config_cmd.register(sub)
+    delete_cmd.register(sub)
     keys_cmd.register(sub)
     return parser
 

@@ -154,6 +154,7 @@ def _serve_frontdoor(
         api_key=api_key,
         tls_ca_file=security.tls_ca_file,
         curve_client_secret_file=curve_secret_file or getattr(args, "curve_secret_file", None),
+        tombstone_ttl_s=security.tombstone_ttl_s,
     )
     fleet = Fleet(FleetTokenizer(model_dir), config)
     for url in urls:

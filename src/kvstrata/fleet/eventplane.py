@@ -182,7 +182,9 @@ class EventPlane:
     def _load_dump(self, worker_id: str, stream: _Stream) -> None:
         dump = fetch_dump(self._http, stream.info.base_url, self._api_key)
         with self.lock:
-            self.index.replace_worker(worker_id, dump.epoch, dump.events, ts=dump.ts)
+            self.index.replace_worker(
+                worker_id, dump.epoch, dump.events, ts=dump.ts, next_seq=dump.next_seq
+            )
         stream.subscriber.resume_from(dump.next_seq)
 
     def _poll(self, worker_id: str, stream: _Stream) -> bool:
@@ -190,7 +192,7 @@ class EventPlane:
         if result.batches:
             with self.lock:
                 for received in result.batches:
-                    self.index.apply_batch(worker_id, received.batch)
+                    self.index.apply_batch(worker_id, received.batch, seq=received.seq)
         if result.resync_needed:
             self._resync(worker_id, stream, "gap")
         return bool(result.batches) or result.resync_needed

@@ -55,12 +55,14 @@ from kvstrata.fleet.workers import (
     worker_tls,
 )
 from kvstrata.identity import secret_digest
-from kvstrata.index.core import ConsistencyMode, GlobalIndex, Medium
+from kvstrata.index.core import ConsistencyMode, GlobalIndex, IndexDeletion, Medium
+from kvstrata.index.tombstones import StreamPosition
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import RouteDecision, RouteRequest
 from kvstrata.router.policies import POLICIES
 from kvstrata.runtime import tokenization
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _log = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ class FleetConfig:
     """The router's CURVE certificate (secret): with it, the fleet subscribes to CURVE workers
     (whose public keys ``/kv/info`` advertises) and refuses plaintext ones; without it, it
     refuses CURVE workers. No silent downgrade either way."""
+    tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
+    """How long the index refuses late events of deleted blocks (``security.tombstone_ttl_s``)."""
     api_key: str | None = field(default=None, repr=False)
     """The router's fleet key: presented to workers' ``/kv/info`` and ``/kv/dump``."""
     tls_ca_file: Path | None = None
@@ -202,6 +206,7 @@ class Fleet:
                 info.block_size,
                 mode=self.config.mode,
                 tenant_secret=self.config.tenant_secret,
+                tombstone_ttl_s=self.config.tombstone_ttl_s,
             )
             events = EventPlane(
                 index,
@@ -337,6 +342,36 @@ class Fleet:
                 )
                 for state in self._table.by_id.values()
             ]
+
+    def deletion_targets(self) -> list[tuple[str | None, str]]:
+        """Every worker a deletion must reach, healthy or not: (worker id if known, base URL)."""
+        table = self._table
+        urls = list(dict.fromkeys([*self.config.worker_urls, *table.by_url]))
+        return [(table.by_url.get(url), url) for url in urls]
+
+    def apply_deletion(
+        self,
+        tenant: str,
+        *,
+        everything: bool,
+        tokens: list[int] | None,
+        engine_hashes: Sequence[int],
+        positions: Mapping[str, StreamPosition],
+    ) -> IndexDeletion | None:
+        """The index side of a deletion (``GlobalIndex.delete``); None before any attach."""
+        with self._lock:
+            if self._index is None:
+                return None
+            index = self._index
+            hashes: Sequence[int] = index.request_hashes(tenant, tokens).tolist() if tokens else []
+            return index.delete(
+                tenant,
+                everything=everything,
+                router_hashes=hashes,
+                engine_hashes=engine_hashes,
+                positions=positions,
+                now=time.time(),
+            )
 
     def close(self) -> None:
         if self._events is not None:

@@ -50,6 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
+from kvstrata.fleet.deletion import register_deletion
 from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.fleet.workers import worker_tls
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
@@ -117,6 +118,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             fleet.close()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
+    register_deletion(app, fleet, guard)
     app.exception_handler(ApiError)(api_error_handler)
 
     async def handle(endpoint: str, request: Request) -> Response:

@@ -46,6 +46,7 @@ from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth, request_id_of
+from kvstrata.serve.deletion import DELETE_PATH, register_deletion
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
 from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits, output_budget
 from kvstrata.serve.protocol import (
@@ -60,7 +61,7 @@ logger = logging.getLogger("kvstrata.serve")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", DELETE_PATH})
 KV_ENDPOINTS = frozenset(
     {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events"}
 )
@@ -112,6 +113,7 @@ def create_app(
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
     app.exception_handler(StarletteHTTPException)(protocol.http_error_handler)
     register_admin(app, engine.bridge.store if engine.bridge is not None else None, guard)
+    register_deletion(app, engine, guard)
     register_kv_state(
         app, engine, model_name=model_name, auth=guard, debug_endpoints=debug_endpoints
     )
