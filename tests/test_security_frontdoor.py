@@ -110,14 +110,19 @@ def test_debug_route_answers_observers_in_their_own_namespace_only(front: Front)
         client.post("/debug/route", json={"prompt": PROMPT}, headers=auth("A")).status_code == 403
     )
     assert client.post("/debug/route", json={"prompt": PROMPT}).status_code == 401
-    own = client.get(
-        "/debug/route", params={"prompt": "x", "tenant": "tenantA"}, headers=auth("OBS")
+    own = client.post(
+        "/debug/route", json={"prompt": "x", "kvstrata_tenant": "tenantA"}, headers=auth("OBS")
     )
     assert own.status_code == 200
-    probe = client.get(
-        "/debug/route", params={"prompt": PROMPT, "tenant": "tenantB"}, headers=auth("OBS")
+    probe = client.post(
+        "/debug/route",
+        json={"prompt": PROMPT},
+        headers={**auth("OBS"), "X-Kvstrata-Tenant": "tenantB"},
     )
     assert probe.status_code == 403 and probe.json()["error"]["code"] == "namespace_denied"
+    # no GET form: a prompt in a URL ends up in access logs and proxies
+    get = client.get("/debug/route", params={"prompt": "x"}, headers=auth("OBS"))
+    assert get.status_code == 405
     assert audit_records(front.audit_path, lambda r: r.get("reason") == "namespace_denied")
 
 

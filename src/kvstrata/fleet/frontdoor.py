@@ -173,19 +173,6 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             return error_response(ApiError(503, str(exc), type="server_error"))
         return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
 
-    @app.get("/debug/route", response_model=None)
-    async def debug_route_get(request: Request, prompt: str, tenant: str | None = None) -> Response:
-        """``tenant`` may only name the caller's namespace or one its key narrows to."""
-        try:
-            namespace = guard.namespace(request, observer(request), tenant)
-            tokens = await asyncio.to_thread(fleet.tokenizer.encode_prompt, prompt)
-            decision = fleet.route("debug", namespace, tokens, None, False)
-        except ApiError as exc:
-            return error_response(exc)
-        except NoWorkerAvailable as exc:
-            return error_response(ApiError(503, str(exc), type="server_error"))
-        return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
-
     @app.get("/fleet/workers")
     async def workers(request: Request) -> dict[str, Any]:
         guard.check(request, OBSERVE, "list the workers", open_single_tenant=True)
