@@ -110,6 +110,7 @@ def worker_app(
     *,
     keys_path: Path | None = None,
     tls: tuple[Path, Path] | None = None,
+    pool_blocks: int = 16,
 ) -> Iterator[Served]:
     """A worker (events, a host tier, debug endpoints) guarded by the keys file."""
     keys_path = keys_path or write_keys(directory / "keys.toml")
@@ -120,7 +121,7 @@ def worker_app(
     audit = AuditLog(audit_path, component="worker").start()
     engine = build_engine(
         tiny_model,
-        EngineConfig(block_size=B, pool_blocks=16),
+        EngineConfig(block_size=B, pool_blocks=pool_blocks),
         worker_tiers(host_bytes=16 * BLOCK_BYTES),
         metrics=metrics,
         events=emitter,
