@@ -241,3 +241,14 @@ def test_serve_rejects_flags_that_break_the_config() -> None:
         serve_cmd.worker_config(_args("serve", "--pool-gib", "0"))
     with pytest.raises(InvalidInput, match=r"tiers\.path"):
         serve_cmd.worker_config(_args("serve", "--disk-gib", "1"))
+
+
+def test_tenant_secret_from_the_environment_unless_a_file_is_set(tmp_path: Path) -> None:
+
+    env = {"KVSTRATA_TENANT_SECRET": "from-env"}
+    assert load_worker_config(environ=env).secret_digest == secret_digest(b"from-env")
+    assert load_worker_config(environ={}).tenant_secret == b""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"from-file")
+    config = load_worker_config(overrides={"tenant_secret_file": secret}, environ=env)
+    assert config.tenant_secret == b"from-file"

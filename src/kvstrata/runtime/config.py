@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -101,6 +102,9 @@ class WorkerConfig:
         return dataclasses.replace(self, events=events)
 
 
+TENANT_SECRET_ENV = "KVSTRATA_TENANT_SECRET"
+
+
 # ---- loading ----------------------------------------------------------------------------------
 def load_worker_config(
     path: Path | None = None,
@@ -108,8 +112,12 @@ def load_worker_config(
     *,
     raw: Mapping[str, Any] | None = None,
     source: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> WorkerConfig:
-    """Read ``path`` (TOML) or ``raw`` (a parsed mapping), apply ``overrides``, validate."""
+    """Read ``path`` (TOML) or ``raw`` (a parsed mapping), apply ``overrides``, validate.
+
+    ``environ`` (default: the process environment; this is the edge): ``KVSTRATA_TENANT_SECRET``
+    is the tenant secret when no ``tenant_secret_file`` is set (the file wins)."""
     where = source or (str(path) if path is not None else "defaults")
     data: dict[str, Any] = {}
     base = Path.cwd()
@@ -133,7 +141,8 @@ def load_worker_config(
         if name in PATH_OVERRIDES:  # relative to where the flag was given, not to the file
             value = str(Path(value).expanduser().resolve())
         handler.apply(data, value)
-    return _build(data, where, base)
+    env = os.environ if environ is None else environ
+    return _build(data, where, base, env.get(TENANT_SECRET_ENV))
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +248,9 @@ def _gib(reader: _Reader, name: str, value: float | None) -> int | None:
     return int(value * GIB)
 
 
-def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
+def _build(
+    data: Mapping[str, Any], where: str, base: Path, env_secret: str | None = None
+) -> WorkerConfig:
     top = _Reader(data, "", where, base)
     pool = _Reader(data.get("pool", {}), "pool.", where, base)
     pool_gib = pool.get("gib")
@@ -258,6 +269,8 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
         )
     secret_file = top.get("tenant_secret_file")
     secret = _read_secret(secret_file, "tenant_secret_file", where)
+    if secret_file is None and env_secret:
+        secret = env_secret.encode("utf-8")
     token_file = top.get("admin_token_file")
     token = _read_secret(token_file, "admin_token_file", where) if token_file else None
     sched = _Reader(data.get("scheduler", {}), "scheduler.", where, base)

@@ -37,7 +37,8 @@ KEYS: Final[tuple[Key, ...]] = (
         "path",
         None,
         "file whose bytes are mixed into every tenant's salt; router and workers must agree "
-        "(compared by digest at attach); unset: the empty secret",
+        "(compared by digest at attach); unset: `KVSTRATA_TENANT_SECRET` from the environment, "
+        "else the empty secret",
     ),
     Key("admin_token_file", "path", None, "`serve`: bearer token required on `/admin`"),
     Key("debug_endpoints", "bool", False, "`serve`: `POST /kv/debug/drop-events` (tests)"),
