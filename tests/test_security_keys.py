@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -153,3 +154,25 @@ def test_audit_lines_are_json_with_fixed_fields(tmp_path: Path) -> None:
     assert lines[0]["object_count"] == 40 and len(lines[0]["objects"]) == 32
     assert lines[0]["counts"] == {"device": 1, "host": 2}
     assert set(lines[1]) == {"audit", "reason", "component", "plane", "ts"}
+
+
+def test_audit_lines_without_a_path_survive_a_warning_log_level() -> None:
+    """A worker logging at WARNING (``basicConfig(level=WARNING)``, as `up` starts them)
+    still writes its audit trail to the root handlers."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    root = logging.getLogger()
+    handler, level = Keep(), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        with AuditLog(component="test") as audit:
+            audit.record(Action.ACCESS_DENIED, "forbidden", key_id="k1")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert any('"audit":"access_denied"' in line for line in lines), lines

@@ -307,7 +307,8 @@ def _banner(
         "  try:",
         f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"      -d '{body}'",
-        "  tenant namespaces: header 'X-Kvstrata-Tenant: NAME' (or body field kvstrata_tenant)",
+        "  tenant namespaces: the API key's tenant; 'X-Kvstrata-Tenant: NAME' narrows it "
+        "(single-tenant: names it)",
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()

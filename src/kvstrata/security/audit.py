@@ -136,14 +136,18 @@ class AuditLog:
 
 
 class _Forward(logging.Handler):
-    """Hands lines to the ``kvstrata.audit`` logger (its handlers decide where they go)."""
+    """Hands lines to the ``kvstrata.audit`` logger's handlers (and its ancestors'), whatever
+    the loggers' levels: a process logging at WARNING still keeps its audit trail."""
 
     def __init__(self, target: logging.Logger) -> None:
         super().__init__()
         self.target = target
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.target.info(record.getMessage())
+        line = logging.LogRecord(
+            self.target.name, logging.INFO, __file__, 0, record.getMessage(), None, None
+        )
+        self.target.handle(line)
 
 
 class _NullAudit(AuditLog):
