@@ -70,7 +70,7 @@ def tenant_of(body: SamplingRequest, header: str | None) -> str:
 def _parse(endpoint: str, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
     try:
         payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also: too deep, an int over 4300 digits
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -241,7 +241,7 @@ async def _forward(
         fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
         fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
         url = f"{reservation.base_url}{endpoint}"
-        headers = {TENANT_HEADER: tenant}
+        headers = _tenant_header(tenant, payload)
         try:
             upstream_request = client.build_request("POST", url, json=payload, headers=headers)
             upstream = await client.send(upstream_request, stream=True)
@@ -277,6 +277,15 @@ async def _forward(
             headers=extra,
         )
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
+
+
+def _tenant_header(tenant: str, payload: dict[str, Any]) -> dict[bytes, bytes]:
+    """How the worker learns the tenant: from the body when the client wrote it there (any
+    name a body may hold, which is not always a valid header value: forwarded unchanged), else
+    from the header, as the bytes it arrived in (Starlette decodes headers as latin-1)."""
+    if payload.get("kvstrata_tenant") is not None:
+        return {}
+    return {TENANT_HEADER.encode(): tenant.encode("latin-1")}
 
 
 async def _relay(
