@@ -194,7 +194,12 @@ def test_any_content_length_header_is_answered(length: bytes) -> None:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", length)]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(b"content-length", length)],
+    }
     asyncio.run(BodyLimits(app)(scope, receive, send))
     status = sent[0]["status"]
     text = length.decode("latin-1").strip()
