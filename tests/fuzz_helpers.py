@@ -1,7 +1,7 @@
 """Shared pieces of the fuzz tests (issue 12, item 5): Hypothesis settings and strategies.
 
-Every fuzz test runs with ``FUZZ`` (no deadline: the first example pays for warm-up; a
-modest number of examples so the whole set stays well under a minute on one core). The
+Every fuzz test runs with ``FUZZ`` or ``FEW`` (no deadline: the first example pays for
+warm-up; a modest number of examples so the whole set stays around a minute on one core). The
 strategies lean towards what breaks parsers: JSON values with huge or non-finite numbers,
 lone surrogates and deep nesting, bytes that are not UTF-8, header values of any latin-1
 character.
@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+SCALE = int(os.environ.get("KVSTRATA_FUZZ_SCALE", "1"))
+"""Multiplies every test's examples: ``KVSTRATA_FUZZ_SCALE=20 pytest tests/test_fuzz_*.py``
+for a long hunt; the default keeps ``make test`` fast."""
 FUZZ = settings(
     deadline=None,
-    max_examples=100,
+    max_examples=100 * SCALE,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-FEW = settings(FUZZ, max_examples=50)
+FEW = settings(FUZZ, max_examples=50 * SCALE)
 """For boundaries where one example costs a real request (HTTP): ~25 ms each."""
 
 # Unicode text including lone surrogates (what a "\ud800" JSON escape decodes to).

@@ -218,6 +218,7 @@ raw_config = st.fixed_dictionaries(
 
 @FUZZ
 @given(raw=raw_config)
+@example(raw={"pool": {"gib": None}})  # null in a mapping: the default, not a TypeError
 @example(raw={"pool": {"gib": float("nan")}})
 @example(raw={"pool": {"gib": 10**400}})
 @example(raw={"pool": {"gib": "1e400"}})

@@ -181,7 +181,9 @@ class _Reader:
     def get(self, name: str) -> Any:
         path = f"{self.prefix}{name}"
         key = BY_PATH[path]
-        value = self.table.get(name, key.default)
+        value = self.table.get(name)
+        if value is None:  # absent, or null in a parsed mapping: the default
+            value = key.default
         if value is None:
             return None
         try:
