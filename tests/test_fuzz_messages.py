@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from fuzz_helpers import FEW, FUZZ
 from kvstrata.connectors.vllm_lookup import LookupServer
 from kvstrata.events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
@@ -39,6 +40,8 @@ from kvstrata.events import (
 )
 from kvstrata.events.schema import EventDecodeError, decode_batch
 from kvstrata.identity import BlockKey
+from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index.core import GlobalIndex
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.store.config import TierConfig
 from kvstrata.store.levels import RequestScope
@@ -116,6 +119,61 @@ def test_decode_batch_raises_only_event_decode_errors(payload: bytes) -> None:
                 assert (isinstance(block_hash, bytes) and block_hash) or (
                     isinstance(block_hash, int) and 0 <= block_hash < 1 << 64
                 )
+
+
+# ---- the index, the events' consumer --------------------------------------------------------
+B = 4
+block_hash = (
+    st.integers(0, (1 << 64) - 1) | st.binary(min_size=1, max_size=8) | st.sampled_from([1, 2, 3])
+)
+token_ids = st.lists(
+    st.integers(0, 50) | st.integers(-(1 << 63), (1 << 64) - 1), max_size=3 * B
+) | st.integers(0, 50).map(lambda t: [t] * B)
+medium = st.sampled_from(["GPU", "CPU", "host", "disk", "remote", None, "tape"])
+stored = st.builds(
+    BlockStored,
+    st.lists(block_hash, min_size=0, max_size=3),
+    st.none() | block_hash,
+    token_ids,
+    st.sampled_from([B, 0, -1, 3]),
+    st.none() | st.integers(),
+    medium,
+    st.none() | st.text(max_size=4),
+    namespace=st.none() | st.text(max_size=8) | st.just(""),
+)
+removed = st.builds(
+    BlockRemoved,
+    st.lists(block_hash, max_size=3),
+    medium,
+    namespace=st.none() | st.text(max_size=8),
+)
+
+
+@FUZZ
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.lists(stored | removed | st.just(AllBlocksCleared()), max_size=4),
+            st.none() | st.integers(0, 3),
+            st.floats(),
+        ),
+        max_size=4,
+    )
+)
+@example(batches=[([BlockStored([5], None, [1 << 40] * B, B, None, "GPU", None)], None, 1.0)])
+def test_index_applies_any_decodable_batch(
+    batches: list[tuple[list[KVEvent], int | None, float]],
+) -> None:
+    """Whatever a worker's events say, the index counts what it cannot use and keeps serving."""
+    index = GlobalIndex(FingerprintDigest(bytes(32)), B)
+    for events, epoch, ts in batches:
+        index.apply_batch("w1", make_batch(events, ts=ts, epoch=epoch, worker_id="w1"))
+    index.replace_worker("w2", 1, [e for events, _, _ in batches for e in events])
+    tokens = list(range(3 * B))
+    good = BlockStored([11, 12, 13], None, tokens, B, None, "GPU", "")
+    index.replace_worker("w3", 1, [good])
+    matches = index.match(index.request_hashes(None, tokens))
+    assert matches["w3"].blocks == 3
 
 
 # ---- the live socket ----------------------------------------------------------------------

@@ -54,6 +54,7 @@ from typing import Final
 
 import numpy as np
 
+from kvstrata.errors import IdentityError
 from kvstrata.events.schema import (
     AllBlocksCleared,
     BlockHash,
@@ -317,7 +318,11 @@ class GlobalIndex:
                 if parent is None:
                     self.stats.orphan_blocks += n
                     return
-        router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
+        try:
+            router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
+        except IdentityError:  # token ids no tokenizer produces (outside [0, 2**32))
+            self.stats.bad_events += 1
+            return
         self.store_hashes(worker.worker_id, router, medium, engine_hashes=event.block_hashes)
 
     def _removed(self, worker: _Worker, event: BlockRemoved) -> None:
