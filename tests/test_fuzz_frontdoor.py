@@ -18,13 +18,14 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fuzz_helpers import FEW, deeply_nested, dumps, json_value, odd_text
+from fuzz_helpers import FEW, FUZZ, deeply_nested, dumps, json_value, odd_text
 from http_helpers import serving
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import ApiError
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
 from kvstrata.fleet.frontdoor import _parse, create_frontdoor_app
+from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
 from kvstrata.index.model import ConsistencyMode
 from kvstrata.runtime.config import ServeLimits
 from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
@@ -145,6 +146,37 @@ def test_parse_raises_only_api_errors(raw: bytes) -> None:
             _parse(endpoint, raw)
         except ApiError as exc:
             assert exc.status == 400
+
+
+INFO = {
+    "worker_id": "w1",
+    "epoch": 1,
+    "model": MODEL,
+    "fingerprint": "ab" * 32,
+    "block_size": 16,
+    "events_endpoint": "tcp://127.0.0.1:1",
+    "replay_endpoint": None,
+    "next_seq": 0,
+    "tiers": ["device", "host"],
+    "fetch_s_per_block": {"host": 1e-5},
+    "secret_digest": "x",
+}
+
+
+@FUZZ
+@given(
+    changes=st.dictionaries(st.sampled_from(sorted(INFO)), json_value, max_size=3),
+    body=st.none() | json_value,
+)
+@example(changes={"epoch": float("inf")}, body=None)
+@example(changes={"fetch_s_per_block": [1]}, body=None)
+@example(changes={"fetch_s_per_block": {"host": 10**400}}, body=None)
+def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
+    """What a worker's ``/kv/info`` says: a ``WorkerInfo`` or a ``WorkerProtocolError``."""
+    try:
+        WorkerInfo.from_json("http://w", {**INFO, **changes} if body is None else body)
+    except WorkerProtocolError:
+        pass
 
 
 def test_the_front_door_still_routes(front_door: FrontDoor) -> None:

@@ -80,7 +80,7 @@ class WorkerInfo:
                 tiers=tuple(str(t) for t in body.get("tiers", ())),
                 fetch_s_per_block=_fetch_figures(body.get("fetch_s_per_block") or {}),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
@@ -114,7 +114,11 @@ class WorkerDump:
 def fetch_info(client: httpx.Client, base_url: str) -> WorkerInfo:
     response = client.get(f"{base_url}/kv/info")
     response.raise_for_status()
-    return WorkerInfo.from_json(base_url, response.json())
+    try:
+        body = response.json()
+    except (ValueError, RecursionError) as exc:
+        raise WorkerProtocolError(f"bad /kv/info from {base_url}: not JSON") from exc
+    return WorkerInfo.from_json(base_url, body)
 
 
 def fetch_dump(client: httpx.Client, base_url: str) -> WorkerDump:
