@@ -11,6 +11,7 @@ header must agree.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 
@@ -21,6 +22,7 @@ from kvstrata.security import NULL_AUDIT, Action, AuditLog, Authenticator, Princ
 
 TENANT_HEADER = "X-Kvstrata-Tenant"
 REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[0-9A-Fa-f-]{8,64}")
 
 
 class HttpAuth:
@@ -90,14 +92,28 @@ class HttpAuth:
                 exc.reason,
                 tenant=None if principal is None else principal.tenant,
                 key_id=None if principal is None else principal.key_id,
-                request_id=request_id or request.headers.get(REQUEST_ID_HEADER),
-                plane=f"http {request.method} {request.url.path}",
+                request_id=request_id or _client_request_id(request),
+                plane=f"http {request.method} {_route(request)}",
             )
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         error_type = "authentication_error" if exc.status == 401 else "permission_error"
         if exc.status == 400:
             error_type = "invalid_request_error"
         return ApiError(exc.status, str(exc), type=error_type, code=exc.reason, headers=headers)
+
+
+def _client_request_id(request: Request) -> str | None:
+    """The client's ``X-Request-Id`` if it looks like an id (hex digits and dashes, a UUID):
+    anything else is client text, which an audit record never carries."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
+
+
+def _route(request: Request) -> str:
+    """The matched route's template (``/admin/tiers/{name}``), not the path the client wrote."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
 
 
 __all__ = ["REQUEST_ID_HEADER", "TENANT_HEADER", "HttpAuth"]
