@@ -9,6 +9,7 @@ no client input may make the router believe a worker is unreachable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -174,9 +175,11 @@ INFO = {
 def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
     """What a worker's ``/kv/info`` says: a ``WorkerInfo`` or a ``WorkerProtocolError``."""
     try:
-        WorkerInfo.from_json("http://w", {**INFO, **changes} if body is None else body)
+        info = WorkerInfo.from_json("http://w", {**INFO, **changes} if body is None else body)
     except WorkerProtocolError:
-        pass
+        return
+    assert len(info.fingerprint) == 32 and info.block_size > 0 and info.events_endpoint
+    assert all(f is None or (math.isfinite(f) and f >= 0) for f in info.fetch_s_per_block)
 
 
 def test_the_front_door_still_routes(front_door: FrontDoor) -> None:
