@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,19 +29,37 @@ class ThreadedServer(uvicorn.Server):
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[httpx.Client]:
-    """Run ``app`` until the block ends; yield an httpx client bound to it."""
+def serving(
+    app: Any,
+    *,
+    headers: dict[str, str] | None = None,
+    tls: tuple[Path, Path] | None = None,
+) -> Iterator[httpx.Client]:
+    """Run ``app`` until the block ends; yield an httpx client bound to it (sending
+    ``headers`` on every request). ``tls``: (certificate, key) to serve HTTPS with; the
+    client then trusts that certificate."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        ssl_certfile=None if tls is None else str(tls[0]),
+        ssl_keyfile=None if tls is None else str(tls[1]),
+    )
     server = ThreadedServer(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         assert server.ready.wait(timeout=30), "server did not start in time"
         assert server.started, "server failed to start"
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        scheme = "http" if tls is None else "https"
+        verify: Any = True if tls is None else ssl.create_default_context(cafile=str(tls[0]))
+        base_url = f"{scheme}://127.0.0.1:{port}"
+        with httpx.Client(base_url=base_url, timeout=60, headers=headers, verify=verify) as client:
             yield client
     finally:
         server.should_exit = True

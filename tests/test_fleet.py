@@ -29,6 +29,7 @@ import pytest
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
 from kvstrata.runtime.processes import free_port
+from security_helpers import ADMIN_KEY, FLEET_KEY, OTHER_KEY, bearer, fleet_security
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,7 +60,9 @@ class FleetUnderTest:
     router_args: list[str] = field(default_factory=list)
     router_log: Path | None = None
     answers: dict[str, str] = field(default_factory=dict)
-    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
+    client: httpx.Client = field(
+        default_factory=lambda: httpx.Client(timeout=120.0, headers=bearer(ADMIN_KEY))
+    )
 
     @property
     def url(self) -> str:
@@ -113,8 +116,9 @@ class FleetUnderTest:
         assert text == first, f"wrong answer from {worker}: {text!r} != {first!r}"
         return text, worker, cached
 
-    def explain(self, prompt: str, tenant: str | None = None) -> dict[str, Any]:
-        headers = {} if tenant is None else {"X-Kvstrata-Tenant": tenant}
+    def explain(self, prompt: str, key: str = ADMIN_KEY) -> dict[str, Any]:
+        """The route decision in the namespace of ``key``'s tenant."""
+        headers = bearer(key)
         response = self.client.post(
             f"{self.url}/debug/route", json={"prompt": prompt}, headers=headers
         )
@@ -168,23 +172,25 @@ def test_front_door_tokenizes_exactly_like_the_worker(
         assert tokenizer.encode_prompt(prompt) == engine.encode_prompt(prompt)
 
 
-def _worker_config(tmp_path: Path) -> Path:
+def _worker_config(tmp_path: Path) -> tuple[Path, list[str]]:
     """One configuration file for every worker and the router (as ``kvstrata up --config``
-    hands out): tiny pool and host tier, debug endpoints, a shared tenant secret."""
+    hands out): tiny pool and host tier, debug endpoints, a shared tenant secret, the test
+    keys file; and the router's fleet-key flags."""
     secret = tmp_path / "tenant-secret"
     secret.write_bytes(b"fleet-test-secret")
+    security, router_args = fleet_security(tmp_path)
     config = tmp_path / "worker.toml"
     config.write_text(
         f'tenant_secret_file = "{secret}"\n'
         "debug_endpoints = true\n"
         "[pool]\ngib = 0.002\n"
-        '[[tiers]]\nname = "host"\ngib = 0.004\n'
+        '[[tiers]]\nname = "host"\ngib = 0.004\n' + security
     )
-    return config
+    return config, router_args
 
 
 def _start_fleet(tmp_path: Path, workers: int) -> FleetUnderTest:
-    config = _worker_config(tmp_path)
+    config, router_args = _worker_config(tmp_path)
     specs = [
         WorkerSpec(
             worker_id=f"w{i}",
@@ -194,13 +200,14 @@ def _start_fleet(tmp_path: Path, workers: int) -> FleetUnderTest:
             host_gib=None,
             config=config,
             log_path=tmp_path / f"w{i}.log",
+            api_key=FLEET_KEY,
         )
         for i in range(workers)
     ]
     under_test = FleetUnderTest(
         Supervisor(specs),
         free_port(),
-        router_args=["--config", str(config)],
+        router_args=["--config", str(config), *router_args],
         router_log=tmp_path / "router.log",
     )
     try:
@@ -251,7 +258,11 @@ def _burst(fleet: FleetUnderTest, burst: int, requests: int) -> Counter[str]:
         return response.headers["x-kvstrata-worker"]
 
     limits = httpx.Limits(max_connections=requests, max_keepalive_connections=requests)
-    with httpx.Client(timeout=120.0, limits=limits) as client, ThreadPoolExecutor(requests) as pool:
+    headers = bearer(ADMIN_KEY)
+    with (
+        httpx.Client(timeout=120.0, limits=limits, headers=headers) as client,
+        ThreadPoolExecutor(requests) as pool,
+    ):
         workers = list(pool.map(lambda i: send(client, i), range(requests)))
     return Counter(workers)
 
@@ -306,7 +317,7 @@ def test_up_serves_across_workers_and_routes_repeats_to_the_cache(fleet: FleetUn
     assert fleet.metric("kvstrata_router_decisions_total") == routed
     # Another tenant's request for the very same text counts none of these blocks.
     for prompt in PROMPTS:
-        other = fleet.explain(prompt, tenant="someone-else")
+        other = fleet.explain(prompt, key=OTHER_KEY)  # tenant "someone-else"
         assert all(e["matched_blocks"] == 0 for e in other["estimates"])
     # Each non-streamed answer carried the engine's prefill time: the router learned from it.
     samples = sum(w["prefill_samples"] for w in fleet.workers_view()["workers"])

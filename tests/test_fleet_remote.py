@@ -17,27 +17,31 @@ import pytest
 from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
 from kvstrata.runtime.processes import free_port
 from kvstrata.runtime.valkey_server import ValkeyServer
+from security_helpers import ADMIN_KEY, FLEET_KEY, bearer, fleet_security
 from test_fleet import PROMPTS, FleetUnderTest, _wait
+
+AUTH = bearer(ADMIN_KEY)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
-def _config(tmp_path: Path, server: ValkeyServer, namespace: str) -> Path:
+def _config(tmp_path: Path, server: ValkeyServer, namespace: str) -> tuple[Path, list[str]]:
+    security, router_args = fleet_security(tmp_path)
     config = tmp_path / "worker.toml"
     config.write_text(
         "[pool]\ngib = 0.002\n"
         '[[tiers]]\nname = "host"\ngib = 0.004\n'
         f'[[tiers]]\nname = "remote"\nurl = "{server.url}"\nnamespace = "{namespace}"\n'
-        "gib = 0.01\n"
+        "gib = 0.01\n" + security
     )
-    return config
+    return config, router_args
 
 
 @pytest.fixture
 def fleet(
     tmp_path: Path, remote_server: ValkeyServer, remote_namespace: str
 ) -> Iterator[FleetUnderTest]:
-    config = _config(tmp_path, remote_server, remote_namespace)
+    config, router_args = _config(tmp_path, remote_server, remote_namespace)
     specs = [
         WorkerSpec(
             worker_id=f"w{i}",
@@ -46,13 +50,14 @@ def fleet(
             host_gib=None,
             config=config,
             log_path=tmp_path / f"w{i}.log",
+            api_key=FLEET_KEY,
         )
         for i in range(2)
     ]
     under_test = FleetUnderTest(
         Supervisor(specs),
         free_port(),
-        router_args=["--config", str(config)],
+        router_args=["--config", str(config), *router_args],
         router_log=tmp_path / "router.log",
     )
     try:
@@ -82,10 +87,10 @@ def test_remote_blocks_count_for_every_worker_priced_with_its_measured_fetch(
     # The reader fetches the prompt from the shared tier itself (sent to it directly) ...
     url = fleet.worker(reader).spec.url
     body = {"prompt": first, "max_tokens": 8, "temperature": 0.0}
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0).json()
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0, headers=AUTH).json()
     assert answer["choices"][0]["text"] == fleet.answers[first]  # exact, from remote KV
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    measured = httpx.get(f"{url}/kv/info").json()["fetch_s_per_block"]["remote"]
+    measured = httpx.get(f"{url}/kv/info", headers=AUTH).json()["fetch_s_per_block"]["remote"]
     assert measured is not None and measured > 0
 
     # ... and from then on the router prices the reader's remote blocks with that figure.
@@ -93,7 +98,7 @@ def test_remote_blocks_count_for_every_worker_priced_with_its_measured_fetch(
     other = next(w for w in ("w0", "w1") if w != writer2)
 
     def figure(worker: str) -> float | None:
-        info = httpx.get(f"{fleet.worker(worker).spec.url}/kv/info").json()
+        info = httpx.get(f"{fleet.worker(worker).spec.url}/kv/info", headers=AUTH).json()
         value: float | None = info["fetch_s_per_block"]["remote"]
         return value
 

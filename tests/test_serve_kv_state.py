@@ -35,6 +35,7 @@ from kvstrata.runtime.events import DEVICE_MEDIUM, KVEventEmitter, KVEventsConfi
 from kvstrata.serve.app import create_app
 from kvstrata.serve.kv_state import EPOCH_HEADER, NEXT_SEQ_HEADER
 from kvstrata.telemetry import KvMetrics
+from security_helpers import ADMIN_KEY, admin_auth, bearer
 from tier_helpers import worker_tiers
 
 B = 16
@@ -61,9 +62,11 @@ def worker(tiny_model: LoadedModel) -> Iterator[Worker]:
         metrics=metrics,
         events=emitter,
     )
-    app = create_app(engine, model_name="tiny", metrics=metrics, debug_endpoints=True)
+    app = create_app(
+        engine, model_name="tiny", metrics=metrics, auth=admin_auth(), debug_endpoints=True
+    )
     try:
-        with serving(app) as client:
+        with serving(app, headers=bearer(ADMIN_KEY)) as client:
             yield Worker(engine, emitter, client)
     finally:
         engine.close()
@@ -232,7 +235,8 @@ def test_drop_events_rejects_a_negative_count(worker: Worker) -> None:
 def test_without_events_kv_endpoints_say_so(tiny_model: LoadedModel) -> None:
     metrics = KvMetrics()
     engine = ReferenceEngine(tiny_model, EngineConfig(block_size=B, pool_blocks=8), metrics=metrics)
-    with serving(create_app(engine, model_name="tiny", metrics=metrics)) as client:
+    app = create_app(engine, model_name="tiny", metrics=metrics, auth=admin_auth())
+    with serving(app, headers=bearer(ADMIN_KEY)) as client:
         info = client.get("/kv/info")
         assert info.status_code == 404
         assert info.json()["error"]["code"] == "kv_events_disabled"

@@ -13,6 +13,7 @@ from kvstrata.engine.engine import EngineConfig, ReferenceEngine, pool_config_fo
 from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.serve.app import create_app
+from security_helpers import ADMIN_KEY, admin_auth, bearer
 from tier_helpers import worker_tiers
 
 PROMPT = "Tiered caches keep what the device pool forgets. " * 6
@@ -30,7 +31,7 @@ def served(
         durable_disk=False,
     )
     engine = build_engine(tiny_model, EngineConfig(pool_blocks=64), tiers)
-    app = create_app(engine, model_name="tiny", metrics=engine.metrics, admin_token="s3cret")
+    app = create_app(engine, model_name="tiny", metrics=engine.metrics, auth=admin_auth())
     with serving(app) as client:
         yield engine, client
     engine.close()
@@ -56,7 +57,7 @@ def test_rollback_switch_at_run_time_keeps_data(
     served: tuple[ReferenceEngine, httpx.Client],
 ) -> None:
     engine, client = served
-    auth = {"Authorization": "Bearer s3cret"}
+    auth = bearer(ADMIN_KEY)
     listed = client.get("/admin/tiers", headers=auth).json()["tiers"]
     assert [t["name"] for t in listed] == ["host", "disk"] and all(t["enabled"] for t in listed)
     complete(client)
@@ -78,7 +79,7 @@ def test_rollback_switch_at_run_time_keeps_data(
 
 def test_admin_bad_requests(served: tuple[ReferenceEngine, httpx.Client]) -> None:
     _, client = served
-    auth = {"Authorization": "Bearer s3cret"}
+    auth = bearer(ADMIN_KEY)
     assert (
         client.post("/admin/tiers/nope", json={"enabled": False}, headers=auth).status_code == 404
     )

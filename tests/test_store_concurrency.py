@@ -198,7 +198,9 @@ def test_a_delete_wins_over_a_store_in_flight() -> None:
     assert store.lookup([meta.key], SCOPE) == []
     assert not host.reserved(meta.key) and host.used_bytes == 0
     assert store.take_events() == []  # never visible, so never announced
-    assert store.put(meta, filler(payload))  # a fresh computation may store it again
+    assert not store.put(meta, filler(payload))  # the same old object: its tombstone refuses it
+    fresh = make_object(1, created_at=time.time())[0]
+    assert store.put(fresh, filler(payload))  # a fresh computation may store it again
     assert [type(e).__name__ for e in store.take_events()] == ["ObjectStored"]
     store.close()
 

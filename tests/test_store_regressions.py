@@ -168,5 +168,8 @@ def test_delete_while_a_reader_holds_the_object(tmp_path: Path) -> None:
         meta, payload = objs[0]
         assert not store.put(meta, filler(payload))  # no resurrection while it is going
     assert not any(level.tier.reserved(keys[0]) for level in store.levels)
-    assert store.put(objs[0][0], filler(objs[0][1]))  # a fresh computation may store it again
+    assert not store.put(objs[0][0], filler(objs[0][1]))  # the old object: tombstoned
+    clock.now += 1
+    fresh = replace(objs[0][0], created_at=clock())
+    assert store.put(fresh, filler(objs[0][1]))  # a fresh computation may store it again
     store.close()

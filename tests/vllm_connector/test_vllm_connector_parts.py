@@ -24,7 +24,7 @@ from kvstrata.connectors.vllm_identity import (
 )
 from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner
-from kvstrata.connectors.vllm_settings import connector_config
+from kvstrata.connectors.vllm_settings import connector_audit, connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
 from kvstrata.identity import ModelFacts, ModelFingerprint, ReuseDisabled, ReuseDisabledReason
@@ -209,16 +209,17 @@ def _worker(
         {"disk_dir": str(tmp_path / "disk"), "disk_gib": 0.01, "durable": False, **extra}
     )
     codec = BlockCodec(layers, BLOCKS, BS)
+    audit = connector_audit(settings).start()
     store = build_store(
-        codec.block_bytes, settings, CollectorRegistry(), record_events=record_events
+        codec.block_bytes, settings, CollectorRegistry(), record_events=record_events, audit=audit
     )
     assert store is not None
-    return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / "stats.json")
+    return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / "stats.json", audit=audit)
 
 
 def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None:
     layers = {"l0": cpu_layer(0), "l1": cpu_layer(1)}
-    worker = _worker(tmp_path, layers)
+    worker = _worker(tmp_path, layers, audit_path=str(tmp_path / "audit.jsonl"))
     planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
     tokens = list(range(1, 3 * BS + 2))
     assert planner.matched_tokens("a", tokens, None, 0) == 0
@@ -251,7 +252,14 @@ def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None
     assert worker.stats.load_digest_mismatch == 1 and worker.stats.load_errors == 2
     worker.end_step()
     assert json.loads((tmp_path / "stats.json").read_text())["load_errors"] == 2
-    worker.close()
+    worker.close()  # closes the store, then its audit log (every line written)
+    (line,) = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert (line["audit"], line["reason"], line["component"]) == (
+        "invalidate",
+        "digest_mismatch",
+        "vllm-connector",
+    )
+    assert line["objects"] == [key.hex()]
 
 
 def test_worker_publishes_kvstrata_events_with_the_tier_as_medium(tmp_path: Path) -> None:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstrata.cli import bench_cmd, config_cmd, serve_cmd, sim_cmd, up_cmd, verify_cmd
+from kvstrata.cli import (
+    bench_cmd,
+    config_cmd,
+    delete_cmd,
+    keys_cmd,
+    serve_cmd,
+    sim_cmd,
+    up_cmd,
+    verify_cmd,
+)
 from kvstrata.errors import KvstrataError
 
 
@@ -20,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cmd.register(sub)
     up_cmd.register(sub)
     config_cmd.register(sub)
+    delete_cmd.register(sub)
+    keys_cmd.register(sub)
     return parser
 
 

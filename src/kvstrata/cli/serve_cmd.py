@@ -19,10 +19,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kvstrata.cli import security_args
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB, OVERRIDES
+from kvstrata.security import AuditLog, SecurityConfig
 from kvstrata.store.config import WritePolicy
 
 
@@ -132,13 +134,32 @@ def register(sub: Any) -> None:
     events.add_argument(
         "--worker-id", default=None, help="this worker's id in events (default: HOSTNAME:PORT)"
     )
+    _curve_arguments(events)
     events.add_argument(
         "--debug-endpoints",
         action="store_true",
         default=None,
         help="serve POST /kv/debug/drop-events (event gap injection, for recovery tests)",
     )
+    security_args.add_serve_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def _curve_arguments(group: Any) -> None:
+    """CURVE on the event and replay sockets (``events.curve_*``; ``up`` generates both)."""
+    group.add_argument(
+        "--curve-secret-file",
+        type=Path,
+        default=None,
+        help="this worker's CURVE certificate (zmq.auth secret file): encrypts the event and "
+        "replay sockets; required for endpoints beyond loopback",
+    )
+    group.add_argument(
+        "--curve-clients-dir",
+        type=Path,
+        default=None,
+        help="directory of the public certificates of the subscribers (routers) allowed in",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -180,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = KvMetrics()
     emitter = None
     terminated = False
+    tls = config.security.tls
+    audit = AuditLog(config.security.audit_path, component="worker").start()
     if config.events is not None:
         emitter = KVEventEmitter.from_config(config.events, block_size=config.block_size).start()
     try:
@@ -189,18 +212,22 @@ def run(args: argparse.Namespace) -> int:
             tenant_secret=config.tenant_secret,
             scheduler=config.scheduler,
         )
-        engine = build_engine(loaded, engine_config, config, metrics=metrics, events=emitter)
+        engine = build_engine(
+            loaded, engine_config, config, metrics=metrics, events=emitter, audit=audit
+        )
         try:
             name = config.served_model_name or config.model
+            _banner(name, args.host, args.port, engine.device, blocks, config.block_size, tls)
             app = create_app(
                 engine,
                 model_name=name,
                 metrics=metrics,
-                admin_token=args.admin_token or config.admin_token,
+                auth=security_args.worker_auth(
+                    config.security, args.admin_token or config.admin_token, audit
+                ),
                 debug_endpoints=config.debug_endpoints,
                 limits=config.limits,
             )
-            _banner(name, args.host, args.port, engine.device, blocks, config.block_size)
             if engine.bridge is not None:
                 levels = ", ".join(
                     f"{lvl.name} {lvl.tier.capacity_bytes / GIB:.2f} GiB "
@@ -217,12 +244,13 @@ def run(args: argparse.Namespace) -> int:
                     f"{publisher.endpoint} (replay {publisher.replay_endpoint}); /kv/info, /kv/dump"
                 )
             sys.stdout.flush()
-            terminated = _serve(app, args.host, args.port, args.log_level)
+            terminated = _serve(app, args.host, args.port, args.log_level, config.security)
         finally:
             engine.close()  # demote the device pool, flush write-back queues to disk
     finally:
         if emitter is not None:
             emitter.close()
+        audit.close()
     if terminated:  # end as a SIGTERM ends a process, now that everything is persisted
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
@@ -237,7 +265,7 @@ def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
     raise _Terminated
 
 
-def _serve(app: Any, host: str, port: int, log_level: str) -> bool:
+def _serve(app: Any, host: str, port: int, log_level: str, security: SecurityConfig) -> bool:
     """Run uvicorn until it stops; True when SIGTERM stopped it.
 
     On SIGTERM uvicorn shuts down gracefully, restores the handler it found and raises the
@@ -249,7 +277,15 @@ def _serve(app: Any, host: str, port: int, log_level: str) -> bool:
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        certfile, keyfile = security_args.tls_files(security)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
+        )
     except _Terminated:
         return True
     finally:
@@ -257,9 +293,11 @@ def _serve(app: Any, host: str, port: int, log_level: str) -> bool:
     return False
 
 
-def _banner(name: str, host: str, port: int, device: str, blocks: int, block_size: int) -> None:
+def _banner(
+    name: str, host: str, port: int, device: str, blocks: int, block_size: int, tls: bool
+) -> None:
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    base = f"http://{shown_host}:{port}"
+    base = f"{'https' if tls else 'http'}://{shown_host}:{port}"
     body = json.dumps(
         {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
     )

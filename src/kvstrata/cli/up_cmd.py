@@ -10,6 +10,13 @@ remote tier at that url in one namespace, so all of them share its objects and i
 (``--remote-gib``). The embedded server lives exactly as long as ``up``: it is stopped when
 ``up`` returns, on SIGINT and on SIGTERM (whose handler here turns it into an exception, so
 the workers and the server are stopped before the process ends as SIGTERM ends it).
+
+Keys (``_fleet_key``): ``up`` always mints a fleet key for its router, in a run directory
+(0700, removed when ``up`` returns). Every worker gets it as ``--fleet-key-file`` (one more
+credential, role fleet, beside the operator's ``--keys-file`` if any, which the workers and
+the front door read in place, so editing it takes effect without a restart); the router
+presents it to read ``/kv/info`` and ``/kv/dump``. Without a keys file clients stay
+anonymous (single-tenant) while the dump still needs the fleet key.
 """
 
 from __future__ import annotations
@@ -17,15 +24,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.cli import security_args
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB
+
+if TYPE_CHECKING:
+    from kvstrata.fleet.curve_keys import FleetKeys
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +74,7 @@ def register(sub: Any) -> None:
         description="One OpenAI-compatible front door routing to N `kvstrata serve` workers.",
     )
     _common(up)
+    security_args.add_router_arguments(up, fleet_key_flag=False)
     up.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
     up.add_argument("--model", default="smollm2", help="smollm2 | tiny | PATH (default: smollm2)")
     up.add_argument(
@@ -95,6 +110,7 @@ def register(sub: Any) -> None:
         description="Attach to running `kvstrata serve --events-endpoint …` workers.",
     )
     _common(router)
+    security_args.add_router_arguments(router, fleet_key_flag=True)
     router.add_argument("--worker", action="append", required=True, help="worker base URL")
     router.add_argument(
         "--model", default="smollm2", help="tokenizer source: smollm2 | tiny | PATH"
@@ -102,30 +118,85 @@ def register(sub: Any) -> None:
     router.add_argument(
         "--config", type=Path, default=None, help="read tenant_secret_file from this worker config"
     )
+    router.add_argument(
+        "--curve-secret-file",
+        type=Path,
+        default=None,
+        help="the router's CURVE certificate (zmq.auth secret file) for workers whose events "
+        "are encrypted (its public half must be in their curve_clients_dir)",
+    )
     router.set_defaults(func=run_router)
 
 
-def _serve_frontdoor(args: argparse.Namespace, urls: list[str]) -> None:
+def _serve_frontdoor(
+    args: argparse.Namespace,
+    urls: list[str],
+    api_key: str | None,
+    curve_secret_file: Path | None = None,
+) -> None:
+    """Attach to the workers and serve the front door; ``api_key``: the fleet key."""
     import uvicorn
 
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
     from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
     from kvstrata.fleet.frontdoor import create_frontdoor_app
     from kvstrata.index.core import ConsistencyMode
+    from kvstrata.security import AuditLog
 
     model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)
+    settings = worker_config(args)
+    security = settings.security
     config = FleetConfig(
         policy=args.policy,
         mode=ConsistencyMode(args.index),
         worker_urls=urls,
-        tenant_secret=worker_config(args).tenant_secret,
+        tenant_secret=settings.tenant_secret,
+        api_key=api_key,
+        tls_ca_file=security.tls_ca_file,
+        curve_client_secret_file=curve_secret_file or getattr(args, "curve_secret_file", None),
+        tombstone_ttl_s=security.tombstone_ttl_s,
     )
     fleet = Fleet(FleetTokenizer(model_dir), config)
     for url in urls:
         fleet.attach(url)
-    app = create_frontdoor_app(fleet)
-    print(f"kvstrata router on http://{args.host}:{args.port} → {len(urls)} workers", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    with AuditLog(security.audit_path, component="frontdoor") as audit:
+        app = create_frontdoor_app(fleet, security_args.frontdoor_auth(security.keys_file, audit))
+        certfile, keyfile = security_args.tls_files(security)
+        scheme = "https" if certfile else "http"
+        print(
+            f"kvstrata router on {scheme}://{args.host}:{args.port} → {len(urls)} workers",
+            flush=True,
+        )
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
+        )
+
+
+def _fleet_key(cleanup: contextlib.ExitStack) -> tuple[str, Path]:
+    """A new fleet key and the file holding it, in a run directory removed at exit."""
+    from kvstrata.security import generate_api_key
+
+    run_dir = Path(tempfile.mkdtemp(prefix="kvstrata-up-"))  # mode 0700
+    cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+    key = generate_api_key()
+    path = run_dir / "fleet.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(key + "\n")
+    return key, path
+
+
+def _security_worker_args(args: argparse.Namespace, fleet_key_file: Path) -> list[str]:
+    """What every worker of ``up`` gets: the fleet key and the operator's keys file."""
+    extra = ["--fleet-key-file", str(fleet_key_file)]
+    if args.keys_file is not None:
+        extra += ["--keys-file", str(args.keys_file.resolve())]
+    return extra
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -181,6 +252,8 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     remote_url = _remote_url(args, cleanup)
+    curve = _fleet_curve(cleanup)
+    fleet_key, fleet_key_file = _fleet_key(cleanup)
     config = worker_config(args, remote_url=remote_url)
     _announce_remote(config, args.workers, embedded=args.remote == "embedded")
     disk = config.tier("disk")
@@ -200,7 +273,10 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
                 ["--tenant-secret-file", str(args.tenant_secret_file.resolve())]
                 if args.tenant_secret_file is not None
                 else []
-            ),
+            )
+            + curve.worker_args()
+            + _security_worker_args(args, fleet_key_file),
+            api_key=fleet_key,
             disk_dir=disk.path / f"w{i}" if disk is not None and disk.path is not None else None,
             log_path=None if args.log_dir is None else args.log_dir / f"w{i}.log",
         )
@@ -211,7 +287,16 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     cleanup.callback(supervisor.stop)
     supervisor.start()
     print(f"{args.workers} workers ready in {time.monotonic() - started:.1f} s", flush=True)
-    _serve_frontdoor(args, supervisor.urls)
+    _serve_frontdoor(args, supervisor.urls, fleet_key, curve.router_secret_file)
+
+
+def _fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:
+    """The fleet's CURVE certificates, in a 0700 run directory removed when ``up`` exits."""
+    from kvstrata.fleet.curve_keys import FleetKeys
+
+    keys = FleetKeys.generate()
+    cleanup.callback(keys.remove)
+    return keys
 
 
 def _remote_url(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> str | None:
@@ -262,6 +347,10 @@ def worker_config(args: argparse.Namespace, *, remote_url: str | None = None) ->
         "tenant_secret_file": args.tenant_secret_file,
         "remote_url": remote_url,
         "remote_gib": _remote_gib(args),
+        **{
+            name: getattr(args, name, None)
+            for name in ("keys_file", "audit_path", "tls_cert_file", "tls_key_file", "tls_ca_file")
+        },
     }
     if remote == "embedded" and remote_url is None:
         overrides["remote_url"] = "redis://127.0.0.1:6379/0"  # validated now, replaced later
@@ -271,5 +360,8 @@ def worker_config(args: argparse.Namespace, *, remote_url: str | None = None) ->
 def run_router(args: argparse.Namespace) -> int:
     _check(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
-    _serve_frontdoor(args, [url.rstrip("/") for url in args.worker])
+    api_key = None
+    if args.api_key_file is not None:
+        api_key = security_args.read_key_file(args.api_key_file, "fleet key file")
+    _serve_frontdoor(args, [url.rstrip("/") for url in args.worker], api_key)
     return 0

@@ -53,13 +53,14 @@ from kvstrata.connectors.vllm_identity import (
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_lookup import (
     LookupClient,
+    LookupFn,
     LookupServer,
     endpoint_for,
     register_local,
     unregister_local,
 )
 from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner, StepPlan
-from kvstrata.connectors.vllm_settings import connector_config
+from kvstrata.connectors.vllm_settings import connector_audit, connector_config, lookup_keys
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.identity import (
     BlockKey,
@@ -91,6 +92,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = connector_config(transfer.kv_connector_extra_config)
+        self._lookup_keys = lookup_keys(self.settings)
         self.engine_id = str(transfer.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.model_name = str(vllm_config.model_config.served_model_name or "")
@@ -108,7 +110,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     fingerprint.detail,
                 )
             self.fingerprint = fingerprint
-            self._lookup = LookupClient(self.engine_id, timeout_ms=self.settings.lookup_timeout_ms)
+            self._lookup = LookupClient(
+                self.engine_id, timeout_ms=self.settings.lookup_timeout_ms, curve=self._lookup_keys
+            )
             secret = self.settings.tenant_secret
             self._planner = SchedulerPlanner(
                 fingerprint,
@@ -121,13 +125,19 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         codec = BlockCodec(kv_caches, int(self._kv_cache_config.num_blocks), self.block_size)
         events = self.settings.events
+        audit = connector_audit(self.settings).start()
         store = build_store(
-            codec.block_bytes, self.settings, CollectorRegistry(), record_events=events is not None
+            codec.block_bytes,
+            self.settings,
+            CollectorRegistry(),
+            record_events=events is not None,
+            audit=audit,
         )
         if store is None:  # its only tier, a remote one, was unreachable (build_store said so)
+            audit.close()
             logger.warning("kvstrata: no tier could be opened; vLLM runs without kvstrata's KV")
             register_local(self.engine_id, _no_hits)
-            self._server = LookupServer(endpoint_for(self.engine_id), _no_hits).start()
+            self._server = self._lookup_server(_no_hits)
             return
         emitter = None
         if events is not None:
@@ -139,15 +149,20 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             model=self.model_name,
             emitter=emitter,
             stats_path=self.settings.stats_path,
+            audit=audit,
         )
         register_local(self.engine_id, self._worker.lookup)
-        self._server = LookupServer(endpoint_for(self.engine_id), self._worker.lookup).start()
+        self._server = self._lookup_server(self._worker.lookup)
         logger.info(
             "kvstrata: %d KV layers, %d B per block, tiers %s",
             len(codec.names),
             codec.block_bytes,
             [level.name for level in store.levels],
         )
+
+    def _lookup_server(self, lookup: LookupFn) -> LookupServer:
+        endpoint = endpoint_for(self.engine_id)
+        return LookupServer(endpoint, lookup, curve=self._lookup_keys).start()
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()

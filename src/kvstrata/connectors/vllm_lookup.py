@@ -13,11 +13,20 @@ with the worker, so:
   an unanswered lookup counts as a miss, never blocks scheduling for long).
 
 Wire format (msgpack): request ``[tenant, [key bytes…]]``, reply ``found`` (int).
+
+Who may ask: the ipc socket lives in a directory of this user's own, mode 0700
+(``private_dir``), so no other user can connect to it. With ``lookup_curve_secret_file``
+(``[connector]``; a ``zmq.auth`` secret certificate both connector sides load) the REP side is
+also a CURVE server that admits only that certificate's key, and the REQ side its client:
+possession of the file is the credential (scheduler and worker are one deployment on one host,
+so they share it, as they share the worker configuration).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +35,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from kvstrata.errors import InvalidInput
+from kvstrata.events.curve import KeyPair, ZapGuard
 from kvstrata.identity import BlockKey
 
 logger = logging.getLogger("kvstrata.connectors.vllm")
@@ -35,9 +46,25 @@ _LOCAL: dict[str, LookupFn] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def endpoint_for(engine_id: str) -> str:
+def private_dir(base: Path | None = None) -> Path:
+    """This user's lookup socket directory (created 0700; refused when it belongs to another
+    user, tightened when it is ours but open to others)."""
+    path = Path(base or tempfile.gettempdir()) / f"kvstrata-lookup-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = path.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise InvalidInput(f"{path} is not a directory of this user: refusing to use it")
+        if info.st_mode & 0o077:
+            path.chmod(0o700)
+    except OSError as exc:
+        raise InvalidInput(f"cannot prepare the lookup socket directory {path}: {exc}") from exc
+    return path
+
+
+def endpoint_for(engine_id: str, base: Path | None = None) -> str:
     safe = "".join(ch for ch in engine_id if ch.isalnum() or ch in "-_")[:64]
-    return f"ipc://{Path(tempfile.gettempdir()) / f'kvstrata-lookup-{safe}.ipc'}"
+    return f"ipc://{private_dir(base) / f'{safe}.ipc'}"
 
 
 def register_local(engine_id: str, lookup: LookupFn) -> None:
@@ -58,15 +85,21 @@ def local_lookup(engine_id: str) -> LookupFn | None:
 class LookupServer:
     """Answers lookups from another process; one thread, started and stopped explicitly."""
 
-    def __init__(self, endpoint: str, lookup: LookupFn) -> None:
+    def __init__(self, endpoint: str, lookup: LookupFn, *, curve: KeyPair | None = None) -> None:
         self.endpoint = endpoint
         self.lookup = lookup
+        self.curve = curve
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._zap: ZapGuard | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
 
     def start(self) -> LookupServer:
+        if self.curve is not None:  # a context of its own: one ZAP handler per context
+            self._context = zmq.Context()
+            self._zap = ZapGuard(self._context, [self.curve.public_key]).start()
         self._thread = threading.Thread(target=self._serve, name="kvstrata-lookup", daemon=True)
         self._thread.start()
         self._ready.wait(10)
@@ -75,9 +108,13 @@ class LookupServer:
         return self
 
     def _serve(self) -> None:
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        context = self._context or zmq.Context.instance()
         socket = context.socket(zmq.REP)
         socket.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            socket.curve_server = True
+            socket.curve_secretkey = self.curve.secret_key
+            socket.curve_publickey = self.curve.public_key
         try:
             path = self.endpoint.removeprefix("ipc://")
             Path(path).unlink(missing_ok=True)
@@ -113,15 +150,29 @@ class LookupServer:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
 
 
 class LookupClient:
     """The scheduler's view: the in-process worker if there is one, else the worker's socket."""
 
-    def __init__(self, engine_id: str, *, timeout_ms: int = 2000) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        timeout_ms: int = 2000,
+        curve: KeyPair | None = None,
+        endpoint: str | None = None,
+    ) -> None:
         self.engine_id = engine_id
-        self.endpoint = endpoint_for(engine_id)
+        self.endpoint = endpoint or endpoint_for(engine_id)
         self.timeout_ms = timeout_ms
+        self.curve = curve
         self._socket: zmq.Socket[bytes] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self.timeouts = 0
@@ -139,6 +190,8 @@ class LookupClient:
             context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
             socket = context.socket(zmq.REQ)
             socket.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.client_of(self.curve.public_key).apply(socket)
             socket.connect(self.endpoint)
             self._socket = socket
         socket = self._socket

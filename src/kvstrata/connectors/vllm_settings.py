@@ -10,6 +10,10 @@ The connector is configured like every kvstrata worker (``docs/configuration.md`
   ``stats_path``, ``lookup_timeout_ms``; a shared remote tier: ``remote_url`` (or
   ``remote_cluster``), ``remote_gib``, ``remote_namespace``, ``remote_write_policy``.
 
+Security: ``lookup_curve_secret_file`` (``[connector]``) makes the scheduler → worker lookup
+socket a CURVE pair (``vllm_lookup``); ``security.audit_path`` is where the worker side's
+store writes its audit lines (component ``vllm-connector``).
+
 At least one tier must be configured (a remote tier alone will do: vLLM instances sharing its
 url and namespace reuse each other's prefixes). A remote tier unreachable at start-up is left
 out with a warning; without any tier left, vLLM runs without kvstrata's KV. ``pool`` and
@@ -24,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
+from kvstrata.events.curve import CurveKeyError, KeyPair
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
+from kvstrata.security.audit import AuditLog
 
 SOURCE = "kv_connector_extra_config"
 
@@ -42,3 +48,20 @@ def connector_config(extra: Mapping[str, Any] | None) -> WorkerConfig:
             source=SOURCE,
         )
     return config
+
+
+def lookup_keys(config: WorkerConfig) -> KeyPair | None:
+    """The lookup socket's CURVE certificate (read once, by each connector side)."""
+    path = config.lookup_curve_secret_file
+    if path is None:
+        return None
+    try:
+        return KeyPair.from_file(path)
+    except CurveKeyError as exc:
+        raise ConfigError(str(exc), key="connector.lookup_curve_secret_file") from exc
+
+
+def connector_audit(config: WorkerConfig) -> AuditLog:
+    """The worker side's audit log (``security.audit_path``; unset: the ``kvstrata.audit``
+    logger), not started: the connector starts it with its store and closes it after."""
+    return AuditLog(config.security.audit_path, component="vllm-connector")

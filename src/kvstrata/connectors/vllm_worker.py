@@ -50,6 +50,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.runtime.blocks import BlockInfo
 from kvstrata.runtime.bridge import LoadOutcome, StoreBridge
 from kvstrata.runtime.events import KVEventEmitter
+from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
 from kvstrata.tiers.base import Tier
@@ -88,8 +89,11 @@ class ConnectorWorker:
         emitter: KVEventEmitter | None = None,
         stats_path: Path | None = None,
         cost_model: PrefillModel = DEFAULT_PREFILL_MODEL,
+        audit: AuditLog = NULL_AUDIT,
     ) -> None:
         self.store = store
+        self.audit = audit
+        """The store's audit log (started by the connector): closed after the store."""
         self.codec = codec
         self.model = model
         self.emitter = emitter
@@ -256,6 +260,7 @@ class ConnectorWorker:
     def close(self) -> None:
         self.write_stats(force=True)
         self.store.close()
+        self.audit.close()
         if self.emitter is not None:
             self.emitter.flush()
             self.emitter.close()

@@ -331,9 +331,8 @@ class BatchRunner:
                 seq.table[index] = existing
                 seq.committed += 1
                 continue
-            info = BlockInfo(
-                seq.tenant, index * block_size, block_tokens(seq.tokens, index, block_size)
-            )
+            tokens = block_tokens(seq.tokens, index, block_size)
+            info = BlockInfo(seq.tenant, index * block_size, tokens, created_at=time.time())
             if not self.pool.publish(scratch, key, parent, info):
                 seq.publishable = False
                 return

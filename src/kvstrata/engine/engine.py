@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ import torch
 from kvstrata.costs import DEFAULT_PREFILL_MODEL, OnlinePrefillFit
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.batch import BatchRunner
+from kvstrata.engine.deletion import delete_everywhere
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
@@ -69,6 +71,7 @@ from kvstrata.runtime import tokenization
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.runtime.wiring import wire
+from kvstrata.store.deletion import DeleteReport, DeleteSelector
 from kvstrata.store.levels import RequestScope
 from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
@@ -339,6 +342,15 @@ class ReferenceEngine:
             with self._step_lock:
                 self._run_calls()
         return future
+
+    def delete(self, selector: DeleteSelector, now: float | None = None) -> DeleteReport:
+        """Delete what ``selector`` names from the device pool and every store tier, leaving
+        tombstones (``engine.deletion``). Engine thread only:
+        ``engine.call(lambda: engine.delete(selector)).result()``."""
+        store = self.bridge.store if self.bridge is not None else None
+        report = delete_everywhere(self.pool, store, selector, time.time() if now is None else now)
+        self._flush_events()
+        return report
 
     def _retry_after(self) -> float:
         """Seconds until the queue has likely moved: queued work over the batch's pace."""

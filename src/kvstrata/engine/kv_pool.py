@@ -18,7 +18,11 @@ Bookkeeping (pure Python, no I/O):
   PoolListener``) hear every commit and every eviction, in subscription order, while an
   evicted block's bytes are still in place: demotion into the store and KV events are both
   listeners. With none the pool pays nothing. ``committed_blocks`` lists what is resident,
-  parents first.
+  parents first;
+- ``delete(keys)`` (a deletion request) removes committed blocks and all their descendants:
+  listeners hear each one as evicted with reason ``DELETED`` (no demotion keeps it); a free
+  block is freed at once, one a running sequence reads is UNPUBLISHED — out of the index, so
+  no request can match it or build on it — and freed when its last reader releases it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 
 from kvstrata.errors import PoolStateError
 from kvstrata.identity import BlockKey
-from kvstrata.runtime.blocks import EvictedBlock, PoolListener, ResidentBlock
+from kvstrata.runtime.blocks import DELETED, EVICTED, EvictedBlock, PoolListener, ResidentBlock
 from kvstrata.telemetry import KvMetrics
 
 
@@ -57,6 +61,15 @@ class BlockState(Enum):
     PENDING = 1
     COMMITTED = 2
     SCRATCH = 3
+    UNPUBLISHED = 4  # deleted while read: invisible, freed at the last release
+
+
+@dataclass(frozen=True)
+class PoolDeletion:
+    """What ``PagedKVPool.delete`` did: blocks freed now, blocks freed at their release."""
+
+    removed: list[BlockKey]
+    held: list[BlockKey]
 
 
 @dataclass
@@ -142,6 +155,10 @@ class PagedKVPool:
             block.refs -= 1
             if block.refs == 0:
                 self._held -= 1
+                if block.state is BlockState.UNPUBLISHED:
+                    self._free_block(block_id)
+                    self._publish()
+                    continue
             self._maybe_evictable(block_id)
 
     # ---- writes -------------------------------------------------------------------------
@@ -258,6 +275,43 @@ class PagedKVPool:
             return []
         return [(child, self._blocks[child].info) for child in self._children.get(parent_id, ())]
 
+    def delete(self, keys: Sequence[BlockKey]) -> PoolDeletion:
+        """Remove the committed blocks of ``keys`` and all their descendants (see the module
+        docstring); children go before their parents, so the pool stays prefix-closed."""
+        order: list[int] = []  # post-order: every block after its descendants
+        seen: set[int] = set()
+        for key in keys:
+            start = self._by_key.get(key)
+            if start is None or start in seen:
+                continue
+            stack = [(start, False)]
+            while stack:
+                block_id, expanded = stack.pop()
+                if expanded:
+                    order.append(block_id)
+                    continue
+                if block_id in seen:
+                    continue
+                seen.add(block_id)
+                stack.append((block_id, True))
+                stack.extend((child, False) for child in self._children.get(block_id, ()))
+        for block_id in order:
+            block = self._blocks[block_id]
+            if block.children != len(self._children.get(block_id, ())):
+                raise PoolStateError("delete of a block whose child is still pending")
+        result = PoolDeletion(removed=[], held=[])
+        for block_id in order:
+            block = self._blocks[block_id]
+            assert block.key is not None
+            (result.held if block.refs else result.removed).append(block.key)
+            self._unlink(block_id, DELETED)
+            if block.refs:
+                block.state, block.parent, block.children = BlockState.UNPUBLISHED, None, 0
+            else:
+                self._free_block(block_id)
+        self._publish()
+        return result
+
     def block_id(self, key: BlockKey) -> int | None:
         return self._by_key.get(key)
 
@@ -354,18 +408,26 @@ class PagedKVPool:
         return evicted
 
     def _evict(self, block_id: int) -> None:
+        self._unlink(block_id, EVICTED)
+        self._free_block(block_id)
+        self.evictions += 1
+        if self.metrics is not None:
+            self.metrics.pool_evictions.inc()
+
+    def _unlink(self, block_id: int, reason: str) -> None:
+        """Announce a committed block's removal and take it out of the index and its
+        parent's children (the caller frees or unpublishes it)."""
         block = self._blocks[block_id]
         assert block.key is not None
         if self._listeners:
             parent_key = self._blocks[block.parent].key if block.parent is not None else None
-            evicted = EvictedBlock(block_id, block.key, parent_key, block.uses, block.info)
+            evicted = EvictedBlock(block_id, block.key, parent_key, block.uses, block.info, reason)
             # Listeners must not raise (demotion is best effort and counts its own failures).
             for listener in self._listeners:
                 listener.block_evicted(evicted)
         del self._by_key[block.key]
         parent_id = block.parent
         self._children.pop(block_id, None)
-        self._free_block(block_id)
         if parent_id is not None:
             siblings = self._children.get(parent_id)
             if siblings is not None:
@@ -374,9 +436,6 @@ class PagedKVPool:
                     del self._children[parent_id]
             self._blocks[parent_id].children -= 1
             self._maybe_evictable(parent_id)
-        self.evictions += 1
-        if self.metrics is not None:
-            self.metrics.pool_evictions.inc()
 
     def _resident(self, block: _Block) -> ResidentBlock:
         assert block.key is not None

@@ -166,7 +166,8 @@ class PoolBridge:
             for offset, loc in enumerate(located):
                 i = first + offset
                 parent = keys[i - 1] if i > 0 else None
-                info = BlockInfo(scope.tenant, i * size, block_tokens(token_ids, i, size))
+                tokens = block_tokens(token_ids, i, size)
+                info = BlockInfo(scope.tenant, i * size, tokens, created_at=loc.meta.created_at)
                 block_id = self.pool.allocate(loc.key, parent, info)
                 if block_id is None:
                     break

@@ -12,6 +12,11 @@ PUB) so that ``wait_for_subscriber`` can tell when a subscription has landed ins
 ``drop_next`` is a test hook: the next batches skip the live send (and, if asked, the replay
 buffer too), which is how recovery tests inject a gap into a real stream.
 The subscriber never raises on bad input: it counts and skips (see :class:`EventPlaneStats`).
+
+With ``curve`` (a :class:`~kvstrata.events.curve.CurveServer`) both sockets are CURVE servers:
+traffic is encrypted and only the listed client keys get through (a ZAP handler, started in
+``start()`` on the publisher's own context and stopped in ``close()``); a client without the
+server key or with an unlisted key completes no handshake and receives nothing, live or replay.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Final, Self
 
 import zmq
 
+from kvstrata.events.curve import CurveServer, ZapGuard
 from kvstrata.events.schema import (
     KVEvent,
     KVEventBatch,
@@ -64,6 +70,7 @@ class ZmqEventPublisher:
         epoch: int | None = None,
         data_parallel_rank: int | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
         if buffer_steps < 1:
             raise ValueError("buffer_steps must be at least 1")
@@ -75,6 +82,9 @@ class ZmqEventPublisher:
         self._epoch = epoch
         self._dp_rank = data_parallel_rank
         self._context = context
+        self._curve = curve
+        self._own_context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._zap: ZapGuard | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._next_seq = 0
@@ -90,6 +100,11 @@ class ZmqEventPublisher:
     @property
     def replay_endpoint(self) -> str | None:
         return self._replay_endpoint
+
+    @property
+    def curve_public_key(self) -> str | None:
+        """The CURVE server's public key (z85) subscribers need; None without CURVE."""
+        return None if self._curve is None else self._curve.public_key_z85
 
     @property
     def next_seq(self) -> int:
@@ -116,22 +131,39 @@ class ZmqEventPublisher:
         self._drop_evicts_replay = evict_replay
 
     def start(self) -> Self:
-        """Bind the live XPUB and, if configured, the replay ROUTER."""
-        context = self._context or zmq.Context.instance()
-        self._pub = context.socket(zmq.XPUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
+        """Bind the live XPUB and, if configured, the replay ROUTER (CURVE: start the ZAP
+        handler first, on a context of this publisher's own unless one was given)."""
+        context = self._context
+        if self._curve is not None:
+            if context is None:
+                context = self._own_context = zmq.Context()
+            self._zap = ZapGuard(context, self._curve.allowed_clients).start()
+        context = context or zmq.Context.instance()
+        self._pub = self._socket(context, zmq.XPUB)
         self._endpoint = _bind(self._pub, self._endpoint)
         if self._replay_endpoint is not None:
-            self._replay = context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay = self._socket(context, zmq.ROUTER)
             self._replay_endpoint = _bind(self._replay, self._replay_endpoint)
         return self
+
+    def _socket(self, context: zmq.Context[zmq.Socket[bytes]], kind: int) -> zmq.Socket[bytes]:
+        socket = context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(socket)
+        return socket
 
     def close(self) -> None:
         for socket in (self._pub, self._replay):
             if socket is not None:
                 socket.close(linger=0)
         self._pub = self._replay = None
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+        if self._own_context is not None:
+            self._own_context.term()
+            self._own_context = None
 
     def __enter__(self) -> Self:
         return self.start()

@@ -8,6 +8,9 @@ from the publisher's buffer) it reports ``resync_needed`` instead of guessing.
 
 Bad input never raises here: malformed frames, undecodable payloads and unknown events are
 counted in :class:`EventPlaneStats` and skipped.
+
+With ``curve`` (a :class:`~kvstrata.events.curve.CurveClient`: the publisher's public key and
+this subscriber's own key pair) the SUB socket and every replay DEALER are CURVE clients.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Final, Self
 
 import zmq
 
+from kvstrata.events.curve import CurveClient
 from kvstrata.events.publisher import END_SEQ
 from kvstrata.events.schema import (
     EventDecodeError,
@@ -89,6 +93,7 @@ class ZmqEventSubscriber:
         max_batches_per_poll: int = 1024,
         stats: EventPlaneStats | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -99,6 +104,7 @@ class ZmqEventSubscriber:
         self._max_batches = max_batches_per_poll
         self.stats = stats if stats is not None else EventPlaneStats()
         self._context = context
+        self._curve = curve
         self._sub: zmq.Socket[bytes] | None = None
 
     @property
@@ -117,8 +123,7 @@ class ZmqEventSubscriber:
         self._expected = seq
 
     def start(self) -> Self:
-        sub = self._ctx().socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         if self._bind:
             if self._endpoint.startswith("tcp://") and self._endpoint.endswith(":*"):
@@ -227,8 +232,7 @@ class ZmqEventSubscriber:
         if self._replay_endpoint is None:
             return None
         self.stats.replay_requests += 1
-        dealer = self._ctx().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = self._socket(zmq.DEALER)
         try:
             dealer.connect(self._replay_endpoint)
             dealer.send_multipart((b"", start_seq.to_bytes(_SEQ_BYTES, "big")))
@@ -249,5 +253,9 @@ class ZmqEventSubscriber:
         finally:
             dealer.close(linger=0)
 
-    def _ctx(self) -> zmq.Context[zmq.Socket[bytes]]:
-        return self._context or zmq.Context.instance()
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        socket = (self._context or zmq.Context.instance()).socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(socket)
+        return socket

@@ -16,12 +16,17 @@ Ownership: the loop's own thread owns the subscribers, their ZMQ sockets and the
 only enqueue commands and wait on their futures. The index belongs to the fleet lock passed
 in: this thread takes it to apply a batch or a dump (bookkeeping only; receiving and
 ``/kv/dump`` happen outside it), so never wait on a command while holding that lock.
+
+CURVE: a worker that advertises a public key in ``/kv/info`` is subscribed to as a CURVE
+client with the router's key pair (``curve_keys``); the fleet refuses the mismatched cases
+(a CURVE worker without router keys, a plaintext worker with them) before it gets here.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvstrata.events.curve import KeyPair
 from kvstrata.events.subscriber import EventPlaneStats, ZmqEventSubscriber
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, fetch_dump
 from kvstrata.index.core import GlobalIndex
@@ -54,6 +60,9 @@ class EventPlane:
         subscribe_settle_s: float = 0.2,
         replay_timeout_s: float = 1.0,
         on_resync: Callable[[str, str], None] | None = None,
+        curve_keys: KeyPair | None = None,
+        api_key: str | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.index = index
         self.lock = lock
@@ -63,11 +72,14 @@ class EventPlane:
         self._settle_s = subscribe_settle_s
         self._replay_timeout_s = replay_timeout_s
         self._on_resync = on_resync
+        self._curve_keys = curve_keys
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.Queue[tuple[str, object, Future[object]]] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._http = httpx.Client(timeout=30.0)
+        self._api_key = api_key
+        """The router's fleet key, presented to read a worker's ``/kv/dump``."""
+        self._http = httpx.Client(timeout=30.0, verify=verify)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -137,12 +149,18 @@ class EventPlane:
 
     def _attach(self, info: WorkerInfo) -> None:
         self._detach(info.worker_id)
+        curve = None
+        if info.curve_public_key is not None:
+            if self._curve_keys is None:
+                raise WorkerProtocolError(f"worker {info.worker_id} needs CURVE keys")
+            curve = self._curve_keys.client_of(info.curve_public_key)
         subscriber = ZmqEventSubscriber(
             info.events_endpoint,
             info.replay_endpoint,
             expected_seq=None,
             replay_timeout_s=self._replay_timeout_s,
             stats=self.stats,
+            curve=curve,
         ).start()
         time.sleep(self._settle_s)  # let the subscription reach the publisher
         stream = _Stream(info, subscriber)
@@ -162,9 +180,11 @@ class EventPlane:
             self.index.remove_worker(worker_id)
 
     def _load_dump(self, worker_id: str, stream: _Stream) -> None:
-        dump = fetch_dump(self._http, stream.info.base_url)
+        dump = fetch_dump(self._http, stream.info.base_url, self._api_key)
         with self.lock:
-            self.index.replace_worker(worker_id, dump.epoch, dump.events, ts=dump.ts)
+            self.index.replace_worker(
+                worker_id, dump.epoch, dump.events, ts=dump.ts, next_seq=dump.next_seq
+            )
         stream.subscriber.resume_from(dump.next_seq)
 
     def _poll(self, worker_id: str, stream: _Stream) -> bool:
@@ -172,7 +192,7 @@ class EventPlane:
         if result.batches:
             with self.lock:
                 for received in result.batches:
-                    self.index.apply_batch(worker_id, received.batch)
+                    self.index.apply_batch(worker_id, received.batch, seq=received.seq)
         if result.resync_needed:
             self._resync(worker_id, stream, "gap")
         return bool(result.batches) or result.resync_needed

@@ -41,7 +41,9 @@ from typing import Any
 
 import httpx
 
-from kvstrata.errors import NoWorkerAvailable
+from kvstrata.errors import ConfigError, NoWorkerAvailable
+from kvstrata.events.curve import CurveKeyError, KeyPair
+from kvstrata.fleet.curve_keys import curve_refusal
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
 from kvstrata.fleet.workers import (
@@ -50,14 +52,17 @@ from kvstrata.fleet.workers import (
     WorkerState,
     default_profile,
     fetch_info,
+    worker_tls,
 )
 from kvstrata.identity import secret_digest
-from kvstrata.index.core import ConsistencyMode, GlobalIndex, Medium
+from kvstrata.index.core import ConsistencyMode, GlobalIndex, IndexDeletion, Medium
+from kvstrata.index.tombstones import StreamPosition
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import RouteDecision, RouteRequest
 from kvstrata.router.policies import POLICIES
 from kvstrata.runtime import tokenization
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _log = logging.getLogger(__name__)
 
@@ -88,6 +93,16 @@ class FleetConfig:
     request_timeout_s: float = 600.0
     tenant_secret: bytes = b""
     worker_urls: list[str] = field(default_factory=list)
+    curve_client_secret_file: Path | None = None
+    """The router's CURVE certificate (secret): with it, the fleet subscribes to CURVE workers
+    (whose public keys ``/kv/info`` advertises) and refuses plaintext ones; without it, it
+    refuses CURVE workers. No silent downgrade either way."""
+    tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
+    """How long the index refuses late events of deleted blocks (``security.tombstone_ttl_s``)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The router's fleet key: presented to workers' ``/kv/info`` and ``/kv/dump``."""
+    tls_ca_file: Path | None = None
+    """The CA bundle that verifies workers' HTTPS (None: the system CAs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +166,17 @@ class Fleet:
         self.metrics = FleetMetrics()
         self._lock = threading.Lock()
         self._secret_digest = secret_digest(config.tenant_secret)
+        self._curve_keys: KeyPair | None = None
+        if config.curve_client_secret_file is not None:
+            try:
+                self._curve_keys = KeyPair.from_file(config.curve_client_secret_file)
+            except CurveKeyError as exc:
+                raise ConfigError(str(exc), key="curve_client_secret_file") from exc
         self._table = _Table(MappingProxyType({}), MappingProxyType({}))
         self._index: GlobalIndex | None = None
         self._router: Router | None = None
         self._events: EventPlane | None = None
-        self._http = http or httpx.Client(timeout=10.0)
+        self._http = http or httpx.Client(timeout=10.0, verify=worker_tls(config.tls_ca_file))
 
     # ------------------------------------------------------------------ workers
     def _profile(self, worker_id: str) -> CostProfile:
@@ -185,8 +206,15 @@ class Fleet:
                 info.block_size,
                 mode=self.config.mode,
                 tenant_secret=self.config.tenant_secret,
+                tombstone_ttl_s=self.config.tombstone_ttl_s,
             )
-            events = EventPlane(index, self._lock)
+            events = EventPlane(
+                index,
+                self._lock,
+                curve_keys=self._curve_keys,
+                api_key=self.config.api_key,
+                verify=worker_tls(self.config.tls_ca_file),
+            )
             # Registering may run the collector, which takes the lock: do it outside.
             self.metrics.export_index(index, events.stats, self._lock)
             events.start()
@@ -206,7 +234,7 @@ class Fleet:
         Lifecycle: one caller at a time (startup, then the health round). No lock is held
         while it talks to the worker or waits on the event plane.
         """
-        info = fetch_info(self._http, base_url)
+        info = fetch_info(self._http, base_url, self.config.api_key)
         if info.secret_digest != self._secret_digest:
             self.metrics.worker_events.labels(info.worker_id, "refused_secret").inc()
             raise WorkerProtocolError(
@@ -214,6 +242,7 @@ class Fleet:
                 f"(digest {info.secret_digest}, the router's {self._secret_digest}): refused; "
                 "give router and workers the same tenant_secret_file"
             )
+        self._check_curve(info)
         events = self._ensure_index(info)
         if self.config.mode is ConsistencyMode.EXACT:
             events.attach(info)
@@ -232,6 +261,12 @@ class Fleet:
         self.metrics.worker_healthy.labels(info.worker_id).set(1)
         self.metrics.worker_events.labels(info.worker_id, "attached").inc()
         return info
+
+    def _check_curve(self, info: WorkerInfo) -> None:
+        refusal = curve_refusal(info, router_has_keys=self._curve_keys is not None)
+        if refusal is not None:
+            self.metrics.worker_events.labels(info.worker_id, "refused_curve").inc()
+            raise refusal
 
     def _stop_traffic(self, state: WorkerState) -> None:
         """Under the lock: no more requests to this incarnation (counted once)."""
@@ -264,7 +299,7 @@ class Fleet:
             worker_id = table.by_url.get(url)
             state = table.by_id.get(worker_id) if worker_id else None
             try:
-                info = fetch_info(self._http, url)
+                info = fetch_info(self._http, url, self.config.api_key)
             except (httpx.HTTPError, WorkerProtocolError):
                 if state is not None:
                     with self._lock:
@@ -307,6 +342,36 @@ class Fleet:
                 )
                 for state in self._table.by_id.values()
             ]
+
+    def deletion_targets(self) -> list[tuple[str | None, str]]:
+        """Every worker a deletion must reach, healthy or not: (worker id if known, base URL)."""
+        table = self._table
+        urls = list(dict.fromkeys([*self.config.worker_urls, *table.by_url]))
+        return [(table.by_url.get(url), url) for url in urls]
+
+    def apply_deletion(
+        self,
+        tenant: str,
+        *,
+        everything: bool,
+        tokens: list[int] | None,
+        engine_hashes: Sequence[int],
+        positions: Mapping[str, StreamPosition],
+    ) -> IndexDeletion | None:
+        """The index side of a deletion (``GlobalIndex.delete``); None before any attach."""
+        with self._lock:
+            if self._index is None:
+                return None
+            index = self._index
+            hashes: Sequence[int] = index.request_hashes(tenant, tokens).tolist() if tokens else []
+            return index.delete(
+                tenant,
+                everything=everything,
+                router_hashes=hashes,
+                engine_hashes=engine_hashes,
+                positions=positions,
+                now=time.time(),
+            )
 
     def close(self) -> None:
         if self._events is not None:

@@ -9,6 +9,17 @@ re-attaches it) and the request goes to the next best worker (safe: nothing was 
 the client yet). Workers answer everything else themselves, including their own exactness
 guarantees: the router only decides *where*, never *what*.
 
+Access: the front door loads the same keys file as its workers (its own ``HttpAuth``) and
+authenticates each client as a worker would: the tenant that hashes and routes a request is
+its key's, narrowed only as the key allows. The client's ``Authorization`` header and the
+narrowed ``X-Kvstrata-Tenant`` go to the worker unchanged, and the worker authenticates
+them again (defence in depth: a worker reachable around the front door is no weaker). The
+router's own calls (``/kv/info``, ``/kv/dump``) carry its fleet key (``FleetConfig.api_key``).
+``/debug/route`` needs an observer key and answers only in the caller's own namespaces;
+``/metrics`` and ``/fleet/workers`` need one too (open when single-tenant). The request id
+(a client's valid ``X-Request-Id`` or a new one) goes to the worker, so both audit trails
+name the same request.
+
 Health: a background task polls each worker's ``/kv/info``. An unreachable worker is
 detached (entries dropped, no traffic); a reachable one with a new epoch (restarted) is
 re-attached from its dump; a recovered one is attached again.
@@ -39,32 +50,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
+from kvstrata.fleet.deletion import register_deletion
 from kvstrata.fleet.fleet import Fleet, Reservation
-from kvstrata.identity import DEFAULT_TENANT
+from kvstrata.fleet.workers import worker_tls
+from kvstrata.security import OBSERVE, Authenticator, Principal, Role
+from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.protocol import (
-    MAX_TENANT_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
+    api_error_handler,
     error_response,
 )
 
 _log = logging.getLogger(__name__)
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-TENANT_HEADER = "X-Kvstrata-Tenant"
 WORKER_HEADER = "X-Kvstrata-Worker"
 PREFILL_HEADER = "X-Kvstrata-Prefill-S"  # set by a worker on non-streamed answers
 MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
-
-
-def tenant_of(body: SamplingRequest, header: str | None) -> str:
-    """Body extension or header (they must agree), else the default — as a worker decides."""
-    if header is not None and not 0 < len(header) <= MAX_TENANT_CHARS:
-        raise ApiError(400, f"{TENANT_HEADER} must be 1..{MAX_TENANT_CHARS} characters")
-    if body.kvstrata_tenant is not None and header is not None and body.kvstrata_tenant != header:
-        raise ApiError(400, "kvstrata_tenant conflicts with the X-Kvstrata-Tenant header")
-    return body.kvstrata_tenant or header or DEFAULT_TENANT
 
 
 def _parse(endpoint: str, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
@@ -94,13 +98,17 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
     return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
 
 
-def create_frontdoor_app(fleet: Fleet) -> FastAPI:
+def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
+    """``auth``: the front door's guard (None: single-tenant, nothing privileged)."""
+    guard = auth if auth is not None else HttpAuth(Authenticator())
     client: httpx.AsyncClient | None = None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         nonlocal client
-        client = httpx.AsyncClient(timeout=fleet.config.request_timeout_s)
+        client = httpx.AsyncClient(
+            timeout=fleet.config.request_timeout_s, verify=worker_tls(fleet.config.tls_ca_file)
+        )
         health = asyncio.create_task(_health_loop(fleet))
         try:
             yield
@@ -110,19 +118,25 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
             fleet.close()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
+    register_deletion(app, fleet, guard)
+    app.exception_handler(ApiError)(api_error_handler)
 
     async def handle(endpoint: str, request: Request) -> Response:
         assert client is not None
-        request_id = uuid.uuid4().hex
+        request_id = request_id_of(request)
         try:
+            principal = guard.check(request, {Role.TENANT}, "run completions")
             body, payload = _parse(endpoint, await request.body())
-            tenant = tenant_of(body, request.headers.get(TENANT_HEADER))
+            tenant = guard.namespace(request, principal, body.kvstrata_tenant)
             tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
         except ApiError as exc:
             fleet.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error_response(exc)
+        headers = _worker_headers(request, body, request_id)
+        # unique in the fleet's in-flight table even when a client repeats its request id
+        flight_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         response = await _forward(
-            fleet, client, endpoint, request_id, tenant, tokens, body, payload
+            fleet, client, endpoint, flight_id, tenant, tokens, body, payload, headers
         )
         fleet.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
@@ -135,14 +149,19 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await handle(CHAT, request)
 
+    def observer(request: Request) -> Principal:
+        return guard.check(request, OBSERVE, "explain routing")
+
     @app.post("/debug/route", response_model=None)
     async def debug_route(request: Request) -> Response:
-        """Explain where a completion or chat body would go, without sending it."""
-        raw = await request.body()
-        endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
+        """Explain where a completion or chat body would go, without sending it — in the
+        caller's own namespace only."""
         try:
+            principal = observer(request)
+            raw = await request.body()
+            endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
             body, _ = _parse(endpoint, raw)
-            tenant = tenant_of(body, request.headers.get(TENANT_HEADER))
+            tenant = guard.namespace(request, principal, body.kvstrata_tenant)
             tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
             decision = fleet.route("debug", tenant, tokens, body.requested_max_tokens(), False)
         except ApiError as exc:
@@ -151,17 +170,9 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
             return error_response(ApiError(503, str(exc), type="server_error"))
         return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
 
-    @app.get("/debug/route", response_model=None)
-    async def debug_route_get(prompt: str, tenant: str = DEFAULT_TENANT) -> Response:
-        tokens = await asyncio.to_thread(fleet.tokenizer.encode_prompt, prompt)
-        try:
-            decision = fleet.route("debug", tenant, tokens, None, False)
-        except NoWorkerAvailable as exc:
-            return error_response(ApiError(503, str(exc), type="server_error"))
-        return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
-
     @app.get("/fleet/workers")
-    async def workers() -> dict[str, Any]:
+    async def workers(request: Request) -> dict[str, Any]:
+        guard.check(request, OBSERVE, "list the workers", open_single_tenant=True)
         out = [
             {
                 "worker_id": view.worker_id,
@@ -197,7 +208,8 @@ def create_frontdoor_app(fleet: Fleet) -> FastAPI:
         return error_response(ApiError(503, "no worker available", type="server_error"))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        guard.check(request, OBSERVE, "read /metrics", open_single_tenant=True)
         for view in fleet.worker_views():
             fleet.metrics.worker_inflight.labels(view.worker_id).set(view.inflight)
         return Response(generate_latest(fleet.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -223,8 +235,10 @@ async def _forward(
     tokens: list[int],
     body: SamplingRequest,
     payload: dict[str, Any],
+    headers: httpx.Headers,
 ) -> Response:
-    """Reserve and proxy; on a connection failure, flag the worker and try the next best."""
+    """Reserve and proxy; on a connection failure, flag the worker and try the next best.
+    ``headers``: what the worker needs of the client's (credential, namespace, request id)."""
     max_tokens = body.requested_max_tokens()
     for _attempt in range(fleet.config.max_attempts):
         try:
@@ -241,7 +255,6 @@ async def _forward(
         fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
         fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
         url = f"{reservation.base_url}{endpoint}"
-        headers = _tenant_header(tenant, payload)
         try:
             upstream_request = client.build_request("POST", url, json=payload, headers=headers)
             upstream = await client.send(upstream_request, stream=True)
@@ -279,13 +292,18 @@ async def _forward(
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
 
 
-def _tenant_header(tenant: str, payload: dict[str, Any]) -> dict[bytes, bytes]:
-    """How the worker learns the tenant: from the body when the client wrote it there (any
-    name a body may hold, which is not always a valid header value: forwarded unchanged), else
-    from the header, as the bytes it arrived in (Starlette decodes headers as latin-1)."""
-    if payload.get("kvstrata_tenant") is not None:
-        return {}
-    return {TENANT_HEADER.encode(): tenant.encode("latin-1")}
+def _worker_headers(request: Request, body: SamplingRequest, request_id: str) -> httpx.Headers:
+    """What the worker needs of the client's headers: its credential and namespace header,
+    byte for byte (Starlette decodes headers as latin-1: encoded back the same way), and the
+    request id. A ``kvstrata_tenant`` in the body travels in the forwarded body instead of a
+    header: a body may hold any text, not all of it a valid header value (a non-ASCII name
+    could not be encoded, a control character made the worker look unreachable)."""
+    headers = {REQUEST_ID_HEADER: request_id}
+    for name in ("authorization", TENANT_HEADER):
+        value = request.headers.get(name)
+        if value is not None and not (name == TENANT_HEADER and body.kvstrata_tenant is not None):
+            headers[name] = value
+    return httpx.Headers(headers, encoding="latin-1")
 
 
 async def _relay(

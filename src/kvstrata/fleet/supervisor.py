@@ -44,6 +44,8 @@ class WorkerSpec:
     remote_gib: float | None = None
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """A key that may read ``/kv/info`` (the fleet key), to see that the worker is ready."""
 
     @property
     def url(self) -> str:
@@ -109,7 +111,10 @@ class WorkerProcess:
     def wait_ready(self, timeout_s: float) -> None:
         """Until ``/kv/info`` answers; raises if the process exits or time runs out."""
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        headers = (
+            {} if self.spec.api_key is None else {"Authorization": f"Bearer {self.spec.api_key}"}
+        )
+        with httpx.Client(timeout=2.0, headers=headers) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
                     code = None if self.process is None else self.process.returncode

@@ -1,22 +1,27 @@
 """What the router knows about each worker: its identity (``/kv/info``), its KV dump, its load.
 
 A worker is a ``kvstrata serve`` process started with an events endpoint. The router talks
-to it over plain HTTP (``/kv/info``, ``/kv/dump``, ``/health``, the OpenAI endpoints) and
-listens to its ZMQ event stream. Everything here validates what the worker sends: a worker
-that answers garbage is treated as unreachable, never trusted.
+to it over HTTP or HTTPS (``/kv/info``, ``/kv/dump``, ``/health``, the OpenAI endpoints) and
+listens to its ZMQ event stream. ``/kv/info`` and ``/kv/dump`` are read with the router's own
+fleet key (``api_key``: ``Authorization: Bearer``); HTTPS is verified with ``worker_tls``.
+Everything here validates what the worker sends: a worker that answers garbage is treated
+as unreachable, never trusted.
 """
 
 from __future__ import annotations
 
 import math
+import ssl
 from collections import deque
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.errors import InvalidInput
+from kvstrata.events.curve import CurveKeyError, decode_public_key
 from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.model import Medium, parse_medium
@@ -52,6 +57,8 @@ class WorkerInfo:
     )
     """Measured seconds to bring one block from each medium (``Medium`` order; None: not
     measured yet), from the worker's store: the router prices fetches with these."""
+    curve_public_key: bytes | None = None
+    """The event sockets' CURVE server key (None: plaintext sockets)."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -79,8 +86,20 @@ class WorkerInfo:
                 ),
                 tiers=tuple(str(t) for t in body.get("tiers", ())),
                 fetch_s_per_block=_fetch_figures(body.get("fetch_s_per_block") or {}),
+                curve_public_key=(
+                    None
+                    if body.get("curve_public_key") is None
+                    else decode_public_key(str(body["curve_public_key"]))
+                ),
             )
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            OverflowError,
+            CurveKeyError,
+        ) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
@@ -111,8 +130,19 @@ class WorkerDump:
     ts: float
 
 
-def fetch_info(client: httpx.Client, base_url: str) -> WorkerInfo:
-    response = client.get(f"{base_url}/kv/info")
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header presenting ``api_key`` (none without one)."""
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+def worker_tls(ca_file: Path | None) -> ssl.SSLContext | bool:
+    """How the router's HTTP clients verify workers' HTTPS: this CA bundle, else the system
+    CAs (``True``)."""
+    return True if ca_file is None else ssl.create_default_context(cafile=str(ca_file))
+
+
+def fetch_info(client: httpx.Client, base_url: str, api_key: str | None = None) -> WorkerInfo:
+    response = client.get(f"{base_url}/kv/info", headers=bearer(api_key))
     response.raise_for_status()
     try:
         body = response.json()
@@ -121,9 +151,9 @@ def fetch_info(client: httpx.Client, base_url: str) -> WorkerInfo:
     return WorkerInfo.from_json(base_url, body)
 
 
-def fetch_dump(client: httpx.Client, base_url: str) -> WorkerDump:
+def fetch_dump(client: httpx.Client, base_url: str, api_key: str | None = None) -> WorkerDump:
     """The worker's full resident state as events, and the live seq it corresponds to."""
-    response = client.get(f"{base_url}/kv/dump")
+    response = client.get(f"{base_url}/kv/dump", headers=bearer(api_key))
     response.raise_for_status()
     try:
         next_seq = int(response.headers[NEXT_SEQ_HEADER])

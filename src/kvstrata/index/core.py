@@ -48,7 +48,7 @@ BLAKE3 keys: its lookup misses and it recomputes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -78,17 +78,21 @@ from kvstrata.index.matching import slot_prefixes as _slot_prefixes
 from kvstrata.index.model import (
     MEDIUM_ALIASES,
     ConsistencyMode,
+    IndexDeletion,
     IndexStats,
     Medium,
     PrefixMatch,
     parse_medium,
 )
+from kvstrata.index.tombstones import Lineage, StreamPosition, Tombstones
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _NO_TIERS: Final = (0, 0, 0, 0)
 __all__ = [
     "MEDIUM_ALIASES",
     "ConsistencyMode",
     "GlobalIndex",
+    "IndexDeletion",
     "IndexStats",
     "Medium",
     "PrefixMatch",
@@ -129,6 +133,7 @@ class GlobalIndex:
         mode: ConsistencyMode = ConsistencyMode.EXACT,
         tenant_secret: bytes = b"",
         approx_ttl_s: float = 120.0,
+        tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if block_size <= 0:
@@ -151,6 +156,10 @@ class GlobalIndex:
         self._shared_held: dict[BlockHash, int] = {}  # engine hash → router hash
         self._shared_refs: dict[int, int] = {}  # router hash → engine hashes placing it
         self._blind: set[str] = set()  # workers that cannot reach the shared tier
+        # Deletions (``delete``, ``index.tombstones``): what events placed, what was deleted.
+        self._lineage = Lineage()
+        self._deleted_engine: Tombstones[BlockHash] = Tombstones(tombstone_ttl_s)
+        self._deleted_router: Tombstones[int] = Tombstones(tombstone_ttl_s)
 
     # ---------------------------------------------------------------- hashing
     def hasher(self, tenant: str | None) -> RouterHasher:
@@ -233,8 +242,10 @@ class GlobalIndex:
         events: Iterable[KVEvent],
         *,
         ts: float | None = None,
+        next_seq: int | None = None,
     ) -> None:
-        """Resync: replace everything known about a worker with its dump."""
+        """Resync: replace everything known about a worker with its dump (consistent with live
+        seq ``next_seq``: its blocks are as old as batch ``next_seq - 1``, for tombstones)."""
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
         self.stats.stale_entries_dropped += self._drop_entries(worker)
@@ -243,8 +254,9 @@ class GlobalIndex:
         worker.epoch = epoch
         worker.consistent = True
         self.stats.resyncs += 1
+        seq = None if next_seq is None else next_seq - 1
         for event in events:
-            self._apply_event(worker, event)
+            self._apply_event(worker, event, seq)
         if ts is not None:
             self.stats.lag_samples.append(max(0.0, self._clock() - ts))
 
@@ -264,8 +276,10 @@ class GlobalIndex:
         return len(self._entries)
 
     # ---------------------------------------------------------------- events
-    def apply_batch(self, worker_id: str, batch: KVEventBatch) -> None:
-        """Apply one in-order batch from ``worker_id``'s stream (exact mode)."""
+    def apply_batch(self, worker_id: str, batch: KVEventBatch, *, seq: int | None = None) -> None:
+        """Apply one in-order batch from ``worker_id``'s stream (exact mode); ``seq`` is its
+        live sequence number (a deleted block's tombstone refuses batches older than the
+        deletion; unknown: refused while a tombstone lives)."""
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
         if batch.epoch is not None and batch.epoch in worker.retired_epochs:
@@ -276,7 +290,7 @@ class GlobalIndex:
                 self._new_epoch(worker, batch.epoch)
             worker.epoch = batch.epoch
         for event in batch.events:
-            self._apply_event(worker, event)
+            self._apply_event(worker, event, seq)
         self.stats.batches += 1
         self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))
 
@@ -289,17 +303,17 @@ class GlobalIndex:
         worker.epoch = epoch
         worker.consistent = True
 
-    def _apply_event(self, worker: _Worker, event: KVEvent) -> None:
+    def _apply_event(self, worker: _Worker, event: KVEvent, seq: int | None) -> None:
         self.stats.events += 1
         if isinstance(event, BlockStored):
-            self._stored(worker, event)
+            self._stored(worker, event, seq)
         elif isinstance(event, BlockRemoved):
             self._removed(worker, event)
         elif isinstance(event, AllBlocksCleared):
             self.stats.clears += 1
             self._drop_entries(worker)
 
-    def _stored(self, worker: _Worker, event: BlockStored) -> None:
+    def _stored(self, worker: _Worker, event: BlockStored, seq: int | None) -> None:
         medium = parse_medium(event.medium)
         n = len(event.block_hashes)
         if medium is None:
@@ -323,7 +337,30 @@ class GlobalIndex:
         except IdentityError:  # token ids no tokenizer produces (outside [0, 2**32))
             self.stats.bad_events += 1
             return
-        self.store_hashes(worker.worker_id, router, medium, engine_hashes=event.block_hashes)
+        engine = event.block_hashes
+        if len(self._deleted_engine) or len(self._deleted_router):
+            kept = self._undeleted(worker, engine, router, seq)
+            if kept < n:  # the rest descend from a deleted block: refused with it
+                self.stats.tombstone_refusals += n - kept
+                engine, router = engine[:kept], router[:kept]
+                if not kept:
+                    return
+        self._lineage.add(event.namespace or DEFAULT_TENANT, parent, router)
+        self.store_hashes(worker.worker_id, router, medium, engine_hashes=engine)
+
+    def _undeleted(
+        self, worker: _Worker, engine: Sequence[BlockHash], router: Sequence[int], seq: int | None
+    ) -> int:
+        """How many leading blocks of a stored event no tombstone refuses."""
+        now = self._clock()
+        for i, (engine_hash, router_hash) in enumerate(zip(engine, router, strict=True)):
+            for tombstone in (
+                self._deleted_engine.get(engine_hash, now),
+                self._deleted_router.get(router_hash, now),
+            ):
+                if tombstone is not None and tombstone.refuses(worker.worker_id, worker.epoch, seq):
+                    return i
+        return len(engine)
 
     def _removed(self, worker: _Worker, event: BlockRemoved) -> None:
         medium = parse_medium(event.medium)
@@ -408,6 +445,82 @@ class GlobalIndex:
             worker.per_medium[medium] -= 1
             self.stats.blocks_removed += 1
 
+    # ---------------------------------------------------------------- deletion
+    def delete(
+        self,
+        namespace: str,
+        *,
+        everything: bool = False,
+        router_hashes: RouterHashes | Sequence[int] = (),
+        engine_hashes: Iterable[BlockHash] = (),
+        positions: Mapping[str, StreamPosition] | None = None,
+        now: float | None = None,
+    ) -> IndexDeletion:
+        """Remove deleted blocks from every worker slot and the shared tier; tombstone them.
+
+        What goes: every entry of ``namespace`` (``everything``), or the entries of
+        ``router_hashes`` (a prompt's) and of their descendants, plus whatever the workers
+        reported deleting (``engine_hashes``: their keys' event hashes, which is how an
+        ``older_than`` deletion, chosen by age on the workers, reaches the index). Every
+        removed or reported hash is tombstoned with the workers' ``positions`` (from their
+        delete answers): a later ``BlockStored`` of it from before a worker's position — or
+        from a worker with no position — is refused until the tombstone expires.
+
+        Cost: one pass over the namespace's lineage and every worker's entries (a deletion
+        is rare; matching and events pay nothing while no tombstone lives).
+        """
+        now = self._clock() if now is None else now
+        if isinstance(router_hashes, np.ndarray):
+            router_hashes = router_hashes.tolist()
+        if everything:
+            targets = self._lineage.namespace(namespace)
+        else:
+            targets = self._lineage.descendants(namespace, router_hashes)
+        reported = set(engine_hashes)
+        deleted: set[BlockHash] = set(reported)
+        removed = 0
+        for worker in self._workers.values():
+            for engine_hash, packed in list(worker.held.items()):
+                if engine_hash in reported or packed >> _BITS_PER_SLOT in targets:
+                    removed += (packed & _SLOT_MASK).bit_count()
+                    self._forget(worker, engine_hash, packed)
+                    deleted.add(engine_hash)
+        if self._shared_slot is not None:
+            entry_bit = (1 << Medium.REMOTE) << (self._shared_slot * _BITS_PER_SLOT)
+            for engine_hash, router_hash in list(self._shared_held.items()):
+                if engine_hash in reported or router_hash in targets:
+                    del self._shared_held[engine_hash]
+                    self._unref_shared(router_hash, entry_bit)
+                    deleted.add(engine_hash)
+                    removed += 1
+        for router_hash in targets:
+            self._approx.pop(router_hash, None)
+        bounds = {
+            worker_id: self._with_known_epoch(worker_id, position)
+            for worker_id, position in (positions or {}).items()
+        }
+        self._deleted_engine.expire(now)
+        self._deleted_router.expire(now)
+        self._deleted_engine.add(deleted, bounds, now)
+        self._deleted_router.add(targets, bounds, now)
+        self.stats.deletions += 1
+        self.stats.deleted_entries += removed
+        self.stats.blocks_removed += removed
+        return IndexDeletion(removed, len(deleted) + len(targets))
+
+    def _with_known_epoch(self, worker_id: str, position: StreamPosition) -> StreamPosition:
+        """The epoch the index still knows a worker by, if older than the answer's, is
+        refused whole: its late batches all predate the deletion."""
+        worker = self._workers.get(worker_id)
+        known = None if worker is None else worker.epoch
+        if known is None or position.epoch is None or known == position.epoch:
+            return position
+        return StreamPosition(position.epoch, position.next_seq, position.refused_epochs | {known})
+
+    def tombstones(self) -> int:
+        """Live tombstones (engine and router hashes), expired ones included until pruned."""
+        return len(self._deleted_engine) + len(self._deleted_router)
+
     def _store_shared(
         self, engine_hashes: Sequence[BlockHash], router_hashes: Sequence[int]
     ) -> None:
@@ -455,6 +568,7 @@ class GlobalIndex:
             self._entries[router_hash] = value
         else:
             self._entries.pop(router_hash, None)
+            self._lineage.discard(router_hash)
 
     def _forget(self, worker: _Worker, engine_hash: BlockHash, packed: int) -> None:
         router_hash = packed >> _BITS_PER_SLOT
@@ -480,6 +594,7 @@ class GlobalIndex:
             self._entries[router_hash] = value
         else:
             self._entries.pop(router_hash, None)
+            self._lineage.discard(router_hash)
 
     def _drop_entries(self, worker: _Worker) -> int:
         shift = worker.slot * _BITS_PER_SLOT
@@ -492,6 +607,7 @@ class GlobalIndex:
                 entries[router_hash] = value
             else:
                 entries.pop(router_hash, None)
+                self._lineage.discard(router_hash)
         dropped = len(worker.held)
         worker.held.clear()
         worker.aliases.clear()

@@ -59,6 +59,16 @@ class PrefixMatch:
     """True in approximate mode: the router's own guess, not a reported fact."""
 
 
+@dataclass(frozen=True, slots=True)
+class IndexDeletion:
+    """What one :meth:`GlobalIndex.delete` did."""
+
+    removed: int
+    """Block placements removed (one per worker slot and medium, or shared block)."""
+    tombstoned: int
+    """Hashes (engine and router) that now refuse late events."""
+
+
 @dataclass
 class IndexStats:
     """Counters and lag samples the fleet exports as metrics; owned, never global."""
@@ -83,6 +93,11 @@ class IndexStats:
     inconsistent_marks: int = 0
     routes_recorded: int = 0
     predictions_expired: int = 0
+    deletions: int = 0
+    deleted_entries: int = 0
+    """Block placements (worker slot or shared tier) removed by deletions."""
+    tombstone_refusals: int = 0
+    """Stored blocks refused because a deletion's tombstone predates them."""
     lag_samples: deque[float] = field(default_factory=lambda: deque(maxlen=8192))
 
     def lag_quantile(self, q: float) -> float | None:

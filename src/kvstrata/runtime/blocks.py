@@ -8,7 +8,9 @@ to hear what changes and to list what is resident. These types are that contract
   can carry them; a fleet index hashes tokens itself).
 - ``ResidentBlock`` is a committed block as a listener or a snapshot sees it.
 - ``EvictedBlock`` is handed to listeners while an evicted block's bytes are still in place
-  (so demotion can copy them before the slot is reused).
+  (so demotion can copy them before the slot is reused). ``reason`` is ``EVICTED`` (room was
+  needed: demotion may keep it below) or ``DELETED`` (a deletion request: nothing may keep it,
+  and a block a running sequence still reads leaves the pool's index now, its slot later).
 - ``PoolListener`` hears commits and evictions, on the thread that makes them (the engine's),
   in subscription order; neither call may raise.
 - ``PoolView`` is what the event emitter reads: the committed blocks, parents first, and a way
@@ -23,12 +25,16 @@ from typing import Protocol
 
 from kvstrata.identity import BlockKey
 
+EVICTED = "evicted"
+DELETED = "deleted"
+
 
 @dataclass(frozen=True)
 class BlockInfo:
     tenant: str
     position: int
     tokens: tuple[int, ...] | None = None
+    created_at: float | None = None  # wall time its KV was computed (deletion's older_than)
 
 
 def block_tokens(token_ids: Sequence[int] | None, index: int, size: int) -> tuple[int, ...] | None:
@@ -57,6 +63,7 @@ class EvictedBlock:
     parent_key: BlockKey | None
     uses: int
     info: object
+    reason: str = EVICTED
 
 
 class PoolListener(Protocol):

@@ -30,7 +30,8 @@ from enum import Enum
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
-from kvstrata.runtime.blocks import BlockInfo, EvictedBlock
+from kvstrata.runtime.blocks import DELETED, BlockInfo, EvictedBlock
+from kvstrata.security.audit import Action
 from kvstrata.store.config import WritePolicy
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.tiered import TieredStore
@@ -115,7 +116,9 @@ class StoreBridge:
     def wants_demotion(self, evicted: EvictedBlock) -> bool:
         """Should an evicted device block be copied into the store? Not when it is there
         already, nor for a selective first level before it was used often enough."""
-        if not isinstance(evicted.info, BlockInfo) or not self.store.levels:
+        if evicted.reason == DELETED or not isinstance(evicted.info, BlockInfo):
+            return False  # a deleted block is never kept anywhere
+        if not self.store.levels:
             return False
         top = self.store.levels[0]
         if top.tier.contains(evicted.key):
@@ -186,6 +189,13 @@ class StoreBridge:
                 meta = lease.meta
                 if meta.representation != self.representation or meta.size != self.block_bytes:
                     self.store.metrics.invalid.labels(tier=level.name, reason="incompatible").inc()
+                    self.store.audit.record(
+                        Action.INVALIDATE,
+                        "incompatible",
+                        tier=level.name,
+                        keys=[located.key],
+                        tenant=tenant,
+                    )
                     return LoadOutcome.INCOMPATIBLE
                 sink(lease.buffer)
         except KvstrataError:

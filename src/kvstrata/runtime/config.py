@@ -86,6 +86,7 @@ class WorkerConfig:
     limits: ServeLimits = ServeLimits()
     lookup_timeout_ms: int = 2000
     stats_path: Path | None = None
+    lookup_curve_secret_file: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -284,6 +285,9 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
     timeout = connector.get("lookup_timeout_ms")
     if timeout <= 0:
         raise connector.fail("lookup_timeout_ms", "must be positive")
+    lookup_curve = connector.get("lookup_curve_secret_file")
+    if lookup_curve is not None and not lookup_curve.is_file():
+        raise connector.fail("lookup_curve_secret_file", f"no such file: {lookup_curve}")
     return WorkerConfig(
         model=top.get("model"),
         served_model_name=top.get("served_model_name"),
@@ -297,6 +301,7 @@ def _build(data: Mapping[str, Any], where: str, base: Path) -> WorkerConfig:
         limits=_limits(_Reader(data.get("limits", {}), "limits.", where, base)),
         lookup_timeout_ms=timeout,
         stats_path=connector.get("stats_path"),
+        lookup_curve_secret_file=lookup_curve,
         scheduler=scheduler,
         security=_security(_Reader(data.get("security", {}), "security.", where, base)),
     )
@@ -309,12 +314,17 @@ def _security(table: _Reader) -> SecurityConfig:
     cert, key = table.get("tls_cert_file"), table.get("tls_key_file")
     if (cert is None) != (key is None):
         raise table.fail("tls_key_file", "tls_cert_file and tls_key_file go together")
-    for name in ("keys_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
+    for name in ("keys_file", "fleet_key_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
         path = table.get(name)
         if path is not None and not path.is_file():
             raise table.fail(name, f"no such file: {path}")
+    fleet_key_file = table.get("fleet_key_file")
+    fleet_key = _read_secret(fleet_key_file, "security.fleet_key_file", table.where)
+    if fleet_key_file is not None and not fleet_key.strip():
+        raise table.fail("fleet_key_file", "the fleet key file is empty")
     return SecurityConfig(
         keys_file=table.get("keys_file"),
+        fleet_key=fleet_key.decode("utf-8").strip() or None,
         audit_path=table.get("audit_path"),
         tombstone_ttl_s=ttl,
         tls_cert_file=cert,

@@ -139,6 +139,14 @@ KEYS: Final[tuple[Key, ...]] = (
         "API keys file (hashes → tenant, roles; reloaded when it changes); unset: "
         "single-tenant, admin/debug/dump endpoints off (see docs/security.md)",
     ),
+    Key(
+        "security.fleet_key_file",
+        "path",
+        None,
+        "file holding the router's fleet key: one more credential (role fleet, reads "
+        "`/kv/info` and `/kv/dump`) beside the keys file, or alone while clients stay "
+        "anonymous (`kvstrata up` generates it)",
+    ),
     Key("security.audit_path", "path", None, "audit JSON lines go here (unset: the log)"),
     Key(
         "security.tombstone_ttl_s",
@@ -151,6 +159,13 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("security.tls_ca_file", "path", None, "CA bundle a router trusts for workers' HTTPS"),
     Key("connector.lookup_timeout_ms", "int", 2000, "vLLM: scheduler → worker lookup timeout"),
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
+    Key(
+        "connector.lookup_curve_secret_file",
+        "path",
+        None,
+        "vLLM: a CURVE certificate (`zmq.auth` secret file) both connector sides load: the "
+        "scheduler → worker lookup socket is encrypted and admits only that key",
+    ),
 )
 BY_PATH: Final = {key.path: key for key in KEYS}
 TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector", "limits", "security")
@@ -271,7 +286,13 @@ _OVERRIDE_LIST: Final = (
         "lookup_timeout_ms", "connector.lookup_timeout_ms", _set("connector.lookup_timeout_ms")
     ),
     Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
+    Override(
+        "lookup_curve_secret_file",
+        "connector.lookup_curve_secret_file",
+        _set("connector.lookup_curve_secret_file"),
+    ),
     Override("keys_file", "security.keys_file", _set("security.keys_file")),
+    Override("fleet_key_file", "security.fleet_key_file", _set("security.fleet_key_file")),
     Override("audit_path", "security.audit_path", _set("security.audit_path")),
     Override("tombstone_ttl_s", "security.tombstone_ttl_s", _set("security.tombstone_ttl_s")),
     Override("tls_cert_file", "security.tls_cert_file", _set("security.tls_cert_file")),
@@ -287,12 +308,14 @@ PATH_OVERRIDES: Final = frozenset(
         "tenant_secret_file",
         "stats_path",
         "keys_file",
+        "fleet_key_file",
         "audit_path",
         "tls_cert_file",
         "tls_key_file",
         "tls_ca_file",
         "curve_secret_file",
         "curve_clients_dir",
+        "lookup_curve_secret_file",
     }
 )
 

@@ -21,6 +21,11 @@ Consecutive blocks of one chain are merged into one event, as vLLM does.
 every resident block as ``BlockStored`` events (parents first) and reads the next live sequence
 number, so dump + live stream from ``next_seq`` = the worker's state. Objects whose meta has no
 tokens (written by older versions) serve hits but are never announced; they are counted.
+
+The events carry every tenant's token ids, so who may listen matters (``exposure_check``):
+with ``curve_secret_file`` + ``curve_clients_dir`` both sockets are CURVE servers admitting
+only the listed subscribers; without them an endpoint beyond loopback (or ipc) is refused at
+start-up (``ConfigError`` naming the fix) and a loopback one is allowed with a warning.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.blocks import BlockInfo, EvictedBlock, PoolView, ResidentBlock
+from kvstrata.runtime.event_exposure import curve_server_of, exposure_check
 from kvstrata.store.events import ObjectStored
 from kvstrata.store.tiered import TieredStore
 
@@ -67,6 +73,10 @@ class KVEventsConfig:
     and replay sockets are encrypted and accept only the clients in ``curve_clients_dir``."""
     curve_clients_dir: Path | None = None
     """CURVE: directory of the public certificates of the subscribers allowed in."""
+
+    @property
+    def curve(self) -> bool:
+        return self.curve_secret_file is not None
 
 
 @dataclass
@@ -184,7 +194,9 @@ class KVEventEmitter:
 
     @classmethod
     def from_config(cls, config: KVEventsConfig, *, block_size: int) -> KVEventEmitter:
-        """An emitter with a fresh epoch; ``start()`` binds its sockets."""
+        """An emitter with a fresh epoch; ``start()`` binds its sockets. Reads the CURVE keys
+        and refuses exposed plaintext endpoints (``exposure_check``)."""
+        exposure_check(config)
         publisher = ZmqEventPublisher(
             config.endpoint,
             config.replay_endpoint,
@@ -192,6 +204,7 @@ class KVEventEmitter:
             buffer_steps=config.buffer_steps,
             worker_id=config.worker_id,
             epoch=new_epoch(),
+            curve=curve_server_of(config),
         )
         return cls(publisher, block_size=block_size)
 

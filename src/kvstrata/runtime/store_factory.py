@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import TierSpec, WorkerConfig
 from kvstrata.runtime.remote_metrics import RemoteTierCollector
+from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.store.config import TierConfig
 from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
 from kvstrata.store.policy import EvictionPolicy
@@ -93,8 +94,11 @@ def build_store(
     registry: CollectorRegistry,
     *,
     record_events: bool = False,
+    audit: AuditLog = NULL_AUDIT,
 ) -> TieredStore | None:
-    """The store of ``config.tiers`` (None when there are none), started."""
+    """The store of ``config.tiers`` (None when there are none), started; it records its
+    evictions, invalidations, quota rejections and tier switches in ``audit`` (the owner
+    starts and closes that log)."""
     levels: list[tuple[Tier, EvictionPolicy, TierConfig]] = []
     has_disk = config.tier("disk") is not None
     for spec in config.tiers:
@@ -117,7 +121,12 @@ def build_store(
     if not levels:
         return None
     store = TieredStore(
-        levels, metrics=StoreMetrics(registry), clock=time.time, record_events=record_events
+        levels,
+        metrics=StoreMetrics(registry),
+        clock=time.time,
+        record_events=record_events,
+        audit=audit,
+        tombstone_ttl_s=config.security.tombstone_ttl_s,
     )
     store.start()
     return store

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -18,6 +18,7 @@ class SecurityConfig:
     ``tls_ca_file``: the CA a router trusts for its workers' HTTPS."""
 
     keys_file: Path | None = None
+    fleet_key: str | None = field(default=None, repr=False)
     audit_path: Path | None = None
     tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
     tls_cert_file: Path | None = None

@@ -53,6 +53,8 @@ KEY_PREFIX: Final = "kvs_"
 BEARER: Final = "Bearer "
 _HASH_PREFIX: Final = "sha256:"
 _DEFAULT_TENANT: Final = "default"
+ADMIN_TOKEN_ID: Final = "admin-token"
+FLEET_KEY_ID: Final = "fleet-key"
 
 
 class Role(enum.StrEnum):
@@ -114,10 +116,10 @@ class Principal:
         if requested in self.shared:
             return requested
         prefix = self.tenant + "/"
-        if self.sub_namespaces:
-            sub = requested.removeprefix(prefix)
+        if self.sub_namespaces and requested.startswith(prefix):
+            sub = requested[len(prefix) :]
             if sub and "/" not in sub:
-                return prefix + sub
+                return requested
         raise AuthError(
             403,
             "this key may not use that namespace (a header may only narrow the key's tenant)",
@@ -262,8 +264,11 @@ def keys_entry_toml(key_id: str, key: str, tenant: str, roles: Iterable[Role], s
 class Authenticator:
     """Turns an ``Authorization`` header into a ``Principal``; thread-safe; reloadable.
 
-    ``keys_file`` None: single-tenant (every caller is ``ANONYMOUS``; ``admin_token``, when
-    given, is one more credential with every role, for the legacy ``--admin-token``).
+    ``keys_file`` None: single-tenant (every caller is ``ANONYMOUS``, whatever it sends).
+    Two extra credentials work with or without a keys file: ``admin_token`` (every role, key
+    id ``admin-token``: the legacy ``--admin-token``) and ``fleet_key`` (role ``fleet``, key id
+    ``fleet-key``: what ``kvstrata up`` gives its router, so the router can read ``/kv/dump``
+    while the fleet's clients stay anonymous).
     """
 
     def __init__(
@@ -271,11 +276,21 @@ class Authenticator:
         keys_file: Path | None = None,
         *,
         admin_token: str | None = None,
+        fleet_key: str | None = None,
         reload_interval_s: float = 1.0,
     ) -> None:
         self.keys_file = keys_file
         self.admin_token = admin_token
         self.reload_interval_s = reload_interval_s
+        single = keys_file is None  # one trust domain: the header names the namespace as-is
+        self._extra: tuple[tuple[bytes, Principal], ...] = tuple(
+            (token.encode(), Principal(key_id, _DEFAULT_TENANT, roles, open_namespaces=single))
+            for token, key_id, roles in (
+                (admin_token, ADMIN_TOKEN_ID, frozenset(Role)),
+                (fleet_key, FLEET_KEY_ID, frozenset({Role.FLEET})),
+            )
+            if token
+        )
         self._lock = threading.Lock()
         self._ring = load_keys(keys_file) if keys_file is not None else KeyRing()
         self._mtime = self._stat()
@@ -291,7 +306,17 @@ class Authenticator:
     def has_credentials(self) -> bool:
         """Is any privileged credential configured? (Without one, admin, debug and dump
         endpoints are off, not open.)"""
-        return self.keys_file is not None or self.admin_token is not None
+        return self.keys_file is not None or bool(self._extra)
+
+    @property
+    def key_count(self) -> int:
+        with self._lock:
+            return len(self._ring.entries)
+
+    @property
+    def tenant_count(self) -> int:
+        with self._lock:
+            return len({entry.tenant for entry in self._ring.entries})
 
     def _stat(self) -> int | None:
         if self.keys_file is None:
@@ -328,17 +353,20 @@ class Authenticator:
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller behind ``Authorization: Bearer <key>``; raises ``AuthError`` (401).
 
-        Single-tenant: a missing header is the anonymous principal; the admin token, if set,
-        is an admin. Multi-tenant: a missing or unknown key is a 401."""
+        Single-tenant: any caller without one of the extra credentials is the anonymous
+        principal (an OpenAI client always sends some key; here it names nobody).
+        Multi-tenant: a missing or unknown key is a 401."""
         token = None
         if authorization is not None and authorization.startswith(BEARER):
             token = authorization[len(BEARER) :].strip()
-        admin = self.admin_token
-        if token and admin is not None and hmac.compare_digest(token.encode(), admin.encode()):
-            return Principal("admin-token", _DEFAULT_TENANT, frozenset(Role))
+        if token:
+            found = None
+            for secret, principal in self._extra:  # no early exit on a match
+                if hmac.compare_digest(token.encode(), secret):
+                    found = principal
+            if found is not None:
+                return found
         if self.keys_file is None:
-            if authorization is not None and self.admin_token is not None:
-                raise AuthError(401, "unknown credential", reason="unknown_key")
             return ANONYMOUS
         if not token:
             message = "an API key is required (Authorization: Bearer …)"
@@ -362,11 +390,14 @@ class Authenticator:
 
         On a server with no credential configured, privileged actions are off (403) for
         everyone, except those marked ``open_single_tenant`` (``/metrics``, ``/kv/info``: one
-        trust domain, bound to loopback by default)."""
+        trust domain, bound to loopback by default); with an admin token or fleet key but no
+        keys file, the anonymous caller of a privileged action is a 401 (present one)."""
         allowed = frozenset(allowed)
         if principal is ANONYMOUS and open_single_tenant:
             return
         if principal is ANONYMOUS and allowed != {Role.TENANT}:
+            if self.has_credentials:
+                raise AuthError(401, f"{action} needs a credential", reason="no_key")
             raise AuthError(
                 403,
                 f"{action} is off: this server has no keys file or admin token configured",
@@ -378,8 +409,10 @@ class Authenticator:
 
 __all__ = [
     "ADMINISTER",
+    "ADMIN_TOKEN_ID",
     "ANONYMOUS",
     "DUMP",
+    "FLEET_KEY_ID",
     "OBSERVE",
     "Authenticator",
     "KeyEntry",

@@ -2,19 +2,22 @@
 
 ``GET /admin/tiers`` lists the store's levels (enabled, write policy, bytes, bytes at risk);
 ``POST /admin/tiers/{name}`` with ``{"enabled": false}`` stops reading and writing that tier
-at once, keeping its committed data so that ``{"enabled": true}`` brings it back. When the
-server was started with an admin token, these endpoints require ``Authorization: Bearer``.
+at once, keeping its committed data so that ``{"enabled": true}`` brings it back. Both need
+an admin credential (``HttpAuth`` with ``ADMINISTER``; off on a server that has none); a
+switch is audited (``tier_switch``, reason ``enabled`` / ``disabled``, the tier, the key id).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvstrata.security import ADMINISTER
+from kvstrata.serve.auth import HttpAuth, request_id_of
 from kvstrata.store.tiered import TieredStore
 
 ADMIN_TIERS = "/admin/tiers"
@@ -44,25 +47,15 @@ def tier_status(store: TieredStore) -> list[dict[str, Any]]:
     return out
 
 
-def register_admin(app: FastAPI, store: TieredStore | None, token: str | None) -> None:
-    def authorised(authorization: str | None) -> bool:
-        if token is None:
-            return True
-        expected = f"Bearer {token}"
-        return authorization is not None and hmac.compare_digest(authorization, expected)
-
+def register_admin(app: FastAPI, store: TieredStore | None, auth: HttpAuth) -> None:
     @app.get(ADMIN_TIERS)
-    async def list_tiers(authorization: str | None = Header(default=None)) -> Any:
-        if not authorised(authorization):
-            return _error(401, "admin token required", "unauthorized")
+    async def list_tiers(request: Request) -> Any:
+        auth.check(request, ADMINISTER, "list the tiers")
         return {"tiers": tier_status(store) if store is not None else []}
 
     @app.post(ADMIN_TIERS + "/{name}")
-    async def set_tier(
-        name: str, request: Request, authorization: str | None = Header(default=None)
-    ) -> Any:
-        if not authorised(authorization):
-            return _error(401, "admin token required", "unauthorized")
+    async def set_tier(name: str, request: Request) -> Any:
+        principal = auth.check(request, ADMINISTER, "switch tiers")
         if store is None:
             return _error(404, "this server has no tiered store", "tier_not_found")
         try:
@@ -73,7 +66,16 @@ def register_admin(app: FastAPI, store: TieredStore | None, token: str | None) -
         if not isinstance(enabled, bool):
             return _error(400, 'body must be {"enabled": true|false}', "invalid_value")
         try:
-            await asyncio.to_thread(store.set_enabled, name, enabled)
+            # the store records the switch in its audit log (one owner of that line)
+            await asyncio.to_thread(
+                functools.partial(
+                    store.set_enabled,
+                    name,
+                    enabled,
+                    key_id=principal.key_id,
+                    request_id=request_id_of(request),
+                )
+            )
         except KeyError:
             return _error(404, f"no tier named {name!r}", "tier_not_found")
         return {"tiers": tier_status(store)}

@@ -11,6 +11,11 @@ that disconnects, streaming or not, cancels its request at the next step. A full
 model a 404, and anything unexpected inside the engine a 500 after which the next request is
 served normally. Each generation's ``RequestRecord`` is logged as one JSON line on the
 ``kvstrata.serve`` logger: ids and counts, never text.
+
+Access (``serve.auth.HttpAuth``): a completion runs for the principal of its API key, in its
+tenant's namespace (``X-Kvstrata-Tenant`` or ``kvstrata_tenant`` may only narrow it); the
+guard runs before the body is parsed. ``/metrics`` needs an observer key (open on a
+single-tenant server); ``/admin/*`` and ``/kv/*`` say their own (``admin``, ``kv_state``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,10 +41,12 @@ from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ApiError, ContextTooLong, InvalidInput, QueueFull
-from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.runtime.config import ServeLimits
+from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
+from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth, request_id_of
+from kvstrata.serve.deletion import DELETE_PATH, register_deletion
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
 from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits, output_budget
 from kvstrata.serve.protocol import (
@@ -54,7 +61,7 @@ logger = logging.getLogger("kvstrata.serve")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", DELETE_PATH})
 KV_ENDPOINTS = frozenset(
     {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events"}
 )
@@ -71,17 +78,19 @@ def create_app(
     *,
     model_name: str,
     metrics: KvMetrics,
-    admin_token: str | None = None,
+    auth: HttpAuth | None = None,
     debug_endpoints: bool = False,
     limits: ServeLimits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures.
 
+    ``auth``: who may do what (None: single-tenant, nothing privileged);
     ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests);
     ``limits`` bounds request bodies and output lengths (``serve.limits``).
     """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
+    guard = auth if auth is not None else HttpAuth(Authenticator())
     service = _Service(engine, model_name, limits)
     kv_runtime = KvStateRuntime(engine.events, engine) if engine.events is not None else None
 
@@ -103,24 +112,28 @@ def create_app(
     app.exception_handler(ApiError)(protocol.api_error_handler)
     app.exception_handler(RequestValidationError)(protocol.validation_error_handler)
     app.exception_handler(StarletteHTTPException)(protocol.http_error_handler)
-    register_admin(app, engine.bridge.store if engine.bridge is not None else None, admin_token)
-    register_kv_state(app, engine, model_name=model_name, debug_endpoints=debug_endpoints)
+    register_admin(app, engine.bridge.store if engine.bridge is not None else None, guard)
+    register_deletion(app, engine, guard)
+    register_kv_state(
+        app, engine, model_name=model_name, auth=guard, debug_endpoints=debug_endpoints
+    )
 
-    @app.post(COMPLETIONS, response_model=None)
-    async def completions(
-        request: Request,
-        body: CompletionRequest,
-        x_kvstrata_tenant: str | None = Header(default=None),
-    ) -> Response:
-        return await service.completions(request, body, _tenant(body, x_kvstrata_tenant))
+    def caller(request: Request) -> None:
+        """A route dependency: runs before the body is validated, so a caller without a key
+        learns nothing from the body's error messages."""
+        request.state.kvstrata_principal = guard.check(request, {Role.TENANT}, "run completions")
 
-    @app.post(CHAT, response_model=None)
-    async def chat_completions(
-        request: Request,
-        body: ChatCompletionRequest,
-        x_kvstrata_tenant: str | None = Header(default=None),
-    ) -> Response:
-        return await service.chat(request, body, _tenant(body, x_kvstrata_tenant))
+    def tenant_of(request: Request, body: SamplingRequest) -> str:
+        principal: Principal = request.state.kvstrata_principal
+        return guard.namespace(request, principal, body.kvstrata_tenant)
+
+    @app.post(COMPLETIONS, response_model=None, dependencies=[Depends(caller)])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await service.completions(request, body, tenant_of(request, body))
+
+    @app.post(CHAT, response_model=None, dependencies=[Depends(caller)])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await service.chat(request, body, tenant_of(request, body))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -131,7 +144,8 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        guard.check(request, OBSERVE, "read /metrics", open_single_tenant=True)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -192,7 +206,11 @@ class _Service:
         encode: Callable[[], list[int]],
         prompt_param: str,
     ) -> Response:
-        request_id = uuid.uuid4().hex
+        # The request id (a client's X-Request-Id, or new) names the request in logs and
+        # audit; the generation's own id adds a suffix, so it is unique even when a client
+        # repeats its id (the engine keys prefetches by it).
+        correlation = request_id_of(request)
+        request_id = f"{correlation}.{uuid.uuid4().hex[:8]}"
         engine = self.engine
         try:
             prompt_ids = encode()  # on the loop: the tokenizer has one user, no locking
@@ -210,7 +228,8 @@ class _Service:
         deltas = follow(generation, assembler, outcome)
         if body.stream:
             chunks = self._chunks(endpoint, request_id, deltas, outcome, body.include_usage())
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+            headers = {**_SSE_HEADERS, REQUEST_ID_HEADER: correlation}
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         watcher = asyncio.create_task(_cancel_when_gone(request, generation))
         try:
             async for _delta in deltas:
@@ -227,6 +246,7 @@ class _Service:
             PREFILL_HEADER: f"{record.prefill_s:.6f}",
             TTFT_HEADER: f"{record.ttft_s:.6f}",
             MATCHED_HEADER: str(record.matched_tokens),
+            REQUEST_ID_HEADER: correlation,
         }
         return JSONResponse(self._final_body(endpoint, request_id, outcome[0]), headers=timing)
 
@@ -342,23 +362,6 @@ def _log_record(endpoint: str, stream: bool, generation: Generation) -> None:
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-def _tenant(body: SamplingRequest, header: str | None) -> str:
-    """The tenant namespace: body extension or header (they must agree), else the default."""
-    if header is not None and not 0 < len(header) <= protocol.MAX_TENANT_CHARS:
-        raise ApiError(
-            400,
-            f"X-Kvstrata-Tenant must be 1..{protocol.MAX_TENANT_CHARS} characters",
-            param="X-Kvstrata-Tenant",
-        )
-    if body.kvstrata_tenant is not None and header is not None and body.kvstrata_tenant != header:
-        raise ApiError(
-            400,
-            "kvstrata_tenant conflicts with the X-Kvstrata-Tenant header",
-            param="kvstrata_tenant",
-        )
-    return body.kvstrata_tenant or header or DEFAULT_TENANT
 
 
 def _as_api_error(exc: BaseException, prompt_param: str, request_id: str) -> ApiError:

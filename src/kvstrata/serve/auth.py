@@ -7,13 +7,19 @@ never the body) and raises ``ApiError`` 401 (with ``WWW-Authenticate: Bearer``) 
 ``namespace(principal, body_value, header_value)`` is the tenant a generation runs in: the
 key's tenant, narrowed only as the key allows (``Principal.namespace``); body field and
 header must agree.
+
+Request ids: ``request_id_of(request)`` is the client's ``X-Request-Id`` when it is a plain
+token (1..64 of ``[A-Za-z0-9_-]``), else a fresh one; kept on the request, so the guard's
+audit records and the handler's logs name the same id (the front door forwards it).
 """
 
 from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Iterable
+from typing import Final
 
 from fastapi import Request
 
@@ -22,7 +28,21 @@ from kvstrata.security import NULL_AUDIT, Action, AuditLog, Authenticator, Princ
 
 TENANT_HEADER = "X-Kvstrata-Tenant"
 REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID = re.compile(r"[0-9A-Fa-f-]{8,64}")
+_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def request_id_of(request: Request) -> str:
+    """The request's id: a valid incoming ``X-Request-Id`` or a new one (the same on every
+    call for one request)."""
+    known = getattr(request.state, "kvstrata_request_id", None)
+    if isinstance(known, str):
+        return known
+    incoming = request.headers.get(REQUEST_ID_HEADER)
+    chosen = (
+        incoming if incoming is not None and _REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+    )
+    request.state.kvstrata_request_id = chosen
+    return chosen
 
 
 class HttpAuth:
@@ -55,6 +75,8 @@ class HttpAuth:
                 principal, allowed, action, open_single_tenant=open_single_tenant
             )
         except AuthError as exc:
+            if exc.status == 401 and request.headers.get("authorization") is not None:
+                exc = AuthError(401, "unknown credential", reason="unknown_key")
             raise self._refused(exc, request, principal, request_id) from None
         return principal
 
@@ -92,7 +114,7 @@ class HttpAuth:
                 exc.reason,
                 tenant=None if principal is None else principal.tenant,
                 key_id=None if principal is None else principal.key_id,
-                request_id=request_id or _client_request_id(request),
+                request_id=request_id or request_id_of(request),
                 plane=f"http {request.method} {_route(request)}",
             )
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
@@ -102,13 +124,6 @@ class HttpAuth:
         return ApiError(exc.status, str(exc), type=error_type, code=exc.reason, headers=headers)
 
 
-def _client_request_id(request: Request) -> str | None:
-    """The client's ``X-Request-Id`` if it looks like an id (hex digits and dashes, a UUID):
-    anything else is client text, which an audit record never carries."""
-    value = request.headers.get(REQUEST_ID_HEADER)
-    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
-
-
 def _route(request: Request) -> str:
     """The matched route's template (``/admin/tiers/{name}``), not the path the client wrote."""
     route = request.scope.get("route")
@@ -116,4 +131,4 @@ def _route(request: Request) -> str:
     return path if isinstance(path, str) else "unmatched"
 
 
-__all__ = ["REQUEST_ID_HEADER", "TENANT_HEADER", "HttpAuth"]
+__all__ = ["REQUEST_ID_HEADER", "TENANT_HEADER", "HttpAuth", "request_id_of"]

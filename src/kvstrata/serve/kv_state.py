@@ -8,6 +8,8 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   store tier's measured fetch seconds per block (``fetch_s_per_block``: the store's EWMA of
   its loads times the block size in bytes; null until the tier served a load). The router
   polls this page for health, so it prices fetches with what the worker measured.
+  ``curve_public_key``: the event sockets' CURVE server key (z85; null without CURVE), which
+  a subscriber needs (with a client certificate the worker lists) to receive anything.
 - ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
   events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
   consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
@@ -16,6 +18,10 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
 - ``POST /kv/debug/drop-events?count=N[&evict_replay=1]`` (only with ``debug_endpoints``):
   the next N batches get a seq but are not sent live (and with ``evict_replay`` are not kept
   for replay either), to inject a gap in recovery tests.
+
+Access (``HttpAuth``): ``/kv/info`` needs an observer, fleet or admin key (open on a
+single-tenant server); ``/kv/dump`` carries every tenant's token ids, so it needs a fleet or
+admin key and is off without one; the debug endpoint needs an admin key.
 
 ``KvStateRuntime`` runs beside the engine loop: a thread answering replay requests (it only
 touches the publisher's ROUTER socket) and an idle flush that publishes events the store made
@@ -30,13 +36,15 @@ import logging
 import threading
 from typing import Any, Final
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.events import encode_batch, make_batch
 from kvstrata.identity import secret_digest
 from kvstrata.runtime.events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
+from kvstrata.security import ADMINISTER, DUMP, OBSERVE
+from kvstrata.serve.auth import HttpAuth
 
 KV_PREFIX: Final = "/kv"
 NEXT_SEQ_HEADER: Final = "X-Kvstrata-Next-Seq"
@@ -104,6 +112,7 @@ def register_kv_state(
     engine: ReferenceEngine,
     *,
     model_name: str,
+    auth: HttpAuth,
     debug_endpoints: bool = False,
 ) -> None:
     """Add the ``/kv`` endpoints (404 with a clear message when the engine has no emitter)."""
@@ -114,13 +123,15 @@ def register_kv_state(
         return _error(404, message, "kv_events_disabled")
 
     @app.get(KV_PREFIX + "/info", response_model=None)
-    async def kv_info() -> Response:
+    async def kv_info(request: Request) -> Response:
+        auth.check(request, OBSERVE, "read /kv/info", open_single_tenant=True)
         if emitter is None:
             return no_events()
         return JSONResponse(kv_info_body(engine, emitter, model_name))
 
     @app.get(KV_PREFIX + "/dump", response_model=None)
-    async def kv_dump() -> Response:
+    async def kv_dump(request: Request) -> Response:
+        auth.check(request, DUMP, "read /kv/dump")
         if emitter is None:
             return no_events()
         snapshot: EventSnapshot = await asyncio.wrap_future(engine.call(emitter.snapshot))
@@ -137,8 +148,9 @@ def register_kv_state(
 
     @app.post(KV_PREFIX + "/debug/drop-events", response_model=None)
     async def drop_events(
-        count: int = Query(ge=0), evict_replay: bool = Query(default=False)
+        request: Request, count: int = Query(ge=0), evict_replay: bool = Query(default=False)
     ) -> Response:
+        auth.check(request, ADMINISTER, "inject event gaps")
         if emitter is None:
             return no_events()
 
@@ -177,4 +189,5 @@ def kv_info_body(
         "tiers": tiers,
         "fetch_s_per_block": fetch,
         "secret_digest": secret_digest(engine.config.tenant_secret),
+        "curve_public_key": publisher.curve_public_key,
     }

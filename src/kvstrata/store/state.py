@@ -15,6 +15,19 @@ evicted, demoted, deleted, expired, dropped, or still there when the store close
 count as wasted: the seed's "prefetch waste"). Every removal goes through ``_gone``, so no
 path can forget the accounting.
 
+Audit (``audit``, an ``AuditLog``; ``record`` only queues, so it is called under the lock):
+one line per eviction (reason: the eviction outcome), invalidation (``digest_mismatch``,
+``expired``, ``recovery_scan``, or ``dropped_by_tier`` when a tier dropped a key for a reason
+the store cannot tell apart), quota rejection and tier switch, with the tier and the block key,
+never tokens. A digest failure is recorded where the load found it and marked, so the tier's
+report of the same drop adds no second line; a drop while no invalidation happened is an
+expiry.
+
+Tombstones (``store.tombstones``): a deleted key refuses, until its tombstone expires, every
+admission of an object created at or before the deletion (``_buried``); refusals are counted
+(``kvstrata_tier_admission_rejections_total{reason="tombstoned"}``) and audited
+(``tombstone_refused``).
+
 Every method here whose name starts with ``_`` expects the caller to hold ``self._lock``.
 """
 
@@ -27,10 +40,13 @@ from contextlib import AbstractContextManager
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
+from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.events import EventFeed, StoreEvent
 from kvstrata.store.levels import Level, RequestScope, UseCounter
 from kvstrata.store.policy import EvictionPolicy
+from kvstrata.store.tombstones import Tombstones
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import Tier, TierError
 
@@ -48,10 +64,14 @@ class StoreCore:
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.time,
         record_events: bool = False,
+        tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S,
+        audit: AuditLog = NULL_AUDIT,
     ) -> None:
         self.levels = [Level(tier, policy, config) for tier, policy, config in levels]
         self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.audit = audit
         self.clock = clock
+        self.tombstones = Tombstones(tombstone_ttl_s)
         self._lock = threading.RLock()
         self._feed = EventFeed(
             record_events, shared=[lvl.name for lvl in self.levels if lvl.tier.evicts_itself]
@@ -64,8 +84,12 @@ class StoreCore:
         self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
         # (level, key) → seconds of a shared level's batched read-ahead its next load adds
         self._ahead_s: dict[tuple[int, BlockKey], float] = {}
+        # (level name, key) of digest failures already audited where a load found them
+        self._digest_failed: set[tuple[str, BlockKey]] = set()
+        self._invalid_seen: dict[str, int] = {}  # level name → tier invalidations accounted
         now = clock()
         for level in self.levels:
+            self.tombstones.restore(level.tier.recovered_tombstones(), now)
             for key in list(level.tier.keys()):  # objects recovered from a durable medium
                 meta = level.tier.meta(key)
                 if meta is not None:
@@ -75,6 +99,10 @@ class StoreCore:
             # objects a durable medium's start-up recovery scan deleted.
             if found := level.tier.counters.invalidated:
                 self.metrics.invalid.labels(tier=level.name, reason=RECOVERY_SCAN).inc(found)
+                audit.record(
+                    Action.INVALIDATE, RECOVERY_SCAN, tier=level.name, counts={"objects": found}
+                )
+            self._invalid_seen[level.name] = found
             self.metrics.tier_enabled.labels(tier=level.name).set(1)
             self._publish(level)
 
@@ -122,12 +150,27 @@ class StoreCore:
                 return index
         raise KeyError(name)
 
-    def set_enabled(self, name: str, enabled: bool) -> None:
-        """The rollback switch: a disabled level is neither read nor written; data is kept."""
+    def set_enabled(
+        self,
+        name: str,
+        enabled: bool,
+        *,
+        key_id: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """The rollback switch: a disabled level is neither read nor written; data is kept.
+        Audited (``key_id``/``request_id``: who asked, when the caller knows)."""
         with self._lock:
             level = self.levels[self.level_index(name)]
             level.enabled = enabled
             self.metrics.tier_enabled.labels(tier=name).set(1 if enabled else 0)
+            self.audit.record(
+                Action.TIER_SWITCH,
+                "enabled" if enabled else "disabled",
+                tier=name,
+                key_id=key_id,
+                request_id=request_id,
+            )
 
     def _active(self, level: Level, scope: RequestScope | None) -> bool:
         """Does this request use the level? (None: an owner-less operation, e.g. tests.)"""
@@ -171,6 +214,7 @@ class StoreCore:
             self._publish(level)
             return False
         level.policy.on_insert(meta, self.clock())
+        self._digest_failed.discard((level.name, key))  # a stale mark must not hide a later drop
         self._feed.stored(level.name, meta)
         self.metrics.stores.labels(tier=level.name, cause=cause).inc()
         if cause == PREFETCH:
@@ -181,6 +225,7 @@ class StoreCore:
 
     def _remove_victim(self, index: int, key: BlockKey, outcome: str) -> bool:
         level = self.levels[index]
+        meta = level.tier.meta(key)
         try:
             removed = level.tier.remove(key)
         except TierError:
@@ -190,6 +235,8 @@ class StoreCore:
             level.policy.on_remove(key)
             self._gone(level, key)
             self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
+            tenant = None if meta is None else meta.tenant
+            self.audit.record(Action.EVICT, outcome, tier=level.name, keys=[key], tenant=tenant)
             self._publish(level)
         return removed
 
@@ -209,11 +256,30 @@ class StoreCore:
     def _held_anywhere(self, key: BlockKey) -> bool:
         return any(level.tier.meta(key) is not None for level in self.levels)
 
-    def _finish_delete(self, key: BlockKey) -> int:
-        removed = 0
+    def _buried(self, level: Level, meta: KVObjectMeta) -> bool:
+        """Does a deletion's tombstone refuse ``meta`` here? (Counted and audited if so.)"""
+        if not self.tombstones.covers(meta.key, meta.created_at, self.clock()):
+            return False
+        self._refused_buried(level, meta)
+        return True
+
+    def _refused_buried(self, level: Level, meta: KVObjectMeta) -> None:
+        self.metrics.rejections.labels(tier=level.name, reason="tombstoned").inc()
+        self.audit.record(
+            Action.TOMBSTONE_REFUSED,
+            "late_write",
+            tenant=meta.tenant,
+            tier=level.name,
+            keys=[meta.key],
+        )
+
+    def _finish_delete(self, key: BlockKey, skip: frozenset[int] = frozenset()) -> list[int]:
+        """Remove ``key``'s replicas from every level but ``skip``; the levels it left now.
+        What cannot go yet (pinned, in flight, a medium down) keeps the key pending."""
+        removed: list[int] = []
         failed = False
         for index, level in enumerate(self.levels):
-            if (index, key) in self._storing:
+            if (index, key) in self._storing or index in skip:
                 continue  # its completion sees the pending delete and removes it
             known = level.tier.meta(key) if level.tier.evicts_itself else None
             try:
@@ -225,7 +291,7 @@ class StoreCore:
             if gone:
                 level.policy.on_remove(key)
                 self._gone(level, key, None if known is None else known.tenant)
-                removed += 1
+                removed.append(index)
                 self._publish(level)
         if failed or any(level.tier.reserved(key) for level in self.levels):
             self._pending_delete.add(key)
@@ -239,16 +305,40 @@ class StoreCore:
             self._publish(level)
 
     def _sync_dropped(self, level: Level) -> None:
+        name = level.name
         for key, tenant in level.tier.take_evicted():  # a shared tier's victims, any writer's
             level.policy.on_remove(key)
             self._gone(level, key, tenant)
-            self.metrics.evictions.labels(tier=level.name, outcome="shared_ledger").inc()
-        for key in level.tier.take_dropped():
+            self.metrics.evictions.labels(tier=name, outcome="shared_ledger").inc()
+            self.audit.record(Action.EVICT, "shared_ledger", tier=name, keys=[key], tenant=tenant)
+        dropped = level.tier.take_dropped()
+        invalidated = level.tier.counters.invalidated
+        unexplained = invalidated - self._invalid_seen.get(name, 0)
+        self._invalid_seen[name] = invalidated
+        audited = {key for key in dropped if (name, key) in self._digest_failed}
+        self._digest_failed.difference_update((name, key) for key in audited)
+        reason = "expired" if unexplained <= len(audited) else "dropped_by_tier"
+        for key in dropped:
             if level.tier.reserved(key):
                 continue  # stored again since it was dropped: the policy's entry is live
             level.policy.on_remove(key)
             self._gone(level, key)
-            self.metrics.invalid.labels(tier=level.name, reason="dropped_by_tier").inc()
+            self.metrics.invalid.labels(tier=name, reason="dropped_by_tier").inc()
+            if key not in audited:
+                self.audit.record(Action.INVALIDATE, reason, tier=name, keys=[key])
+
+    def _digest_mismatch(self, level: Level, key: BlockKey) -> None:
+        """A load found ``key``'s bytes corrupt (the tier dropped it): count and audit it here,
+        once; the tier's report of the drop then adds no second audit line."""
+        self.metrics.invalid.labels(tier=level.name, reason="digest_mismatch").inc()
+        self.audit.record(Action.INVALIDATE, "digest_mismatch", tier=level.name, keys=[key])
+        self._digest_failed.add((level.name, key))
+
+    def _quota_reject(self, level: Level, meta: KVObjectMeta, reason: str) -> None:
+        self.metrics.rejections.labels(tier=level.name, reason="quota").inc()
+        self.audit.record(
+            Action.QUOTA_REJECT, reason, tier=level.name, keys=[meta.key], tenant=meta.tenant
+        )
 
     def _gone(self, level: Level, key: BlockKey, tenant: str | None = None) -> None:
         """``key`` left ``level``: announce it, and waste a prefetch nobody used."""

@@ -22,7 +22,9 @@ Invariants kept here:
   commits it a moment earlier, outside the lock;
 - a delete wins over every movement in flight: its keys turn invisible at once, a store or
   copy that completes later is removed again instead of becoming visible, and replicas pinned
-  by readers go when the last reader finishes;
+  by readers go when the last reader finishes; its tombstones (``store.erasure``) then refuse
+  any object of those keys created before the delete — a late write-back flush, demotion copy
+  or prefetch — on every level, and lookups never hand one out;
 - tenant quotas are hard limits at admission (the check and the reservation happen in one
   locked section): a tenant over its quota evicts its own objects first, and an object that
   cannot fit is not admitted;
@@ -45,10 +47,13 @@ from dataclasses import dataclass
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
+from kvstrata.security.audit import NULL_AUDIT, AuditLog
+from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 from kvstrata.store.config import TierConfig, WritePolicy
+from kvstrata.store.erasure import ErasingCore
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.policy import EvictionPolicy
-from kvstrata.store.state import PREFETCH, StoreCore
+from kvstrata.store.state import PREFETCH
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import LoadLease, StoreSlot, Tier, TierError
@@ -74,7 +79,7 @@ class _SelfEvicting:
     meta: KVObjectMeta
 
 
-class TieredStore(StoreCore):
+class TieredStore(ErasingCore):
     def __init__(
         self,
         levels: Sequence[tuple[Tier, EvictionPolicy, TierConfig]],
@@ -82,8 +87,19 @@ class TieredStore(StoreCore):
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.time,
         record_events: bool = False,
+        tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S,
+        audit: AuditLog = NULL_AUDIT,
     ) -> None:
-        super().__init__(levels, metrics=metrics, clock=clock, record_events=record_events)
+        """``tombstone_ttl_s``: how long a deleted key refuses late writes (``[security]``);
+        ``audit``: where refused late writes are recorded."""
+        super().__init__(
+            levels,
+            metrics=metrics,
+            clock=clock,
+            record_events=record_events,
+            tombstone_ttl_s=tombstone_ttl_s,
+            audit=audit,
+        )
         self._writeback = WriteBackQueue(
             self,
             self.metrics,
@@ -226,6 +242,8 @@ class TieredStore(StoreCore):
                 continue
             meta = self.levels[index].tier.meta(key)
             if meta is not None and meta.tenant == tenant:
+                if self.tombstones.covers(key, meta.created_at, self.clock()):
+                    return None  # outlived its deletion somewhere: never handed out
                 return Located(key, index, meta)
         return None
 
@@ -247,9 +265,9 @@ class TieredStore(StoreCore):
         with self._lock:
             if lease is None:
                 if not hidden:
-                    self._forget_if_gone(level, key)
                     if level.tier.counters.invalidated > invalid_before:
-                        self.metrics.invalid.labels(tier=level.name, reason="digest_mismatch").inc()
+                        self._digest_mismatch(level, key)
+                    self._forget_if_gone(level, key)
             elif (
                 lease.meta.tenant != tenant
                 or key in self._pending_delete
@@ -364,11 +382,18 @@ class TieredStore(StoreCore):
                 if slot.meta.key in self._pending_delete:
                     self._finish_delete(slot.meta.key)
             raise
+        buried_before = tier.counters.tombstoned
         try:
             ok = tier.complete_store(slot, True)
         except TierError:
             ok = False
         with self._lock:
+            if not ok and tier.counters.tombstoned > buried_before:  # the medium's tombstone
+                self._storing.discard((index, slot.meta.key))
+                self._refused_buried(self.levels[index], slot.meta)
+                if slot.meta.key in self._pending_delete:
+                    self._finish_delete(slot.meta.key)
+                return False
             return self._register(index, slot.meta, ok, cause=cause)
 
     def _reserve(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool:
@@ -393,6 +418,8 @@ class TieredStore(StoreCore):
         if key in self._pending_delete:
             self.metrics.rejections.labels(tier=name, reason="being_deleted").inc()
             return False
+        if self._buried(level, meta):
+            return False
         if (index, key) in self._storing:
             self.metrics.rejections.labels(tier=name, reason="busy").inc()
             return False
@@ -412,12 +439,12 @@ class TieredStore(StoreCore):
         quota = level.config.quota_for(meta.tenant)
         if quota is not None:
             if meta.size > quota:
-                self.metrics.rejections.labels(tier=name, reason="quota").inc()
+                self._quota_reject(level, meta, "larger_than_quota")
                 return False
             while tier.tenant_bytes(meta.tenant) + meta.size > quota:
                 evicted = self._evict_now(index, tenant=meta.tenant)
                 if evicted is False:
-                    self.metrics.rejections.labels(tier=name, reason="quota").inc()
+                    self._quota_reject(level, meta, "quota_full")
                     return False
                 if isinstance(evicted, _Demote):
                     return evicted
@@ -444,6 +471,7 @@ class TieredStore(StoreCore):
         """One reservation in a tier that evicts itself; its I/O (a round trip to a shared
         ledger) runs outside the lock, the key already claimed in ``_storing``."""
         level = self.levels[index]
+        buried_before = level.tier.counters.tombstoned
         try:
             slot = level.tier.prepare_store(meta)
         except TierError:
@@ -458,6 +486,8 @@ class TieredStore(StoreCore):
             self._storing.discard((index, meta.key))
             if failed:
                 self.metrics.write_failures.labels(tier=level.name).inc()
+            elif level.tier.counters.tombstoned > buried_before:  # another worker deleted it
+                self._refused_buried(level, meta)
             else:
                 self.metrics.rejections.labels(tier=level.name, reason="refused_by_tier").inc()
             if meta.key in self._pending_delete:
@@ -479,9 +509,9 @@ class TieredStore(StoreCore):
         lease = src.tier.prepare_load(key)
         if lease is None:  # evicted or deleted meanwhile, or failed verification: skip it
             with self._lock:
-                self._forget_if_gone(src, key)
                 if src.tier.counters.invalidated > invalid_before:
-                    self.metrics.invalid.labels(tier=src.name, reason="digest_mismatch").inc()
+                    self._digest_mismatch(src, key)
+                self._forget_if_gone(src, key)
             return False
         try:
             payload = lease.buffer
@@ -541,16 +571,11 @@ class TieredStore(StoreCore):
 
     # ---- deletion ---------------------------------------------------------------------------
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        """Remove every replica of ``keys`` from every level; returns replicas removed now.
+        """Remove every replica of ``keys`` from every level, leaving tombstones; returns
+        replicas removed now (``delete_keys`` says more, ``store.erasure``).
 
         A replica pinned by a reader, or a store or copy still in flight, cannot go at once:
         its key becomes invisible to lookup and loads immediately, and the replica is removed
         when the reader finishes or the movement completes (which then never shows it).
         """
-        removed = 0
-        with self._lock:
-            for key in keys:
-                self._writeback.discard(key)
-                self._uses.forget(key)
-                removed += self._finish_delete(key)
-        return removed
+        return sum(self.delete_keys(keys).removed.values())

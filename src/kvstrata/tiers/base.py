@@ -32,6 +32,13 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   (refresh the read-only views of ``keys`` from the medium: I/O, called without locks
   before a lookup) and ``read_ahead(keys)`` / ``discard_read_ahead()`` (fetch a planned
   promotion's objects in one batch; drop what no load took).
+- Deletion (``kvstrata.objects.tombstone``): ``objects_of(tenant)`` lists a tenant's objects
+  in any state (a shared medium asks its server: I/O, call without locks); ``bury(marks)``
+  records tombstones on the medium before the store removes the marked objects — a durable
+  medium persists them so that its recovery removes (never serves) an object they cover, a
+  shared medium stores them on the server, where they refuse other writers' late writes, and
+  removes the marked objects there at once (returned with their tenants); a volatile medium
+  does nothing. ``recovered_tombstones`` are those a durable medium found at start-up.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState
 from kvstrata.objects.model import ObjectRecord
+from kvstrata.objects.tombstone import ObjectRef, Tombstone
 
 
 class TierError(KvstrataError):
@@ -114,6 +122,19 @@ class Tier(Protocol):
         """Drop what ``read_ahead`` fetched and no load took."""
         ...
 
+    def objects_of(self, tenant: str) -> list[ObjectRef]:
+        """Every object of ``tenant`` the medium holds, in any state (I/O for shared media)."""
+        ...
+
+    def bury(self, marks: Sequence[Tombstone]) -> list[tuple[BlockKey, str]]:
+        """Record tombstones (see the module docstring); (key, tenant) of the objects a shared
+        medium removed at once. Raises ``TierError`` when the medium fails."""
+        ...
+
+    def recovered_tombstones(self) -> list[Tombstone]:
+        """The live tombstones a durable medium found when it opened."""
+        ...
+
     def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None: ...
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool: ...
@@ -141,6 +162,7 @@ class TierCounters:
     misses: int = 0
     invalidated: int = 0
     removed: int = 0
+    tombstoned: int = 0  # objects refused or dropped because a deletion's tombstone covers them
 
 
 @dataclass
@@ -245,6 +267,21 @@ class IndexedTierViews:
 
     def discard_read_ahead(self) -> None:
         pass
+
+    def objects_of(self, tenant: str) -> list[ObjectRef]:
+        with self._lock:
+            return [
+                ObjectRef(r.meta.key, r.meta.parent, tenant, r.meta.created_at)
+                for r in self._index.records.values()
+                if r.meta.tenant == tenant
+            ]
+
+    def bury(self, marks: Sequence[Tombstone]) -> list[tuple[BlockKey, str]]:
+        """A volatile medium: the store removes the objects, nothing outlives the process."""
+        return []
+
+    def recovered_tombstones(self) -> list[Tombstone]:
+        return []
 
     def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
         raise NotImplementedError

@@ -1,8 +1,10 @@
 """Local disk tier: one crash-safe file per object, found again and verified after a restart.
 
-Layout: ``root/objects/<first two hex digits>/<key hex>.kv`` (format: ``disk_format``), plus
-``root/LOCK``, held with ``flock`` so that two live tiers never share a directory (a recovery
-scan deletes temp files, which would destroy a live writer's work).
+Layout: ``root/objects/<first two hex digits>/<key hex>.kv`` (format: ``disk_format``),
+``root/TOMBSTONES`` (deletions, ``disk_tombstones``: the recovery scan removes every object a
+live tombstone covers, e.g. a file whose unlink a SIGKILL interrupted), plus ``root/LOCK``,
+held with ``flock`` so that two live tiers never share a directory (a recovery scan deletes
+temp files, which would destroy a live writer's work).
 
 Crash safety: an object is written to a temp file in its final directory, flushed and
 ``fsync``'d, renamed over its final name and the directory is ``fsync``'d. ``rename`` is atomic,
@@ -41,7 +43,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ import numpy as np
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
+from kvstrata.objects.tombstone import Tombstone
 from kvstrata.tiers.base import IndexedTierViews, LoadLease, StoreSlot, TierError, TierIndex
 from kvstrata.tiers.disk_format import (
     OBJECT_SUFFIX,
@@ -61,6 +64,7 @@ from kvstrata.tiers.disk_format import (
     read_exact,
     write_atomic,
 )
+from kvstrata.tiers.disk_tombstones import TombstoneFile
 
 
 @dataclass
@@ -72,6 +76,7 @@ class RecoveryReport:
     temp_removed: int = 0
     over_capacity: int = 0
     expired: int = 0
+    tombstoned: int = 0  # objects a deletion's tombstone covers: removed, never served
 
 
 @dataclass
@@ -111,6 +116,7 @@ class DiskTier(IndexedTierViews):
         self._dropped: list[BlockKey] = []
         self._known_dirs: set[str] = set()
         self._temp_ids = itertools.count()
+        self._tombstones = TombstoneFile(self.root, durable=durable)
         try:
             self._objects.mkdir(parents=True, exist_ok=True)
             self._lock_fd: int | None = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -211,6 +217,17 @@ class DiskTier(IndexedTierViews):
             self._unlink(self._path(key))
             return True
 
+    def bury(self, marks: Sequence[Tombstone]) -> list[tuple[BlockKey, str]]:
+        """Persist tombstones (fsync'd when durable) before the store unlinks the objects."""
+        try:
+            self._tombstones.append(marks, self._clock())
+        except OSError as exc:
+            raise TierError(f"writing tombstones in {self.root} failed: {exc}") from exc
+        return []
+
+    def recovered_tombstones(self) -> list[Tombstone]:
+        return self._tombstones.live(self._clock())
+
     def close(self) -> None:
         """Release the directory lock; committed objects stay on disk for the next tier."""
         with self._lock:
@@ -235,6 +252,7 @@ class DiskTier(IndexedTierViews):
         deletes temp files.
         """
         report = RecoveryReport()
+        marks = self._tombstones.load(self._clock())
         found: list[tuple[KVObjectMeta, int]] = []
         scratch = bytearray()
         for subdir in sorted(self._objects.iterdir()):
@@ -260,6 +278,11 @@ class DiskTier(IndexedTierViews):
                     continue  # recover() called twice: already indexed
                 if meta.expired(now):
                     report.expired += 1
+                    self._unlink(self._path(meta.key))
+                    continue
+                mark = marks.get(meta.key)
+                if mark is not None and mark.covers(meta.created_at, now):
+                    report.tombstoned += 1
                     self._unlink(self._path(meta.key))
                     continue
                 record = self._index.reserve(meta)

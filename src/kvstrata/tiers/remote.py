@@ -31,6 +31,11 @@ loaded: the load misses and the request recomputes, which is the contract (only 
 committed objects are ever served). ``read_ahead(keys)`` fetches the payloads of a planned
 promotion the same pipelined way, so a long prefix costs one round trip per shard.
 
+Deletion (``remote_tombstones``): ``bury`` sets a deleted key's tombstones on the server (one
+the ledger's ``RESERVE`` checks, one beside the object that writes and reads check), drops its
+ledger entry and deletes its keys, so no worker — this one or another — can bring an object
+created before the deletion back; ``objects_of`` surveys a tenant's objects on the server.
+
 Eviction is the ledger's (``evicts_itself``): the store never picks victims here. Failures
 (timeouts, refused connections, a dead shard) are ``RemoteUnavailable`` inside; the public
 calls turn them into misses (loads, probes) or a refused store, count them in ``counters`` and
@@ -51,6 +56,7 @@ from typing import Any
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.objects.tombstone import ObjectRef, Tombstone
 from kvstrata.tiers.base import LoadLease, StoreSlot, TierCounters, TierError
 from kvstrata.tiers.remote_client import RemoteClient, RemoteConfig, RemoteUnavailable
 from kvstrata.tiers.remote_format import (
@@ -63,12 +69,22 @@ from kvstrata.tiers.remote_format import (
 )
 from kvstrata.tiers.remote_ledger import (
     COMMIT,
+    ERASE,
     REMOVE,
     RESERVE,
     TOUCH,
     USAGE,
     LedgerReply,
     Victim,
+)
+from kvstrata.tiers.remote_tombstones import (
+    ERASE_OBJECT,
+    WRITE,
+    buried,
+    erase_objects,
+    survey,
+    tomb_key,
+    ttl_ms,
 )
 
 ValueOf = Callable[[KVObjectMeta], float]
@@ -164,6 +180,9 @@ class RemoteTier:
                 ("remove", REMOVE),
                 ("touch", TOUCH),
                 ("usage", USAGE),
+                ("erase", ERASE),
+                ("write", WRITE),
+                ("erase_object", ERASE_OBJECT),
             )
         }
         self._wake = threading.Event()
@@ -303,6 +322,7 @@ class RemoteTier:
             repr(now + self.config.pending_timeout_s),
             -1 if expires is None else repr(expires),
             meta.parent.hex() if meta.parent is not None else "",
+            repr(float(meta.created_at)),
         ]
         try:
             reply = self._script("reserve", args)
@@ -318,6 +338,8 @@ class RemoteTier:
         if status != "ok":
             with self._lock:
                 self.remote_counters.count(self.remote_counters.refused, status)
+                if status == "tombstoned":
+                    self._counters.tombstoned += 1
             return None
         return StoreSlot(meta, memoryview(bytearray(meta.size)), _Slot(meta))
 
@@ -343,11 +365,17 @@ class RemoteTier:
                 self._counters.store_failures += 1
             return False
         try:
-            self._write_object(meta, slot.buffer)
+            written = self._write_object(meta, slot.buffer)
         except RemoteUnavailable as exc:
             self._count_error("write")
             self._release(meta, "write")
             raise TierError(f"writing {meta.key.hex()} failed: {exc}") from exc
+        if not written:  # deleted since its reservation: a tombstone covers it
+            with self._lock:
+                self._counters.tombstoned += 1
+                self.remote_counters.count(self.remote_counters.refused, "tombstoned")
+            self._release(meta, "tombstoned")
+            return False
         with self._lock:
             self._pending.pop(meta.key, None)
             self._apply(reply)
@@ -356,20 +384,22 @@ class RemoteTier:
             self._counters.stores += 1
         return True
 
-    def _write_object(self, meta: KVObjectMeta, payload: memoryview) -> None:
+    def _write_object(self, meta: KVObjectMeta, payload: memoryview) -> bool:
+        """Meta and payload in one script on the object's slot (readers see both or
+        neither); False when the object's tombstone covers it (nothing written)."""
         mkey, dkey = self.meta_key(meta.key), self.data_key(meta.key)
         expires = meta.expires_at()
-        ttl_ms = None
+        ttl = ""
         if expires is not None:
-            ttl_ms = max(1, int((expires - self._clock() + self.config.expiry_grace_s) * 1000))
+            ttl = str(max(1, int((expires - self._clock() + self.config.expiry_grace_s) * 1000)))
+        script = self._scripts["write"]
+        keys = [mkey, dkey, tomb_key(self._ns, meta.key)]
+        args = [payload, encode_meta(meta), ttl, repr(float(meta.created_at))]
 
-        def write(conn: Any) -> None:
-            pipe = conn.pipeline(transaction=True)
-            pipe.set(dkey, payload, px=ttl_ms)
-            pipe.set(mkey, encode_meta(meta), px=ttl_ms)
-            pipe.execute()
+        def write(conn: Any) -> object:
+            return script(keys=keys, args=args, client=conn)
 
-        self._client.call(self._client.node_of(mkey), write)
+        return bool(int(self._client.call(self._client.node_of(mkey), write)))
 
     def _release(self, meta: KVObjectMeta, why: str) -> None:
         """Forget a reservation (failed or cancelled store); best effort on the server."""
@@ -389,7 +419,9 @@ class RemoteTier:
         if self._closed or not keys:
             return
         by_name = {self.meta_key(k): k for k in keys}
-        replies = self._client.pipelined(list(by_name), lambda pipe, name: pipe.get(name))
+        replies = self._client.pipelined(
+            list(by_name), lambda pipe, name: pipe.mget(name, tomb_key(self._ns, by_name[name]))
+        )
         failed = False
         with self._lock:
             for name, reply in replies.items():
@@ -397,8 +429,9 @@ class RemoteTier:
                 if isinstance(reply, RemoteUnavailable):
                     failed = True
                     continue
-                meta = decode_meta(reply, key) if isinstance(reply, bytes) else None
-                if meta is None:
+                raw_meta, raw_tomb = reply
+                meta = decode_meta(raw_meta, key) if isinstance(raw_meta, bytes) else None
+                if meta is None or buried(meta, raw_tomb):
                     self._known.pop(key, None)
                 elif not meta.expired(self._clock()):
                     self._learn(meta)
@@ -415,7 +448,9 @@ class RemoteTier:
             sizes = {n: m.size for n, k in by_name.items() if (m := self._known.get(k))}
         replies = self._client.pipelined(
             list(by_name),
-            lambda pipe, name: pipe.mget(name, self.data_key(by_name[name])),
+            lambda pipe, name: pipe.mget(
+                name, self.data_key(by_name[name]), tomb_key(self._ns, by_name[name])
+            ),
             sizes=sizes,
         )
         failed = False
@@ -424,9 +459,9 @@ class RemoteTier:
                 if isinstance(reply, RemoteUnavailable):
                     failed = True
                     continue
-                raw_meta, raw_data = reply
-                if raw_meta is None or raw_data is None:
-                    continue
+                raw_meta, raw_data, raw_tomb = reply
+                if raw_meta is None or raw_data is None or raw_tomb is not None:
+                    continue  # a tombstoned key: the load reads it again and decides
                 if self._ahead_bytes + len(raw_data) > budget:
                     break
                 key = by_name[name]
@@ -463,9 +498,11 @@ class RemoteTier:
             return None
         if ahead is None:
             try:
-                raw_meta, raw_data = self._client.call(
+                raw_meta, raw_data, raw_tomb = self._client.call(
                     self._client.node_of(self.meta_key(key)),
-                    lambda conn: conn.mget(self.meta_key(key), self.data_key(key)),
+                    lambda conn: conn.mget(
+                        self.meta_key(key), self.data_key(key), tomb_key(self._ns, key)
+                    ),
                 )
             except RemoteUnavailable:
                 self._count_error("load")
@@ -473,7 +510,7 @@ class RemoteTier:
                     self._counters.misses += 1
                 return None
         else:
-            raw_meta, raw_data = ahead
+            (raw_meta, raw_data), raw_tomb = ahead, None
         if raw_meta is None and raw_data is None:
             with self._lock:
                 self._known.pop(key, None)
@@ -487,6 +524,9 @@ class RemoteTier:
             or (self.verify_reads and payload_digest(raw_data) != meta.digest)
         ):
             self._invalidate(key)
+            return None
+        if buried(meta, raw_tomb):  # written before a deletion that it survived: never served
+            self._invalidate(key, tombstoned=True)
             return None
         if meta.expired(self._clock()):  # the ledger's sweep frees it (and its keys)
             with self._lock:
@@ -527,11 +567,15 @@ class RemoteTier:
             else:
                 self._pins.pop(key, None)
 
-    def _invalidate(self, key: BlockKey) -> None:
-        """A corrupt object: delete its keys and ledger entry (best effort), report it."""
+    def _invalidate(self, key: BlockKey, *, tombstoned: bool = False) -> None:
+        """A corrupt (or tombstoned) object: delete its keys and ledger entry (best effort),
+        report it."""
         with self._lock:
             self._known.pop(key, None)
-            self._counters.invalidated += 1
+            if tombstoned:
+                self._counters.tombstoned += 1
+            else:
+                self._counters.invalidated += 1
             self._dropped.append(key)
         if not self._delete_objects([key]):
             self._count_error("invalidate")
@@ -565,6 +609,62 @@ class RemoteTier:
             if present:
                 self._counters.removed += 1
         return present
+
+    def bury(self, marks: Sequence[Tombstone]) -> list[tuple[BlockKey, str]]:
+        """Tombstone ``marks`` on the server, drop their ledger entries and delete their
+        objects, whoever wrote them; (key, tenant) of those whose bytes were there (tenant
+        "" when the ledger did not know it). Raises ``TierError`` when the server fails."""
+        self._check_open()
+        if not marks:
+            return []
+        now = self._clock()
+        args: list[Any] = [self._prefix, repr(now)]
+        for mark in marks:
+            args += [mark.key.hex(), repr(float(mark.deleted_at)), ttl_ms(mark, now)]
+        try:
+            reply = self._script("erase", args)
+        except RemoteUnavailable as exc:
+            self._count_error("erase")
+            raise TierError(f"erasing {len(marks)} objects failed: {exc}") from exc
+        with self._lock:
+            self._apply(reply)
+            for mark in marks:
+                self._known.pop(mark.key, None)
+                ahead = self._ahead.pop(mark.key, None)
+                if ahead is not None:
+                    self._ahead_bytes -= len(ahead[1])
+                self._gone_at[mark.key] = reply.version  # an older commit reply stays unseen
+                if len(self._gone_at) > 4096:
+                    self._gone_at.popitem(last=False)
+        try:
+            deleted = erase_objects(
+                self._client, self._ns, marks, now, self._scripts["erase_object"]
+            )
+        except RemoteUnavailable as exc:
+            self._count_error("erase")
+            raise TierError(f"erasing {len(marks)} objects failed: {exc}") from exc
+        tenants = [_text(t) for t in reply.extra]
+        present = [
+            (mark.key, tenant)
+            for mark, tenant in zip(marks, tenants, strict=True)
+            if deleted.get(mark.key, 0) > 0
+        ]
+        with self._lock:
+            self._counters.removed += len(present)
+        return present
+
+    def objects_of(self, tenant: str) -> list[ObjectRef]:
+        """The tenant's objects on the server, pending reservations included (a survey of
+        the ledger and of every primary's meta keys: I/O, call without locks)."""
+        self._check_open()
+        try:
+            return survey(self._client, self._ns, self._ledger_key, tenant)
+        except RemoteUnavailable:
+            self._count_error("survey")
+            raise
+
+    def recovered_tombstones(self) -> list[Tombstone]:
+        return []  # they live on the server, where every worker's calls check them
 
     def _delete_victims(self, victims: Sequence[Victim], version: int) -> None:
         if not victims:

@@ -17,6 +17,8 @@ can touch all of them)::
     {ns}:L:p         zset   PENDING reservations, by the deadline after which they are stale
     {ns}:L:u         hash   "used" (bytes, pending included), "n" (objects), "t:<tenant>" bytes
     {ns}:L:clock     string GDSF's inflation value L (the score of the last value eviction)
+    {ns}:L:x:<hex>   string a deletion's tombstone: deleted_at (server TTL: the tombstone's);
+                            RESERVE refuses objects of that key created at or before it
 
 Score (GreedyDual-Size-Frequency; Cao & Irani 1997, Cherkasova 1998)::
 
@@ -143,17 +145,19 @@ end
 """
 
 # ARGV: prefix, key, size, tenant, value, quota (-1: none), capacity, now, pending_deadline,
-#       expires_at (-1: none), parent ("" for none).
-# status: "ok" | "exists" | "quota" | "no_room"
+#       expires_at (-1: none), parent ("" for none), created_at.
+# status: "ok" | "exists" | "quota" | "no_room" | "tombstoned"
 RESERVE = (
     _COMMON
     + r"""
 local key, size, tenant = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local value, quota, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local now, deadline, expires = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local parent = ARGV[11]
+local parent, created = ARGV[11], tonumber(ARGV[12])
 touched[tenant] = true
 sweep(now)
+local tomb = redis.call('GET', P..'x:'..key)
+if tomb and created <= tonumber(tomb) then return reply('tombstoned') end
 if redis.call('HEXISTS', INFO, key) == 1 then return reply('exists') end
 if quota >= 0 and size > quota then return reply('quota') end
 if size > capacity then return reply('no_room') end
@@ -223,6 +227,25 @@ for i = 3, #ARGV do
   if rec then drop(ARGV[i], rec); present[#present + 1] = 1 else present[#present + 1] = 0 end
 end
 return reply('ok', present)
+"""
+)
+
+# ARGV: prefix, now, then per key: key hex, deleted_at, tombstone ttl ms.  Sets each key's
+# ledger tombstone (a later deletion extends it) and drops its entry, pending or committed.
+# extra: one tenant per key ("" when the ledger had no entry).
+ERASE = (
+    _COMMON
+    + r"""
+local out = {}
+for i = 3, #ARGV, 3 do
+  local k, deleted = ARGV[i], tonumber(ARGV[i + 1])
+  local tk = P..'x:'..k
+  local old = tonumber(redis.call('GET', tk) or '-1')
+  if deleted > old then redis.call('SET', tk, ARGV[i + 1], 'PX', ARGV[i + 2]) end
+  local rec = get(k)
+  if rec then drop(k, rec); out[#out + 1] = rec.t else out[#out + 1] = '' end
+end
+return reply('ok', out)
 """
 )
 

@@ -1,0 +1,155 @@
+"""The keys file, principals and namespace narrowing (security/keys.py), and the audit log."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvstrata.errors import AuthError, ConfigError
+from kvstrata.security import ANONYMOUS, Action, AuditLog, Authenticator, Role
+from kvstrata.security.keys import (
+    OBSERVE,
+    generate_api_key,
+    hash_api_key,
+    keys_entry_toml,
+    load_keys,
+)
+
+
+def _keys_file(path: Path, entries: list[tuple[str, str, str, list[Role], bool]]) -> Path:
+    text = "".join(keys_entry_toml(i, k, t, r, s) for i, k, t, r, s in entries)
+    text += '\n[[shared]]\nnamespace = "shared-system"\ntenants = ["acme", "globex"]\n'
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_hash_is_sha256_and_keys_are_random() -> None:
+    assert hash_api_key("abc") == (
+        "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    )
+    keys = {generate_api_key() for _ in range(100)}
+    assert len(keys) == 100 and all(k.startswith("kvs_") and len(k) == 47 for k in keys)
+
+
+def test_file_holds_only_hashes(tmp_path: Path) -> None:
+    key = generate_api_key()
+    path = _keys_file(tmp_path / "keys.toml", [("a", key, "acme", [Role.TENANT], False)])
+    assert key not in path.read_text()
+    assert hash_api_key(key) in path.read_text()
+
+
+def test_principal_from_key_and_namespace_narrowing(tmp_path: Path) -> None:
+    acme, globex, obs = generate_api_key(), generate_api_key(), generate_api_key()
+    path = _keys_file(
+        tmp_path / "keys.toml",
+        [
+            ("acme-1", acme, "acme", [Role.TENANT], True),
+            ("globex-1", globex, "globex", [Role.TENANT], False),
+            ("obs", obs, "ops", [Role.OBSERVER], False),
+        ],
+    )
+    auth = Authenticator(path)
+    who = auth.authenticate(f"Bearer {acme}")
+    assert (who.key_id, who.tenant) == ("acme-1", "acme")
+    assert who.namespace(None) == "acme"
+    assert who.namespace("acme") == "acme"
+    assert who.namespace("acme/chat-7") == "acme/chat-7"
+    assert who.namespace("shared-system") == "shared-system"
+    for forbidden in ("globex", "chat-7", "globex/x", "acme/a/b", "other/chat-7", "acme/"):
+        with pytest.raises(AuthError) as refused:
+            who.namespace(forbidden)
+        assert refused.value.status == 403
+    g = auth.authenticate(f"Bearer {globex}")
+    with pytest.raises(AuthError):
+        g.namespace("globex/chat-7")  # no sub-namespaces for this key
+    assert g.namespace("shared-system") == "shared-system"
+    auth.authorize(auth.authenticate(f"Bearer {obs}"), OBSERVE, "read metrics")
+    with pytest.raises(AuthError) as denied:
+        auth.authorize(who, OBSERVE, "read metrics")
+    assert (denied.value.status, denied.value.reason) == (403, "forbidden")
+
+
+@pytest.mark.parametrize("header", [None, "Bearer ", "Basic abc", "Bearer kvs_unknown"])
+def test_missing_or_unknown_key_is_401(tmp_path: Path, header: str | None) -> None:
+    path = _keys_file(tmp_path / "k.toml", [("a", generate_api_key(), "acme", [Role.TENANT], 0)])
+    with pytest.raises(AuthError) as refused:
+        Authenticator(path).authenticate(header)
+    assert refused.value.status == 401
+    assert refused.value.reason in ("no_key", "unknown_key")
+
+
+def test_single_tenant_is_anonymous_and_privileged_actions_are_off() -> None:
+    auth = Authenticator()
+    who = auth.authenticate(None)
+    assert who is ANONYMOUS and who.namespace("team-a") == "team-a"
+    with pytest.raises(AuthError) as off:
+        auth.authorize(who, {Role.ADMIN}, "switch tiers")
+    assert off.value.reason == "disabled"
+    auth.authorize(who, OBSERVE, "read metrics", open_single_tenant=True)
+    admin = Authenticator(admin_token="s3cret")
+    assert Role.ADMIN in admin.authenticate("Bearer s3cret").roles
+    assert admin.authenticate("Bearer wrong") is ANONYMOUS  # OpenAI clients send "EMPTY"
+
+
+def test_reload_takes_new_keys_and_keeps_old_ones_on_a_bad_file(tmp_path: Path) -> None:
+    first, second = generate_api_key(), generate_api_key()
+    path = _keys_file(tmp_path / "keys.toml", [("a", first, "acme", [Role.TENANT], False)])
+    auth = Authenticator(path, reload_interval_s=0.0)
+    with pytest.raises(AuthError):
+        auth.authenticate(f"Bearer {second}")
+    _keys_file(
+        path,
+        [("a", first, "acme", [Role.TENANT], False), ("b", second, "globex", [Role.TENANT], 0)],
+    )
+    os.utime(path, ns=(1, 10**18))  # a new mtime, whatever the clock's resolution
+    assert auth.maybe_reload(now=1.0)
+    assert auth.authenticate(f"Bearer {second}").tenant == "globex"
+    path.write_text("[[keys]]\nid = 3\n")
+    os.utime(path, ns=(1, 2 * 10**18))
+    assert not auth.maybe_reload(now=2.0)
+    assert auth.reload_errors == 1
+    assert auth.authenticate(f"Bearer {second}").tenant == "globex"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[keys]]\nid='a'\nhash='md5:00'\ntenant='t'\n",
+        "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='a/b'\n",
+        "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='t'\nroles=['root']\n",
+        "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='t'\nkey='plain'\n",
+        "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='t'\n" * 2,
+        "[keys]\n",
+        "[[shared]]\nnamespace='x'\ntenants='a'\n",
+        "not toml = = =",
+    ],
+)
+def test_bad_keys_files_name_the_problem(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as bad:
+        load_keys(path)
+    assert str(path) in str(bad.value)
+
+
+def test_audit_lines_are_json_with_fixed_fields(tmp_path: Path) -> None:
+    path = tmp_path / "audit.log"
+    with AuditLog(path, component="test") as audit:
+        audit.record(
+            Action.DELETE,
+            "prompt",
+            tenant="acme",
+            key_id="admin-1",
+            request_id="r1",
+            keys=[bytes([i]) * 32 for i in range(40)],
+            counts={"host": 2, "device": 1},
+        )
+        audit.record(Action.AUTH_FAILURE, "unknown_key", plane="http POST /v1/completions")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["audit"] for line in lines] == ["delete", "auth_failure"]
+    assert lines[0]["object_count"] == 40 and len(lines[0]["objects"]) == 32
+    assert lines[0]["counts"] == {"device": 1, "host": 2}
+    assert set(lines[1]) == {"audit", "reason", "component", "plane", "ts"}
