@@ -81,5 +81,6 @@ def tenant_for_salt(cache_salt: str | None, secret: bytes = b"") -> TenantNamesp
     """The tenant namespace of a request's ``cache_salt`` (``None``/empty: the default)."""
     if not cache_salt:
         return TenantNamespace.for_tenant(DEFAULT_TENANT, secret)
-    digest = blake3(_SALT_TAG + cache_salt.encode("utf-8")).hexdigest()[:32]
+    # surrogatepass: a JSON "\ud800" reaches here as a lone surrogate; valid text is unchanged
+    digest = blake3(_SALT_TAG + cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return TenantNamespace.for_tenant(f"salt-{digest}", secret)

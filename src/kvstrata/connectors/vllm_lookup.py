@@ -131,12 +131,14 @@ class LookupServer:
             while not self._stop.is_set():
                 if not socket.poll(100):
                     continue
-                raw = socket.recv()
+                frames = socket.recv_multipart()  # all of it: REP answers only whole messages
                 try:
-                    tenant, keys = decoder.decode(raw)
+                    if len(frames) != 1:
+                        raise ValueError(f"{len(frames)} frames, expected 1")
+                    tenant, keys = decoder.decode(frames[0])
                     found = self.lookup(tenant, [BlockKey(k) for k in keys])
                 except (msgspec.DecodeError, ValueError):
-                    logger.warning("kvstrata: malformed lookup request ignored")
+                    logger.warning("kvstrata: malformed lookup request ignored (a miss)")
                     found = 0
                 socket.send(encoder.encode(found))
         finally:

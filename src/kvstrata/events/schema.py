@@ -160,7 +160,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     """
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise EventDecodeError(f"payload is not msgpack: {exc}") from exc
     fields = _batch_fields(raw)
     raw_events = fields.get("events")

@@ -74,7 +74,7 @@ MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 def _parse(endpoint: str, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
     try:
         payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also: too deep, an int over 4300 digits
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -132,10 +132,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         except ApiError as exc:
             fleet.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error_response(exc)
-        headers = {TENANT_HEADER: tenant, REQUEST_ID_HEADER: request_id}
-        authorization = request.headers.get("authorization")
-        if authorization is not None:
-            headers["Authorization"] = authorization
+        headers = _worker_headers(request, body, request_id)
         # unique in the fleet's in-flight table even when a client repeats its request id
         flight_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         response = await _forward(
@@ -238,7 +235,7 @@ async def _forward(
     tokens: list[int],
     body: SamplingRequest,
     payload: dict[str, Any],
-    headers: dict[str, str],
+    headers: httpx.Headers,
 ) -> Response:
     """Reserve and proxy; on a connection failure, flag the worker and try the next best.
     ``headers``: what the worker needs of the client's (credential, namespace, request id)."""
@@ -293,6 +290,20 @@ async def _forward(
             headers=extra,
         )
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
+
+
+def _worker_headers(request: Request, body: SamplingRequest, request_id: str) -> httpx.Headers:
+    """What the worker needs of the client's headers: its credential and namespace header,
+    byte for byte (Starlette decodes headers as latin-1: encoded back the same way), and the
+    request id. A ``kvstrata_tenant`` in the body travels in the forwarded body instead of a
+    header: a body may hold any text, not all of it a valid header value (a non-ASCII name
+    could not be encoded, a control character made the worker look unreachable)."""
+    headers = {REQUEST_ID_HEADER: request_id}
+    for name in ("authorization", TENANT_HEADER):
+        value = request.headers.get(name)
+        if value is not None and not (name == TENANT_HEADER and body.kvstrata_tenant is not None):
+            headers[name] = value
+    return httpx.Headers(headers, encoding="latin-1")
 
 
 async def _relay(

@@ -92,7 +92,14 @@ class WorkerInfo:
                     else decode_public_key(str(body["curve_public_key"]))
                 ),
             )
-        except (KeyError, TypeError, ValueError, CurveKeyError) as exc:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            OverflowError,
+            CurveKeyError,
+        ) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
@@ -137,7 +144,11 @@ def worker_tls(ca_file: Path | None) -> ssl.SSLContext | bool:
 def fetch_info(client: httpx.Client, base_url: str, api_key: str | None = None) -> WorkerInfo:
     response = client.get(f"{base_url}/kv/info", headers=bearer(api_key))
     response.raise_for_status()
-    return WorkerInfo.from_json(base_url, response.json())
+    try:
+        body = response.json()
+    except (ValueError, RecursionError) as exc:
+        raise WorkerProtocolError(f"bad /kv/info from {base_url}: not JSON") from exc
+    return WorkerInfo.from_json(base_url, body)
 
 
 def fetch_dump(client: httpx.Client, base_url: str, api_key: str | None = None) -> WorkerDump:

@@ -54,6 +54,7 @@ from typing import Final
 
 import numpy as np
 
+from kvstrata.errors import IdentityError
 from kvstrata.events.schema import (
     AllBlocksCleared,
     BlockHash,
@@ -331,7 +332,11 @@ class GlobalIndex:
                 if parent is None:
                     self.stats.orphan_blocks += n
                     return
-        router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
+        try:
+            router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
+        except IdentityError:  # token ids no tokenizer produces (outside [0, 2**32))
+            self.stats.bad_events += 1
+            return
         engine = event.block_hashes
         if len(self._deleted_engine) or len(self._deleted_router):
             kept = self._undeleted(worker, engine, router, seq)

@@ -5,6 +5,7 @@ Readers only ever see COMMITTED objects whose payload digest verified.
 
 from kvstrata.objects.model import (
     DIGEST_ALGORITHM,
+    MALFORMED_META,
     IllegalTransition,
     KVObjectMeta,
     ObjectState,
@@ -14,6 +15,7 @@ from kvstrata.objects.model import (
 
 __all__ = [
     "DIGEST_ALGORITHM",
+    "MALFORMED_META",
     "IllegalTransition",
     "KVObjectMeta",
     "ObjectState",

@@ -24,6 +24,16 @@ from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 
 DIGEST_ALGORITHM = "xxh3-128"
+MALFORMED_META: tuple[type[Exception], ...] = (
+    ValueError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    OverflowError,
+    RecursionError,
+)
+"""What ``KVObjectMeta.from_dict(json.loads(raw))`` raises on well-checksummed nonsense: bad
+values, missing keys, a list where a map belongs, ``int(1e400)``, nesting too deep."""
 
 
 class IllegalTransition(KvstrataError):

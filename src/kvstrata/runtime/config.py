@@ -126,7 +126,9 @@ def load_worker_config(
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise ConfigError(f"cannot read the file: {exc.strerror}", source=where) from exc
-        except tomllib.TOMLDecodeError as exc:
+        except UnicodeDecodeError as exc:
+            raise ConfigError("the file is not UTF-8", source=where) from exc
+        except (tomllib.TOMLDecodeError, RecursionError) as exc:  # RecursionError: too deep
             raise ConfigError(f"not valid TOML: {exc}", source=where) from exc
         base = Path(path).resolve().parent
     if raw is not None:
@@ -189,12 +191,14 @@ class _Reader:
     def get(self, name: str) -> Any:
         path = f"{self.prefix}{name}"
         key = BY_PATH[path]
-        value = self.table.get(name, key.default)
+        value = self.table.get(name)
+        if value is None:  # absent, or null in a parsed mapping: the default
+            value = key.default
         if value is None:
             return None
         try:
             return _coerce(key.type, value, self.base)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: float(10**400)
             raise ConfigError(f"{exc} (got {value!r})", key=path, source=self.where) from None
 
     def fail(self, name: str, message: str) -> ConfigError:
@@ -217,7 +221,10 @@ def _coerce(kind: str, value: Any, base: Path) -> Any:
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise TypeError("expected a number")
-        return float(value)
+        number = float(value)
+        if not math.isfinite(number):  # nan and inf pass every comparison check below
+            raise ValueError("expected a finite number")
+        return number
     if kind == "str":
         if not isinstance(value, str):
             raise TypeError("expected a string")
@@ -225,7 +232,12 @@ def _coerce(kind: str, value: Any, base: Path) -> Any:
     if kind == "path":
         if not isinstance(value, str | Path):
             raise TypeError("expected a path")
-        path = Path(value).expanduser()
+        if "\0" in str(value):
+            raise ValueError("a path cannot hold a NUL character")
+        try:
+            path = Path(value).expanduser()
+        except RuntimeError:  # "~user" of no such user
+            raise ValueError("cannot expand '~' in this path") from None
         return path if path.is_absolute() else base / path
     if kind == "list[str]":
         if isinstance(value, str):
@@ -297,7 +309,7 @@ def _build(
         tiers=tiers,
         events=_events(data.get("events"), where, base),
         tenant_secret=secret,
-        admin_token=token.decode("utf-8").strip() if token else None,
+        admin_token=_text(token, "admin_token_file", where) if token else None,
         debug_endpoints=top.get("debug_endpoints"),
         limits=_limits(_Reader(data.get("limits", {}), "limits.", where, base)),
         lookup_timeout_ms=timeout,
@@ -353,6 +365,14 @@ def _read_secret(path: Path | None, key: str, where: str) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}", key=key, source=where) from exc
+
+
+def _text(secret: bytes, key: str, where: str) -> str:
+    """A token or password file's text (stripped); not UTF-8 is a ConfigError."""
+    try:
+        return secret.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError("the file is not UTF-8 text", key=key, source=where) from None
 
 
 def _tier(entry: Mapping[str, Any], index: int, where: str, base: Path) -> TierSpec:
@@ -422,7 +442,7 @@ def _remote(tier: _Reader, name: str, where: str) -> RemoteConfig | None:
     password = None
     if password_file is not None:
         raw = _read_secret(password_file, "tiers.password_file", where)
-        password = raw.decode("utf-8").strip()
+        password = _text(raw, "tiers.password_file", where)
     timeout = tier.get("timeout_ms")
     if timeout <= 0:
         raise tier.fail("timeout_ms", "must be positive")

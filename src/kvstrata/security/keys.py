@@ -247,7 +247,7 @@ def load_keys(path: Path) -> KeyRing:
         raise ConfigError("the keys file is not UTF-8", source=str(path)) from exc
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ConfigError(f"not valid TOML: {exc}", source=str(path)) from exc
     return parse_keys(data, str(path))
 

@@ -115,13 +115,20 @@ class HttpAuth:
                 tenant=None if principal is None else principal.tenant,
                 key_id=None if principal is None else principal.key_id,
                 request_id=request_id or request_id_of(request),
-                plane=f"http {request.method} {request.url.path}",
+                plane=f"http {request.method} {_route(request)}",
             )
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         error_type = "authentication_error" if exc.status == 401 else "permission_error"
         if exc.status == 400:
             error_type = "invalid_request_error"
         return ApiError(exc.status, str(exc), type=error_type, code=exc.reason, headers=headers)
+
+
+def _route(request: Request) -> str:
+    """The matched route's template (``/admin/tiers/{name}``), not the path the client wrote."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
 
 
 __all__ = ["REQUEST_ID_HEADER", "TENANT_HEADER", "HttpAuth", "request_id_of"]

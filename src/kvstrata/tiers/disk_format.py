@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.objects import MALFORMED_META, KVObjectMeta, payload_digest
 
 MAGIC = b"KVSTRATA"
 FORMAT_VERSION = 1
@@ -177,7 +177,7 @@ def parse_object(
         return None, scratch
     try:
         meta = KVObjectMeta.from_dict(json.loads(meta_bytes))
-    except (ValueError, KeyError, TypeError, AttributeError):  # well-checksummed nonsense
+    except MALFORMED_META:  # well-checksummed nonsense
         return None, scratch
     if (
         path.name != meta.key.hex() + OBJECT_SUFFIX

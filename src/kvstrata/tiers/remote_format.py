@@ -16,7 +16,7 @@ import json
 import xxhash
 
 from kvstrata.identity import BlockKey
-from kvstrata.objects import KVObjectMeta
+from kvstrata.objects import MALFORMED_META, KVObjectMeta
 
 
 def meta_key(namespace: str, key: BlockKey) -> str:
@@ -48,6 +48,6 @@ def decode_meta(raw: bytes, key: BlockKey) -> KVObjectMeta | None:
         return None
     try:
         meta = KVObjectMeta.from_dict(json.loads(raw[8:]))
-    except (ValueError, KeyError, TypeError):
+    except MALFORMED_META:
         return None
     return meta if meta.key == key else None

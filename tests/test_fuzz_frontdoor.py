@@ -1,0 +1,189 @@
+"""Fuzzing the front door: the router's own parsing (``frontdoor._parse``, ``tenant_of``).
+
+A real front door (``create_frontdoor_app`` over a ``Fleet`` in approximate mode, no event
+plane) runs in front of one real tiny-model worker, both under uvicorn. A malformed request
+is a 4xx in OpenAI's shape from the front door itself — never a 5xx, never forwarded (the
+worker's request counter does not move) — and the worker stays healthy in the router's eyes:
+no client input may make the router believe a worker is unreachable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from fuzz_helpers import FEW, FUZZ, deeply_nested, dumps, json_value, odd_text
+from http_helpers import serving
+from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.errors import ApiError
+from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
+from kvstrata.fleet.frontdoor import _parse, create_frontdoor_app
+from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
+from kvstrata.index.model import ConsistencyMode
+from kvstrata.runtime.config import ServeLimits
+from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
+from kvstrata.serve.app import create_app
+from kvstrata.telemetry import KvMetrics
+
+MODEL = "tiny"
+ERROR_KEYS = {"message", "type", "param", "code"}
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+VALID = (
+    {"model": MODEL, "prompt": "front door fuzz", "max_tokens": 2},
+    {"model": MODEL, "messages": [{"role": "user", "content": "front door"}], "max_tokens": 2},
+)
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass
+class FrontDoor:
+    fleet: Fleet
+    worker_metrics: KvMetrics
+    client: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def front_door(tiny_model: LoadedModel) -> Iterator[FrontDoor]:
+    events = KVEventsConfig("tcp://127.0.0.1:*", None, worker_id="fuzz:1")  # for /kv/info
+    emitter = KVEventEmitter.from_config(events, block_size=16).start()
+    metrics = KvMetrics()
+    engine = ReferenceEngine(
+        tiny_model, EngineConfig(pool_blocks=128), metrics=metrics, events=emitter
+    )
+    worker_app = create_app(
+        engine, model_name=MODEL, metrics=metrics, limits=ServeLimits(max_tokens=4)
+    )
+    try:
+        with serving(worker_app) as worker:
+            url = str(worker.base_url).rstrip("/")
+            config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=[url])
+            fleet = Fleet(FleetTokenizer(tiny_model.path), config)
+            fleet.attach(url)
+            with serving(create_frontdoor_app(fleet)) as client:
+                yield FrontDoor(fleet, metrics, client)
+    finally:
+        emitter.close()
+
+
+def _forwarded(door: FrontDoor) -> float:
+    total = 0.0
+    for sample in door.worker_metrics.requests.collect()[0].samples:
+        if sample.name.endswith("_total") and sample.labels["endpoint"] in ENDPOINTS:
+            total += sample.value
+    return total
+
+
+def _post(
+    door: FrontDoor, path: str, content: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    before = _forwarded(door)
+    response = door.client.post(
+        path, content=content, headers=[(b"content-type", b"application/json"), *(headers or [])]
+    )
+    assert response.status_code < 500, response.text
+    assert all(view.healthy for view in door.fleet.worker_views())
+    if response.status_code == 200:
+        return
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS, error
+    if "x-kvstrata-worker" not in response.headers:  # refused by the front door itself
+        assert _forwarded(door) == before
+
+
+@FEW
+@given(path=st.sampled_from(ENDPOINTS), value=json_value)
+@example(path=ENDPOINTS[0], value={"prompt": "x", "max_tokens": 1, "seed": 1 << 64})
+def test_random_json_bodies(front_door: FrontDoor, path: str, value: Any) -> None:
+    _post(front_door, path, dumps(value))
+
+
+@FEW
+@given(path=st.sampled_from(ENDPOINTS), raw=st.binary(max_size=200))
+@example(path=ENDPOINTS[0], raw=deeply_nested())  # RecursionError in json.loads
+@example(path=ENDPOINTS[1], raw=b'{"max_tokens": ' + b"9" * 5000 + b"}")  # int digit limit
+@example(path=ENDPOINTS[0], raw=b'{"prompt": "\xc3\x28"}')
+def test_raw_bytes_bodies(front_door: FrontDoor, path: str, raw: bytes) -> None:
+    _post(front_door, path, raw)
+
+
+@FEW
+@given(
+    path=st.sampled_from(ENDPOINTS),
+    tenant=odd_text,
+    in_header=st.booleans(),
+)
+@example(path=ENDPOINTS[0], tenant="中文", in_header=False)  # not latin-1: cannot be a header
+@example(path=ENDPOINTS[0], tenant="a\nX-Injected: 1", in_header=False)
+@example(path=ENDPOINTS[1], tenant="\x00", in_header=False)
+def test_tenant_names(front_door: FrontDoor, path: str, tenant: str, in_header: bool) -> None:
+    """A tenant from the body is forwarded as a header: any name must be refused or carried."""
+    body = dict(VALID[ENDPOINTS.index(path)])
+    if in_header:
+        try:
+            value = tenant.encode("latin-1")
+        except UnicodeEncodeError:
+            return
+        if any((c < 0x20 and c != 0x09) or c == 0x7F for c in value) or value != value.strip():
+            return  # the client library refuses to send it
+        _post(front_door, path, dumps(body), [(b"x-kvstrata-tenant", value)])
+    else:
+        _post(front_door, path, dumps({**body, "kvstrata_tenant": tenant}))
+
+
+@FEW
+@given(raw=st.binary(max_size=100) | json_value.map(dumps))
+@example(raw=deeply_nested())
+def test_parse_raises_only_api_errors(raw: bytes) -> None:
+    for endpoint in ENDPOINTS:
+        try:
+            _parse(endpoint, raw)
+        except ApiError as exc:
+            assert exc.status == 400
+
+
+INFO = {
+    "worker_id": "w1",
+    "epoch": 1,
+    "model": MODEL,
+    "fingerprint": "ab" * 32,
+    "block_size": 16,
+    "events_endpoint": "tcp://127.0.0.1:1",
+    "replay_endpoint": None,
+    "next_seq": 0,
+    "tiers": ["device", "host"],
+    "fetch_s_per_block": {"host": 1e-5},
+    "secret_digest": "x",
+}
+
+
+@FUZZ
+@given(
+    changes=st.dictionaries(st.sampled_from(sorted(INFO)), json_value, max_size=3),
+    body=st.none() | json_value,
+)
+@example(changes={"epoch": float("inf")}, body=None)
+@example(changes={"fetch_s_per_block": [1]}, body=None)
+@example(changes={"fetch_s_per_block": {"host": 10**400}}, body=None)
+def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
+    """What a worker's ``/kv/info`` says: a ``WorkerInfo`` or a ``WorkerProtocolError``."""
+    try:
+        info = WorkerInfo.from_json("http://w", {**INFO, **changes} if body is None else body)
+    except WorkerProtocolError:
+        return
+    assert len(info.fingerprint) == 32 and info.block_size > 0 and info.events_endpoint
+    assert all(f is None or (math.isfinite(f) and f >= 0) for f in info.fetch_s_per_block)
+
+
+def test_the_front_door_still_routes(front_door: FrontDoor) -> None:
+    for path, body in zip(ENDPOINTS, VALID, strict=True):
+        response = front_door.client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvstrata-worker"]
