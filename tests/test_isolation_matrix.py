@@ -24,6 +24,7 @@ re-checks its own keys, so the forgery gets B nothing of A's.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -77,6 +79,7 @@ B = 16
 BLOCK = 2 * 2 * 2 * B * 16 * 4  # the tiny model's KV bytes per block (fp32)
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 A, B_TENANT = "tenantA", "tenantB"
+SENTINEL_SEEDS = itertools.count(1000)  # one fresh sentinel block per forged batch
 PROMPT = "The archivist filed every letter the harbour master ever sent to the island. " * 2
 
 
@@ -100,9 +103,9 @@ def _run(engine: ReferenceEngine, prompt: list[int], tenant: str) -> tuple[int, 
 
 def _paired(engine: ReferenceEngine, prompt: list[int], tier: str) -> None:
     """B's probe misses everywhere; A's repeat hits all its full blocks from ``tier``."""
-    assert not set(engine.block_keys(prompt, A)) & set(engine.block_keys(prompt, B_TENANT))
     assert _run(engine, prompt, B_TENANT) == (0, {})
     assert _run(engine, prompt, A) == (len(prompt) // B * B, {tier: len(prompt) // B * B})
+    assert not set(engine.block_keys(prompt, A)) & set(engine.block_keys(prompt, B_TENANT))
 
 
 def test_device_pool(tiny_model: LoadedModel) -> None:
@@ -269,7 +272,7 @@ class Front:
         """Send a batch on the worker's own ZMQ publisher (on the engine thread, which owns
         the socket), then wait until the fleet's index has applied it: the batch ends with a
         sentinel block whose entry appears only then."""
-        sentinel_ids = tokens(B, seed=int(time.monotonic_ns() % 100_000))
+        sentinel_ids = tokens(B, seed=next(SENTINEL_SEEDS))
         keys = self.engine.block_keys(sentinel_ids, "sentinel")
         sentinel = _stored(keys, sentinel_ids, "sentinel", "device")
         batch = [*events, sentinel]
@@ -312,15 +315,13 @@ def front(tiny_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> 
     keys = _keys_file(directory / "keys.toml")
     with ExitStack() as stack:
         audit = stack.enter_context(AuditLog(directory / "audit.jsonl", component="iso"))
-        config = KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", worker_id="iso:1")
-        emitter = KVEventEmitter.from_config(config, block_size=B).start()
+        events = KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", worker_id="iso:1")
+        emitter = KVEventEmitter.from_config(events, block_size=B).start()
         stack.callback(emitter.close)
         metrics = KvMetrics()
         tiers = WorkerConfig(tiers=(host_tier(64 * BLOCK),))
-        engine = build_engine(
-            tiny_model, EngineConfig(block_size=B, pool_blocks=64), tiers, metrics=metrics,
-            events=emitter,
-        )  # fmt: skip
+        config = EngineConfig(block_size=B, pool_blocks=64)
+        engine = build_engine(tiny_model, config, tiers, metrics=metrics, events=emitter)
         stack.callback(engine.close)
         guard = HttpAuth(Authenticator(keys), audit)
         worker = stack.enter_context(
@@ -394,9 +395,14 @@ def test_forged_events_get_nothing(front: Front) -> None:
     }
     copied = _stored(keys_a, ids, A, "host")
     assert set(copied.block_hashes) <= announced  # exactly the hashes A's events carried
-    # Re-announcing A's blocks in A's namespace (another medium) gives B nothing.
-    front.publish(copied)
-    assert front.matched(ids, B_TENANT) == 0
+    # Re-announcing A's blocks in A's namespace (another medium), or chaining a block named
+    # B's onto A's last one, gives B nothing.
+    more = tokens(B, seed=5)
+    child = _stored(front.engine.block_keys(ids + more, A)[-1:], more, B_TENANT, "device")
+    child = msgspec.structs.replace(child, parent_block_hash=copied.block_hashes[-1])
+    front.publish(copied, child)
+    assert front.matched(ids, B_TENANT) == front.matched(ids + more, B_TENANT) == 0
+    assert front.matched(ids + more, A) == len(keys_a)  # nor does it extend A's prefix
     assert front.explained(prompt, "B")["matched_blocks"] == 0
     # A's tokens and block hashes under B's namespace: a claim about B's cache. The router
     # believes the worker and routes B there, but the worker's own keys decide: a miss.
