@@ -12,8 +12,8 @@ place under test, so the probe ran against a cache that did hold A's blocks). Th
   lookup socket asked for A's keys in B's namespace;
 - forgeries: B sending A's prompt as token ids with A's block keys in extra body fields; KV
   event batches on a worker's real ZMQ publisher announcing A's tokens and block hashes under
-  B's namespace, or re-announcing A's in A's namespace; ``/admin/delete`` naming block keys,
-  or deleting B's copy, or all of B.
+  B's namespace, re-announcing A's in A's namespace, or chaining a block named B's onto A's
+  last one; ``/admin/delete`` naming block keys, or deleting B's copy, or all of B.
 
 Real parts throughout: the tiny model, real uvicorn servers, real ZMQ sockets, the session's
 Valkey server, a keys file with hashed keys. What an event may claim: the index believes what
