@@ -11,7 +11,9 @@ change feed — and is held for short, I/O-free sections. Byte movement (the cal
 ``complete_store`` with its digest, write and fsync, ``prepare_load`` with its read and digest,
 copies between levels) runs outside it through the tiers' two-phase seam, so a slow medium or
 the write-back flusher never stalls lookups, and loads and stores from many threads overlap.
-The locked bookkeeping lives in ``store.state.StoreCore``; this module moves the bytes.
+The locked bookkeeping lives in ``store.state.StoreCore``, admission into a level and
+eviction in ``store.admission``, deletion in ``store.erasure``; this module adds the public
+lookup, load, write and copy paths and the lifecycle.
 
 Invariants kept here:
 - lookup is prefix-closed: a block counts only if every ancestor is available in some level;
@@ -25,13 +27,8 @@ Invariants kept here:
   by readers go when the last reader finishes; its tombstones (``store.erasure``) then refuse
   any object of those keys created before the delete — a late write-back flush, demotion copy
   or prefetch — on every level, and lookups never hand one out;
-- tenant quotas are hard limits at admission (the check and the reservation happen in one
-  locked section): a tenant over its quota evicts its own objects first, and an object that
-  cannot fit is not admitted;
-- eviction asks the level's policy for a leaf victim among unpinned, committed objects that
-  no other thread is demoting, and demotes it to the next level when that level's write policy
-  wants it (the copy outside the lock), before removing it; a victim that vanished or got
-  pinned meanwhile is skipped;
+- admission into a level keeps ``store.admission``'s invariants (tenant quotas are hard limits
+  at admission; eviction takes the level policy's leaf victims and demotes them first);
 - with ``record_events=True`` every commit into and every removal from a level is appended to
   the change feed (``store.events``) under the lock, in order; ``take_events`` drains it, and
   ``exclusive`` + ``take_events`` + ``resident`` form a consistent snapshot.
@@ -42,44 +39,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
+from kvstrata.store.admission import AdmittingCore, PayloadFill
 from kvstrata.store.config import TierConfig, WritePolicy
-from kvstrata.store.erasure import ErasingCore
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.state import PREFETCH
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
-from kvstrata.tiers.base import LoadLease, StoreSlot, Tier, TierError
+from kvstrata.tiers.base import LoadLease, Tier
 
-PayloadFill = Callable[[memoryview], None]
-"""Fills a writable buffer of exactly ``meta.size`` bytes with an object's payload."""
+__all__ = ["PayloadFill", "RequestScope", "TieredStore"]
+
 
 _FETCH_EWMA = 0.2  # weight of the newest measurement in a level's fetch-cost estimate
-_MAX_DEMOTIONS = 64  # victims one admission may demote (copy down) before it gives up
 
 
-@dataclass(frozen=True)
-class _Demote:
-    """A victim that must be copied down (outside the lock) before it can be removed."""
-
-    key: BlockKey
-
-
-@dataclass(frozen=True)
-class _SelfEvicting:
-    """Admission checks passed for a tier that evicts itself: reserve there, unlocked."""
-
-    meta: KVObjectMeta
-
-
-class TieredStore(ErasingCore):
+class TieredStore(AdmittingCore):
     def __init__(
         self,
         levels: Sequence[tuple[Tier, EvictionPolicy, TierConfig]],
@@ -366,208 +347,6 @@ class TieredStore(ErasingCore):
             if meta is None or not self._accepts(self.levels[target], meta):
                 return False
         return self._copy(source, target, key, cause=cause)
-
-    def _admit(self, index: int, meta: KVObjectMeta, fill: PayloadFill, *, cause: str) -> bool:
-        """Reserve (locked), fill and complete (unlocked), register (locked)."""
-        slot = self._reserve(index, meta)
-        if isinstance(slot, bool):
-            return slot
-        tier = self.levels[index].tier
-        try:
-            fill(slot.buffer)
-        except BaseException:
-            tier.complete_store(slot, False)
-            with self._lock:
-                self._storing.discard((index, slot.meta.key))
-                if slot.meta.key in self._pending_delete:
-                    self._finish_delete(slot.meta.key)
-            raise
-        buried_before = tier.counters.tombstoned
-        try:
-            ok = tier.complete_store(slot, True)
-        except TierError:
-            ok = False
-        with self._lock:
-            if not ok and tier.counters.tombstoned > buried_before:  # the medium's tombstone
-                self._storing.discard((index, slot.meta.key))
-                self._refused_buried(self.levels[index], slot.meta)
-                if slot.meta.key in self._pending_delete:
-                    self._finish_delete(slot.meta.key)
-                return False
-            return self._register(index, slot.meta, ok, cause=cause)
-
-    def _reserve(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool:
-        """A PENDING slot, or True (already held here), or False (refused)."""
-        for _ in range(_MAX_DEMOTIONS):
-            with self._lock:
-                outcome = self._try_reserve(index, meta)
-            if isinstance(outcome, _SelfEvicting):
-                return self._reserve_self_evicting(index, outcome.meta)
-            if not isinstance(outcome, _Demote):
-                return outcome
-            self._demote_and_remove(index, outcome.key)
-        self.metrics.rejections.labels(tier=self.levels[index].name, reason="no_room").inc()
-        return False
-
-    def _try_reserve(
-        self, index: int, meta: KVObjectMeta
-    ) -> StoreSlot | bool | _Demote | _SelfEvicting:
-        """Under the lock: admission checks, evictions that need no I/O, the reservation."""
-        level = self.levels[index]
-        tier, name, key = level.tier, level.name, meta.key
-        if key in self._pending_delete:
-            self.metrics.rejections.labels(tier=name, reason="being_deleted").inc()
-            return False
-        if self._buried(level, meta):
-            return False
-        if (index, key) in self._storing:
-            self.metrics.rejections.labels(tier=name, reason="busy").inc()
-            return False
-        if tier.contains(key):
-            level.policy.on_access(key, self.clock())
-            return True
-        # The key may have just expired here (dropped on sight): let the policy forget the old
-        # object before it learns of the new one.
-        self._sync_dropped(level)
-        if tier.reserved(key):  # pending, or expired but still pinned by a reader
-            self.metrics.rejections.labels(tier=name, reason="busy").inc()
-            return False
-        meta = meta.with_ttl(level.config.ttl_s)  # each level's own TTL, not the source's
-        if tier.evicts_itself:  # quotas and victims are the tier's (shared with other writers)
-            self._storing.add((index, key))  # claimed: the reservation's I/O runs unlocked
-            return _SelfEvicting(meta)
-        quota = level.config.quota_for(meta.tenant)
-        if quota is not None:
-            if meta.size > quota:
-                self._quota_reject(level, meta, "larger_than_quota")
-                return False
-            while tier.tenant_bytes(meta.tenant) + meta.size > quota:
-                evicted = self._evict_now(index, tenant=meta.tenant)
-                if evicted is False:
-                    self._quota_reject(level, meta, "quota_full")
-                    return False
-                if isinstance(evicted, _Demote):
-                    return evicted
-        try:
-            slot = tier.prepare_store(meta)
-            while slot is None:
-                if tier.reserved(key) or meta.size > tier.capacity_bytes:
-                    self.metrics.rejections.labels(tier=name, reason="no_room").inc()
-                    return False
-                evicted = self._evict_now(index, tenant=None)
-                if evicted is False:
-                    self.metrics.rejections.labels(tier=name, reason="no_room").inc()
-                    return False
-                if isinstance(evicted, _Demote):
-                    return evicted
-                slot = tier.prepare_store(meta)
-        except TierError:
-            self.metrics.write_failures.labels(tier=name).inc()
-            return False
-        self._storing.add((index, key))
-        return slot
-
-    def _reserve_self_evicting(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool:
-        """One reservation in a tier that evicts itself; its I/O (a round trip to a shared
-        ledger) runs outside the lock, the key already claimed in ``_storing``."""
-        level = self.levels[index]
-        buried_before = level.tier.counters.tombstoned
-        try:
-            slot = level.tier.prepare_store(meta)
-        except TierError:
-            slot = None
-            failed = True
-        else:
-            failed = False
-        with self._lock:
-            self._sync_dropped(level)
-            if slot is not None:
-                return slot
-            self._storing.discard((index, meta.key))
-            if failed:
-                self.metrics.write_failures.labels(tier=level.name).inc()
-            elif level.tier.counters.tombstoned > buried_before:  # another worker deleted it
-                self._refused_buried(level, meta)
-            else:
-                self.metrics.rejections.labels(tier=level.name, reason="refused_by_tier").inc()
-            if meta.key in self._pending_delete:
-                self._finish_delete(meta.key)
-        return False
-
-    def _copy(self, source: int, target: int, key: BlockKey, *, cause: str) -> bool:
-        """Read ``key`` from ``source`` and admit it into ``target``; all I/O outside the lock."""
-        src, dst = self.levels[source], self.levels[target]
-        with self._lock:
-            if key in self._pending_delete or (source, key) in self._storing:
-                return False  # never copy what is being deleted or is not visible yet
-            if (target, key) in self._storing:
-                return False  # another thread is storing it there right now
-            if dst.tier.contains(key):
-                dst.policy.on_access(key, self.clock())
-                return True
-            invalid_before = src.tier.counters.invalidated
-        lease = src.tier.prepare_load(key)
-        if lease is None:  # evicted or deleted meanwhile, or failed verification: skip it
-            with self._lock:
-                if src.tier.counters.invalidated > invalid_before:
-                    self._digest_mismatch(src, key)
-                self._forget_if_gone(src, key)
-            return False
-        try:
-            payload = lease.buffer
-
-            def fill(buffer: memoryview) -> None:
-                buffer[:] = payload
-
-            return self._admit(target, lease.meta, fill, cause=cause)
-        finally:
-            with self._lock:
-                src.tier.complete_load(lease)
-                if key in self._pending_delete:
-                    self._finish_delete(key)
-
-    # ---- eviction ---------------------------------------------------------------------------
-    def _evict_now(self, index: int, *, tenant: str | None) -> bool | _Demote:
-        """Under the lock: remove one victim of level ``index`` if that needs no copy (True);
-        a victim that must be demoted first is marked moving and returned; False: none."""
-        level = self.levels[index]
-        self._sync_dropped(level)
-
-        def can_evict(key: BlockKey) -> bool:
-            return (index, key) not in self._moving and level.tier.evictable(key)
-
-        while True:
-            victim = level.policy.victim(self.clock(), tenant=tenant, can_evict=can_evict)
-            if victim is None:
-                return False
-            meta = level.tier.meta(victim)
-            if meta is None:  # expired or invalidated behind the policy
-                level.policy.on_remove(victim)
-                continue
-            outcome, target = self._demotion(index, meta)
-            if target is not None or self._writeback.pending_from(index, victim):
-                self._moving.add((index, victim))
-                return _Demote(victim)
-            return self._remove_victim(index, victim, outcome)
-
-    def _demote_and_remove(self, index: int, key: BlockKey) -> None:
-        """Outside the lock: write the victim's queued copies, demote it, then remove it."""
-        try:
-            self._writeback.flush_source(index, key)
-            with self._lock:
-                meta = self.levels[index].tier.meta(key)
-                if meta is None:
-                    return  # deleted, expired or invalidated meanwhile
-                outcome, target = self._demotion(index, meta)
-            if target is not None:
-                copied = self._copy(index, target, key, cause="demotion")
-                outcome = "demoted" if copied else "dropped"
-            with self._lock:
-                if key not in self._pending_delete:  # else the delete removes it
-                    self._remove_victim(index, key, outcome)
-        finally:
-            with self._lock:
-                self._moving.discard((index, key))
 
     # ---- deletion ---------------------------------------------------------------------------
     def delete(self, keys: Sequence[BlockKey]) -> int:

@@ -1,0 +1,121 @@
+"""Deletion in the global index: entries leave every slot, tombstones refuse late events.
+
+``IndexDeletions.delete`` removes a namespace's entries (or a prefix's and its descendants',
+found through the lineage ``index.tombstones.Lineage``), plus the engine hashes the workers
+reported deleting, from every worker slot, the shared slot and the predictions, and
+tombstones every removed or reported hash with the workers' stream positions.
+``_undeleted`` is the check event application runs on a ``BlockStored`` while a tombstone
+lives: a block from before a worker's position (or from a worker with no position) is
+refused, and so are its descendants in the event (see ``index.tombstones`` for the rules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from kvstrata.events.schema import BlockHash
+from kvstrata.identity.router_hash import RouterHashes
+from kvstrata.index.entries import IndexEntries, WorkerSlot
+from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
+from kvstrata.index.matching import SLOT_MASK as _SLOT_MASK
+from kvstrata.index.model import IndexDeletion, Medium
+from kvstrata.index.tombstones import StreamPosition
+
+
+class IndexDeletions(IndexEntries):
+    """``delete`` and the tombstone check of a ``GlobalIndex``."""
+
+    def delete(
+        self,
+        namespace: str,
+        *,
+        everything: bool = False,
+        router_hashes: RouterHashes | Sequence[int] = (),
+        engine_hashes: Iterable[BlockHash] = (),
+        positions: Mapping[str, StreamPosition] | None = None,
+        now: float | None = None,
+    ) -> IndexDeletion:
+        """Remove deleted blocks from every worker slot and the shared tier; tombstone them.
+
+        What goes: every entry of ``namespace`` (``everything``), or the entries of
+        ``router_hashes`` (a prompt's) and of their descendants, plus whatever the workers
+        reported deleting (``engine_hashes``: their keys' event hashes, which is how an
+        ``older_than`` deletion, chosen by age on the workers, reaches the index). Every
+        removed or reported hash is tombstoned with the workers' ``positions`` (from their
+        delete answers): a later ``BlockStored`` of it from before a worker's position — or
+        from a worker with no position — is refused until the tombstone expires.
+
+        Cost: one pass over the namespace's lineage and every worker's entries (a deletion
+        is rare; matching and events pay nothing while no tombstone lives).
+        """
+        now = self._clock() if now is None else now
+        if isinstance(router_hashes, np.ndarray):
+            router_hashes = router_hashes.tolist()
+        if everything:
+            targets = self._lineage.namespace(namespace)
+        else:
+            targets = self._lineage.descendants(namespace, router_hashes)
+        reported = set(engine_hashes)
+        deleted: set[BlockHash] = set(reported)
+        removed = 0
+        for worker in self._workers.values():
+            for engine_hash, packed in list(worker.held.items()):
+                if engine_hash in reported or packed >> _BITS_PER_SLOT in targets:
+                    removed += (packed & _SLOT_MASK).bit_count()
+                    self._forget(worker, engine_hash, packed)
+                    deleted.add(engine_hash)
+        if self._shared_slot is not None:
+            entry_bit = (1 << Medium.REMOTE) << (self._shared_slot * _BITS_PER_SLOT)
+            for engine_hash, router_hash in list(self._shared_held.items()):
+                if engine_hash in reported or router_hash in targets:
+                    del self._shared_held[engine_hash]
+                    self._unref_shared(router_hash, entry_bit)
+                    deleted.add(engine_hash)
+                    removed += 1
+        for router_hash in targets:
+            self._approx.pop(router_hash, None)
+        bounds = {
+            worker_id: self._with_known_epoch(worker_id, position)
+            for worker_id, position in (positions or {}).items()
+        }
+        self._deleted_engine.expire(now)
+        self._deleted_router.expire(now)
+        self._deleted_engine.add(deleted, bounds, now)
+        self._deleted_router.add(targets, bounds, now)
+        self.stats.deletions += 1
+        self.stats.deleted_entries += removed
+        self.stats.blocks_removed += removed
+        return IndexDeletion(removed, len(deleted) + len(targets))
+
+    def _with_known_epoch(self, worker_id: str, position: StreamPosition) -> StreamPosition:
+        """The epoch the index still knows a worker by, if older than the answer's, is
+        refused whole: its late batches all predate the deletion."""
+        worker = self._workers.get(worker_id)
+        known = None if worker is None else worker.epoch
+        if known is None or position.epoch is None or known == position.epoch:
+            return position
+        return StreamPosition(position.epoch, position.next_seq, position.refused_epochs | {known})
+
+    def tombstones(self) -> int:
+        """Live tombstones (engine and router hashes), expired ones included until pruned."""
+        return len(self._deleted_engine) + len(self._deleted_router)
+
+    def _undeleted(
+        self,
+        worker: WorkerSlot,
+        engine: Sequence[BlockHash],
+        router: Sequence[int],
+        seq: int | None,
+    ) -> int:
+        """How many leading blocks of a stored event no tombstone refuses."""
+        now = self._clock()
+        for i, (engine_hash, router_hash) in enumerate(zip(engine, router, strict=True)):
+            for tombstone in (
+                self._deleted_engine.get(engine_hash, now),
+                self._deleted_router.get(router_hash, now),
+            ):
+                if tombstone is not None and tombstone.refuses(worker.worker_id, worker.epoch, seq):
+                    return i
+        return len(engine)

@@ -1,0 +1,212 @@
+"""The remote tier's read path: probes, read-ahead and verified loads.
+
+``prepare_load`` is one ``MGET``; the meta checksum, the key, the exact payload length and the
+payload digest are verified on every read (``verify_reads=False`` skips only the digest).
+Garbage, a wrong length or a flipped bit is an INVALID object: its keys and ledger entry are
+deleted, it is counted and reported through ``take_dropped``, and the caller recomputes. Hits
+are booked in the ledger (uses, score) in batches by a background thread, so a load costs one
+round trip.
+
+``probe(keys)`` refreshes the local metas of a lookup's keys (one pipelined, shard-parallel
+``MGET`` per shard, outside the store's lock); ``read_ahead(keys)`` fetches the payloads of a
+planned promotion the same pipelined way, so a long prefix costs one round trip per shard. A
+tombstone beside an object (``remote_tombstones``) that covers it makes it a miss, and a load
+that finds one deletes the object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.tiers.base import LoadLease, TierError
+from kvstrata.tiers.remote_client import RemoteUnavailable
+from kvstrata.tiers.remote_format import decode_meta
+from kvstrata.tiers.remote_state import TOUCH_BATCH, RemoteState
+from kvstrata.tiers.remote_tombstones import buried, tomb_key
+
+
+@dataclass
+class _Lease:
+    meta: KVObjectMeta
+    done: bool = False
+
+
+class RemoteReads(RemoteState):
+    """``probe``, ``read_ahead`` and ``prepare_load`` / ``complete_load`` of ``RemoteTier``."""
+
+    def probe(self, keys: Sequence[BlockKey]) -> None:
+        """Refresh the local metas of ``keys`` with one pipelined ``GET`` per shard."""
+        if self._closed or not keys:
+            return
+        by_name = {self.meta_key(k): k for k in keys}
+        replies = self._client.pipelined(
+            list(by_name), lambda pipe, name: pipe.mget(name, tomb_key(self._ns, by_name[name]))
+        )
+        failed = False
+        with self._lock:
+            for name, reply in replies.items():
+                key = by_name[name]
+                if isinstance(reply, RemoteUnavailable):
+                    failed = True
+                    continue
+                raw_meta, raw_tomb = reply
+                meta = decode_meta(raw_meta, key) if isinstance(raw_meta, bytes) else None
+                if meta is None or buried(meta, raw_tomb):
+                    self._known.pop(key, None)
+                elif not meta.expired(self._clock()):
+                    self._learn(meta)
+        if failed:
+            self._count_error("probe")
+
+    def read_ahead(self, keys: Sequence[BlockKey]) -> None:
+        """Fetch the objects of ``keys`` (pipelined, shard-parallel) for the loads to come."""
+        if self._closed or not keys:
+            return
+        budget = self.config.read_ahead_bytes
+        by_name = {self.meta_key(k): k for k in keys}
+        with self._lock:
+            sizes = {n: m.size for n, k in by_name.items() if (m := self._known.get(k))}
+        replies = self._client.pipelined(
+            list(by_name),
+            lambda pipe, name: pipe.mget(
+                name, self.data_key(by_name[name]), tomb_key(self._ns, by_name[name])
+            ),
+            sizes=sizes,
+        )
+        failed = False
+        with self._lock:
+            for name, reply in replies.items():
+                if isinstance(reply, RemoteUnavailable):
+                    failed = True
+                    continue
+                raw_meta, raw_data, raw_tomb = reply
+                if raw_meta is None or raw_data is None or raw_tomb is not None:
+                    continue  # a tombstoned key: the load reads it again and decides
+                if self._ahead_bytes + len(raw_data) > budget:
+                    break
+                key = by_name[name]
+                if key not in self._ahead:
+                    self._ahead[key] = (raw_meta, raw_data)
+                    self._ahead_bytes += len(raw_data)
+                    self.remote_counters.read_ahead_bytes += len(raw_data)
+        if failed:
+            self._count_error("read_ahead")
+
+    def discard_read_ahead(self) -> None:
+        """Drop what ``read_ahead`` fetched and no load took (counted as unused)."""
+        with self._lock:
+            self.remote_counters.read_ahead_unused_bytes += self._ahead_bytes
+            self._ahead.clear()
+            self._ahead_bytes = 0
+
+    def prepare_load(self, key: BlockKey) -> LoadLease | None:
+        self._check_open()
+        with self._lock:
+            known = self._known.get(key)
+            if known is not None and known.expired(self._clock()):
+                self._visible(key)  # drops it and reports it
+                expired = True
+            else:
+                expired = False
+            ahead = self._ahead.pop(key, None)
+            if ahead is not None:
+                self._ahead_bytes -= len(ahead[1])
+        if expired:
+            self.refresh_usage()
+            with self._lock:
+                self._counters.misses += 1
+            return None
+        if ahead is None:
+            try:
+                raw_meta, raw_data, raw_tomb = self._client.call(
+                    self._client.node_of(self.meta_key(key)),
+                    lambda conn: conn.mget(
+                        self.meta_key(key), self.data_key(key), tomb_key(self._ns, key)
+                    ),
+                )
+            except RemoteUnavailable:
+                self._count_error("load")
+                with self._lock:
+                    self._counters.misses += 1
+                return None
+        else:
+            (raw_meta, raw_data), raw_tomb = ahead, None
+        if raw_meta is None and raw_data is None:
+            with self._lock:
+                self._known.pop(key, None)
+                self._counters.misses += 1
+            return None
+        meta = decode_meta(raw_meta, key) if isinstance(raw_meta, bytes) else None
+        if (
+            meta is None
+            or not isinstance(raw_data, bytes)
+            or len(raw_data) != meta.size
+            or (self.verify_reads and payload_digest(raw_data) != meta.digest)
+        ):
+            self._invalidate(key)
+            return None
+        if buried(meta, raw_tomb):  # written before a deletion that it survived: never served
+            self._invalidate(key, tombstoned=True)
+            return None
+        if meta.expired(self._clock()):  # the ledger's sweep frees it (and its keys)
+            with self._lock:
+                self._known.pop(key, None)
+                self._counters.misses += 1
+            self.refresh_usage()
+            return None
+        with self._lock:
+            self._learn(meta)
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._counters.loads += 1
+            self._touches.append(key.hex())
+            full = len(self._touches) >= TOUCH_BATCH
+        if full:
+            if self._toucher is not None:
+                self._wake.set()
+            else:
+                self._flush_touches()
+        return LoadLease(meta, memoryview(raw_data), _Lease(meta))
+
+    def complete_load(self, lease: LoadLease) -> None:
+        token = lease.token
+        if not isinstance(token, _Lease):
+            raise TierError("lease does not belong to a remote tier")
+        with self._lock:
+            if token.done:
+                raise TierError("complete_load without a matching prepare_load")
+            token.done = True
+            key = lease.meta.key
+            # The reply's bytes are the lease's alone: free them now, not whenever the
+            # caller drops the lease (a MiB-sized buffer kept alive one more load makes the
+            # allocator map fresh pages for the next reply; measured ~20% per load).
+            with contextlib.suppress(BufferError):  # a caller still exports it: its problem
+                lease.buffer.release()
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
+
+    def _invalidate(self, key: BlockKey, *, tombstoned: bool = False) -> None:
+        """A corrupt (or tombstoned) object: delete its keys and ledger entry (best effort),
+        report it."""
+        with self._lock:
+            self._known.pop(key, None)
+            if tombstoned:
+                self._counters.tombstoned += 1
+            else:
+                self._counters.invalidated += 1
+            self._dropped.append(key)
+        if not self._delete_objects([key]):
+            self._count_error("invalidate")
+        try:
+            reply = self._script("remove", [self._prefix, repr(self._clock()), key.hex()])
+        except RemoteUnavailable:
+            self._count_error("invalidate")
+            return
+        with self._lock:
+            self._apply(reply)

@@ -1,0 +1,345 @@
+"""The remote tier's state and the calls every path shares (``RemoteState``).
+
+``RemoteState`` owns what this process knows of the shared tier — the metas it learned, its
+pending reservations, pins, read-ahead payloads, queued hits, the usage figures of the
+ledger's last reply — and the calls every path of ``RemoteTier`` (``remote``) uses: the
+ledger's scripts, ledger replies applied in version order, victims' deletion, the usage
+refresh, hit booking and error counting. The read path (``remote_read``), the write path
+(``remote_write``) and deletion (``remote_deletion``) are mixins over it.
+
+Local views (``contains``, ``meta``, ``keys``, ``used_bytes``, ``tenant_bytes``, ...) do no
+I/O: the store calls them under its lock. They reflect what this process last learned —
+metas from its own commits, its loads and ``probe(keys)`` (a pipelined, shard-parallel ``MGET``
+of meta keys, which the store runs before a lookup, outside its lock), usage from the ledger's
+last reply. Another writer's eviction may therefore make a probed object vanish before it is
+loaded: the load misses and the request recomputes, which is the contract (only verified
+committed objects are ever served).
+
+Hits are booked in the ledger (uses, score) in batches by a background thread (``start``),
+so a load costs one round trip. Failures are counted per operation (``_count_error``); one
+counted while a node's breaker is open forgets every meta and read-ahead payload learned (the
+server may have lost them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from kvstrata.errors import InvalidInput
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta
+from kvstrata.tiers.base import TierCounters, TierError
+from kvstrata.tiers.remote_client import RemoteClient, RemoteConfig, RemoteUnavailable
+from kvstrata.tiers.remote_format import data_key, meta_key
+from kvstrata.tiers.remote_ledger import (
+    COMMIT,
+    ERASE,
+    REMOVE,
+    RESERVE,
+    TOUCH,
+    USAGE,
+    LedgerReply,
+    Victim,
+)
+from kvstrata.tiers.remote_tombstones import ERASE_OBJECT, WRITE
+
+ValueOf = Callable[[KVObjectMeta], float]
+"""Saved prefill seconds per byte of an object: the store's value formula, injected."""
+
+QuotaOf = Callable[[str], "int | None"]
+
+TOUCH_BATCH = 256
+"""Queued hits that wake the background booker (or, without one, are booked inline)."""
+_TOUCH_INTERVAL_S = 0.05
+
+
+@dataclass
+class RemoteCounters:
+    """What only a remote medium has: outages, refusals, the breaker, server evictions."""
+
+    errors: dict[str, int] = field(default_factory=dict)  # op → calls that failed
+    refused: dict[str, int] = field(default_factory=dict)  # reason → stores refused
+    evicted: dict[str, int] = field(default_factory=dict)  # reason → objects this writer evicted
+    read_ahead_bytes: int = 0
+    read_ahead_unused_bytes: int = 0
+
+    def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
+        table[key] = table.get(key, 0) + n
+
+
+class RemoteState:
+    """What this process knows of the shared tier, and the calls every path shares."""
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        capacity_bytes: int,
+        *,
+        value_of: ValueOf = lambda meta: 0.0,
+        quota_of: QuotaOf = lambda tenant: None,
+        verify_reads: bool = True,
+        clock: Callable[[], float] = time.time,
+        client: RemoteClient | None = None,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise InvalidInput("remote capacity must be positive")
+        self.config = config
+        self.capacity_bytes = capacity_bytes
+        self.verify_reads = verify_reads
+        self._value_of = value_of
+        self._quota_of = quota_of
+        self._clock = clock
+        self._client = client if client is not None else RemoteClient(config)
+        ns = config.namespace
+        self._prefix = f"{{{ns}}}:L:"
+        self._ledger_key = self._prefix + "info"
+        self._ns = ns
+        self._lock = threading.Lock()
+        self._known: OrderedDict[BlockKey, KVObjectMeta] = OrderedDict()
+        self._pending: dict[BlockKey, KVObjectMeta] = {}
+        self._pins: dict[BlockKey, int] = {}
+        self._dropped: list[BlockKey] = []
+        self._evicted: list[tuple[BlockKey, str]] = []
+        # Ledger version at which recent victims left: a commit reply older than that must
+        # not make the object visible here again (replies of concurrent calls can cross).
+        self._gone_at: OrderedDict[BlockKey, int] = OrderedDict()
+        self._ahead: dict[BlockKey, tuple[bytes, bytes]] = {}
+        self._ahead_bytes = 0
+        self._touches: list[str] = []
+        self._used = 0
+        self._count = 0
+        self._version = -1  # the ledger version the usage figures below come from
+        self._by_tenant: dict[str, int] = {}
+        self._tenant_version: dict[str, int] = {}
+        self._counters = TierCounters()
+        self.remote_counters = RemoteCounters()
+        self._closed = False
+        self._scripts = {
+            name: self._client_script(lua)
+            for name, lua in (
+                ("reserve", RESERVE),
+                ("commit", COMMIT),
+                ("remove", REMOVE),
+                ("touch", TOUCH),
+                ("usage", USAGE),
+                ("erase", ERASE),
+                ("write", WRITE),
+                ("erase_object", ERASE_OBJECT),
+            )
+        }
+        self._wake = threading.Event()
+        self._toucher: threading.Thread | None = None
+
+    def start(self) -> Self:
+        """Book hits in the ledger from a background thread every 50 ms. Without it they
+        are booked inline, one round trip per 256 loads, and at ``close``."""
+        if self._toucher is None:
+            self._toucher = threading.Thread(
+                target=self._touch_loop, name="kvstrata-remote-touch", daemon=True
+            )
+            self._toucher.start()
+        return self
+
+    # ---------------------------------------------------------------- keys
+    def meta_key(self, key: BlockKey) -> str:
+        return meta_key(self._ns, key)
+
+    def data_key(self, key: BlockKey) -> str:
+        return data_key(self._ns, key)
+
+    @property
+    def client(self) -> RemoteClient:
+        return self._client
+
+    @property
+    def ledger_node(self) -> str:
+        return self._client.node_of(self._ledger_key)
+
+    # ---------------------------------------------------------------- local views (no I/O)
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def object_count(self) -> int:
+        return self._count
+
+    @property
+    def counters(self) -> TierCounters:
+        return self._counters
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._by_tenant.get(tenant, 0)
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.meta(key) is not None
+
+    def meta(self, key: BlockKey) -> KVObjectMeta | None:
+        with self._lock:
+            return self._visible(key)
+
+    def keys(self) -> Iterator[BlockKey]:
+        """Committed objects this process knows of (its writes, loads and probes)."""
+        with self._lock:
+            return iter([k for k in list(self._known) if self._visible(k) is not None])
+
+    def evictable(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._visible(key) is not None and not self._pins.get(key)
+
+    def reserved(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._pending or bool(self._pins.get(key))
+
+    def take_dropped(self) -> list[BlockKey]:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def take_evicted(self) -> list[tuple[BlockKey, str]]:
+        """(key, tenant) of the objects the shared ledger evicted to admit this writer's
+        objects (by value, quota) or swept as expired, whoever wrote them."""
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def ping(self) -> None:
+        """One round trip to the ledger's node; ``RemoteUnavailable`` when it does not answer."""
+        self._client.call(self.ledger_node, lambda conn: conn.ping())
+
+    def breaker_open(self) -> bool:
+        return any(b.is_open for b in self._client.breakers().values())
+
+    def _visible(self, key: BlockKey) -> KVObjectMeta | None:
+        meta = self._known.get(key)
+        if meta is None:
+            return None
+        if meta.expired(self._clock()):
+            del self._known[key]
+            self._dropped.append(key)
+            return None
+        self._known.move_to_end(key)
+        return meta
+
+    def _learn(self, meta: KVObjectMeta) -> None:
+        self._known[meta.key] = meta
+        self._known.move_to_end(meta.key)
+        while len(self._known) > self.config.meta_cache_entries:
+            self._known.popitem(last=False)
+
+    def _apply(self, reply: LedgerReply) -> None:
+        """Take the usage figures of a ledger reply unless a newer one was applied already
+        (replies of concurrent calls can arrive out of order). Caller holds ``_lock``."""
+        if reply.version >= self._version:
+            self._version = reply.version
+            self._used, self._count = reply.used, reply.count
+        for tenant, used in reply.tenants.items():
+            if reply.version >= self._tenant_version.get(tenant, -1):
+                self._tenant_version[tenant] = reply.version
+                if used > 0:
+                    self._by_tenant[tenant] = used
+                else:
+                    self._by_tenant.pop(tenant, None)
+
+    # ---------------------------------------------------------------- ledger and victims
+    def _delete_victims(self, victims: Sequence[Victim], version: int) -> None:
+        if not victims:
+            return
+        keys = [BlockKey(bytes.fromhex(victim.key_hex)) for victim in victims]
+        with self._lock:
+            for victim, key in zip(victims, keys, strict=True):
+                self._known.pop(key, None)
+                self._gone_at[key] = version
+                if len(self._gone_at) > 4096:
+                    self._gone_at.popitem(last=False)
+                self._evicted.append((key, victim.tenant))
+                self.remote_counters.count(self.remote_counters.evicted, victim.reason)
+        if not self._delete_objects(keys):
+            self._count_error("evict")  # their server TTL or a later read catches them
+
+    def _delete_objects(self, keys: Sequence[BlockKey]) -> bool:
+        """Delete the meta and payload keys of ``keys`` (one pipeline per shard); False when
+        a shard did not answer."""
+        by_name = {self.meta_key(k): k for k in keys}
+        replies = self._client.pipelined(
+            list(by_name), lambda pipe, name: pipe.delete(name, self.data_key(by_name[name]))
+        )
+        return not any(isinstance(r, RemoteUnavailable) for r in replies.values())
+
+    def refresh_usage(self, tenants: Sequence[str] = ()) -> None:
+        """Sweep expired objects in the ledger and refresh the usage figures, these
+        tenants' bytes included (one call)."""
+        try:
+            reply = self._script("usage", [self._prefix, repr(self._clock()), *tenants])
+        except RemoteUnavailable:
+            self._count_error("usage")
+            return
+        with self._lock:
+            self._apply(reply)
+        self._delete_victims(reply.victims, reply.version)
+
+    # ---------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        if self._toucher is not None:
+            self._toucher.join(timeout=2.0)
+        else:
+            self._flush_touches()
+        self._client.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError("remote tier is closed")
+
+    # ---------------------------------------------------------------- internals
+    def _client_script(self, lua: str) -> Any:
+        if self._client.single is not None:
+            return self._client.single.register_script(lua)
+        assert self._client.cluster is not None
+        return self._client.cluster.register_script(lua)
+
+    def _script(self, name: str, args: Sequence[Any]) -> LedgerReply:
+        script = self._scripts[name]
+        node = self.ledger_node
+        raw = self._client.call(
+            node, lambda conn: script(keys=[self._ledger_key], args=list(args), client=conn)
+        )
+        return LedgerReply.parse(raw)
+
+    def _touch_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(_TOUCH_INTERVAL_S)
+            self._wake.clear()
+            self._flush_touches()
+        self._flush_touches()
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            touches, self._touches = self._touches, []
+        if not touches:
+            return
+        try:
+            self._script("touch", [self._prefix, repr(self._clock()), *touches])
+        except RemoteUnavailable:
+            self._count_error("touch")  # hits go unbooked: the objects only age faster
+
+    def flush_touches(self) -> None:
+        """Book queued hits in the ledger now (tests, benchmarks)."""
+        self._flush_touches()
+
+    def _count_error(self, op: str) -> None:
+        with self._lock:
+            self.remote_counters.count(self.remote_counters.errors, op)
+            if self.breaker_open():  # an outage: the server may have lost anything it held
+                self._known.clear()
+                self._ahead.clear()
+                self._ahead_bytes = 0

@@ -1,0 +1,160 @@
+"""The remote tier's write path: reservation in the shared ledger, then commit and write.
+
+Two-phase store, as the ``Tier`` contract asks:
+
+- ``prepare_store`` reserves room in the shared ledger (``remote_ledger``: capacity, tenant
+  quotas and eviction by value, atomically on the server; it returns the victims, whose keys
+  this writer then deletes). Nothing is written to the object keys yet, so a PENDING object
+  is invisible to every reader, in this process or another.
+- ``complete_store`` checks the digest, commits the ledger entry, then writes meta and payload
+  in one ``MULTI``/``EXEC`` transaction: a reader's ``MGET meta payload`` (one command, one
+  slot) sees both or neither, never a partial object. A crash between the two steps leaves a
+  ledger entry without bytes (a miss for readers, evicted like any other entry), never bytes
+  the ledger does not account for. Keys get a server TTL of the object's remaining TTL plus
+  ``expiry_grace_s`` as garbage collection; visibility follows ``meta.expires_at()`` and the
+  tier's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.errors import InvalidInput
+from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.tiers.base import StoreSlot, TierError
+from kvstrata.tiers.remote_client import RemoteUnavailable
+from kvstrata.tiers.remote_format import encode_meta
+from kvstrata.tiers.remote_state import RemoteState
+from kvstrata.tiers.remote_tombstones import tomb_key
+
+
+@dataclass
+class _Slot:
+    meta: KVObjectMeta
+    done: bool = False
+
+
+class RemoteWrites(RemoteState):
+    """``prepare_store`` / ``complete_store`` of ``RemoteTier``."""
+
+    def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None:
+        self._check_open()
+        if meta.size < 0:
+            raise InvalidInput(f"negative object size {meta.size}")
+        with self._lock:
+            if meta.key in self._pending:
+                return None
+        now = self._clock()
+        expires = meta.expires_at()
+        quota = self._quota_of(meta.tenant)
+        args = [
+            self._prefix,
+            meta.key.hex(),
+            meta.size,
+            meta.tenant,
+            repr(float(self._value_of(meta))),
+            -1 if quota is None else quota,
+            self.capacity_bytes,
+            repr(now),
+            repr(now + self.config.pending_timeout_s),
+            -1 if expires is None else repr(expires),
+            meta.parent.hex() if meta.parent is not None else "",
+            repr(float(meta.created_at)),
+        ]
+        try:
+            reply = self._script("reserve", args)
+        except RemoteUnavailable:
+            self._count_error("reserve")
+            raise
+        status = reply.status
+        with self._lock:
+            self._apply(reply)
+            if status == "ok":
+                self._pending[meta.key] = meta
+        self._delete_victims(reply.victims, reply.version)
+        if status != "ok":
+            with self._lock:
+                self.remote_counters.count(self.remote_counters.refused, status)
+                if status == "tombstoned":
+                    self._counters.tombstoned += 1
+            return None
+        return StoreSlot(meta, memoryview(bytearray(meta.size)), _Slot(meta))
+
+    def complete_store(self, slot: StoreSlot, success: bool) -> bool:
+        self._claim_slot(slot.token)
+        meta = slot.meta
+        if not success or payload_digest(slot.buffer) != meta.digest:
+            with self._lock:
+                self._counters.store_failures += 1
+                if success:
+                    self._counters.invalidated += 1
+            self._release(meta, "cancelled")
+            return False
+        try:
+            reply = self._script("commit", [self._prefix, meta.key.hex(), repr(self._clock())])
+        except RemoteUnavailable as exc:
+            self._count_error("commit")
+            self._release(meta, "commit")
+            raise TierError(f"committing {meta.key.hex()} failed: {exc}") from exc
+        if reply.status != "ok":  # the reservation went stale (or was deleted) meanwhile
+            with self._lock:
+                self._pending.pop(meta.key, None)
+                self._counters.store_failures += 1
+            return False
+        try:
+            written = self._write_object(meta, slot.buffer)
+        except RemoteUnavailable as exc:
+            self._count_error("write")
+            self._release(meta, "write")
+            raise TierError(f"writing {meta.key.hex()} failed: {exc}") from exc
+        if not written:  # deleted since its reservation: a tombstone covers it
+            with self._lock:
+                self._counters.tombstoned += 1
+                self.remote_counters.count(self.remote_counters.refused, "tombstoned")
+            self._release(meta, "tombstoned")
+            return False
+        with self._lock:
+            self._pending.pop(meta.key, None)
+            self._apply(reply)
+            if self._gone_at.pop(meta.key, -1) < reply.version:
+                self._learn(meta)
+            self._counters.stores += 1
+        return True
+
+    def _write_object(self, meta: KVObjectMeta, payload: memoryview) -> bool:
+        """Meta and payload in one script on the object's slot (readers see both or
+        neither); False when the object's tombstone covers it (nothing written)."""
+        mkey, dkey = self.meta_key(meta.key), self.data_key(meta.key)
+        expires = meta.expires_at()
+        ttl = ""
+        if expires is not None:
+            ttl = str(max(1, int((expires - self._clock() + self.config.expiry_grace_s) * 1000)))
+        script = self._scripts["write"]
+        keys = [mkey, dkey, tomb_key(self._ns, meta.key)]
+        args = [payload, encode_meta(meta), ttl, repr(float(meta.created_at))]
+
+        def write(conn: Any) -> object:
+            return script(keys=keys, args=args, client=conn)
+
+        return bool(int(self._client.call(self._client.node_of(mkey), write)))
+
+    def _release(self, meta: KVObjectMeta, why: str) -> None:
+        """Forget a reservation (failed or cancelled store); best effort on the server."""
+        with self._lock:
+            self._pending.pop(meta.key, None)
+        try:
+            reply = self._script("remove", [self._prefix, repr(self._clock()), meta.key.hex()])
+        except RemoteUnavailable:
+            self._count_error("release")
+            return  # the ledger drops the stale reservation after pending_timeout_s
+        with self._lock:
+            self._apply(reply)
+
+    @staticmethod
+    def _claim_slot(token: object) -> None:
+        if not isinstance(token, _Slot):
+            raise TierError("slot does not belong to a remote tier")
+        if token.done:
+            raise TierError("slot completed twice")
+        token.done = True
