@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.store.belady import NEVER, BeladyPolicy, FutureAccesses
+from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.value_policy import HitDensity, age_bucket, use_class
@@ -59,6 +60,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "kvstrata": ValuePolicy,
     "belady": _belady_never,
+    **{name: (lambda factory=factory: factory(None)) for name, factory in DEPLOYED_POLICIES.items()},
 }
 
 

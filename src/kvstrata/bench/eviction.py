@@ -37,11 +37,13 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.objects.chains import chain_metas
+from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses, LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
 
-POLICY_NAMES: tuple[str, ...] = ("lru", "kvstrata", "belady")
+POLICY_NAMES: tuple[str, ...] = ("lru", *DEPLOYED_POLICIES, "kvstrata", "belady")
+"""LRU, the deployed peers (``kvstrata.store.deployed``), kvstrata, and the oracle."""
 
 DEFAULT_CAPACITIES: tuple[int, ...] = (10_000, 30_000, 100_000)
 """Blocks. On the Mooncake conversation trace (182,790 distinct blocks) these span the
@@ -158,6 +160,8 @@ def make_policy(name: str, trace: SimulatedTrace) -> EvictionPolicy:
         return LRUPolicy()
     if name == "kvstrata":
         return ValuePolicy()
+    if name in DEPLOYED_POLICIES:
+        return DEPLOYED_POLICIES[name](None)
     if name == "belady":
         return _OracleBelady(FutureAccesses(trace.keys))
     raise InvalidInput(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")

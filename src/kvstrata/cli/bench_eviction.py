@@ -1,4 +1,5 @@
-"""``kvstrata bench eviction``: saved prefill of lru / kvstrata / belady on a trace.
+"""``kvstrata bench eviction``: saved prefill of lru, the deployed peers (s3fifo, arc, gdsf,
+tinylfu), kvstrata and belady on a trace.
 
 A thin edge: reads a Mooncake-format trace (or generates a synthetic one), optionally keeps
 one time half of it (or its first ``--requests``), resolves capacities, calls
@@ -40,7 +41,7 @@ REMOTE_DEFAULT_REQUESTS = 2000
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
         "eviction",
-        help="replay a trace through the eviction policies (lru, kvstrata, belady)",
+        help="replay a trace through the eviction policies (lru, deployed peers, kvstrata, belady)",
         description=(
             "Saved prefill tokens of each eviction policy per tier capacity, replaying a "
             "Mooncake-format trace in simulated time through the real policy objects."

@@ -23,7 +23,7 @@ from kvstrata.cli import security_args
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
-from kvstrata.runtime.config_schema import GIB, OVERRIDES
+from kvstrata.runtime.config_schema import EVICTION_POLICIES, GIB, OVERRIDES
 from kvstrata.security import AuditLog, SecurityConfig
 from kvstrata.store.config import WritePolicy
 
@@ -99,7 +99,7 @@ def register(sub: Any) -> None:
         "--remote-gib", type=float, default=None, help="remote tier capacity (0: none)"
     )
     tiers.add_argument("--tier-ttl-s", type=float, default=None, help="object TTL in every tier")
-    tiers.add_argument("--eviction-policy", choices=["kvstrata", "lru"], default=None)
+    tiers.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default=None)
     tiers.add_argument(
         "--tier-tenants", default=None, help="comma list: only these tenants use the tiers"
     )

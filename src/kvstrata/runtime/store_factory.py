@@ -1,7 +1,8 @@
 """Build the tiered store a ``WorkerConfig`` describes (every engine adapter uses this).
 
 Defaults and where they come from:
-- eviction policy ``kvstrata`` (``ValuePolicy``) on every level; ``lru`` for comparison;
+- eviction policy ``kvstrata`` (``ValuePolicy``) on every level; ``lru`` and the deployed peers
+  (``s3fifo``, ``arc``, ``gdsf``, ``tinylfu``: ``kvstrata.store.deployed``) for comparison;
 - the host level's policy prices demotion with the disk tier's fetch cost
   (``DISK_FETCH_S_PER_BYTE``, from ``kvstrata bench tiers`` on this project's machines; see
   ``docs/results.md``): evicting a block that is also on disk loses less than one that is not.
@@ -19,6 +20,7 @@ from kvstrata.runtime.config import TierSpec, WorkerConfig
 from kvstrata.runtime.remote_metrics import RemoteTierCollector
 from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.store.config import TierConfig
+from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.tiered import TieredStore
@@ -40,7 +42,10 @@ def eviction_policy(name: str, demotion_fetch_s_per_byte: float | None = None) -
         return LRUPolicy()
     if name == "kvstrata":
         return ValuePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
-    raise ConfigError(f"unknown eviction policy {name!r}; known: kvstrata, lru")
+    if name in DEPLOYED_POLICIES:
+        return DEPLOYED_POLICIES[name](demotion_fetch_s_per_byte)
+    known = ", ".join(("kvstrata", "lru", *DEPLOYED_POLICIES))
+    raise ConfigError(f"unknown eviction policy {name!r}; known: {known}")
 
 
 def remote_tier_of(spec: TierSpec) -> RemoteTier:
