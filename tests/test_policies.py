@@ -60,7 +60,9 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "kvstrata": ValuePolicy,
     "belady": _belady_never,
-    **{name: (lambda factory=factory: factory(None)) for name, factory in DEPLOYED_POLICIES.items()},
+    **{
+        name: (lambda factory=factory: factory(None)) for name, factory in DEPLOYED_POLICIES.items()
+    },
 }
 
 

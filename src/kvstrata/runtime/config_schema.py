@@ -98,7 +98,12 @@ KEYS: Final[tuple[Key, ...]] = (
         "how objects enter this tier from the one above: write-through | write-back | selective",
     ),
     Key("tiers.ttl_s", "float", None, "seconds an object lives in this tier (unset: no TTL)"),
-    Key("tiers.eviction_policy", "str", "kvstrata", "kvstrata (by measured value) | lru | s3fifo | arc | gdsf | tinylfu"),
+    Key(
+        "tiers.eviction_policy",
+        "str",
+        "kvstrata",
+        "kvstrata (by measured value) | lru | s3fifo | arc | gdsf | tinylfu",
+    ),
     Key("tiers.verify_reads", "bool", True, "check the payload digest on every read"),
     Key("tiers.selective_min_uses", "int", 2, "selective: uses before an object is admitted"),
     Key("tiers.write_back_max_mib", "float", 256.0, "write-back: queued MiB before backpressure"),

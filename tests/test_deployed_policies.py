@@ -1,0 +1,149 @@
+"""The deployed peers' own behaviour (the contract is ``test_policies``'s, run over them too):
+each policy's defining move from its paper, on scripted sequences."""
+
+from __future__ import annotations
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, Representation
+from kvstrata.store.arc import ARCPolicy
+from kvstrata.store.gdsf import GDSFPolicy
+from kvstrata.store.s3fifo import S3FIFOPolicy
+from kvstrata.store.tinylfu import CountMinSketch, TinyLFUPolicy
+
+REPRESENTATION = Representation(dtype="float32", layout="test", block_size=16, shape=(16,))
+
+
+def key(number: int) -> BlockKey:
+    return BlockKey(number.to_bytes(8, "little"))
+
+
+def meta(
+    number: int, parent: int | None = None, *, size: int = 1000, recompute_s: float = 1.0
+) -> KVObjectMeta:
+    return KVObjectMeta(
+        key=key(number),
+        parent=None if parent is None else key(parent),
+        tenant="t",
+        representation=REPRESENTATION,
+        size=size,
+        digest=b"",
+        created_at=0.0,
+        ttl_s=None,
+        recompute_s=recompute_s,
+    )
+
+
+def _evict(policy: S3FIFOPolicy | ARCPolicy | GDSFPolicy | TinyLFUPolicy, now: float) -> int:
+    victim = policy.victim(now)
+    assert victim is not None
+    policy.on_remove(victim)
+    return int.from_bytes(victim, "little")
+
+
+# ---- S3-FIFO -----------------------------------------------------------------------------------
+def test_s3fifo_quick_demotion_and_promotion_to_main() -> None:
+    policy = S3FIFOPolicy()
+    for number in range(1, 11):
+        policy.on_insert(meta(number), now=float(number))
+    policy.on_access(key(1), now=11.0)  # the oldest, but hit while in S: goes to M
+    assert _evict(policy, 12.0) == 2  # one-hit objects leave first, in FIFO order
+    assert _evict(policy, 12.0) == 3
+    assert key(1) in policy
+
+
+def test_s3fifo_ghost_hit_goes_to_main() -> None:
+    policy = S3FIFOPolicy()
+    for number in range(1, 21):
+        policy.on_insert(meta(number), now=float(number))
+    assert _evict(policy, 21.0) == 1  # into the ghost queue
+    policy.on_insert(meta(1), now=22.0)  # back: admitted to M, so S's tail goes next
+    assert _evict(policy, 23.0) == 2
+    assert key(1) in policy
+
+
+def test_s3fifo_skips_non_leaves_at_the_tail() -> None:
+    policy = S3FIFOPolicy()
+    policy.on_insert(meta(1), now=1.0)
+    policy.on_insert(meta(2, 1), now=2.0)
+    policy.on_insert(meta(3), now=3.0)
+    assert _evict(policy, 4.0) == 2  # 1 is older but interior
+    assert _evict(policy, 4.0) == 1  # now a leaf, at its old place
+
+
+# ---- ARC ---------------------------------------------------------------------------------------
+def test_arc_protects_the_frequent_list_and_adapts_on_ghost_hits() -> None:
+    policy = ARCPolicy()
+    for number in range(1, 5):
+        policy.on_insert(meta(number), now=float(number))
+    policy.on_access(key(1), now=5.0)  # 1 moves to T2
+    assert _evict(policy, 6.0) == 2  # |T1| = 3 > p = 0: T1's LRU
+    assert policy.p == 0.0
+    policy.on_insert(meta(2), now=7.0)  # a B1 ghost hit: p grows, 2 enters T2
+    assert policy.p >= 1.0
+    assert _evict(policy, 8.0) == 3
+
+
+# ---- GDSF --------------------------------------------------------------------------------------
+def test_gdsf_prices_frequency_cost_and_size_and_inflates() -> None:
+    policy = GDSFPolicy()
+    policy.on_insert(meta(1, recompute_s=1.0), now=0.0)
+    policy.on_insert(meta(2, recompute_s=3.0), now=0.0)
+    policy.on_insert(meta(3, recompute_s=1.0, size=500), now=0.0)  # same cost, half the size
+    policy.on_access(key(1), now=1.0)
+    policy.on_access(key(1), now=2.0)  # H(1) = 3 × 1e-3 s/B, H(2) = 3e-3, H(3) = 2e-3
+    assert _evict(policy, 3.0) == 3  # the least value per byte goes first
+    assert policy.inflation == 2e-3  # L = the victim's H
+    assert _evict(policy, 3.0) == 2  # ties 1; priced earlier
+
+
+def test_gdsf_inflation_lets_new_objects_outrank_stale_frequent_ones() -> None:
+    policy = GDSFPolicy()
+    policy.on_insert(meta(1), now=0.0)
+    for step in range(3):
+        policy.on_access(key(1), now=float(step))  # H(1) = 4 × 1e-3
+    for number in range(2, 5):  # each newcomer is evicted, raising L by 1e-3 each time
+        policy.on_insert(meta(number), now=10.0)
+        assert _evict(policy, 10.0) == number
+    policy.on_insert(meta(5), now=11.0)  # H = L + 1e-3 = H(1): the stale object goes
+    assert _evict(policy, 12.0) == 1
+
+
+# ---- TinyLFU -----------------------------------------------------------------------------------
+def test_count_min_sketch_counts_caps_and_halves() -> None:
+    sketch = CountMinSketch(1024)
+    for _ in range(20):
+        sketch.add(key(1))
+    sketch.add(key(2))
+    assert sketch.estimate(key(1)) == 15 and sketch.estimate(key(2)) >= 1
+    sketch.halve()
+    assert sketch.estimate(key(1)) == 7
+
+
+def test_tinylfu_rejects_a_newcomer_rarer_than_the_lru_victim() -> None:
+    policy = TinyLFUPolicy()
+    policy.on_insert(meta(1), now=0.0)
+    for step in range(1, 4):
+        policy.on_access(key(1), now=float(step))
+    policy.on_insert(meta(2), now=5.0)  # seen once, 1 seen 4 times: put at the cold end
+    assert _evict(policy, 6.0) == 2
+    for step in range(6):
+        policy.on_insert(meta(3), now=7.0 + step)  # re-stores count too
+    policy.on_remove(key(3))
+    policy.on_insert(meta(3), now=20.0)  # now more frequent than 1: admitted, 1 is LRU
+    assert _evict(policy, 21.0) == 1
+
+
+# ---- registration ------------------------------------------------------------------------------
+def test_every_deployed_policy_is_a_tier_choice() -> None:
+    from kvstrata.runtime.config_schema import EVICTION_POLICIES
+    from kvstrata.runtime.store_factory import eviction_policy
+    from kvstrata.store.deployed import DEPLOYED_POLICIES
+
+    for name in DEPLOYED_POLICIES:
+        assert name in EVICTION_POLICIES
+        assert eviction_policy(name, 1e-9).name == name
+    capped = eviction_policy("gdsf", 1e-4)  # GDSF's cost is capped at the demotion fetch
+    assert isinstance(capped, GDSFPolicy)
+    capped.on_insert(meta(1, recompute_s=5.0), now=0.0)
+    capped.on_insert(meta(2, recompute_s=0.05), now=0.0)
+    assert _evict(capped, 1.0) == 2
