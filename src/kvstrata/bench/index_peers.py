@@ -1,0 +1,160 @@
+"""The peers of ``bench index``: the ways a router's index is commonly written in Python.
+
+Both place ``BlockStored`` events exactly as :class:`~kvstrata.index.core.GlobalIndex` does
+(same router hashes, each chunk continued from its parent's router hash, resolved through the
+worker's own engine-hash map) so all three hold the same blocks; only the lookup layout differs.
+``match`` returns, for every worker seen, ``(depth, [device, host, disk, remote])``: the longest
+prefix of the request it holds and how many of those blocks sit in each tier (a block held in
+several tiers counts in the fastest), as ``GlobalIndex.match`` reports it.
+"""
+
+from __future__ import annotations
+
+from kvstrata.events.schema import BlockHash, BlockStored, KVEventBatch
+from kvstrata.index.core import GlobalIndex, parse_medium
+
+MEDIA = 4
+"""Device, host, disk, remote: the tiers a match is split by."""
+
+_FASTEST = [0] + [(b & -b).bit_length() - 1 for b in range(1, 1 << MEDIA)]
+"""Medium bits → the fastest medium among them."""
+
+
+class NaiveIndex:
+    """Per worker, engine hash → router hash and router hash → medium bits; walked per worker."""
+
+    def __init__(self, index: GlobalIndex) -> None:
+        self._hasher = index.hasher(None)
+        self.engine: dict[str, dict[BlockHash, int]] = {}
+        self.held: dict[str, dict[int, int]] = {}
+
+    def apply_batch(self, worker_id: str, batch: KVEventBatch) -> None:
+        engine = self.engine.setdefault(worker_id, {})
+        held = self.held.setdefault(worker_id, {})
+        for event in batch.events:
+            if not isinstance(event, BlockStored):
+                continue
+            medium = parse_medium(event.medium)
+            if medium is None:
+                continue
+            parent = None
+            if event.parent_block_hash is not None:
+                parent = engine.get(event.parent_block_hash)
+                if parent is None:
+                    continue
+            routers = self._hasher.extend(parent, event.token_ids).tolist()
+            bit = 1 << medium
+            for engine_hash, router in zip(event.block_hashes, routers, strict=True):
+                engine[engine_hash] = router
+                held[router] = held.get(router, 0) | bit
+
+    def match(self, hashes: list[int]) -> dict[str, tuple[int, list[int]]]:
+        result: dict[str, tuple[int, list[int]]] = {}
+        for worker_id, held in self.held.items():
+            tiers = [0, 0, 0, 0]
+            depth = 0
+            for router in hashes:
+                bits = held.get(router)
+                if not bits:
+                    break
+                tiers[_FASTEST[bits]] += 1
+                depth += 1
+            result[worker_id] = (depth, tiers)
+        return result
+
+
+class SetIndex:
+    """One dict, router hash → worker set, walked once per request (Dynamo/llm-d style).
+
+    The worker set is one Python int: bit ``medium * W + slot`` is set when worker ``slot``
+    holds the block in ``medium`` (``W`` = ``width``, the most workers it can hold). The walk
+    keeps the bitmask of workers still matching and stops when it is empty; consecutive blocks
+    with the same (masked) set form one run, and only the runs are expanded per worker at the
+    end, so the per-block cost does not grow with the worker count.
+    """
+
+    def __init__(self, index: GlobalIndex, width: int = 64) -> None:
+        self._hasher = index.hasher(None)
+        self.width = width
+        self.full = (1 << width) - 1
+        self.engine: dict[str, dict[BlockHash, int]] = {}
+        self.held: dict[int, int] = {}
+        self.slots: dict[str, int] = {}
+
+    def _slot(self, worker_id: str) -> int:
+        slot = self.slots.get(worker_id)
+        if slot is None:
+            slot = len(self.slots)
+            if slot >= self.width:
+                raise ValueError(f"the set peer holds at most {self.width} workers")
+            self.slots[worker_id] = slot
+        return slot
+
+    def apply_batch(self, worker_id: str, batch: KVEventBatch) -> None:
+        slot = self._slot(worker_id)
+        engine = self.engine.setdefault(worker_id, {})
+        held = self.held
+        for event in batch.events:
+            if not isinstance(event, BlockStored):
+                continue
+            medium = parse_medium(event.medium)
+            if medium is None:
+                continue
+            parent = None
+            if event.parent_block_hash is not None:
+                parent = engine.get(event.parent_block_hash)
+                if parent is None:
+                    continue
+            routers = self._hasher.extend(parent, event.token_ids).tolist()
+            bit = 1 << (medium * self.width + slot)
+            for engine_hash, router in zip(event.block_hashes, routers, strict=True):
+                engine[engine_hash] = router
+                held[router] = held.get(router, 0) | bit
+
+    def hashes(self, tokens: list[int]) -> list[int]:
+        """The request's router hashes as the peer walks them (a plain list)."""
+        return list(self._hasher.hashes(tokens).tolist())
+
+    def match(self, hashes: list[int]) -> dict[str, tuple[int, list[int]]]:
+        w, full, held = self.width, self.full, self.held
+        alive = (1 << len(self.slots)) - 1
+        spread = alive | alive << w | alive << 2 * w | alive << 3 * w
+        runs: list[tuple[int, int]] = []
+        key, run = 0, 0
+        for router in hashes:
+            bits = held.get(router, 0) & spread
+            anyone = (bits | bits >> w | bits >> 2 * w | bits >> 3 * w) & full
+            if anyone != alive:
+                alive = anyone
+                if not alive:
+                    break
+                spread = alive | alive << w | alive << 2 * w | alive << 3 * w
+            if bits == key:
+                run += 1
+            else:
+                if run:
+                    runs.append((key, run))
+                key, run = bits, 1
+        if run:
+            runs.append((key, run))
+        return self._expand(runs)
+
+    def _expand(self, runs: list[tuple[int, int]]) -> dict[str, tuple[int, list[int]]]:
+        w, full = self.width, self.full
+        depth = [0] * len(self.slots)
+        tiers = [[0, 0, 0, 0] for _ in self.slots]
+        for bits, count in runs:
+            faster = 0
+            for medium in range(MEDIA):
+                fastest = (bits >> medium * w) & full & ~faster
+                faster |= fastest
+                while fastest:
+                    low = fastest & -fastest
+                    slot = low.bit_length() - 1
+                    depth[slot] += count
+                    tiers[slot][medium] += count
+                    fastest ^= low
+        return {worker: (depth[slot], tiers[slot]) for worker, slot in self.slots.items()}
+
+
+__all__ = ["MEDIA", "NaiveIndex", "SetIndex"]
