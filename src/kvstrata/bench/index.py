@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.errors import InvalidInput
 from kvstrata.bench.index_peers import NaiveIndex, SetIndex
+from kvstrata.errors import InvalidInput
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
 from kvstrata.identity.keys import FingerprintDigest, chain_keys
 from kvstrata.index.core import GlobalIndex
