@@ -47,10 +47,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.bench.index_peers import NaiveIndex, SetIndex
+from kvstrata.bench.index_peers import NaiveIndex, SetIndex, time_lookups
 from kvstrata.errors import InvalidInput
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
-from kvstrata.identity.keys import FingerprintDigest, chain_keys
+from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.core import GlobalIndex
 
 VOCAB_SIZE = 151_936
@@ -281,71 +281,6 @@ def _quantiles_ms(samples: list[float]) -> tuple[float, float]:
     return float(np.quantile(values, 0.5)), float(np.quantile(values, 0.99))
 
 
-def _time_lookups(
-    config: IndexBenchConfig,
-    index: GlobalIndex,
-    requests: list[list[int]],
-    naive: NaiveIndex | None,
-    peer_set: SetIndex | None,
-) -> tuple[dict[str, list[float]], list[int], bool | None]:
-    """Per repeat, kvstrata and each peer in turn (the order rotates), on the same request.
-
-    Returns the samples (seconds) by figure, the last lookup's per-worker depths and whether
-    every peer's answer equalled kvstrata's on every lookup (None: no peer)."""
-    samples: dict[str, list[float]] = {
-        k: [] for k in ("hash", "lookup", "both", "naive", "set", "set_both", "blake3")
-    }
-    matched: list[int] = []
-    agrees: bool | None = None if naive is None and peer_set is None else True
-    root = index.root("default")
-
-    def ours(tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
-        start = time.perf_counter()
-        hashes = index.request_hashes(None, tokens)
-        hashed = time.perf_counter()
-        found = index.match(hashes)
-        done = time.perf_counter()
-        samples["hash"].append(hashed - start)
-        samples["lookup"].append(done - hashed)
-        samples["both"].append(done - start)
-        matched[:] = sorted((m.blocks for m in found.values()), reverse=True)
-        return {w: (m.blocks, list(m.tier_blocks)) for w, m in found.items()}
-
-    def plain(tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
-        assert naive is not None
-        hashes = index.request_hashes(None, tokens).tolist()  # untimed: the figure is the walk
-        start = time.perf_counter()
-        theirs = naive.match(hashes)
-        samples["naive"].append(time.perf_counter() - start)
-        return theirs
-
-    def by_set(tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
-        assert peer_set is not None
-        start = time.perf_counter()
-        hashes = peer_set.hashes(tokens)
-        hashed = time.perf_counter()
-        theirs = peer_set.match(hashes)
-        done = time.perf_counter()
-        samples["set"].append(done - hashed)
-        samples["set_both"].append(done - start)
-        return theirs
-
-    runs = [ours, *([plain] if naive else []), *([by_set] if peer_set else [])]
-    for i in range(config.repeats):
-        tokens = requests[i % len(requests)]
-        answers = {}
-        for k in range(len(runs)):
-            run = runs[(i + k) % len(runs)]
-            answers[run] = run(tokens)
-        if agrees:
-            agrees = all(answers[run] == answers[ours] for run in runs)
-        if i < min(config.repeats, 10):
-            start = time.perf_counter()
-            chain_keys(root, tokens, config.block_size)
-            samples["blake3"].append(time.perf_counter() - start)
-    return samples, matched, agrees
-
-
 def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
     """Fill the index (and the peers), then time hashing and lookups of the long requests."""
     config = config or IndexBenchConfig()
@@ -378,7 +313,9 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
         figures["peer_set_events_blocks_per_s"] = blocks / max(set_apply_s, 1e-9)
 
     requests = [doc.tolist() for doc in workload.documents]
-    samples, matched, agrees = _time_lookups(config, index, requests, naive, peer_set)
+    samples, matched, agrees = time_lookups(
+        config.repeats, config.block_size, index, requests, naive, peer_set
+    )
     hash_p50, hash_p99 = _quantiles_ms(samples["hash"])
     lookup_p50, lookup_p99 = _quantiles_ms(samples["lookup"])
     both_p50, both_p99 = _quantiles_ms(samples["both"])

@@ -6,11 +6,15 @@ worker's own engine-hash map) so all three hold the same blocks; only the lookup
 ``match`` returns, for every worker seen, ``(depth, [device, host, disk, remote])``: the longest
 prefix of the request it holds and how many of those blocks sit in each tier (a block held in
 several tiers counts in the fastest), as ``GlobalIndex.match`` reports it.
+:func:`time_lookups` times kvstrata and the peers on the same requests, alternating.
 """
 
 from __future__ import annotations
 
+import time
+
 from kvstrata.events.schema import BlockHash, BlockStored, KVEventBatch
+from kvstrata.identity.keys import chain_keys
 from kvstrata.index.core import GlobalIndex, parse_medium
 
 MEDIA = 4
@@ -157,4 +161,70 @@ class SetIndex:
         return {worker: (depth[slot], tiers[slot]) for worker, slot in self.slots.items()}
 
 
-__all__ = ["MEDIA", "NaiveIndex", "SetIndex"]
+def time_lookups(
+    repeats: int,
+    block_size: int,
+    index: GlobalIndex,
+    requests: list[list[int]],
+    naive: NaiveIndex | None,
+    peer_set: SetIndex | None,
+) -> tuple[dict[str, list[float]], list[int], bool | None]:
+    """Per repeat, kvstrata and each peer in turn (the order rotates), on the same request.
+
+    Returns the samples (seconds) by figure, the last lookup's per-worker depths and whether
+    every peer's answer equalled kvstrata's on every lookup (None: no peer)."""
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("hash", "lookup", "both", "naive", "set", "set_both", "blake3")
+    }
+    matched: list[int] = []
+    agrees: bool | None = None if naive is None and peer_set is None else True
+    root = index.root("default")
+
+    def ours(tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
+        start = time.perf_counter()
+        hashes = index.request_hashes(None, tokens)
+        hashed = time.perf_counter()
+        found = index.match(hashes)
+        done = time.perf_counter()
+        samples["hash"].append(hashed - start)
+        samples["lookup"].append(done - hashed)
+        samples["both"].append(done - start)
+        matched[:] = sorted((m.blocks for m in found.values()), reverse=True)
+        return {w: (m.blocks, list(m.tier_blocks)) for w, m in found.items()}
+
+    def plain(tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
+        assert naive is not None
+        hashes = index.request_hashes(None, tokens).tolist()  # untimed: the figure is the walk
+        start = time.perf_counter()
+        theirs = naive.match(hashes)
+        samples["naive"].append(time.perf_counter() - start)
+        return theirs
+
+    def by_set(tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
+        assert peer_set is not None
+        start = time.perf_counter()
+        hashes = peer_set.hashes(tokens)
+        hashed = time.perf_counter()
+        theirs = peer_set.match(hashes)
+        done = time.perf_counter()
+        samples["set"].append(done - hashed)
+        samples["set_both"].append(done - start)
+        return theirs
+
+    runs = [ours, *([plain] if naive else []), *([by_set] if peer_set else [])]
+    for i in range(repeats):
+        tokens = requests[i % len(requests)]
+        answers = {}
+        for k in range(len(runs)):
+            run = runs[(i + k) % len(runs)]
+            answers[run] = run(tokens)
+        if agrees:
+            agrees = all(answers[run] == answers[ours] for run in runs)
+        if i < min(repeats, 10):
+            start = time.perf_counter()
+            chain_keys(root, tokens, block_size)
+            samples["blake3"].append(time.perf_counter() - start)
+    return samples, matched, agrees
+
+
+__all__ = ["MEDIA", "NaiveIndex", "SetIndex", "time_lookups"]
