@@ -73,8 +73,9 @@ class SetIndex:
     The worker set is one Python int: bit ``medium * W + slot`` is set when worker ``slot``
     holds the block in ``medium`` (``W`` = ``width``, the most workers it can hold). The walk
     keeps the bitmask of workers still matching and stops when it is empty; consecutive blocks
-    with the same (masked) set form one run, and only the runs are expanded per worker at the
-    end, so the per-block cost does not grow with the worker count.
+    with the same (masked) set form one run (a block whose raw set equals the previous one's
+    costs one lookup and one comparison), and only the runs are expanded per worker at the end,
+    so the per-block cost does not grow with the worker count.
     """
 
     def __init__(self, index: GlobalIndex, width: int = 64) -> None:
@@ -124,9 +125,15 @@ class SetIndex:
         alive = (1 << len(self.slots)) - 1
         spread = alive | alive << w | alive << 2 * w | alive << 3 * w
         runs: list[tuple[int, int]] = []
-        key, run = 0, 0
+        key, run, last = 0, 0, -1
+        get = held.get
         for router in hashes:
-            bits = held.get(router, 0) & spread
+            raw = get(router, 0)
+            if raw == last:  # the same holders as the block before: the run goes on
+                run += 1
+                continue
+            last = raw
+            bits = raw & spread
             anyone = (bits | bits >> w | bits >> 2 * w | bits >> 3 * w) & full
             if anyone != alive:
                 alive = anyone
