@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
-from kvstrata.bench.index import IndexBenchConfig, run_index_bench
+from kvstrata.bench.index import FINGERPRINT, IndexBenchConfig, run_index_bench
+from kvstrata.bench.index_peers import NaiveIndex, SetIndex
 from kvstrata.cli.main import main
 from kvstrata.errors import InvalidInput
+from kvstrata.events.schema import BlockStored, KVEventBatch
+from kvstrata.index.core import GlobalIndex
 
 SMALL = ["--blocks", "3000", "--workers", "8", "--request-tokens", "1024", "--repeats", "5"]
 
@@ -36,9 +40,22 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
         "lookup_speedup_p99",
         "apply_speedup",
         "apply_s",
+        "peer_set_events_blocks_per_s",
+        "peer_set_lookup_p50_ms",
+        "peer_set_lookup_p99_ms",
+        "peer_set_lookup_with_hash_p50_ms",
+        "peer_set_lookup_with_hash_p99_ms",
+        "peer_set_lookup_speedup_p99",
+        "peer_set_with_hash_speedup_p99",
+        "lookup_with_hash_vs_peer_set_p99",
+        "peer_set_apply_speedup",
     ):
         assert result[name] > 0, name
     assert result["lookup_p99_ms"] >= result["lookup_p50_ms"]
+    assert result["peer_set_lookup_with_hash_p99_ms"] >= result["peer_set_lookup_p99_ms"]
+    assert result["lookup_with_hash_vs_peer_set_p99"] == pytest.approx(
+        result["lookup_with_hash_p99_ms"] / result["peer_set_lookup_with_hash_p99_ms"]
+    )
     assert result["rss_mb"] >= 0 and result["bytes_per_block"] >= 0
     assert result["blocks_per_event"] > 1 and result["events"] >= result["batches"] > 0
     # The two looked-up documents sit on four workers each at full, 3/4, 1/2 and 1/4 depth.
@@ -47,13 +64,21 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_index_table_without_peer(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "index", *SMALL, "--no-naive"]) == 0
+    assert main(["bench", "index", *SMALL, "--no-naive", "--no-peer-set"]) == 0
     out = capsys.readouterr().out
     assert "lookup p99" in out and "apply BlockStored" in out
 
 
+def test_bench_index_table_with_peers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "index", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "set peer" in out and "answers agree: True" in out
+
+
 def test_bench_index_is_deterministic_in_what_it_builds() -> None:
-    config = IndexBenchConfig(blocks=2000, workers=4, request_tokens=512, repeats=2, naive=False)
+    config = IndexBenchConfig(
+        blocks=2000, workers=4, request_tokens=512, repeats=2, naive=False, peer_set=False
+    )
     first, second = run_index_bench(config), run_index_bench(config)
     assert (first.index_blocks, first.index_entries, first.batches, first.events) == (
         second.index_blocks,
@@ -62,6 +87,7 @@ def test_bench_index_is_deterministic_in_what_it_builds() -> None:
         second.events,
     )
     assert first.peer_agrees is None and "naive_lookup_p99_ms" not in first.to_dict()
+    assert "peer_set_lookup_p99_ms" not in first.to_dict()
 
 
 @pytest.mark.parametrize(
@@ -75,3 +101,45 @@ def test_bench_index_rejects_bad_sizes(args: list[str], capsys: pytest.CaptureFi
 def test_config_check() -> None:
     with pytest.raises(InvalidInput):
         IndexBenchConfig(step_tokens=4).check()
+
+
+def _stored(hashes: list[int], tokens: list[int], medium: str, parent: int | None = None) -> Any:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def test_peers_answer_like_the_index_on_tiers_and_partial_prefixes() -> None:
+    """Hand-built: a worker holding the request on device and host (device wins), one holding
+    a host-only prefix continued on device, one holding nothing but an unrelated block."""
+    index = GlobalIndex(FINGERPRINT, 4, clock=lambda: 0.0)
+    naive, by_set = NaiveIndex(index), SetIndex(index, width=3)
+    tokens = list(range(16))  # four blocks
+    batches = {
+        "a": [_stored([1, 2, 3, 4], tokens, "GPU"), _stored([1, 2], tokens[:8], "CPU")],
+        "b": [_stored([5], tokens[:4], "CPU"), _stored([6, 7], tokens[4:12], "GPU", parent=5)],
+        "c": [_stored([8], [99, 98, 97, 96], "GPU")],
+    }
+    for worker, events in batches.items():
+        for apply in (index.apply_batch, naive.apply_batch, by_set.apply_batch):
+            apply(worker, KVEventBatch(ts=1.0, events=events))
+    expected = {"a": (4, [4, 0, 0, 0]), "b": (3, [2, 1, 0, 0]), "c": (0, [0, 0, 0, 0])}
+    hashes = by_set.hashes(tokens)
+    assert hashes == index.request_hashes(None, tokens).tolist()
+    found = index.match(hashes)
+    assert {w: (m.blocks, list(m.tier_blocks)) for w, m in found.items()} == expected
+    assert naive.match(hashes) == expected
+    assert by_set.match(hashes) == expected
+    assert by_set.match(hashes[:2]) == {
+        "a": (2, [2, 0, 0, 0]),
+        "b": (2, [1, 1, 0, 0]),
+        **{"c": (0, [0, 0, 0, 0])},
+    }
+    with pytest.raises(ValueError):
+        by_set.apply_batch("d", KVEventBatch(ts=2.0, events=batches["c"]))

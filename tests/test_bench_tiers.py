@@ -14,6 +14,10 @@ from kvstrata.cli.main import main
 from kvstrata.runtime.valkey_server import ValkeyServer
 
 REMOTE_RATES = ("get_gbps", "raw_get_gbps", "put_gbps", "raw_set_gbps")
+DISK_FIELDS = (
+    "read_gbps", "raw_read_gbps", "raw_readinto_gbps", "get_gbps", "ratio", "ratio_vs_os_read",
+    "cold_read_gbps", "cold_raw_readinto_gbps", "cold_ratio",
+)  # fmt: skip
 READ_AHEAD_RATES = ("read_ahead_gbps", "raw_sequential_get_gbps", "raw_pipelined_get_gbps")
 
 
@@ -47,8 +51,18 @@ def test_bench_tiers_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     result = json.loads(lines[0])
     for field in ("get_gbps", "put_gbps", "memcpy_gbps", "ratio"):
         assert result["host"][field] > 0
-    for field in ("read_gbps", "raw_read_gbps", "raw_readinto_gbps", "ratio", "get_gbps"):
-        assert result["disk"][field] > 0
+    for entry in (result, *result["sizes"]):
+        disk = entry["disk"]
+        for field in DISK_FIELDS:
+            assert isinstance(disk[field], float) and disk[field] > 0, field
+        assert disk["ratio"] == pytest.approx(disk["read_gbps"] / disk["raw_readinto_gbps"])
+        assert disk["ratio_vs_os_read"] == pytest.approx(disk["read_gbps"] / disk["raw_read_gbps"])
+        assert disk["cold_ratio"] == pytest.approx(
+            disk["cold_read_gbps"] / disk["cold_raw_readinto_gbps"]
+        )
+        low, high = disk["cold_ratio_spread"]
+        assert 0 < low <= high
+    assert set(result["peers"]) >= {"disk.ratio", "disk.cold_ratio", "disk.ratio_vs_os_read"}
     assert result["disk"]["verify"] is True
     for tier in ("host", "disk"):
         for field in ("get_gbps_verified", "get_gbps_unverified", "verify_cost_ratio"):
@@ -94,6 +108,7 @@ def test_bench_tiers_table_and_cold(capsys: pytest.CaptureFixture[str], tmp_path
     out = capsys.readouterr().out
     assert "raw_read_gbps" in out and "memcpy_gbps" in out and "verify_cost_ratio" in out
     assert "raw_get_gbps" in out and "read_ahead.read_ahead_ratio" in out
+    assert "cold_ratio" in out and "preallocated buffer, pages dropped" in out
 
 
 def test_bench_tiers_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,9 +18,17 @@ Figures:
   with the workers' own keys would cost instead.
 - ``lookup_p50_ms`` / ``lookup_p99_ms``: ``match`` over the request's hashes (every worker's
   longest prefix and its split by tier); ``lookup_with_hash_*``: hashing and match together.
-- The peer, in the same run on the same events: ``NaiveIndex``, one plain dict per worker
-  (engine hash → router hash, router hash → medium bits) and a per-worker walk until the first
-  miss. ``naive_*`` figures and the ratios naive / kvstrata (> 1: the index is faster).
+- The peers, in the same run on the same events, their lookups alternating with kvstrata's
+  (the order rotates every repeat) and checked to give the same answer (``peer_agrees``):
+
+  - ``NaiveIndex``: one plain dict per worker (engine hash → router hash, router hash → medium
+    bits) and a per-worker walk until the first miss. ``naive_*`` figures and the ratios
+    naive / kvstrata (> 1: the index is faster).
+  - ``SetIndex``, the natural peer (``peer_set_*``): one dict from router hash to a worker
+    bitmask, walked once per request, as Dynamo- and llm-d-style indexers do.
+    ``peer_set_lookup_with_hash_p99_ms`` includes its hashing (the same router hash function,
+    its result as a plain list); ``lookup_with_hash_vs_peer_set_p99`` = kvstrata / peer
+    (goal ≤ 1.0), ``peer_set_*_speedup*`` the inverse ratios.
 - ``index_blocks`` (placements: a block held by two workers counts twice), ``index_entries``
   (distinct blocks), ``rss_mb`` (resident memory the index added while it was filled: an upper
   bound, as freed event objects stay in the allocator's pools) and ``bytes_per_block``.
@@ -39,10 +47,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvstrata.bench.index_peers import NaiveIndex, SetIndex, time_lookups
 from kvstrata.errors import InvalidInput
-from kvstrata.events.schema import BlockHash, BlockStored, KVEvent, KVEventBatch
-from kvstrata.identity.keys import FingerprintDigest, chain_keys
-from kvstrata.index.core import GlobalIndex, parse_medium
+from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
+from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index.core import GlobalIndex
 
 VOCAB_SIZE = 151_936
 FINGERPRINT = FingerprintDigest(bytes(range(32)))
@@ -68,6 +77,7 @@ class IndexBenchConfig:
     zipf: float = 1.1
     seed: int = 0
     naive: bool = True
+    peer_set: bool = True
 
     def check(self) -> None:
         if self.block_size <= 0 or self.workers <= 0 or self.repeats <= 0 or self.blocks < 0:
@@ -95,7 +105,7 @@ class IndexBenchResult:
     matched_blocks: list[int]
     """Per worker (descending), the blocks of the looked-up requests held (the last lookup)."""
     peer_agrees: bool | None
-    """Every lookup's per-worker depth and tier split equal the peer's (None: no peer)."""
+    """Every lookup's per-worker depth and tier split equal every peer's (None: no peer)."""
     hash_ms: float
     hash_p99_ms: float
     blake3_hash_ms: float
@@ -112,58 +122,6 @@ class IndexBenchResult:
         naive = body.pop("naive")
         body.update(naive)
         return body
-
-
-# ------------------------------------------------------------------------------ the peer
-class NaiveIndex:
-    """The obvious index: per worker, engine hash → router hash and router hash → medium bits.
-
-    It places ``BlockStored`` events exactly as :class:`GlobalIndex` does (same router hashes,
-    continued from the parent) so both hold the same blocks; only the data layout differs.
-    """
-
-    def __init__(self, index: GlobalIndex) -> None:
-        self._hasher = index.hasher(None)
-        self.engine: dict[str, dict[BlockHash, int]] = {}
-        self.held: dict[str, dict[int, int]] = {}
-
-    def apply_batch(self, worker_id: str, batch: KVEventBatch) -> None:
-        engine = self.engine.setdefault(worker_id, {})
-        held = self.held.setdefault(worker_id, {})
-        for event in batch.events:
-            if not isinstance(event, BlockStored):
-                continue
-            medium = parse_medium(event.medium)
-            if medium is None:
-                continue
-            parent = None
-            if event.parent_block_hash is not None:
-                parent = engine.get(event.parent_block_hash)
-                if parent is None:
-                    continue
-            routers = self._hasher.extend(parent, event.token_ids).tolist()
-            bit = 1 << medium
-            for engine_hash, router in zip(event.block_hashes, routers, strict=True):
-                engine[engine_hash] = router
-                held[router] = held.get(router, 0) | bit
-
-    def match(self, hashes: list[int]) -> dict[str, tuple[int, list[int]]]:
-        result: dict[str, tuple[int, list[int]]] = {}
-        for worker_id, held in self.held.items():
-            tiers = [0, 0, 0, 0]
-            depth = 0
-            for router in hashes:
-                bits = held.get(router)
-                if not bits:
-                    break
-                tiers[_FASTEST[bits]] += 1
-                depth += 1
-            result[worker_id] = (depth, tiers)
-        return result
-
-
-_FASTEST = [0] + [(b & -b).bit_length() - 1 for b in range(1, 16)]
-"""Medium bits → the fastest medium among them."""
 
 
 # ------------------------------------------------------------------------------ workload
@@ -324,7 +282,7 @@ def _quantiles_ms(samples: list[float]) -> tuple[float, float]:
 
 
 def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
-    """Fill the index (and the peer), then time hashing and lookups of the long requests."""
+    """Fill the index (and the peers), then time hashing and lookups of the long requests."""
     config = config or IndexBenchConfig()
     config.check()
     workers = [f"worker-{i:02d}" for i in range(config.workers)]
@@ -342,53 +300,47 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
     rss_added = max(0, _rss_bytes() - rss_before)
     index_blocks = sum(sum(index.blocks_held(w)) for w in workers)
 
-    naive_figures: dict[str, float] = {}
-    peer: NaiveIndex | None = None
+    figures: dict[str, float] = {}
+    naive: NaiveIndex | None = None
     if config.naive:
-        peer = NaiveIndex(index)
-        naive_apply_s, *_ = _fill(peer.apply_batch, _Workload(config), workers, batches.__le__)
-        naive_figures["naive_events_blocks_per_s"] = blocks / max(naive_apply_s, 1e-9)
+        naive = NaiveIndex(index)
+        naive_apply_s, *_ = _fill(naive.apply_batch, _Workload(config), workers, batches.__le__)
+        figures["naive_events_blocks_per_s"] = blocks / max(naive_apply_s, 1e-9)
+    peer_set: SetIndex | None = None
+    if config.peer_set:
+        peer_set = SetIndex(index, width=max(64, config.workers))
+        set_apply_s, *_ = _fill(peer_set.apply_batch, _Workload(config), workers, batches.__le__)
+        figures["peer_set_events_blocks_per_s"] = blocks / max(set_apply_s, 1e-9)
 
     requests = [doc.tolist() for doc in workload.documents]
-    root = index.root("default")
-    hash_s, lookup_s, both_s, naive_s, blake3_s = [], [], [], [], []
-    matched: list[int] = []
-    agrees: bool | None = None if peer is None else True
-    for i in range(config.repeats):
-        tokens = requests[i % len(requests)]
-        start = time.perf_counter()
-        hashes = index.request_hashes(None, tokens)
-        hashed = time.perf_counter()
-        found = index.match(hashes)
-        done = time.perf_counter()
-        hash_s.append(hashed - start)
-        lookup_s.append(done - hashed)
-        both_s.append(done - start)
-        matched = sorted((m.blocks for m in found.values()), reverse=True)
-        if peer is not None:
-            plain = hashes.tolist()
-            start = time.perf_counter()
-            theirs = peer.match(plain)
-            naive_s.append(time.perf_counter() - start)
-            ours = {w: (m.blocks, list(m.tier_blocks)) for w, m in found.items()}
-            agrees = agrees and ours == theirs
-        if i < min(config.repeats, 10):
-            start = time.perf_counter()
-            chain_keys(root, tokens, config.block_size)
-            blake3_s.append(time.perf_counter() - start)
-
-    hash_p50, hash_p99 = _quantiles_ms(hash_s)
-    lookup_p50, lookup_p99 = _quantiles_ms(lookup_s)
-    both_p50, both_p99 = _quantiles_ms(both_s)
-    blake3_ms = float(np.median(blake3_s)) * 1e3
-    if naive_s:
-        naive_p50, naive_p99 = _quantiles_ms(naive_s)
-        naive_figures.update(
+    samples, matched, agrees = time_lookups(
+        config.repeats, config.block_size, index, requests, naive, peer_set
+    )
+    hash_p50, hash_p99 = _quantiles_ms(samples["hash"])
+    lookup_p50, lookup_p99 = _quantiles_ms(samples["lookup"])
+    both_p50, both_p99 = _quantiles_ms(samples["both"])
+    blake3_ms = float(np.median(samples["blake3"])) * 1e3
+    ours_per_s = blocks / max(apply_s, 1e-9)
+    if naive is not None:
+        naive_p50, naive_p99 = _quantiles_ms(samples["naive"])
+        figures.update(
             naive_lookup_p50_ms=naive_p50,
             naive_lookup_p99_ms=naive_p99,
             lookup_speedup_p99=naive_p99 / max(lookup_p99, 1e-9),
-            apply_speedup=(blocks / max(apply_s, 1e-9))
-            / max(naive_figures["naive_events_blocks_per_s"], 1e-9),
+            apply_speedup=ours_per_s / max(figures["naive_events_blocks_per_s"], 1e-9),
+        )
+    if peer_set is not None:
+        set_p50, set_p99 = _quantiles_ms(samples["set"])
+        set_both_p50, set_both_p99 = _quantiles_ms(samples["set_both"])
+        figures.update(
+            peer_set_lookup_p50_ms=set_p50,
+            peer_set_lookup_p99_ms=set_p99,
+            peer_set_lookup_with_hash_p50_ms=set_both_p50,
+            peer_set_lookup_with_hash_p99_ms=set_both_p99,
+            peer_set_lookup_speedup_p99=set_p99 / max(lookup_p99, 1e-9),
+            peer_set_with_hash_speedup_p99=set_both_p99 / max(both_p99, 1e-9),
+            lookup_with_hash_vs_peer_set_p99=both_p99 / max(set_both_p99, 1e-9),
+            peer_set_apply_speedup=ours_per_s / max(figures["peer_set_events_blocks_per_s"], 1e-9),
         )
     return IndexBenchResult(
         workers=config.workers,
@@ -402,7 +354,7 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
         events=events,
         blocks_per_event=blocks / max(events, 1),
         apply_s=apply_s,
-        events_blocks_per_s=blocks / max(apply_s, 1e-9),
+        events_blocks_per_s=ours_per_s,
         matched_blocks=matched,
         peer_agrees=agrees,
         hash_ms=hash_p50,
@@ -414,8 +366,8 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
         lookup_with_hash_p99_ms=both_p99,
         rss_mb=rss_added / 2**20,
         bytes_per_block=rss_added / max(index_blocks, 1),
-        naive=naive_figures,
+        naive=figures,
     )
 
 
-__all__ = ["IndexBenchConfig", "IndexBenchResult", "NaiveIndex", "run_index_bench"]
+__all__ = ["IndexBenchConfig", "IndexBenchResult", "NaiveIndex", "SetIndex", "run_index_bench"]

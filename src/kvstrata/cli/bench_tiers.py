@@ -13,7 +13,8 @@ from kvstrata.errors import InvalidInput
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
         "tiers",
-        help="tier throughput: host get/put vs memcpy, disk read vs raw os.read, "
+        help="tier throughput: host get/put vs memcpy, disk read vs preadv into a preallocated "
+        "buffer (warm and cold cache), "
         "remote get/put vs plain redis GET/SET",
     )
     parser.add_argument(
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         for metric, value in _flat(entry[tier])
         if ("_gbps" in metric or "ratio" in metric) and not isinstance(value, list)
     ]
+    peers = "; ".join(f"{ratio} = {what}" for ratio, what in result["peers"].items())
     remote = result.get("remote")
     remote_title = (
         ""
@@ -83,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
         title=(
             f"kvstrata bench tiers ({result['objects']} objects per size, GB/s): "
             f"host get/memcpy = {result['host']['ratio']:.2f}, "
-            f"disk read/raw = {result['disk']['ratio']:.2f}; read verification costs "
+            f"disk read/readinto = {result['disk']['ratio']:.2f} (cold: "
+            f"{result['disk']['cold_ratio']:.2f}, vs os.read: "
+            f"{result['disk']['ratio_vs_os_read']:.2f}); read verification costs "
             f"host {result['host']['verify_cost_ratio']:.2f}x, "
-            f"disk {result['disk']['verify_cost_ratio']:.2f}x{remote_title}"
+            f"disk {result['disk']['verify_cost_ratio']:.2f}x{remote_title}. Peers: {peers}"
         ),
         columns=("size", "tier", "metric", "value"),
         rows=rows,
