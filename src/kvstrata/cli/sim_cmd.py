@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvstrata.cli.output import emit
+from kvstrata.cli.sim_repeat import run_repeated
 from kvstrata.cli.traces import load_source
 from kvstrata.errors import InvalidInput
 from kvstrata.index.core import ConsistencyMode
@@ -49,7 +50,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="shared data dir")
     parser.add_argument("--time-window", help="START:END seconds of the trace to keep")
     parser.add_argument(
-        "--limit", type=int, help="keep only the first N requests (after the window)"
+        "--limit",
+        type=int,
+        help="keep only the first N requests (after the window; with --loads: of each repeat)",
     )
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--policies", default="all", help="'all' or a comma-separated list")
@@ -89,6 +92,15 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="write TTFT CDFs per policy to this PNG")
+    parser.add_argument(
+        "--loads",
+        help="repeated experiment at these utilisations, e.g. 0.5,0.7,0.9 (sim/experiment.py)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help="evaluation seeds (synthetic) or time windows (trace); default 5 with --loads",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.set_defaults(func=run)
@@ -111,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         work_weight=args.work_weight,
     )
+    if args.loads is not None or args.repeats is not None:
+        return run_repeated(args, policies, config)
     console = Console(stderr=True, quiet=args.quiet)
     search: list[dict[str, Any]] | None = None
     rate_scale = args.rate_scale if args.rate_scale is not None else 1.0

@@ -202,7 +202,7 @@ def _security_worker_args(args: argparse.Namespace, fleet_key_file: Path) -> lis
 def _check(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         raise InvalidInput("--port must lie in 1..65535")
-    from kvstrata.router.policies import POLICIES
+    from kvstrata.router.registry import POLICIES
 
     if args.policy not in POLICIES:
         raise InvalidInput(f"--policy must be one of {', '.join(POLICIES)}")

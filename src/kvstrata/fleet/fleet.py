@@ -60,7 +60,7 @@ from kvstrata.index.tombstones import StreamPosition
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import RouteDecision, RouteRequest
-from kvstrata.router.policies import POLICIES
+from kvstrata.router.registry import POLICIES
 from kvstrata.runtime import tokenization
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 

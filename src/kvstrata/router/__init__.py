@@ -10,7 +10,8 @@ from kvstrata.router.model import (
     WorkerEstimate,
     WorkerLoad,
 )
-from kvstrata.router.policies import POLICIES, HotPrefixConfig, KvstrataPolicy
+from kvstrata.router.policies import HotPrefixConfig, KvstrataPolicy
+from kvstrata.router.registry import POLICIES
 
 __all__ = [
     "POLICIES",

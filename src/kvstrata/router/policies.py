@@ -9,10 +9,15 @@ run exactly this code. Baselines follow their public documentation:
 - ``dynamo``: Dynamo's KV router cost
   ``prefill_load_scale · max(prefill_blocks − overlap_credit, 0) + decode_blocks``, where
   ``prefill_blocks`` counts the request's blocks plus the worker's queued prefill blocks, the
-  overlap credit weighs cached blocks by tier (device 1.0, host 0.75, disk 0.25) and
-  ``decode_blocks`` are the worker's active KV blocks; lowest cost wins;
-- ``llm-d``: the scorer sum ``2·prefix_hit_ratio + 1·(1 − kv_utilisation) + 1·queue_score``,
-  where ``queue_score`` is 1 for the shortest queue and 0 for the longest; highest wins.
+  overlap credit weighs cached blocks by tier (device ``overlap_score_credit`` 1.0, host 0.75,
+  disk 0.25) and ``decode_blocks`` are the worker's active KV blocks; lowest cost wins
+  (``router_temperature`` 0.0, Dynamo's default, is this deterministic argmin);
+- ``llm-d``: the scorer sum ``3·prefix_hit_ratio + 2·(1 − kv_utilisation) + 2·queue_score``
+  (llm-d's published default profile), where ``queue_score`` is 1 for the shortest queue and 0
+  for the longest; highest wins.
+
+Every tunable policy is registered with its published defaults in :mod:`.registry`, so a
+tuned variant is the spec ``"llm-d:prefix=6.0"`` and the defaults are one point of any sweep.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import (
     RouteDecision,
     RouteRequest,
-    RoutingPolicy,
     WorkerEstimate,
     WorkerLoad,
 )
@@ -311,7 +315,15 @@ class PrefixAffinityPolicy:
 
 @dataclass(frozen=True, slots=True)
 class DynamoWeights:
-    """Dynamo KV router defaults: overlap credit per tier and the prefill load scale."""
+    """Dynamo KV router defaults: overlap credit per tier and the prefill load scale.
+
+    From ``KvRouterConfig::default()`` in ai-dynamo/dynamo ``lib/kv-router/src/scheduling/
+    config.rs`` (commit 0243c51bb6e8958be89df4978b5761677c9adc23): ``overlap_score_credit``
+    1.0 (our ``device_credit``), ``prefill_load_scale`` 1.0 (what the deprecated
+    ``kv_overlap_score_weight`` now sets), ``host_cache_hit_weight`` 0.75,
+    ``disk_cache_hit_weight`` 0.25, ``router_temperature`` 0.0 (deterministic argmin, the only
+    mode implemented here). Dynamo has no remote-tier credit; 0 keeps remote blocks uncredited.
+    """
 
     prefill_load_scale: float = 1.0
     device_credit: float = 1.0
@@ -359,9 +371,17 @@ class DynamoLinearPolicy:
 
 @dataclass(frozen=True, slots=True)
 class LlmdWeights:
-    prefix: float = 2.0
-    kv_utilisation: float = 1.0
-    queue: float = 1.0
+    """llm-d's default scheduling profile for the inference-scheduling path.
+
+    llm-d/llm-d ``guides/inference-scheduling/scheduler/inference-scheduling.values.yaml``
+    (commit 086f217d643a6932b261a60f8f337b2ca2629d80): ``prefix-cache-scorer`` weight 3,
+    ``kv-cache-utilization-scorer`` 2, ``queue-scorer`` 2. (Before issue 15 this project used
+    2/1/1, which is no published profile.)
+    """
+
+    prefix: float = 3.0
+    kv_utilisation: float = 2.0
+    queue: float = 2.0
 
 
 class LlmdScorerPolicy:
@@ -434,14 +454,3 @@ def _decide(
         matched_blocks=chosen.matched_blocks,
         estimates=estimates,
     )
-
-
-POLICIES: Final[dict[str, Callable[[Callable[[str], CostProfile]], RoutingPolicy]]] = {
-    "kvstrata": KvstrataPolicy,
-    "round-robin": RoundRobinPolicy,
-    "least-loaded": LeastLoadedPolicy,
-    "prefix-affinity": PrefixAffinityPolicy,
-    "dynamo": DynamoLinearPolicy,
-    "llm-d": LlmdScorerPolicy,
-}
-"""Policy name → constructor taking the per-worker cost profile lookup."""
