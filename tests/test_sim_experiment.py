@@ -1,0 +1,191 @@
+"""``kvstrata sim --loads … --repeats R``: intervals, the goal, tuning sweeps, disjoint data."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstrata.cli.main import main
+from kvstrata.router import POLICIES
+from kvstrata.router.policies import DynamoWeights, LlmdScorerPolicy, LlmdWeights
+from kvstrata.router.specs import format_spec, parse_spec
+from kvstrata.sim import experiment
+from kvstrata.sim.cluster import SimConfig
+from kvstrata.sim.experiment import (
+    Interval,
+    goal_met,
+    interval,
+    run_experiment,
+    split_windows,
+    sweep_points,
+)
+from kvstrata.sim.profiles import gpu_a100_8b
+from kvstrata.sim.report import RunResult
+from kvstrata.sim.trace import SimRequest
+from kvstrata.workloads.mooncake import TraceRequest
+from kvstrata.workloads.synthetic import generate, preset, write_trace
+
+FIGURES = ("ttft_p99_s", "ttft_p50_s", "hit_rate")
+
+
+def _chat(seed: int, duration_s: float = 90.0) -> list[TraceRequest]:
+    return generate(replace(preset("chat", seed), duration_s=duration_s))
+
+
+def _config() -> SimConfig:
+    return SimConfig(profile=gpu_a100_8b().with_capacities(128, 512), workers=2)
+
+
+@given(st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=40))
+def test_interval_contains_its_median(values: list[float]) -> None:
+    span = interval(values)
+    assert span.lo <= span.median <= span.hi
+    assert min(values) - 1e-3 <= span.lo and span.hi <= max(values) + 1e-3
+
+
+def test_interval_of_five_repeats_is_near_min_and_max() -> None:
+    span = interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (span.lo, span.median, span.hi) == (1.2, 3.0, 4.8)
+
+
+def test_goal_on_hand_made_numbers() -> None:
+    p99 = Interval(median=7.0, lo=6.0, hi=8.0)
+    assert goal_met(
+        p99, best_baseline_p99_median=10.0, kvstrata_hit_rate_median=0.27, infinite_hit_rate=0.30
+    )
+    # The interval's upper end, not the median, must clear 0.8x the best baseline.
+    assert not goal_met(p99, 9.9, 0.27, 0.30)
+    # A fast kvstrata that gives up hit rate misses the goal too.
+    assert not goal_met(p99, 10.0, 0.26, 0.30)
+
+
+def test_every_sweep_starts_at_the_published_defaults() -> None:
+    assert LlmdWeights() == LlmdWeights(prefix=3.0, kv_utilisation=2.0, queue=2.0)
+    assert DynamoWeights().prefill_load_scale == 1.0
+    for name in POLICIES:
+        points = sweep_points(name)
+        assert points[0] == format_spec(name, POLICIES.defaults(name))
+        assert len(points) == len(set(points)) <= 6
+        for spec in points:
+            assert parse_spec(spec)[0] == name and spec in POLICIES
+    assert len(sweep_points("llm-d")) > 1 and len(sweep_points("kvstrata")) > 1
+    built = POLICIES["llm-d:prefix=6.0"](lambda _w: gpu_a100_8b().cost)
+    assert isinstance(built, LlmdScorerPolicy) and built.weights.prefix == 6.0
+    assert built.weights.queue == 2.0  # unnamed parameters keep their defaults
+    assert "llm-d:nonsense=1" not in POLICIES and "llm-d:prefix" not in POLICIES
+    assert list(POLICIES)[:2] == ["kvstrata", "round-robin"]
+
+
+def test_windows_are_disjoint_equal_and_cover_the_trace() -> None:
+    trace = [TraceRequest(ms, 600, 4, (ms,)) for ms in range(0, 60_000, 700)]
+    windows = split_windows(trace, 6)
+    assert sum(len(w) for w in windows) == len(trace)
+    for k, window in enumerate(windows):
+        assert all(k * 59_500 / 6 <= r.timestamp_ms for r in window)
+        assert all(r.timestamp_ms < (k + 1) * 59_500 / 6 or k == 5 for r in window)
+    for before, after in itertools.pairwise(windows):
+        assert before[-1].timestamp_ms < after[0].timestamp_ms
+    assert [len(w) for w in split_windows(trace, 6, limit=3)] == [3] * 6
+
+
+def _signature(requests: Sequence[SimRequest]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    return tuple((r.prompt_tokens, r.hashes) for r in requests)
+
+
+def test_tuning_data_never_appear_in_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = sorted(_chat(3, duration_s=240.0), key=lambda r: r.timestamp_ms)
+    tuning, *evaluation = split_windows(trace, 3)
+    tuned_on: list[int] = []
+    evaluated: list[tuple[int, Any]] = []
+    real_search, real_run = experiment.search_rate_scale, experiment.run_policies
+
+    def search(data: Sequence[TraceRequest], *args: Any, **kwargs: Any) -> Any:
+        tuned_on.append(id(data))
+        return real_search(data, *args, **kwargs)
+
+    def run(
+        requests: Sequence[SimRequest], policies: Sequence[str], config: SimConfig, **kw: Any
+    ) -> dict[str, RunResult]:
+        evaluated.append((config.seed, _signature(requests)))
+        return real_run(requests, policies, config, **kw)
+
+    monkeypatch.setattr(experiment, "search_rate_scale", search)
+    monkeypatch.setattr(experiment, "run_policies", run)
+    report = run_experiment(
+        tuning, evaluation, ["kvstrata", "round-robin"], _config(), [0.5], jobs=1
+    )
+    scale = report["loads"][0]["rate_scale"]
+    assert tuned_on == [id(tuning)]
+    prepared = {
+        seed: _signature(experiment.prepare(data, scale))
+        for seed, data in enumerate([tuning, *evaluation])
+    }
+    assert [seed for seed, _ in evaluated] == [0, 1, 2]  # one tuning sweep, then each repeat
+    for seed, signature in evaluated:
+        assert signature == prepared[seed]
+    tuning_ids = {(r.timestamp_ms, r.hash_ids) for r in tuning}
+    assert not any((r.timestamp_ms, r.hash_ids) in tuning_ids for w in evaluation for r in w)
+
+
+def _check_schema(report: dict[str, Any], loads: list[float], repeats: int) -> None:
+    assert report["repeats"] == repeats
+    assert [load["utilisation"] for load in report["loads"]] == loads
+    for load in report["loads"]:
+        assert set(load["policies"]) == {"kvstrata", "round-robin", "dynamo", "llm-d"}
+        for figures in load["policies"].values():
+            for name in FIGURES:
+                span = figures[name]
+                assert span["lo"] <= span["median"] <= span["hi"]
+        best = load["best_baseline"]
+        assert best != "kvstrata"
+        assert all(
+            load["policies"][best]["ttft_p99_s"]["median"] <= f["ttft_p99_s"]["median"]
+            for name, f in load["policies"].items()
+            if name != "kvstrata"
+        )
+        assert 0.0 < load["infinite_cache_hit_rate"] < 1.0
+        mine = load["policies"]["kvstrata"]
+        assert load["goal_met"] == goal_met(
+            Interval(**mine["ttft_p99_s"]),
+            load["policies"][best]["ttft_p99_s"]["median"],
+            mine["hit_rate"]["median"],
+            load["infinite_cache_hit_rate"],
+        )
+        for name, record in load["tuning"].items():
+            assert record["sweep"][0]["params"] == POLICIES.defaults(name)
+            assert record["chosen"] in sweep_points(name)
+            chosen = min(s["ttft_p99_s"] for s in record["sweep"])
+            assert (
+                chosen == record["sweep"][sweep_points(name).index(record["chosen"])]["ttft_p99_s"]
+            )
+        assert load["rate_search"]
+
+
+BASE = ["--workers", "2", "--device-blocks", "128", "--host-blocks", "512", "--jobs", "1"]
+BASE += ["--policies", "kvstrata,round-robin,dynamo,llm-d", "--json", "--quiet"]
+
+
+def test_cli_synthetic_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--synthetic", "chat", "--limit", "60", "--loads", "0.5,0.8"]
+    assert main([*argv, "--repeats", "2", *BASE]) == 0
+    report = json.loads(capsys.readouterr().out)
+    _check_schema(report, [0.5, 0.8], 2)
+    assert report["source"]["tuning_seed"] == 0 and report["source"]["seeds"] == [1, 2]
+
+
+def test_cli_trace_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "chat.jsonl"
+    write_trace(trace, _chat(1, duration_s=180.0))
+    assert main(["sim", "--trace", str(trace), "--repeats", "2", "--loads", "0.6", *BASE]) == 0
+    report = json.loads(capsys.readouterr().out)
+    _check_schema(report, [0.6], 2)
+    windows = [report["source"]["tuning_window_s"], *report["source"]["windows_s"]]
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows))
