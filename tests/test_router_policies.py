@@ -222,9 +222,10 @@ def test_llmd_scores_the_documented_sum() -> None:
     )
     decision = policy.choose(req, found, load)
     scores = {e.worker_id: e.score for e in decision.estimates}
-    # 2·hit ratio + 1·(1 − kv utilisation) + 1·(longest − queue) / (longest − shortest)
+    # llm-d's published profile: 3·hit ratio + 2·(1 − kv utilisation)
+    # + 2·(longest − queue) / (longest − shortest)
     assert scores == pytest.approx(
-        {"a": 2.0 + 0.1 + 0.0, "b": 1.0 + 0.8 + 1.0, "c": 0.0 + 1.0 + 0.5}
+        {"a": 3.0 + 0.2 + 0.0, "b": 1.5 + 1.6 + 2.0, "c": 0.0 + 2.0 + 1.0}
     )
     assert decision.worker_id == "b" and decision.reason == "highest_score"
 
