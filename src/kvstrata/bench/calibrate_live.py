@@ -11,8 +11,9 @@ relation to the trace, one at a time on the idle fleet, ``max_tokens = 1``: fres
 each length in ``PROBE_FRESH`` and, for each, the same prompt extended by ``PROBE_TAIL`` tokens
 (a hit on the cached prefix). The TTFT of each, with the tokens the worker reports as cached
 (``usage.prompt_tokens_details.cached_tokens``), gives ``(new, cached, seconds)`` samples;
-``kvstrata.costs.fit`` turns them into a prefill model (HTTP and routing included: what the
-simulator's TTFT must reproduce).
+the command fits them (``kvstrata.costs.fit``) into a prefill model, HTTP and routing included:
+what the simulator's TTFT must reproduce. Probe prompts share nothing with the replay (their
+tokens are drawn from another generator), so they leave nothing the replay could hit.
 
 **Replay**: every request is sent at its scaled arrival time (asyncio, one connection each),
 ``POST /v1/completions`` with the prompt as token ids, ``max_tokens`` = its output tokens,
@@ -22,13 +23,14 @@ simulator's TTFT must reproduce).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -174,55 +176,91 @@ async def _replay(
     return list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
 
 
-async def _wait_workers(client: httpx.AsyncClient, base: str, workers: int) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            health = (await client.get(f"{base}/health")).json()
-            if int(health.get("workers", 0)) >= workers:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        await asyncio.sleep(0.5)
+async def _wait_workers(base: str, workers: int) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                health = (await client.get(f"{base}/health")).json()
+                if int(health.get("workers", 0)) >= workers:
+                    warm = random.Random(7)
+                    bodies = [_body(_random_tokens(warm, 8), 2) for _ in range(workers)]
+                    await asyncio.gather(*(_send(client, base, body) for body in bodies))
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.5)
     raise InvalidInput(f"the fleet did not report {workers} healthy workers within 300 s")
 
 
-async def _session(
-    base: str,
-    requests: Sequence[LiveRequest],
-    *,
-    workers: int,
-    block_tokens: int,
-    probe_rounds: int,
-    say: Callable[[str], None],
-) -> tuple[list[_Answer], list[tuple[int, int, float]], float]:
+def _client() -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(600.0, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        await _wait_workers(client, base, workers)
-        warm_rng = random.Random(7)
-        await asyncio.gather(
-            *(_send(client, base, _body(_random_tokens(warm_rng, 8), 2)) for _ in range(workers))
-        )
-        samples = await _probe(client, base, probe_rounds, say) if probe_rounds else []
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900.0, connect=30.0))
+
+
+async def _probe_session(
+    base: str, rounds: int, say: Callable[[str], None]
+) -> list[tuple[int, int, float]]:
+    async with _client() as client:
+        return await _probe(client, base, rounds, say)
+
+
+async def _replay_session(
+    base: str, requests: Sequence[LiveRequest], block_tokens: int, say: Callable[[str], None]
+) -> list[_Answer]:
+    async with _client() as client:
+        return await _replay(client, base, requests, block_tokens, say)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFleet:
+    """A running fleet (``live_fleet``): probe it, replay on it."""
+
+    base: str
+    workers: int
+    ready_s: float
+    say: Callable[[str], None]
+
+    def probe(self, rounds: int) -> list[tuple[int, int, float]]:
+        """``(new, cached, seconds)`` samples (module docstring); [] for 0 rounds."""
+        return asyncio.run(_probe_session(self.base, rounds, self.say)) if rounds else []
+
+    def replay(
+        self,
+        requests: Sequence[LiveRequest],
+        block_tokens: int,
+        probes: Sequence[tuple[int, int, float]] = (),
+    ) -> LiveResult:
         started = time.perf_counter()
-        answers = await _replay(client, base, requests, block_tokens, say)
-        return answers, samples, time.perf_counter() - started
+        answers = asyncio.run(_replay_session(self.base, requests, block_tokens, self.say))
+        wall = time.perf_counter() - started
+        served: dict[str, int] = {}
+        for answer in answers:
+            served[answer.worker] = served.get(answer.worker, 0) + 1
+        return LiveResult(
+            ttft_s=[a.ttft_s for a in answers if a.ttft_s is not None],
+            failures=[f"#{i}: {a.error}" for i, a in enumerate(answers) if a.error is not None],
+            workers=served,
+            cached_tokens=sum(a.cached for a in answers),
+            prompt_tokens=sum(r.prompt_tokens for r in requests),
+            probes=list(probes),
+            fleet_ready_s=self.ready_s,
+            replay_wall_s=wall,
+        )
 
 
-def run_live(
-    requests: Sequence[LiveRequest],
+@contextlib.contextmanager
+def live_fleet(
     *,
     workers: int,
     policy: str,
     pool_gib: float,
-    block_tokens: int,
-    probe_rounds: int = 1,
     omp_threads: int = 1,
     python: str | None = None,
     say: Callable[[str], None] | None = None,
-) -> LiveResult:
-    """Start the fleet, probe, replay, stop it (module docstring)."""
+) -> Iterator[LiveFleet]:
+    """Start ``kvstrata up`` (module docstring), wait for every worker, warm it; always kill
+    its process group on the way out."""
     log_line = say or (lambda line: print(line, file=sys.stderr, flush=True))
     port = free_port()
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as raw:
@@ -233,31 +271,10 @@ def run_live(
         )
         started = time.perf_counter()
         with running_server(command, _env(tmp, omp_threads), log, port, name="fleet") as base:
-            ready_s = time.perf_counter() - started
-            log_line(f"calibrate: fleet up in {ready_s:.1f} s; replaying {len(requests)} requests")
             try:
-                answers, samples, wall = asyncio.run(
-                    _session(
-                        base,
-                        requests,
-                        workers=workers,
-                        block_tokens=block_tokens,
-                        probe_rounds=probe_rounds,
-                        say=log_line,
-                    )
-                )
+                asyncio.run(_wait_workers(base, workers))
             except InvalidInput as exc:
                 raise InvalidInput(f"{exc}\nfleet log:\n{tail(log)}") from exc
-    served: dict[str, int] = {}
-    for answer in answers:
-        served[answer.worker] = served.get(answer.worker, 0) + 1
-    return LiveResult(
-        ttft_s=[a.ttft_s for a in answers if a.ttft_s is not None],
-        failures=[f"#{i}: {a.error}" for i, a in enumerate(answers) if a.error is not None],
-        workers=served,
-        cached_tokens=sum(a.cached for a in answers),
-        prompt_tokens=sum(r.prompt_tokens for r in requests),
-        probes=samples,
-        fleet_ready_s=ready_s,
-        replay_wall_s=wall,
-    )
+            ready_s = time.perf_counter() - started
+            log_line(f"calibrate: fleet of {workers} up in {ready_s:.1f} s")
+            yield LiveFleet(base, workers, ready_s, log_line)
