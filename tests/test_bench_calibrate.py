@@ -198,3 +198,11 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert isinstance(data["goal_met"], bool) and data["ratio_p50"] > 0
     assert data["scaling"]["requests"] == 6 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
+
+
+def test_probe_lengths_cover_the_replayed_prompts() -> None:
+    from kvstrata.bench.calibrate_live import probe_lengths
+
+    assert probe_lengths(4096) == (32, 256, 1024, 2048, 4096)
+    assert probe_lengths(1500) == (32, 256, 1024)
+    assert probe_lengths(40) == (32, 256)  # a fit needs two lengths at least

@@ -8,12 +8,13 @@ smollm2 --policy P --pool-gib G --host-gib 0``, this checkout's package first on
 
 **Probes** (the measured prefill model): before the replay, prompts of random tokens with no
 relation to the trace, one at a time on the idle fleet, ``max_tokens = 1``: fresh prompts of
-each length in ``PROBE_FRESH`` and, for each, the same prompt extended by ``PROBE_TAIL`` tokens
-(a hit on the cached prefix). The TTFT of each, with the tokens the worker reports as cached
-(``usage.prompt_tokens_details.cached_tokens``), gives ``(new, cached, seconds)`` samples;
-the command fits them (``kvstrata.costs.fit``) into a prefill model, HTTP and routing included:
-what the simulator's TTFT must reproduce. Probe prompts share nothing with the replay (their
-tokens are drawn from another generator), so they leave nothing the replay could hit.
+each length in ``PROBE_FRESH`` up to the longest replayed prompt and, for each, the same prompt
+extended by ``PROBE_TAIL`` tokens (a hit on the cached prefix). The TTFT of each, with the
+tokens the worker reports as cached (``usage.prompt_tokens_details.cached_tokens``), gives
+``(new, cached, seconds)`` samples; the command fits them (``kvstrata.costs.fit``) into a
+prefill model, HTTP and routing included: what the simulator's TTFT must reproduce. Probe
+prompts share nothing with the replay (their tokens come from another generator), so they
+leave nothing the replay could hit.
 
 **Replay**: every request is sent at its scaled arrival time (asyncio, one connection each),
 ``POST /v1/completions`` with the prompt as token ids, ``max_tokens`` = its output tokens,
@@ -41,7 +42,7 @@ from kvstrata.bench.calibrate import TOKEN_HI, TOKEN_LO, LiveRequest, prompt_ids
 from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
 from kvstrata.errors import InvalidInput
 
-PROBE_FRESH: Final = (32, 256, 1024, 2048)
+PROBE_FRESH: Final = (32, 256, 1024, 2048, 4096)
 PROBE_TAIL: Final = 16
 MODEL_NAME: Final = "smollm2"
 
@@ -137,13 +138,23 @@ def _random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
 
 
+def probe_lengths(max_prompt_tokens: int) -> tuple[int, ...]:
+    """Fresh probe lengths: ``PROBE_FRESH`` up to ``max_prompt_tokens`` (at least two)."""
+    lengths = tuple(n for n in PROBE_FRESH if n <= max_prompt_tokens)
+    return lengths if len(lengths) >= 2 else PROBE_FRESH[:2]
+
+
 async def _probe(
-    client: httpx.AsyncClient, base: str, rounds: int, say: Callable[[str], None]
+    client: httpx.AsyncClient,
+    base: str,
+    rounds: int,
+    lengths: Sequence[int],
+    say: Callable[[str], None],
 ) -> list[tuple[int, int, float]]:
     rng = random.Random(0xC0FFEE)
     samples: list[tuple[int, int, float]] = []
     for _ in range(rounds):
-        for length in PROBE_FRESH:
+        for length in lengths:
             prompt = _random_tokens(rng, length)
             for tokens in (prompt, prompt + _random_tokens(rng, PROBE_TAIL)):
                 answer = await _send(client, base, _body(tokens, 1))
@@ -199,10 +210,10 @@ def _client() -> httpx.AsyncClient:
 
 
 async def _probe_session(
-    base: str, rounds: int, say: Callable[[str], None]
+    base: str, rounds: int, lengths: Sequence[int], say: Callable[[str], None]
 ) -> list[tuple[int, int, float]]:
     async with _client() as client:
-        return await _probe(client, base, rounds, say)
+        return await _probe(client, base, rounds, lengths, say)
 
 
 async def _replay_session(
@@ -221,9 +232,12 @@ class LiveFleet:
     ready_s: float
     say: Callable[[str], None]
 
-    def probe(self, rounds: int) -> list[tuple[int, int, float]]:
+    def probe(self, rounds: int, max_prompt_tokens: int) -> list[tuple[int, int, float]]:
         """``(new, cached, seconds)`` samples (module docstring); [] for 0 rounds."""
-        return asyncio.run(_probe_session(self.base, rounds, self.say)) if rounds else []
+        if not rounds:
+            return []
+        lengths = probe_lengths(max_prompt_tokens)
+        return asyncio.run(_probe_session(self.base, rounds, lengths, self.say))
 
     def replay(
         self,

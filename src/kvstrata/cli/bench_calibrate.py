@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     window = select_window(read_trace(args.trace), args.start_s, None)
     window = sorted(window, key=lambda r: r.timestamp_ms)[: args.limit]
     base = reference_cpu()
-    scale_trace(window, scaling, base.cost.prefill)  # a bad slice fails before the fleet starts
+    requests, _ = scale_trace(window, scaling, base.cost.prefill)  # a bad slice fails here
     blocks = device_blocks(args.pool_gib, args.block_tokens)
     wall = time.perf_counter()
     start = functools.partial(
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     )
     lives: list[LiveResult] = []
     with start() as fleet:
-        probes = fleet.probe(args.probe_rounds)
+        probes = fleet.probe(args.probe_rounds, max(r.prompt_tokens for r in requests))
         measured = fit(probes, name="reference-cpu-measured") if len(probes) >= 3 else None
         by_measured = args.scale_with == "measured" and measured is not None
         work_model = measured if by_measured and measured is not None else base.cost.prefill
@@ -170,12 +170,13 @@ def _report(
     stats = [percentiles(live.ttft_s) for live in lives]
     live_stats = {
         key: (
-            statistics.median(float(s[key]) for s in stats)  # type: ignore[arg-type]
+            statistics.median(s[key] for s in stats)  # type: ignore[type-var]
             if all(s[key] is not None for s in stats)
             else None
         )
         for key in stats[0]
     }
+    live_stats["n"] = min(int(s["n"] or 0) for s in stats)  # answered in every repetition
     pooled = compare([0.0], sims)  # sim figures; live figures replaced by the medians below
     data: dict[str, Any] = {"live": {"ttft_s": live_stats}, "sim": {}}
     for name, entry in pooled["sim"].items():
