@@ -18,7 +18,7 @@ from kvstrata.bench.calibrate import (
     sim_profile,
     sim_requests,
 )
-from kvstrata.bench.calibrate_live import LiveResult
+from kvstrata.bench.calibrate_live import LiveResult, probe_lengths
 from kvstrata.cli import bench_calibrate
 from kvstrata.cli.main import main
 from kvstrata.costs import PrefillModel
@@ -201,8 +201,6 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_probe_lengths_cover_the_replayed_prompts() -> None:
-    from kvstrata.bench.calibrate_live import probe_lengths
-
     assert probe_lengths(4096) == (32, 256, 1024, 2048, 4096)
     assert probe_lengths(1500) == (32, 256, 1024)
     assert probe_lengths(40) == (32, 256)  # a fit needs two lengths at least
