@@ -188,15 +188,15 @@ def test_device_blocks_from_the_pool() -> None:
 def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     if not TRACE_FILE.is_file():
         pytest.skip(f"{TRACE_FILE} missing")
-    argv = ["bench", "calibrate", "--trace", str(TRACE_FILE), "--limit", "6"]
+    argv = ["bench", "calibrate", "--trace", str(TRACE_FILE), "--limit", "8"]
     argv += ["--max-prompt-tokens", "512", "--probe-rounds", "0", "--json"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["live"]["ttft_s"]["n"] + data["failures"] == 6
+    assert data["live"]["ttft_s"]["n"] + data["failures"] == 8
     for key in ("p10", "p50", "p90", "p99", "mean"):
         assert data["live"]["ttft_s"][key] > 0 and data["sim"]["reference-cpu"]["ttft_s"][key] > 0
     assert isinstance(data["goal_met"], bool) and data["ratio_p50"] > 0
-    assert data["scaling"]["requests"] == 6 and data["scaling"]["block_tokens"] == 16
+    assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
 
 
