@@ -1,0 +1,294 @@
+"""``kvstrata bench calibrate``, live side: a real ``kvstrata up`` fleet replaying the slice.
+
+The fleet is started as a user would (``python -m kvstrata.cli.main up --workers N --model
+smollm2 --policy P --pool-gib G --host-gib 0``, this checkout's package first on
+``PYTHONPATH``) in its own process group, killed as a group at the end. Once the front door's
+``/health`` counts every worker, each worker is warmed by a short request of unrelated tokens
+(shorter than one engine block, so nothing is cached).
+
+**Probes** (the measured prefill model): before the replay, prompts of random tokens with no
+relation to the trace, one at a time on the idle fleet, ``max_tokens = 1``: fresh prompts of
+each length in ``PROBE_FRESH`` up to the longest replayed prompt and, for each, the same prompt
+extended by ``PROBE_TAIL`` tokens (a hit on the cached prefix). The TTFT of each, with the
+tokens the worker reports as cached (``usage.prompt_tokens_details.cached_tokens``), gives
+``(new, cached, seconds)`` samples; the command fits them (``kvstrata.costs.fit``) into a
+prefill model, HTTP and routing included: what the simulator's TTFT must reproduce. Probe
+prompts share nothing with the replay (their tokens come from another generator), so they
+leave nothing the replay could hit.
+
+**Replay**: every request is sent at its scaled arrival time (asyncio, one connection each),
+``POST /v1/completions`` with the prompt as token ids, ``max_tokens`` = its output tokens,
+``ignore_eos``, greedy, streaming; TTFT = send → the first streamed chunk carrying text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from kvstrata.bench.calibrate import TOKEN_HI, TOKEN_LO, LiveRequest, prompt_ids
+from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
+from kvstrata.errors import InvalidInput
+
+PROBE_FRESH: Final = (32, 256, 1024, 2048, 4096)
+PROBE_TAIL: Final = 16
+MODEL_NAME: Final = "smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveResult:
+    ttft_s: list[float]
+    """Per request, in request order; failed requests are left out (see ``failures``)."""
+    failures: list[str]
+    workers: dict[str, int]
+    cached_tokens: int
+    prompt_tokens: int
+    probes: list[tuple[int, int, float]]
+    fleet_ready_s: float
+    replay_wall_s: float
+
+
+def fleet_command(
+    python: str, *, workers: int, port: int, policy: str, pool_gib: float
+) -> list[str]:
+    return [
+        python, "-m", "kvstrata.cli.main", "up",
+        "--workers", str(workers),
+        "--port", str(port),
+        "--model", MODEL_NAME,
+        "--policy", policy,
+        "--pool-gib", repr(pool_gib),
+        "--host-gib", "0",
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def _env(tmp: Path, omp_threads: int) -> dict[str, str]:
+    import kvstrata
+
+    env = server_env(tmp, omp_threads=omp_threads)
+    src = str(Path(kvstrata.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+def _body(tokens: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+@dataclass(slots=True)
+class _Answer:
+    ttft_s: float | None = None
+    cached: int = 0
+    worker: str = "?"
+    error: str | None = None
+
+
+async def _send(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> _Answer:
+    answer = _Answer()
+    started = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+            answer.worker = response.headers.get("x-kvstrata-worker", "?")
+            if response.status_code != 200:
+                answer.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return answer
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    answer.error = str(chunk["error"])[:200]
+                    return answer
+                choices = chunk.get("choices") or []
+                if answer.ttft_s is None and choices and choices[0].get("text") is not None:
+                    answer.ttft_s = time.perf_counter() - started
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    answer.cached = int(details.get("cached_tokens") or 0)
+    except httpx.HTTPError as exc:
+        answer.error = f"{type(exc).__name__}: {exc}"
+    if answer.ttft_s is None and answer.error is None:
+        answer.error = "no token streamed"
+    return answer
+
+
+def _random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+
+def probe_lengths(max_prompt_tokens: int) -> tuple[int, ...]:
+    """Fresh probe lengths: ``PROBE_FRESH`` up to ``max_prompt_tokens`` (at least two)."""
+    lengths = tuple(n for n in PROBE_FRESH if n <= max_prompt_tokens)
+    return lengths if len(lengths) >= 2 else PROBE_FRESH[:2]
+
+
+async def _probe(
+    client: httpx.AsyncClient,
+    base: str,
+    rounds: int,
+    lengths: Sequence[int],
+    say: Callable[[str], None],
+) -> list[tuple[int, int, float]]:
+    rng = random.Random(0xC0FFEE)
+    samples: list[tuple[int, int, float]] = []
+    for _ in range(rounds):
+        for length in lengths:
+            prompt = _random_tokens(rng, length)
+            for tokens in (prompt, prompt + _random_tokens(rng, PROBE_TAIL)):
+                answer = await _send(client, base, _body(tokens, 1))
+                if answer.ttft_s is None:
+                    raise InvalidInput(f"probe failed: {answer.error}")
+                samples.append((len(tokens) - answer.cached, answer.cached, answer.ttft_s))
+                say(f"probe: {len(tokens)} tokens, {answer.cached} cached: {answer.ttft_s:.3f} s")
+    return samples
+
+
+async def _replay(
+    client: httpx.AsyncClient,
+    base: str,
+    requests: Sequence[LiveRequest],
+    block_tokens: int,
+    say: Callable[[str], None],
+) -> list[_Answer]:
+    bodies = [_body(prompt_ids(r, block_tokens), r.output_tokens) for r in requests]
+    start = time.perf_counter()
+
+    async def one(i: int) -> _Answer:
+        delay = requests[i].arrival_s - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        answer = await _send(client, base, bodies[i])
+        if (i + 1) % 10 == 0:
+            say(f"replay: request {i + 1}/{len(requests)} answered")
+        return answer
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
+
+
+async def _wait_workers(base: str, workers: int) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                health = (await client.get(f"{base}/health")).json()
+                if int(health.get("workers", 0)) >= workers:
+                    warm = random.Random(7)
+                    bodies = [_body(_random_tokens(warm, 8), 2) for _ in range(workers)]
+                    await asyncio.gather(*(_send(client, base, body) for body in bodies))
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.5)
+    raise InvalidInput(f"the fleet did not report {workers} healthy workers within 300 s")
+
+
+def _client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900.0, connect=30.0))
+
+
+async def _probe_session(
+    base: str, rounds: int, lengths: Sequence[int], say: Callable[[str], None]
+) -> list[tuple[int, int, float]]:
+    async with _client() as client:
+        return await _probe(client, base, rounds, lengths, say)
+
+
+async def _replay_session(
+    base: str, requests: Sequence[LiveRequest], block_tokens: int, say: Callable[[str], None]
+) -> list[_Answer]:
+    async with _client() as client:
+        return await _replay(client, base, requests, block_tokens, say)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFleet:
+    """A running fleet (``live_fleet``): probe it, replay on it."""
+
+    base: str
+    workers: int
+    ready_s: float
+    say: Callable[[str], None]
+
+    def probe(self, rounds: int, max_prompt_tokens: int) -> list[tuple[int, int, float]]:
+        """``(new, cached, seconds)`` samples (module docstring); [] for 0 rounds."""
+        if not rounds:
+            return []
+        lengths = probe_lengths(max_prompt_tokens)
+        return asyncio.run(_probe_session(self.base, rounds, lengths, self.say))
+
+    def replay(
+        self,
+        requests: Sequence[LiveRequest],
+        block_tokens: int,
+        probes: Sequence[tuple[int, int, float]] = (),
+    ) -> LiveResult:
+        started = time.perf_counter()
+        answers = asyncio.run(_replay_session(self.base, requests, block_tokens, self.say))
+        wall = time.perf_counter() - started
+        served: dict[str, int] = {}
+        for answer in answers:
+            served[answer.worker] = served.get(answer.worker, 0) + 1
+        return LiveResult(
+            ttft_s=[a.ttft_s for a in answers if a.ttft_s is not None],
+            failures=[f"#{i}: {a.error}" for i, a in enumerate(answers) if a.error is not None],
+            workers=served,
+            cached_tokens=sum(a.cached for a in answers),
+            prompt_tokens=sum(r.prompt_tokens for r in requests),
+            probes=list(probes),
+            fleet_ready_s=self.ready_s,
+            replay_wall_s=wall,
+        )
+
+
+@contextlib.contextmanager
+def live_fleet(
+    *,
+    workers: int,
+    policy: str,
+    pool_gib: float,
+    omp_threads: int = 1,
+    python: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Iterator[LiveFleet]:
+    """Start ``kvstrata up`` (module docstring), wait for every worker, warm it; always kill
+    its process group on the way out."""
+    log_line = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    port = free_port()
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as raw:
+        tmp = Path(raw)
+        log = tmp / "fleet.log"
+        command = fleet_command(
+            python or sys.executable, workers=workers, port=port, policy=policy, pool_gib=pool_gib
+        )
+        started = time.perf_counter()
+        with running_server(command, _env(tmp, omp_threads), log, port, name="fleet") as base:
+            try:
+                asyncio.run(_wait_workers(base, workers))
+            except InvalidInput as exc:
+                raise InvalidInput(f"{exc}\nfleet log:\n{tail(log)}") from exc
+            ready_s = time.perf_counter() - started
+            log_line(f"calibrate: fleet of {workers} up in {ready_s:.1f} s")
+            yield LiveFleet(base, workers, ready_s, log_line)

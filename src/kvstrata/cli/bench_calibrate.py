@@ -1,0 +1,279 @@
+"""``kvstrata bench calibrate``: the same Mooncake slice on a live fleet and in ``kvstrata sim``.
+
+1. A slice of the Mooncake conversation trace (``--start-s``, ``--limit``) is scaled to the
+   SmolLM2 reference engine (:mod:`kvstrata.bench.calibrate`: ``--block-tokens`` live tokens
+   per trace block, prompts cut at ``--max-prompt-tokens``, outputs at ``--max-output-tokens``).
+2. A live ``kvstrata up --workers N`` fleet is started and probed one request at a time
+   (:mod:`kvstrata.bench.calibrate_live`); the probes' fit is the ``measured`` prefill model.
+   Arrivals are spread so the workers run at ``--utilisation`` by that model
+   (``--scale-with measured``, the default: the machine's real speed sets the rate) or by
+   ``reference-cpu``'s. The slice is replayed through the front door; with ``--repeats R`` the
+   fleet is restarted (empty caches) for every further repetition of the same requests.
+3. The same scaled requests are simulated with the ``reference-cpu`` profile and with that
+   profile's prefill replaced by the fit (``measured``), same workers, routing policy and
+   device pool (``--pool-gib`` in both), no host tier on either side.
+4. Both TTFT distributions (p10/p50/p90/p99, mean) and sim ÷ live at p50 and p90. The goal
+   (issue 15 item 2) is both within 0.8–1.25 for ``reference-cpu`` and no failed request. With
+   repetitions, the live figures are the median over repetitions of each percentile, each
+   repetition's ratios are listed (``live_runs``) and ``ratio_spread`` gives their min/max.
+
+Recalibrating ``reference-cpu``: when ``measured`` meets the goal and ``reference-cpu`` does
+not, the profile's constants are off for this machine; ``prefill_models.measured`` gives the
+fitted terms to carry into ``kvstrata.costs.profiles`` (its two reference timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench.calibrate import (
+    GOAL_HI,
+    GOAL_LO,
+    Scaling,
+    compare,
+    percentiles,
+    scale_trace,
+    sim_profile,
+    sim_requests,
+)
+from kvstrata.cli.output import emit
+from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
+from kvstrata.errors import InvalidInput
+from kvstrata.runtime.config_schema import GIB
+from kvstrata.sim.cluster import SimConfig, simulate
+from kvstrata.sim.profiles import reference_cpu
+from kvstrata.sim.trace import select_window
+from kvstrata.workloads.mooncake import read_trace
+
+DEFAULT_TRACE = Path("..") / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+HEADLINE = "reference-cpu"
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "calibrate",
+        help="a Mooncake slice on a live `kvstrata up` fleet vs `kvstrata sim` (reference-cpu)",
+    )
+    s = Scaling()
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--start-s", type=float, default=600.0, help="slice start (trace s)")
+    parser.add_argument("--limit", type=int, default=160, help="requests in the slice")
+    parser.add_argument("--block-tokens", type=int, default=s.block_tokens)
+    parser.add_argument("--max-prompt-tokens", type=int, default=s.max_prompt_tokens)
+    parser.add_argument("--max-output-tokens", type=int, default=s.max_output_tokens)
+    parser.add_argument("--utilisation", type=float, default=s.target_utilisation)
+    parser.add_argument("--workers", type=int, default=s.workers)
+    parser.add_argument("--policy", default="kvstrata", help="routing policy (both sides)")
+    parser.add_argument("--pool-gib", type=float, default=1.0, help="device pool per worker")
+    parser.add_argument(
+        "--probe-rounds", type=int, default=2, help="rounds of prefill probes (0: no fit)"
+    )
+    parser.add_argument(
+        "--scale-with",
+        choices=["measured", HEADLINE],
+        default="measured",
+        help="prefill model that sets the arrival rate (measured: the probes' fit, if any)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="live runs (fresh fleet each)")
+    parser.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS of the fleet")
+    parser.add_argument("--seed", type=int, default=0, help="the simulator's seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _model_dict(model: PrefillModel) -> dict[str, float]:
+    return {
+        "overhead_s": model.overhead_s,
+        "per_token_s": model.per_token_s,
+        "per_token_ctx_s": model.per_token_ctx_s,
+    }
+
+
+def device_blocks(pool_gib: float, block_tokens: int) -> int:
+    """Live blocks of ``block_tokens`` SmolLM2 fp32 tokens in ``pool_gib``."""
+    return int(pool_gib * GIB) // (block_tokens * SMOLLM2_KV_BYTES_PER_TOKEN)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit < 2 or args.repeats < 1 or args.probe_rounds < 0:
+        raise InvalidInput("--limit must be >= 2, --repeats >= 1, --probe-rounds >= 0")
+    from kvstrata.bench.calibrate_live import LiveResult, live_fleet
+    from kvstrata.router import POLICIES
+
+    if args.policy not in POLICIES:
+        raise InvalidInput(f"--policy must be one of {', '.join(POLICIES)}")
+    scaling = Scaling(
+        block_tokens=args.block_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        target_utilisation=args.utilisation,
+        workers=args.workers,
+    )
+    window = select_window(read_trace(args.trace), args.start_s, None)
+    window = sorted(window, key=lambda r: r.timestamp_ms)[: args.limit]
+    base = reference_cpu()
+    requests, _ = scale_trace(window, scaling, base.cost.prefill)  # a bad slice fails here
+    blocks = device_blocks(args.pool_gib, args.block_tokens)
+    wall = time.perf_counter()
+    start = functools.partial(
+        live_fleet,
+        workers=args.workers,
+        policy=args.policy,
+        pool_gib=args.pool_gib,
+        omp_threads=args.omp_threads,
+    )
+    lives: list[LiveResult] = []
+    with start() as fleet:
+        probes = fleet.probe(args.probe_rounds, max(r.prompt_tokens for r in requests))
+        measured = fit(probes, name="reference-cpu-measured") if len(probes) >= 3 else None
+        by_measured = args.scale_with == "measured" and measured is not None
+        work_model = measured if by_measured and measured is not None else base.cost.prefill
+        requests, record = scale_trace(window, scaling, work_model)
+        record["work_model_source"] = "measured" if by_measured else HEADLINE
+        lives.append(fleet.replay(requests, args.block_tokens, probes))
+    for _ in range(1, args.repeats):
+        with start() as fleet:
+            lives.append(fleet.replay(requests, args.block_tokens))
+    profiles = {HEADLINE: sim_profile(base, args.block_tokens, blocks)}
+    if measured is not None:
+        profiles["measured"] = sim_profile(base, args.block_tokens, blocks, prefill=measured)
+    sims = {}
+    sim_hit = {}
+    scaled = sim_requests(requests, args.block_tokens)
+    for name, prof in profiles.items():
+        result = simulate(
+            scaled, args.policy, SimConfig(profile=prof, workers=args.workers, seed=args.seed)
+        )
+        sims[name] = result.ttft_s
+        sim_hit[name] = result.hit_tokens / max(result.prompt_tokens, 1)
+    data = _report(lives, sims, sim_hit, args, record, blocks, measured)
+    data["wall_s"] = round(time.perf_counter() - wall, 1)
+    _emit(data, args)
+    return 0
+
+
+def _report(
+    lives: list[Any],
+    sims: dict[str, list[float]],
+    sim_hit: dict[str, float],
+    args: argparse.Namespace,
+    record: dict[str, Any],
+    blocks: int,
+    measured: PrefillModel | None,
+) -> dict[str, Any]:
+    per_repeat = [compare(live.ttft_s, sims) for live in lives]
+    stats = [percentiles(live.ttft_s) for live in lives]
+    live_stats = {
+        key: (
+            statistics.median(s[key] for s in stats)  # type: ignore[type-var]
+            if all(s[key] is not None for s in stats)
+            else None
+        )
+        for key in stats[0]
+    }
+    live_stats["n"] = min(int(s["n"] or 0) for s in stats)  # answered in every repetition
+    data: dict[str, Any] = {"live": {"ttft_s": live_stats}, "sim": {}}
+    for name, values in sims.items():
+        sim_stats = percentiles(values)
+        p50 = _ratio(sim_stats["p50"], live_stats["p50"])
+        p90 = _ratio(sim_stats["p90"], live_stats["p90"])
+        ratios = [(r["sim"][name]["ratio_p50"], r["sim"][name]["ratio_p90"]) for r in per_repeat]
+        data["sim"][name] = {
+            "ttft_s": sim_stats,
+            "ratio_p50": p50,
+            "ratio_p90": p90,
+            "goal_met": all(x is not None and GOAL_LO <= x <= GOAL_HI for x in (p50, p90)),
+            "hit_rate": sim_hit[name],
+            "ratio_spread": _spread(ratios),
+        }
+    head = data["sim"][HEADLINE]
+    failures = [f for live in lives for f in live.failures]
+    return data | {
+        "ratio_p50": head["ratio_p50"],
+        "ratio_p90": head["ratio_p90"],
+        "goal": f"{GOAL_LO} <= sim/live <= {GOAL_HI} at p50 and p90 ({HEADLINE})",
+        "goal_met": bool(head["goal_met"]) and not failures,
+        "scaling": record,
+        "policy": args.policy,
+        "workers": args.workers,
+        "cache": {
+            "pool_gib": args.pool_gib,
+            "device_blocks": blocks,
+            "block_tokens": args.block_tokens,
+            "host_tier": "none on either side",
+        },
+        "live_runs": [
+            {
+                "ttft_s": s,
+                "hit_rate": live.cached_tokens / max(live.prompt_tokens, 1),
+                "served_by": live.workers,
+                "failures": live.failures,
+                "fleet_ready_s": round(live.fleet_ready_s, 1),
+                "replay_wall_s": round(live.replay_wall_s, 1),
+                "ratios": {n: (r["sim"][n]["ratio_p50"], r["sim"][n]["ratio_p90"]) for n in sims},
+            }
+            for live, s, r in zip(lives, stats, per_repeat, strict=True)
+        ],
+        "failures": len(failures),
+        "probes": [
+            {"new_tokens": n, "cached_tokens": c, "ttft_s": t}
+            for live in lives
+            for n, c, t in live.probes
+        ],
+        "prefill_models": {
+            HEADLINE: _model_dict(reference_cpu().cost.prefill),
+            **({"measured": _model_dict(measured)} if measured is not None else {}),
+        },
+        "source": f"{args.trace} from {args.start_s:g} s, first {args.limit}",
+        "repeats": args.repeats,
+    }
+
+
+def _ratio(a: float | int | None, b: float | int | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return float(a) / float(b)
+
+
+def _spread(pairs: list[tuple[float | None, float | None]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, key in enumerate(("p50", "p90")):
+        values = [v for v in (p[i] for p in pairs) if v is not None]
+        out[key] = {"min": min(values), "max": max(values)} if values else None
+    return out
+
+
+def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
+    names = list(data["sim"])
+    rows = []
+    for key in ("p10", "p50", "p90", "p99", "mean"):
+        rows.append(
+            (
+                f"TTFT {key} (s)",
+                data["live"]["ttft_s"][key],
+                *tuple(data["sim"][n]["ttft_s"][key] for n in names),
+            )
+        )
+    for key in ("ratio_p50", "ratio_p90"):
+        rows.append((f"sim ÷ live {key[6:]}", "", *tuple(data["sim"][n][key] for n in names)))
+    live_hit = statistics.median(run["hit_rate"] for run in data["live_runs"])
+    rows.append(("hit rate", live_hit, *tuple(data["sim"][n]["hit_rate"] for n in names)))
+    scaling = data["scaling"]
+    emit(
+        data,
+        as_json=args.json,
+        title=(
+            f"kvstrata bench calibrate: {data['source']}, {scaling['requests']} requests, "
+            f"{args.workers} workers, policy {args.policy}, {args.block_tokens} tokens per trace "
+            f"block, rate ×{scaling['rate_scale']:.3g} (target utilisation {args.utilisation}); "
+            f"goal {data['goal']}: {'met' if data['goal_met'] else 'NOT met'}"
+            f"; failures {data['failures']}"
+        ),
+        columns=("figure", "live fleet", *(f"sim {n}" for n in names)),
+        rows=rows,
+    )

@@ -1,0 +1,206 @@
+"""``kvstrata bench calibrate``: the scaling, the simulator units, the report; one tiny live run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench.calibrate import (
+    Scaling,
+    compare,
+    percentiles,
+    prompt_ids,
+    scale_trace,
+    sim_profile,
+    sim_requests,
+)
+from kvstrata.bench.calibrate_live import LiveResult, probe_lengths
+from kvstrata.cli import bench_calibrate
+from kvstrata.cli.main import main
+from kvstrata.costs import PrefillModel
+from kvstrata.errors import InvalidInput
+from kvstrata.sim.cluster import SimConfig, simulate
+from kvstrata.sim.profiles import reference_cpu
+from kvstrata.workloads.mooncake import TraceRequest
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
+TRACE_FILE = TRACE / "conversation_trace.jsonl"
+MODEL = PrefillModel(overhead_s=0.1, per_token_s=1e-3, per_token_ctx_s=1e-7)
+
+
+def _req(t_ms: int, tokens: int, out: int, ids: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(t_ms, tokens, out, ids)
+
+
+def _trace() -> list[TraceRequest]:
+    return [
+        _req(0, 1500, 320, (1, 2, 3)),
+        _req(2000, 2048, 3, (1, 2, 3, 4)),  # shares 3 blocks with the first
+        _req(1000, 100_000, 5000, tuple(range(100, 296))),  # cut at max_prompt_tokens
+    ]
+
+
+def test_scaling_tokens_outputs_and_order() -> None:
+    scaling = Scaling(block_tokens=16, max_prompt_tokens=1024, max_output_tokens=8)
+    requests, record = scale_trace(_trace(), scaling, MODEL)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    first, long, second = requests
+    assert first.prompt_tokens == round(1500 / 32) and first.output_tokens == 8  # 10 → cap 8
+    assert second.prompt_tokens == 64 and second.output_tokens == 1  # 3/32 → at least 1
+    assert long.prompt_tokens == 1024 and long.block_ids == tuple(range(100, 164))
+    assert second.block_ids == (1, 2, 3, 4)
+    assert record["token_scale"] == 16 / 512 and record["requests"] == 3
+
+
+def test_rate_scale_fills_workers_at_the_target() -> None:
+    scaling = Scaling(target_utilisation=0.6, workers=2, max_prompt_tokens=4096)
+    requests, record = scale_trace(_trace(), scaling, MODEL)
+    first, long, second = requests
+    # the work: first and long fresh; second hits first's 2 full live blocks (47 tokens → 2)
+    work = (
+        MODEL.seconds(first.prompt_tokens)
+        + MODEL.seconds(long.prompt_tokens)
+        + MODEL.seconds(second.prompt_tokens - 32, 32)
+    )
+    assert record["offered_prefill_work_s"] == pytest.approx(work)
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    assert work / (2 * span) == pytest.approx(0.6)
+    assert record["rate_scale"] == pytest.approx(2.0 / span)
+
+
+def test_scaling_rejects_bad_input() -> None:
+    with pytest.raises(InvalidInput):
+        Scaling(block_tokens=24)
+    with pytest.raises(InvalidInput):
+        scale_trace([_req(0, 100, 1, (1,)), _req(0, 100, 1, (2,))], Scaling(), MODEL)
+
+
+def test_prompt_ids_share_exactly_the_shared_blocks() -> None:
+    requests, _ = scale_trace(_trace(), Scaling(block_tokens=16), MODEL)
+    a, _, b = requests
+    ta, tb = prompt_ids(a, 16), prompt_ids(b, 16)
+    assert len(ta) == a.prompt_tokens and len(tb) == b.prompt_tokens
+    assert ta[:47] == tb[:47]  # a has 47 tokens: blocks 1, 2 and 15 tokens of block 3
+    assert prompt_ids(b, 16) == tb  # deterministic
+    other = scale_trace([_req(0, 512, 1, (9,)), _req(1, 512, 1, (1,))], Scaling(), MODEL)[0]
+    assert prompt_ids(other[1], 16) == ta[:16] and prompt_ids(other[0], 16) != ta[:16]
+
+
+def test_sim_profile_keeps_every_duration() -> None:
+    base = reference_cpu()
+    for block_tokens in (16, 32):
+        k = 512 // block_tokens
+        scaled = sim_profile(base, block_tokens, device_blocks=100)
+        for new, cached in ((1, 0), (300, 0), (200, 1000)):
+            assert scaled.cost.prefill.seconds(new * k, cached * k) == pytest.approx(
+                base.cost.prefill.seconds(new, cached)
+            )
+        assert scaled.block_bytes == base.kv_bytes_per_token * block_tokens
+        assert scaled.cost.prefill_chunk_tokens == 512 * k
+        assert (scaled.device_blocks, scaled.host_blocks) == (100, 0)
+    measured = sim_profile(base, 16, 100, prefill=MODEL)
+    assert measured.cost.prefill.seconds(32 * 10) == pytest.approx(MODEL.seconds(10))
+
+
+def test_an_isolated_simulated_request_takes_its_live_prefill_time() -> None:
+    requests, _ = scale_trace(
+        [_req(0, 4096, 32, tuple(range(8))), _req(600_000, 4096, 32, tuple(range(8)))],
+        Scaling(block_tokens=16),
+        MODEL,
+    )
+    profile = sim_profile(reference_cpu(), 16, device_blocks=64, prefill=MODEL)
+    run = simulate(sim_requests(requests, 16), "round-robin", SimConfig(profile=profile, workers=1))
+    assert run.ttft_s[0] == pytest.approx(MODEL.seconds(128))  # fresh, nothing running
+    # a full hit: the simulator always computes its last *simulated* token (1/32 of a live
+    # one), the engine its last live token: they differ by less than one live token's cost
+    one_token = MODEL.seconds(1, 127) - MODEL.overhead_s
+    assert run.ttft_s[1] == pytest.approx(MODEL.seconds(1, 127), abs=one_token)
+    assert run.ttft_s[1] < MODEL.seconds(2, 126)
+
+
+def test_percentiles_and_compare() -> None:
+    stats = percentiles([float(x) for x in range(1, 102)])
+    assert (stats["p10"], stats["p50"], stats["p90"], stats["mean"]) == (11.0, 51.0, 91.0, 51.0)
+    assert percentiles([])["p50"] is None
+    live = [float(x) for x in range(1, 11)]
+    out = compare(live, {"near": [x * 1.2 for x in live], "far": [x * 1.3 for x in live]})
+    assert out["sim"]["near"]["ratio_p50"] == pytest.approx(1.2)
+    assert out["sim"]["near"]["goal_met"] is True
+    assert out["sim"]["far"]["goal_met"] is False
+    assert compare([], {"x": [1.0]})["sim"]["x"]["goal_met"] is False
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    values: dict[str, object] = {
+        "policy": "kvstrata",
+        "workers": 2,
+        "pool_gib": 1.0,
+        "block_tokens": 16,
+        "trace": TRACE_FILE,
+        "start_s": 600.0,
+        "limit": 3,
+        "repeats": 2,
+        "utilisation": 0.5,
+        "json": True,
+    }
+    return argparse.Namespace(**(values | overrides))
+
+
+def _live(factor: float) -> LiveResult:
+    return LiveResult(
+        ttft_s=[factor * x for x in (1.0, 2.0, 3.0)],
+        failures=[],
+        workers={"w0": 2, "w1": 1},
+        cached_tokens=10,
+        prompt_tokens=100,
+        probes=[(32, 0, 0.2), (1, 31, 0.1), (256, 0, 0.5)],
+        fleet_ready_s=1.0,
+        replay_wall_s=2.0,
+    )
+
+
+def test_report_shape_medians_and_spread() -> None:
+    sims = {"reference-cpu": [1.1, 2.2, 3.3], "measured": [2.0, 4.0, 6.0]}
+    hits = {"reference-cpu": 0.1, "measured": 0.1}
+    data = bench_calibrate._report(
+        [_live(1.0), _live(1.2)], sims, hits, _args(), {"rate_scale": 1.0}, 1456, MODEL
+    )
+    assert data["live"]["ttft_s"]["p50"] == pytest.approx(2.2)  # median of 2.0 and 2.4
+    assert data["ratio_p50"] == pytest.approx(1.0) and data["goal_met"] is True
+    assert data["sim"]["measured"]["goal_met"] is False
+    spread = data["sim"]["reference-cpu"]["ratio_spread"]["p50"]
+    assert spread["min"] == pytest.approx(2.2 / 2.4) and spread["max"] == pytest.approx(1.1)
+    assert len(data["live_runs"]) == 2 and len(data["probes"]) == 6
+    assert set(data["prefill_models"]) == {"reference-cpu", "measured"}
+    json.dumps(data, allow_nan=False)
+
+
+def test_device_blocks_from_the_pool() -> None:
+    assert bench_calibrate.device_blocks(1.0, 16) == (1 << 30) // (16 * 46_080)
+    assert math.isclose(bench_calibrate.device_blocks(2.0, 32), (2 << 30) // (32 * 46_080))
+
+
+@pytest.mark.slow
+def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    if not TRACE_FILE.is_file():
+        pytest.skip(f"{TRACE_FILE} missing")
+    argv = ["bench", "calibrate", "--trace", str(TRACE_FILE), "--limit", "8"]
+    argv += ["--max-prompt-tokens", "512", "--probe-rounds", "0", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["live"]["ttft_s"]["n"] + data["failures"] == 8
+    for key in ("p10", "p50", "p90", "p99", "mean"):
+        assert data["live"]["ttft_s"][key] > 0 and data["sim"]["reference-cpu"]["ttft_s"][key] > 0
+    assert isinstance(data["goal_met"], bool) and data["ratio_p50"] > 0
+    assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
+    assert "measured" not in data["sim"]  # no probes, no fit
+
+
+def test_probe_lengths_cover_the_replayed_prompts() -> None:
+    assert probe_lengths(4096) == (32, 256, 1024, 2048, 4096)
+    assert probe_lengths(1500) == (32, 256, 1024)
+    assert probe_lengths(40) == (32, 256)  # a fit needs two lengths at least
