@@ -22,6 +22,7 @@ from kvstrata.cli.traces import load_source
 from kvstrata.errors import InvalidInput
 from kvstrata.index.core import ConsistencyMode
 from kvstrata.sim.cluster import EVICTION_POLICIES, SimConfig
+from kvstrata.sim.view import DEFAULT_SERVICE_NOISE
 from kvstrata.sim.plot import plot_ttft_cdf
 from kvstrata.sim.profiles import PROFILES, profile
 from kvstrata.sim.report import KVSTRATA, parse_policies, search_rate_scale, simulate_report
@@ -71,7 +72,21 @@ def register(sub: Any) -> None:
         "--estimate-noise",
         type=float,
         default=0.0,
-        help="sigma of a lognormal error on the router's prefill model",
+        help="sigma of a per-worker lognormal error on the router's prefill prior "
+        "(with --oracle: on the true profile)",
+    )
+    parser.add_argument(
+        "--service-noise",
+        type=float,
+        default=DEFAULT_SERVICE_NOISE,
+        metavar="SIGMA",
+        help=f"sigma of the per-job lognormal service-time noise (default {DEFAULT_SERVICE_NOISE};"
+        " 0 = deterministic; ignored with --oracle)",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="comparison only: the router knows the true profile and remaining times, no noise",
     )
     parser.add_argument("--work-weight", type=float, help="override kvstrata's work weight")
     rate = parser.add_mutually_exclusive_group()
@@ -110,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         estimate_noise=args.estimate_noise,
         seed=args.seed,
         work_weight=args.work_weight,
+        service_noise=args.service_noise,
+        oracle=args.oracle,
     )
     console = Console(stderr=True, quiet=args.quiet)
     search: list[dict[str, Any]] | None = None
