@@ -13,7 +13,7 @@ from kvstrata.sim.cluster import SimConfig, Simulation, simulate
 from kvstrata.sim.profiles import gpu_a100_8b
 from kvstrata.sim.report import summarize
 from kvstrata.sim.trace import SimRequest, prepare
-from kvstrata.sim.view import ServiceNoise, prior_prefill, scaled_prefill as _scaled
+from kvstrata.sim.view import ServiceNoise, prior_prefill, scaled_prefill
 from kvstrata.workloads.synthetic import generate, preset
 
 SHAPES = [(128, 0), (512, 0), (1024, 0), (2048, 0), (4096, 0), (512, 1024), (1024, 1536)]
@@ -79,7 +79,7 @@ def test_the_fit_starts_from_a_wrong_prior_and_converges_toward_the_truth() -> N
         sim.run()
         assert sim.view is not None
         # Each worker's truth includes its persistent slowdown: that is what it must learn.
-        own = [_scaled(truth, factor) for factor in sim.noise.worker_factor]
+        own = [scaled_prefill(truth, factor) for factor in sim.noise.worker_factor]
         fitted = [_error(sim.view.fit(n).model(), own[n]) for n in range(3)]
         return fitted, [_error(prior, own[n]) for n in range(3)]
 

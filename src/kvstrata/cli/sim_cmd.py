@@ -22,11 +22,11 @@ from kvstrata.cli.traces import load_source
 from kvstrata.errors import InvalidInput
 from kvstrata.index.core import ConsistencyMode
 from kvstrata.sim.cluster import EVICTION_POLICIES, SimConfig
-from kvstrata.sim.view import DEFAULT_SERVICE_NOISE
 from kvstrata.sim.plot import plot_ttft_cdf
 from kvstrata.sim.profiles import PROFILES, profile
 from kvstrata.sim.report import KVSTRATA, parse_policies, search_rate_scale, simulate_report
 from kvstrata.sim.trace import parse_window, select_window
+from kvstrata.sim.view import DEFAULT_SERVICE_NOISE
 from kvstrata.workloads.mooncake import TraceRequest
 from kvstrata.workloads.synthetic import PRESETS
 

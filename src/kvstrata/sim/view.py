@@ -139,7 +139,10 @@ class RouterView:
         prior = prior_prefill(true.prefill)
         factors = worker_factors(workers, estimate_noise, seed)
         self._flights = [
-            _Flights(OnlinePrefillFit(scaled_prefill(prior, f)), true.with_prefill(scaled_prefill(prior, f)))
+            _Flights(
+                OnlinePrefillFit(scaled_prefill(prior, f)),
+                true.with_prefill(scaled_prefill(prior, f)),
+            )
             for f in factors
         ]
         self._by_id = {f"w{i}": i for i in range(workers)}
