@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvstrata.cli.main import main
 from kvstrata.costs import PrefillModel
-from kvstrata.router.model import WorkerLoad
+from kvstrata.router.model import RouteDecision, RouteRequest, WorkerLoad
 from kvstrata.sim.cluster import SimConfig, Simulation, simulate
 from kvstrata.sim.profiles import gpu_a100_8b
 from kvstrata.sim.report import summarize
 from kvstrata.sim.trace import SimRequest, prepare
 from kvstrata.sim.view import ServiceNoise, prior_prefill, scaled_prefill
-from kvstrata.workloads.synthetic import generate, preset
+from kvstrata.workloads.synthetic import generate, preset, write_trace
 
 SHAPES = [(128, 0), (512, 0), (1024, 0), (2048, 0), (4096, 0), (512, 1024), (1024, 1536)]
 """(new, cached) prompt shapes inside the synthetic chat trace's range (the fit is not
@@ -102,7 +107,18 @@ def test_the_router_is_not_handed_the_true_profile() -> None:
     assert sim.view is not None
     for n in range(config.workers):
         assert sim.view.profile(f"w{n}").prefill != truth.prefill
+    handed: list[tuple[float, float]] = []
+    route = sim.router.route
+
+    def spy(request: RouteRequest, loads: Sequence[WorkerLoad], **kwargs: Any) -> RouteDecision:
+        truths = [worker.load(sim.now).queued_s for worker in sim.workers]
+        handed.extend(zip([load.queued_s for load in loads], truths, strict=True))
+        return route(request, loads, **kwargs)
+
+    sim.router.route = spy  # type: ignore[method-assign]
     result = sim.run()
+    # The loads the policy read are the router's estimates, not the simulator's queues.
+    assert any(abs(seen - true) > 1e-6 for seen, true in handed if true > 0)
     # The first request meets an idle cluster: with the truth its prediction would be exact.
     assert result.predicted_ttft_s[0] != pytest.approx(result.ttft_s[0], rel=1e-6)
     oracle = simulate(_requests(duration_s=30.0), "kvstrata", _config(oracle=True))
@@ -135,3 +151,24 @@ def test_service_noise_is_seeded_lognormal_with_a_per_worker_slowdown() -> None:
     quiet = simulate(requests, "round-robin", _config(service_noise=0.0))
     loud = simulate(requests, "round-robin", _config(service_noise=0.1))
     assert quiet.prefill_s != loud.prefill_s
+
+
+@pytest.mark.parametrize(
+    ("flags", "oracle", "noise"),
+    [([], False, 0.1), (["--service-noise", "0.25"], False, 0.25), (["--oracle"], True, 0.0)],
+)
+def test_cli_says_which_information_model_ran(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    oracle: bool,
+    noise: float,
+) -> None:
+    trace = tmp_path / "chat.jsonl"
+    config = replace(preset("chat", 1), duration_s=30.0, conversation_rate_per_s=1.0)
+    write_trace(trace, generate(config))
+    args = ["sim", "--trace", str(trace), "--workers", "2", "--policies", "round-robin"]
+    assert main([*args, "--device-blocks", "256", "--json", "--quiet", *flags]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["oracle"] is oracle
+    assert report["service_noise"] == noise
