@@ -27,6 +27,7 @@ from kvstrata.sim.plot import plot_ttft_cdf
 from kvstrata.sim.profiles import PROFILES, profile
 from kvstrata.sim.report import KVSTRATA, parse_policies, search_rate_scale, simulate_report
 from kvstrata.sim.trace import parse_window, select_window
+from kvstrata.sim.view import DEFAULT_SERVICE_NOISE
 from kvstrata.workloads.mooncake import TraceRequest
 from kvstrata.workloads.synthetic import PRESETS
 
@@ -74,7 +75,21 @@ def register(sub: Any) -> None:
         "--estimate-noise",
         type=float,
         default=0.0,
-        help="sigma of a lognormal error on the router's prefill model",
+        help="sigma of a per-worker lognormal error on the router's prefill prior "
+        "(with --oracle: on the true profile)",
+    )
+    parser.add_argument(
+        "--service-noise",
+        type=float,
+        default=DEFAULT_SERVICE_NOISE,
+        metavar="SIGMA",
+        help=f"sigma of the per-job lognormal service-time noise (default {DEFAULT_SERVICE_NOISE};"
+        " 0 = deterministic; ignored with --oracle)",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="comparison only: the router knows the true profile and remaining times, no noise",
     )
     parser.add_argument("--work-weight", type=float, help="override kvstrata's work weight")
     rate = parser.add_mutually_exclusive_group()
@@ -122,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         estimate_noise=args.estimate_noise,
         seed=args.seed,
         work_weight=args.work_weight,
+        service_noise=args.service_noise,
+        oracle=args.oracle,
     )
     if args.loads is not None or args.repeats is not None:
         return run_repeated(args, policies, config)

@@ -2,12 +2,13 @@
 
 One run = one routing policy over one trace. Everything that decides is project code:
 
-* placement: ``kvstrata.router.Router`` with a policy from ``router.policies.POLICIES``,
-  given the workers' :class:`~kvstrata.router.costs.CostProfile` (optionally perturbed by
-  ``estimate_noise``: each worker's prefill coefficients are multiplied by a lognormal
-  factor drawn once per worker, so the router's estimates are wrong while the simulator
-  executes the true model). Without noise the kvstrata policy has an *accurate* cost model —
-  a best case for a TTFT-estimating policy that a live fleet only approaches by refitting;
+* placement: ``kvstrata.router.Router`` with a policy from ``router.policies.POLICIES``.
+  Every policy sees the same information, a live router's (:mod:`kvstrata.sim.view`): per
+  worker an online prefill fit refitted from completed prefills, starting from a prior that
+  is not the truth, and its own estimate of each queue; executed prefills carry lognormal
+  service-time noise (``service_noise``). ``oracle=True`` keeps, for comparison only, the old
+  best case: the router prices with the true profile (optionally perturbed by
+  ``estimate_noise``) and reads the true remaining time of a running prefill, without noise;
 * what the router believes: ``kvstrata.index.GlobalIndex`` in ``exact`` mode fed by the
   workers' own stores and evictions through ``store_hashes``/``remove_hashes`` (immediately,
   or ``event_lag_s`` later), or in ``approximate`` mode from the router's own decisions;
@@ -23,10 +24,8 @@ sorted trace rather than pushed, and processed after every event at the same ins
 from __future__ import annotations
 
 import heapq
-import math
-import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Final
 
@@ -39,6 +38,7 @@ from kvstrata.objects.chains import ChainMetas, chain_metas
 from kvstrata.router import POLICIES, CostProfile, KvstrataPolicy, Router, RouteRequest
 from kvstrata.sim.profiles import BLOCK_TOKENS, SimProfile
 from kvstrata.sim.trace import SimRequest
+from kvstrata.sim.view import DEFAULT_SERVICE_NOISE, RouterView, ServiceNoise, oracle_profiles
 from kvstrata.sim.worker import Job, SimWorker
 from kvstrata.store.policies import LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
@@ -64,9 +64,20 @@ class SimConfig:
     index_mode: ConsistencyMode = ConsistencyMode.EXACT
     event_lag_s: float = 0.0
     estimate_noise: float = 0.0
+    """σ of a per-worker lognormal factor on the router's prefill model: on the fit's prior
+    (default) or on the true profile (``oracle``)."""
     seed: int = 0
     work_weight: float | None = None
     """Override of ``KvstrataPolicy.work_weight`` (None: the policy's default)."""
+    service_noise: float = DEFAULT_SERVICE_NOISE
+    """σ of the per-job lognormal service-time factor (:mod:`kvstrata.sim.view`); 0: none.
+    Ignored under ``oracle``."""
+    oracle: bool = False
+    """Give the router the simulator's truth, no service noise (comparison only)."""
+
+    @property
+    def effective_service_noise(self) -> float:
+        return 0.0 if self.oracle else self.service_noise
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -74,8 +85,8 @@ class SimConfig:
         for name in (self.device_eviction, self.host_eviction):
             if name not in EVICTION_POLICIES:
                 raise InvalidInput(f"unknown eviction policy {name!r}; {EVICTION_POLICIES}")
-        if self.event_lag_s < 0 or self.estimate_noise < 0:
-            raise InvalidInput("event lag and estimate noise must be >= 0")
+        if self.event_lag_s < 0 or self.estimate_noise < 0 or self.service_noise < 0:
+            raise InvalidInput("event lag, estimate noise and service noise must be >= 0")
 
 
 @dataclass
@@ -132,21 +143,8 @@ def _eviction_policy(name: str, profile: SimProfile, *, device: bool, seed: int)
 
 
 def router_profiles(config: SimConfig) -> Callable[[str], CostProfile]:
-    """The router's per-worker cost profiles: the true one, or a perturbed copy per worker."""
-    true = config.profile.cost
-    if config.estimate_noise <= 0:
-        return lambda _worker_id: true
-    rng = random.Random(config.seed * 7919 + 17)
-    noisy: dict[str, CostProfile] = {}
-    for i in range(config.workers):
-        factor = math.exp(rng.gauss(0.0, config.estimate_noise))
-        prefill = replace(
-            true.prefill,
-            per_token_s=true.prefill.per_token_s * factor,
-            per_token_ctx_s=true.prefill.per_token_ctx_s * factor,
-        )
-        noisy[f"w{i}"] = true.with_prefill(prefill)
-    return lambda worker_id: noisy.get(worker_id, true)
+    """Oracle mode's per-worker cost profiles: the true one, or a perturbed copy per worker."""
+    return oracle_profiles(config.profile.cost, config.workers, config.estimate_noise, config.seed)
 
 
 class Simulation:
@@ -209,7 +207,20 @@ class Simulation:
         if requests and requests[-1].arrival_s > requests[0].arrival_s:
             for worker in self.workers:  # KV occupancy counts inside the arrival window only
                 worker.window_end_s = requests[-1].arrival_s
-        profiles = router_profiles(config)
+        self.noise = ServiceNoise(config.workers, config.effective_service_noise, config.seed)
+        for n, worker in enumerate(self.workers):
+            worker.service_factor = _factor_of(self.noise, n)
+        self.view: RouterView | None = None
+        if config.oracle:
+            profiles = router_profiles(config)
+        else:
+            self.view = RouterView(
+                config.profile.cost,
+                config.workers,
+                estimate_noise=config.estimate_noise,
+                seed=config.seed,
+            )
+            profiles = self.view.profile
         routing = (
             KvstrataPolicy(profiles, work_weight=config.work_weight)
             if policy == KvstrataPolicy.name and config.work_weight is not None
@@ -262,7 +273,10 @@ class Simulation:
             return
         worker = self.workers[n]
         if kind == _Kind.PREFILL_DONE:
-            worker.finish_prefill(self.now)
+            job = worker.finish_prefill(self.now)
+            if self.view is not None:
+                new_tokens = job.request.prompt_tokens - job.hit_tokens
+                self.view.first_token(n, new_tokens, job.hit_tokens, job.compute_s, self.now)
             self._start(n)
         elif kind == _Kind.DECODE:
             if version != worker.decode_version:
@@ -292,7 +306,11 @@ class Simulation:
 
     def _arrive(self, request: SimRequest) -> None:
         now = self.now
-        loads = [worker.load(now) for worker in self.workers]
+        view = self.view
+        if view is None:
+            loads = [worker.load(now) for worker in self.workers]
+        else:
+            loads = [view.load(n, w.load(now), now) for n, w in enumerate(self.workers)]
         route = RouteRequest(
             request_id=str(request.index),
             tenant=DEFAULT_TENANT,
@@ -314,6 +332,8 @@ class Simulation:
         self.jobs.append(job)
         self._predicted.append(decision.predicted_ttft_s)
         job.worker = n
+        if view is not None:
+            view.sent(n, job.estimate_s, now)
         self.workers[n].enqueue(job)
         self._start(n)
 
@@ -374,6 +394,10 @@ class Simulation:
             host_evictions=sum(w.host_evictions for w in self.workers),
             predicted_ttft_s=self._predicted,
         )
+
+
+def _factor_of(noise: ServiceNoise, worker: int) -> Callable[[], float]:
+    return lambda: noise.factor(worker)
 
 
 def _ignore_report(

@@ -236,6 +236,8 @@ def simulate_report(
         "index": config.index_mode.value,
         "event_lag_s": config.event_lag_s,
         "estimate_noise": config.estimate_noise,
+        "oracle": config.oracle,
+        "service_noise": config.effective_service_noise,
         "seed": config.seed,
         "infinite_cache_hit_rate": _r(infinite),
         "policies": summaries,

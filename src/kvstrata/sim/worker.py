@@ -19,6 +19,8 @@ Service model (times from the worker's :class:`~kvstrata.sim.profiles.SimProfile
   ``output_tokens − 1`` steps after its prefill produced the first token. Steps are not
   simulated one by one: a virtual step counter advances at the current rate and the next
   completion is rescheduled whenever the rate changes.
+* **Service-time noise.** The whole prefill (fetch + compute + interference) is multiplied
+  by one draw of ``service_factor`` (:class:`kvstrata.sim.view.ServiceNoise`; 1.0 without).
 * **TTFT** = arrival → end of the request's prefill (queueing, fetch, prefill, interference).
 * **KV occupancy.** A running request pins its prompt's cached blocks in the device pool and
   holds ``kv_blocks − full blocks`` private blocks (partial last block + output) until its
@@ -68,6 +70,9 @@ class Job:
     start_s: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
+    compute_s: float = 0.0
+    """The prefill forward's own measured seconds (noise included, fetch and decode
+    interference excluded): what the engine reports and the router refits from."""
     hit_tokens: int = 0
     device_hit_blocks: int = 0
     host_hit_blocks: int = 0
@@ -75,6 +80,10 @@ class Job:
     done_s: float = 0.0
     finished: bool = False
     worker: int = -1
+
+
+def _no_noise() -> float:
+    return 1.0
 
 
 class SimWorker:
@@ -125,9 +134,14 @@ class SimWorker:
         self._kv_last_s = 0.0
         self.device_evictions = 0
         self.host_evictions = 0
+        self.service_factor: Callable[[], float] = _no_noise
+        """Service-time noise: each prefill's model time is multiplied by one draw."""
 
     # ---------------------------------------------------------------- router's view
     def load(self, now: float) -> WorkerLoad:
+        """The worker's true state. ``queued_s`` is exact (the true remaining time of the
+        running prefill): only ``SimConfig.oracle`` passes it to the router; otherwise
+        :class:`kvstrata.sim.view.RouterView` replaces it with the router's own estimate."""
         running = self.current is not None
         queued_s = self.queued_s + (max(0.0, self.current_end_s - now) if running else 0.0)
         return WorkerLoad(
@@ -191,9 +205,11 @@ class SimWorker:
             device_hits = host_hits = 0
         batch = len(self.decoding)
         interference_s = self.cost.interference_s(prompt - cached, batch)
-        duration = fetch_s + prefill_s + interference_s
+        factor = self.service_factor()
+        duration = (fetch_s + prefill_s + interference_s) * factor
         job.start_s = now
         job.prefill_s = duration
+        job.compute_s = prefill_s * factor
         job.hit_tokens = cached
         job.device_hit_blocks = device_hits
         job.host_hit_blocks = host_hits

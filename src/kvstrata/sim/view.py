@@ -1,0 +1,186 @@
+"""What the simulated router may know: a live router's view, and the service-time noise.
+
+The simulator executes one :class:`~kvstrata.router.costs.CostProfile` (the *truth*); a live
+router never sees it. By default (``SimConfig.oracle = False``) every routing policy — kvstrata
+and every baseline alike — is handed :class:`RouterView`, built only from what the live fleet
+(:mod:`kvstrata.fleet.workers`) gets:
+
+* **Prefill cost model**: per worker, the live fleet's own :class:`kvstrata.costs.OnlinePrefillFit`
+  (one implementation, shared), refitted from each completed prefill the worker reports —
+  ``(new tokens, cached tokens, measured seconds)``, the measured seconds carrying the noise
+  below, as the engine's timed forward does (``Fleet.observe_prefill``). It starts from
+  :func:`prior_prefill`, a prior of the kind ``fleet.workers.default_profile`` is: *one* fresh
+  2,048-token prefill divided by its tokens, 20 ms fixed, **no attention term** (wrong for long
+  prompts, which is what the fit has to learn), optionally scaled per worker by
+  ``estimate_noise`` (a lognormal factor drawn once per worker).
+* **Queue state**: the router's own estimate — per worker, the predictions it made for the
+  requests it sent whose first token has not come back, minus the time elapsed since the head
+  one can have started (its send time or the previous first token, whichever is later). The
+  live fleet's ``WorkerState.load`` sums the same predictions (without the elapsed-time
+  refinement). The simulator's true remaining prefill time is never read.
+* **Kept true, because a live router observes them**: ``queued_requests`` (its own in-flight
+  record: sent, no first token yet), ``active_decodes`` (it proxies the stream, so it sees the
+  first token and the end), ``queued_prefill_tokens`` (already the router's prediction from its
+  index match), ``active_kv_blocks`` / ``kv_utilisation`` (vLLM's ``/metrics``
+  ``kv_cache_usage_perc``; scrape lag is not modelled), per-tier fetch seconds per block (the
+  worker's measured figures in ``/kv/info`` ``fetch_s_per_block``) and the decode step model
+  (engine configuration; vLLM exports time-per-output-token).
+
+**Service-time noise** (:class:`ServiceNoise`): each executed prefill (fetch + compute +
+decode interference) lasts its model time × ``w · e``, with ``e ~ lognormal(0, σ)`` drawn
+per job and ``w ~ lognormal(0, σ/2)`` drawn once per worker (a persistent slowdown: clocks,
+thermals, a noisy neighbour). Default σ = 0.1. Grounding, from ``docs/results.md``: fresh
+2,048-token prefills on the reference engine on a quiet machine (issue 9 table: 4.71–4.96 s
+over eight runs) have a log-spread of ≈ 0.017 — a lower bound, one process alone; the same
+prefill on the loaded shared machine ranged 2.8–9.3 s (log-spread ≈ 0.3) — an upper bound.
+0.1 sits between them: a busy but not overloaded serving host. ``--service-noise 0`` is
+deterministic.
+
+``SimConfig.oracle = True`` keeps the old, optimistic information model for comparison
+only: the router gets the true profile (or its ``estimate_noise`` perturbation) and the true
+remaining time of a running prefill, and no service noise is applied.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+from kvstrata.costs import OnlinePrefillFit, PrefillModel
+from kvstrata.router.costs import CostProfile
+from kvstrata.router.model import WorkerLoad
+
+DEFAULT_SERVICE_NOISE: Final = 0.1
+"""σ of the per-job lognormal service-time factor (module docstring)."""
+PRIOR_PROMPT_TOKENS: Final = 2048
+PRIOR_OVERHEAD_S: Final = 0.02
+
+
+def prior_prefill(true: PrefillModel) -> PrefillModel:
+    """The live fleet's kind of prior: one fresh 2k-token prefill ÷ its tokens, no context term."""
+    per_token = true.seconds(PRIOR_PROMPT_TOKENS, 0) / PRIOR_PROMPT_TOKENS
+    return PrefillModel(
+        overhead_s=PRIOR_OVERHEAD_S,
+        per_token_s=per_token,
+        per_token_ctx_s=0.0,
+        kv_bytes_per_token=true.kv_bytes_per_token,
+        name="prior",
+    )
+
+
+def scaled_prefill(model: PrefillModel, factor: float) -> PrefillModel:
+    """``model`` with its per-token terms × ``factor`` (a uniformly slower/faster worker)."""
+    return replace(
+        model,
+        per_token_s=model.per_token_s * factor,
+        per_token_ctx_s=model.per_token_ctx_s * factor,
+    )
+
+
+def worker_factors(workers: int, sigma: float, seed: int) -> list[float]:
+    """One lognormal factor per worker (all 1.0 when ``sigma`` is 0)."""
+    if sigma <= 0:
+        return [1.0] * workers
+    rng = random.Random(seed * 7919 + 17)
+    return [math.exp(rng.gauss(0.0, sigma)) for _ in range(workers)]
+
+
+def oracle_profiles(
+    true: CostProfile, workers: int, estimate_noise: float, seed: int
+) -> Callable[[str], CostProfile]:
+    """Oracle mode: the true profile, or a per-worker perturbed copy (``estimate_noise``)."""
+    if estimate_noise <= 0:
+        return lambda _worker_id: true
+    factors = worker_factors(workers, estimate_noise, seed)
+    noisy = {
+        f"w{i}": true.with_prefill(scaled_prefill(true.prefill, f)) for i, f in enumerate(factors)
+    }
+    return lambda worker_id: noisy.get(worker_id, true)
+
+
+class ServiceNoise:
+    """Per-job × per-worker lognormal service-time factors (module docstring); deterministic
+    for a seed. ``sigma = 0`` returns 1.0 always."""
+
+    def __init__(self, workers: int, sigma: float, seed: int) -> None:
+        self.sigma = sigma
+        self.worker_factor = worker_factors(workers, sigma / 2, seed * 31 + 5)
+        self._rng = random.Random(seed * 104729 + 3)
+
+    def factor(self, worker: int) -> float:
+        if self.sigma <= 0:
+            return 1.0
+        return self.worker_factor[worker] * math.exp(self._rng.gauss(0.0, self.sigma))
+
+
+@dataclass
+class _Flights:
+    """One worker's requests sent and not yet through prefill, as the router recorded them."""
+
+    fit: OnlinePrefillFit
+    base: CostProfile
+    predictions: deque[float] = field(default_factory=deque)
+    head_since_s: float = 0.0
+    profile: CostProfile | None = None
+
+
+class RouterView:
+    """The router's beliefs about every worker (module docstring); the simulation feeds it
+    what a live router would observe: each send, each first token with the worker's
+    measured prefill time."""
+
+    def __init__(
+        self, true: CostProfile, workers: int, *, estimate_noise: float = 0.0, seed: int = 0
+    ) -> None:
+        prior = prior_prefill(true.prefill)
+        factors = worker_factors(workers, estimate_noise, seed)
+        self._flights = [
+            _Flights(
+                OnlinePrefillFit(scaled_prefill(prior, f)),
+                true.with_prefill(scaled_prefill(prior, f)),
+            )
+            for f in factors
+        ]
+        self._by_id = {f"w{i}": i for i in range(workers)}
+
+    def fit(self, worker: int) -> OnlinePrefillFit:
+        return self._flights[worker].fit
+
+    def profile(self, worker_id: str) -> CostProfile:
+        """The router's cost profile for ``worker_id``: known figures + the current fit."""
+        flights = self._flights[self._by_id[worker_id]]
+        if flights.profile is None:
+            flights.profile = flights.base.with_prefill(flights.fit.model())
+        return flights.profile
+
+    def sent(self, worker: int, predicted_s: float, now: float) -> None:
+        flights = self._flights[worker]
+        if not flights.predictions:
+            flights.head_since_s = now
+        flights.predictions.append(predicted_s)
+
+    def first_token(
+        self, worker: int, new_tokens: int, cached_tokens: int, measured_s: float, now: float
+    ) -> None:
+        """The head request's first token; refit from the worker's measured prefill."""
+        flights = self._flights[worker]
+        flights.predictions.popleft()
+        flights.head_since_s = now
+        flights.fit.observe(new_tokens, cached_tokens, measured_s)
+        flights.profile = None
+
+    def queued_s(self, worker: int, now: float) -> float:
+        """Predicted prefill seconds ahead of a new request on ``worker``."""
+        predictions = self._flights[worker].predictions
+        if not predictions:
+            return 0.0
+        head = max(0.0, predictions[0] - (now - self._flights[worker].head_since_s))
+        return head + sum(predictions) - predictions[0]
+
+    def load(self, worker: int, observable: WorkerLoad, now: float) -> WorkerLoad:
+        """``observable`` (the counts a live router sees) with the router's own queue time."""
+        return replace(observable, queued_s=self.queued_s(worker, now))
