@@ -51,6 +51,7 @@ module adds hashing, event application, approximate mode and matching.
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
@@ -78,6 +79,8 @@ from kvstrata.index.entries import WorkerSlot
 from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
 from kvstrata.index.matching import probe as _probe
 from kvstrata.index.matching import slot_prefixes as _slot_prefixes
+from kvstrata.index.table import MAX_SLOTS as _TABLE_SLOTS
+from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
 from kvstrata.index.model import (
     MEDIUM_ALIASES,
     ConsistencyMode,
@@ -190,6 +193,8 @@ class GlobalIndex(IndexDeletions):
             worker.epoch = batch.epoch
         for event in batch.events:
             self._apply_event(worker, event, seq)
+        if self._table.pending >= _SYNC_BACKLOG:
+            self.sync_table()
         self.stats.batches += 1
         self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))
 
@@ -281,6 +286,33 @@ class GlobalIndex(IndexDeletions):
         return expired
 
     # ---------------------------------------------------------------- lookup
+    def sync_table(self) -> bool:
+        """Bring the lookup table (``index.table``) up to date with the entries; False when
+        the index cannot use it (more than 16 slots, or keys wider than 64 bits)."""
+        table = self._table
+        if self._next_slot > _TABLE_SLOTS:  # values no longer fit one uint64
+            table.stale = True
+            table.dirty.clear()
+            return False
+        table.sync(self._entries)
+        return table.usable
+
+    def _probe_values(self, router_hashes: RouterHashes | Sequence[int]) -> list[int] | RouterHashes:
+        """The packed values of the request's blocks up to the first block nobody holds."""
+        if self.sync_table():
+            keys: RouterHashes | None
+            if isinstance(router_hashes, np.ndarray):
+                keys = router_hashes.astype(np.uint64, copy=False)
+            else:
+                try:
+                    keys = np.frombuffer(array.array("Q", router_hashes), dtype=np.uint64)
+                except (OverflowError, TypeError):  # not a 64-bit hash: the dict answers
+                    keys = None
+            if keys is not None:
+                return self._table.prefix_values(keys)
+        hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
+        return _probe(self._entries, hashes)
+
     def match(
         self, router_hashes: RouterHashes | Sequence[int], *, now: float | None = None
     ) -> dict[str, PrefixMatch]:
@@ -294,8 +326,7 @@ class GlobalIndex(IndexDeletions):
         """
         if self.mode is ConsistencyMode.APPROXIMATE:
             return self._match_approx(router_hashes, self._clock() if now is None else now)
-        hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
-        values = _probe(self._entries, hashes)
+        values = self._probe_values(router_hashes)
         live = reach = 0
         for worker in self._workers.values():
             if worker.consistent:
@@ -305,7 +336,7 @@ class GlobalIndex(IndexDeletions):
         shared = self._shared_slot if self._shared_refs else None
         counts = (
             _slot_prefixes(values, self._next_slot, live, shared=shared, reach=reach)
-            if values and live
+            if len(values) and live
             else None
         )
         result: dict[str, PrefixMatch] = {}

@@ -21,6 +21,7 @@ from kvstrata.events.schema import BlockHash
 from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
 from kvstrata.index.matching import SLOT_MASK as _SLOT_MASK
 from kvstrata.index.model import IndexStats, Medium
+from kvstrata.index.table import ProbeTable
 from kvstrata.index.tombstones import Lineage, Tombstones
 
 
@@ -52,6 +53,7 @@ class IndexEntries:
         self.stats = IndexStats()
         self._clock = clock
         self._entries: dict[int, int] = {}
+        self._table = ProbeTable()  # the lookup's numpy mirror: every write here marks it
         self._workers: dict[str, WorkerSlot] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -191,6 +193,8 @@ class IndexEntries:
             else:
                 entries[router_hash] = value | entry_bit
             placed += 1
+        if placed:
+            self._table.mark_many(router_hashes)
         worker.per_medium[medium] += placed
         self.stats.blocks_stored += placed
 
@@ -243,6 +247,8 @@ class IndexEntries:
             if not count:
                 entries[router_hash] = entries.get(router_hash, 0) | entry_bit
             placed += 1
+        if placed:
+            self._table.mark_many(router_hashes)
         self.stats.blocks_stored += placed
 
     def _remove_shared(self, engine_hashes: Sequence[BlockHash]) -> None:
@@ -264,6 +270,7 @@ class IndexEntries:
             self._shared_refs[router_hash] = count
             return
         del self._shared_refs[router_hash]
+        self._table.mark(router_hash)
         value = self._entries.get(router_hash, 0) & ~entry_bit
         if value:
             self._entries[router_hash] = value
@@ -290,6 +297,7 @@ class IndexEntries:
             else:
                 worker.aliases[alias] = others - 1
             return
+        self._table.mark(router_hash)
         value = self._entries.get(router_hash, 0) & ~entry_bit
         if value:
             self._entries[router_hash] = value
@@ -301,8 +309,10 @@ class IndexEntries:
         shift = worker.slot * _BITS_PER_SLOT
         keep = ~(_SLOT_MASK << shift)
         entries = self._entries
+        mark = self._table.mark
         for packed in worker.held.values():
             router_hash = packed >> _BITS_PER_SLOT
+            mark(router_hash)
             value = entries.get(router_hash, 0) & keep
             if value:
                 entries[router_hash] = value
