@@ -38,6 +38,8 @@ _MIN_BITS: Final = 12
 _FIB: Final = np.uint64(0x9E3779B97F4A7C15)
 _ONE: Final = np.uint64(1)
 _MAX_LOAD: Final = 0.7
+_SCALAR_TAIL: Final = 16
+"""Keys still probing when the vectorised rounds stop and a scalar loop finishes them."""
 
 U64 = npt.NDArray[np.uint64]
 
@@ -116,16 +118,31 @@ class ProbeTable:
         self._allocate(bits)
         self.dirty.clear()
         self.stale = False
-        if n:
-            keys = np.frombuffer(array.array("Q", entries.keys()), dtype=np.uint64)
-            values = np.frombuffer(array.array("Q", entries.values()), dtype=np.uint64)
-            self._insert(keys, values)
+        if not n:
+            return
+        keys = np.frombuffer(array.array("Q", entries.keys()), dtype=np.uint64)
+        values = np.frombuffer(array.array("Q", entries.values()), dtype=np.uint64)
+        # Linear probing into an empty table, all at once: in order of home position, each
+        # key goes to the first position at or after its home past the previous key's.
+        home = self._home(keys).astype(np.int64)
+        order = np.argsort(home, kind="stable")
+        steps = np.arange(n, dtype=np.int64)
+        at = np.maximum.accumulate(home[order] - steps) + steps
+        fits = at < len(self._keys)
+        placed = order[fits]
+        self._keys[at[fits]] = keys[placed]
+        self._values[at[fits]] = values[placed]
+        self._used[at[fits]] = True
+        self._filled = len(placed)
+        wrapped = order[~fits]  # past the end: they wrap around to the start
+        if len(wrapped):
+            self._insert(keys[wrapped], values[wrapped])
 
     def _insert(self, keys: U64, values: U64) -> None:
         """Place keys known to be absent; keys competing for one free position take turns."""
         positions = self._home(keys)
         order = np.arange(len(keys))
-        while len(order):
+        while len(order) > _SCALAR_TAIL:
             free = ~self._used[positions]
             if free.any():
                 at = positions[free]
@@ -140,6 +157,12 @@ class ProbeTable:
                 left[winners] = False
                 order, positions = order[left], positions[left]
             positions = (positions + _ONE) & self._mask
+        used_at, mask = self._used, int(self._mask)
+        for i, at in zip(order.tolist(), positions.tolist(), strict=True):
+            while used_at[at]:
+                at = (at + 1) & mask
+            self._keys[at], self._values[at], used_at[at] = keys[i], values[i], True
+            self._filled += 1
 
     # ---------------------------------------------------------------- lookup
     def _find(self, keys: U64) -> npt.NDArray[np.int64]:
@@ -147,13 +170,22 @@ class ProbeTable:
         result = np.full(len(keys), -1, dtype=np.int64)
         positions = self._home(keys)
         order = np.arange(len(keys))
-        while len(order):
+        while len(order) > _SCALAR_TAIL:
             used = self._used[positions]
             hit = used & (self._keys[positions] == keys[order])
             result[order[hit]] = positions[hit]
             more = used & ~hit
             order = order[more]
             positions = (positions[more] + _ONE) & self._mask
+        if len(order):  # the few long probe sequences: one at a time beats a round per step
+            table_keys, used_at, mask = self._keys, self._used, int(self._mask)
+            for i, at in zip(order.tolist(), positions.tolist(), strict=True):
+                key = keys[i]
+                while used_at[at]:
+                    if table_keys[at] == key:
+                        result[i] = at
+                        break
+                    at = (at + 1) & mask
         return result
 
     def values(self, keys: U64) -> U64:
@@ -164,16 +196,19 @@ class ProbeTable:
         out[found] = self._values[positions[found]]
         return out
 
-    def prefix_values(self, keys: U64, chunk: int = 1024) -> U64:
-        """The values up to (without) the first key nobody holds, probed ``chunk`` at a time."""
+    def prefix_values(self, keys: U64, first: int = 1024) -> U64:
+        """The values up to (without) the first key nobody holds, probed in chunks growing
+        8-fold from ``first`` keys (a request that misses early stops early)."""
         parts: list[U64] = []
-        for start in range(0, len(keys), chunk):
+        start, chunk = 0, first
+        while start < len(keys):
             part = self.values(keys[start : start + chunk])
             zero = np.flatnonzero(part == 0)
             if len(zero):
                 parts.append(part[: zero[0]])
                 break
             parts.append(part)
+            start, chunk = start + chunk, 8 * chunk
         if not parts:
             return np.zeros(0, dtype=np.uint64)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
