@@ -93,6 +93,8 @@ from kvstrata.index.model import (
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _NO_TIERS: Final = (0, 0, 0, 0)
+_TABLE_MIN_BLOCKS: Final = 512
+"""Requests of at least this many blocks probe the numpy table (``index.table``)."""
 __all__ = [
     "MEDIUM_ALIASES",
     "ConsistencyMode",
@@ -298,8 +300,10 @@ class GlobalIndex(IndexDeletions):
         return table.usable
 
     def _probe_values(self, router_hashes: RouterHashes | Sequence[int]) -> list[int] | RouterHashes:
-        """The packed values of the request's blocks up to the first block nobody holds."""
-        if self.sync_table():
+        """The packed values of the request's blocks up to the first block nobody holds: from
+        the numpy table for long requests, from the dict for short ones (numpy's per-call
+        overhead beats the dict's per-block cost only past ``_TABLE_MIN_BLOCKS``)."""
+        if len(router_hashes) >= _TABLE_MIN_BLOCKS and self.sync_table():
             keys: RouterHashes | None
             if isinstance(router_hashes, np.ndarray):
                 keys = router_hashes.astype(np.uint64, copy=False)
