@@ -25,7 +25,10 @@ def register(sub: Any) -> None:
         help="tokens of the looked-up request",
     )
     parser.add_argument(
-        "--repeats", type=int, default=defaults.repeats, help="lookups per round (p50/p99 over them)"
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        help="lookups per round (p50/p99 over them)",
     )
     parser.add_argument(
         "--rounds", type=int, default=defaults.rounds, help="rounds (figures: medians over them)"

@@ -79,8 +79,6 @@ from kvstrata.index.entries import WorkerSlot
 from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
 from kvstrata.index.matching import probe as _probe
 from kvstrata.index.matching import slot_prefixes as _slot_prefixes
-from kvstrata.index.table import MAX_SLOTS as _TABLE_SLOTS
-from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
 from kvstrata.index.model import (
     MEDIUM_ALIASES,
     ConsistencyMode,
@@ -90,6 +88,8 @@ from kvstrata.index.model import (
     PrefixMatch,
     parse_medium,
 )
+from kvstrata.index.table import MAX_SLOTS as _TABLE_SLOTS
+from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _NO_TIERS: Final = (0, 0, 0, 0)
@@ -299,7 +299,9 @@ class GlobalIndex(IndexDeletions):
         table.sync(self._entries)
         return table.usable
 
-    def _probe_values(self, router_hashes: RouterHashes | Sequence[int]) -> list[int] | RouterHashes:
+    def _probe_values(
+        self, router_hashes: RouterHashes | Sequence[int]
+    ) -> list[int] | RouterHashes:
         """The packed values of the request's blocks up to the first block nobody holds: from
         the numpy table for long requests, from the dict for short ones (numpy's per-call
         overhead beats the dict's per-block cost only past ``_TABLE_MIN_BLOCKS``)."""
