@@ -24,10 +24,10 @@ lookup is one dict probe per block for all workers at once, and a longest-prefix
 ``_TABLE_MIN_BLOCKS`` blocks are probed in a numpy mirror of that dict instead
 (``index.table.ProbeTable``, up to 16 slots: the dict stays the source of truth, every write
 marks its hash dirty and the mirror is synced before a lookup, or in ``apply_batch`` once 8,192
-are pending), so the probe runs in C rather than once per block in the interpreter. Per worker, engine hash →
-router hash; when two engine hashes of one worker name the same router hash (vLLM's
-``cache_salt`` changes engine hashes, not tokens) the worker's bit stays set until the last
-of them is removed.
+are pending), so the probe runs in C rather than once per block in the interpreter.
+Per worker, engine hash → router hash; when two engine hashes of one worker name the same
+router hash (vLLM's ``cache_salt`` changes engine hashes, not tokens) the worker's bit stays
+set until the last of them is removed.
 
 The remote tier is shared: every worker of the model reaches the same objects (one Valkey
 namespace), so a block announced with ``medium = remote`` is not the announcing worker's.
