@@ -13,7 +13,7 @@ from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index import GlobalIndex, Medium
 from kvstrata.index import core as index_core
-from kvstrata.index.table import ProbeTable
+from kvstrata.index.table import SYNC_BACKLOG, ProbeTable
 
 FP = FingerprintDigest(bytes(range(32)))
 BS = 4
@@ -153,3 +153,16 @@ def test_table_lookups_follow_removals_epochs_and_wide_fleets(
         index.store_hashes(f"x{i}", hashes[:900], Medium.DISK)
     assert both()["x19"] == (900, [0, 0, 900, 0])
     assert not index.sync_table()
+
+
+def test_the_pending_backlog_stays_bounded_without_long_lookups() -> None:
+    """The simulator stores by router hash and may only look short requests up: the event
+    path syncs, so pending hashes never exceed the backlog plus one call's worth."""
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    rng = random.Random(3)
+    for _ in range(50):
+        hashes = [rng.getrandbits(64) for _ in range(300)]
+        index.store_hashes(f"w{rng.randrange(4)}", hashes, Medium.DEVICE)
+        index.match(hashes[:10])  # short: the dict answers, nothing syncs here
+        assert index._table.pending < SYNC_BACKLOG + 300
+    assert index.sync_table() and not index._table.pending

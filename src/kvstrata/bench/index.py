@@ -32,7 +32,9 @@ Figures:
 - Every lookup figure is the median over ``rounds`` (≥ 5 by default) rounds of ``repeats``
   alternating lookups of that round's p50 / p99; ``p99_spread_ms`` gives each p99's lowest and
   highest round, ``lookup_with_hash_vs_peer_set_p99_min`` / ``_max`` the per-round ratios'.
-- ``apply_s`` includes keeping the index's lookup table (``index.table``) in sync.
+- ``apply_s`` includes keeping the index's lookup table (``index.table``) in sync. The timed
+  lookups find it synced (no events between them); in a live fleet a lookup also pays the sync
+  of the hashes changed since the last one (at most ``index.table.SYNC_BACKLOG``).
 - ``index_blocks`` (placements: a block held by two workers counts twice), ``index_entries``
   (distinct blocks), ``rss_mb`` (resident memory the index added while it was filled: an upper
   bound, as freed event objects stay in the allocator's pools) and ``bytes_per_block``.

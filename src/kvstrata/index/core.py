@@ -23,7 +23,7 @@ lookup is one dict probe per block for all workers at once, and a longest-prefix
 16 workers is a handful of numpy operations on the probed values. Requests of at least
 ``_TABLE_MIN_BLOCKS`` blocks are probed in a numpy mirror of that dict instead
 (``index.table.ProbeTable``, up to 16 slots: the dict stays the source of truth, every write
-marks its hash dirty and the mirror is synced before a lookup, or in ``apply_batch`` once 8,192
+marks its hash dirty and the mirror is synced before a lookup, or on the event path once 1,024
 are pending), so the probe runs in C rather than once per block in the interpreter.
 Per worker, engine hash → router hash; when two engine hashes of one worker name the same
 router hash (vLLM's ``cache_salt`` changes engine hashes, not tokens) the worker's bit stays
@@ -92,8 +92,6 @@ from kvstrata.index.model import (
     PrefixMatch,
     parse_medium,
 )
-from kvstrata.index.table import MAX_SLOTS as _TABLE_SLOTS
-from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _NO_TIERS: Final = (0, 0, 0, 0)
@@ -199,8 +197,6 @@ class GlobalIndex(IndexDeletions):
             worker.epoch = batch.epoch
         for event in batch.events:
             self._apply_event(worker, event, seq)
-        if self._table.pending >= _SYNC_BACKLOG:
-            self.sync_table()
         self.stats.batches += 1
         self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))
 
@@ -292,17 +288,6 @@ class GlobalIndex(IndexDeletions):
         return expired
 
     # ---------------------------------------------------------------- lookup
-    def sync_table(self) -> bool:
-        """Bring the lookup table (``index.table``) up to date with the entries; False when
-        the index cannot use it (more than 16 slots, or keys wider than 64 bits)."""
-        table = self._table
-        if self._next_slot > _TABLE_SLOTS:  # values no longer fit one uint64
-            table.stale = True
-            table.dirty.clear()
-            return False
-        table.sync(self._entries)
-        return table.usable
-
     def _probe_values(
         self, router_hashes: RouterHashes | Sequence[int]
     ) -> list[int] | RouterHashes:
