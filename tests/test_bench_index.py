@@ -61,6 +61,19 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
     # The two looked-up documents sit on four workers each at full, 3/4, 1/2 and 1/4 depth.
     assert result["matched_blocks"] == [64, 48, 32, 16, 0, 0, 0, 0]
     assert result["peer_agrees"] is True
+    # Figures are medians over rounds of alternating lookups, each p99 with its rounds' spread.
+    assert result["rounds"] == IndexBenchConfig().rounds >= 5
+    for name, figure in (
+        ("both", "lookup_with_hash_p99_ms"),
+        ("set_both", "peer_set_lookup_with_hash_p99_ms"),
+    ):
+        low, high = result["p99_spread_ms"][name]
+        assert low <= result[figure] <= high, name
+    assert result["lookup_with_hash_vs_peer_set_p99_min"] > 0
+    assert (
+        result["lookup_with_hash_vs_peer_set_p99_min"]
+        <= result["lookup_with_hash_vs_peer_set_p99_max"]
+    )
 
 
 def test_bench_index_table_without_peer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,11 +104,19 @@ def test_bench_index_is_deterministic_in_what_it_builds() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["--request-tokens", "8"], ["--workers", "0"], ["--repeats", "0"]]
+    "args",
+    [["--request-tokens", "8"], ["--workers", "0"], ["--repeats", "0"], ["--rounds", "0"]],
 )
 def test_bench_index_rejects_bad_sizes(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "index", "--blocks", "10", *args, "--json"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_defaults_are_the_issues_target() -> None:
+    """≥ 1M indexed blocks, 16 workers, a 128k-token request, ≥ 5 rounds."""
+    config = IndexBenchConfig()
+    assert config.blocks >= 1_000_000 and config.workers == 16
+    assert config.request_tokens == 131_072 and config.rounds >= 5
 
 
 def test_config_check() -> None:

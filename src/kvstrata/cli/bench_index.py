@@ -25,7 +25,13 @@ def register(sub: Any) -> None:
         help="tokens of the looked-up request",
     )
     parser.add_argument(
-        "--repeats", type=int, default=defaults.repeats, help="lookups timed (p50/p99 over them)"
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        help="lookups per round (p50/p99 over them)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=defaults.rounds, help="rounds (figures: medians over them)"
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
     parser.add_argument("--no-naive", action="store_true", help="skip the per-worker-dict peer")
@@ -43,6 +49,7 @@ def _run(args: argparse.Namespace) -> int:
             workers=args.workers,
             request_tokens=args.request_tokens,
             repeats=args.repeats,
+            rounds=args.rounds,
             seed=args.seed,
             naive=not args.no_naive,
             peer_set=not args.no_peer_set,
@@ -87,7 +94,14 @@ def _run(args: argparse.Namespace) -> int:
             f"{result['request_tokens']}-token request; peers: hash → worker-set dict walked "
             "once (set), one dict per worker walked per worker (per-worker); "
             f"answers agree: {result['peer_agrees']}"
-            + ("" if ratio is None else f"; hash + lookup p99 kvstrata / set = {ratio:.2f}")
+            + (
+                ""
+                if ratio is None
+                else f"; hash + lookup p99 kvstrata / set = {ratio:.2f} (rounds "
+                f"{peer('lookup_with_hash_vs_peer_set_p99_min'):.2f}–"
+                f"{peer('lookup_with_hash_vs_peer_set_p99_max'):.2f}; medians of "
+                f"{result['rounds']} rounds × {result['repeats']} lookups)"
+            )
         ),
         columns=("figure", "kvstrata", "set peer", "per-worker peer"),
         rows=[

@@ -20,10 +20,14 @@ Two consistency modes, always visible in :class:`IndexStats` and in metrics:
 
 Storage: one dict router hash → packed int, 4 bits per worker slot (one bit per medium), so a
 lookup is one dict probe per block for all workers at once, and a longest-prefix match over
-16 workers is a handful of numpy operations on the probed values. Per worker, engine hash →
-router hash; when two engine hashes of one worker name the same router hash (vLLM's
-``cache_salt`` changes engine hashes, not tokens) the worker's bit stays set until the last
-of them is removed.
+16 workers is a handful of numpy operations on the probed values. Requests of at least
+``_TABLE_MIN_BLOCKS`` blocks are probed in a numpy mirror of that dict instead
+(``index.table.ProbeTable``, up to 16 slots: the dict stays the source of truth, every write
+marks its hash dirty and the mirror is synced before a lookup, or on the event path once 1,024
+are pending), so the probe runs in C rather than once per block in the interpreter.
+Per worker, engine hash → router hash; when two engine hashes of one worker name the same
+router hash (vLLM's ``cache_salt`` changes engine hashes, not tokens) the worker's bit stays
+set until the last of them is removed.
 
 The remote tier is shared: every worker of the model reaches the same objects (one Valkey
 namespace), so a block announced with ``medium = remote`` is not the announcing worker's.
@@ -51,6 +55,7 @@ module adds hashing, event application, approximate mode and matching.
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
@@ -90,6 +95,8 @@ from kvstrata.index.model import (
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _NO_TIERS: Final = (0, 0, 0, 0)
+_TABLE_MIN_BLOCKS: Final = 512
+"""Requests of at least this many blocks probe the numpy table (``index.table``)."""
 __all__ = [
     "MEDIUM_ALIASES",
     "ConsistencyMode",
@@ -281,6 +288,26 @@ class GlobalIndex(IndexDeletions):
         return expired
 
     # ---------------------------------------------------------------- lookup
+    def _probe_values(
+        self, router_hashes: RouterHashes | Sequence[int]
+    ) -> list[int] | RouterHashes:
+        """The packed values of the request's blocks up to the first block nobody holds: from
+        the numpy table for long requests, from the dict for short ones (numpy's per-call
+        overhead beats the dict's per-block cost only past ``_TABLE_MIN_BLOCKS``)."""
+        if len(router_hashes) >= _TABLE_MIN_BLOCKS and self.sync_table():
+            keys: RouterHashes | None
+            if isinstance(router_hashes, np.ndarray):
+                keys = router_hashes.astype(np.uint64, copy=False)
+            else:
+                try:
+                    keys = np.frombuffer(array.array("Q", router_hashes), dtype=np.uint64)
+                except (OverflowError, TypeError):  # not a 64-bit hash: the dict answers
+                    keys = None
+            if keys is not None:
+                return self._table.prefix_values(keys)
+        hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
+        return _probe(self._entries, hashes)
+
     def match(
         self, router_hashes: RouterHashes | Sequence[int], *, now: float | None = None
     ) -> dict[str, PrefixMatch]:
@@ -294,8 +321,7 @@ class GlobalIndex(IndexDeletions):
         """
         if self.mode is ConsistencyMode.APPROXIMATE:
             return self._match_approx(router_hashes, self._clock() if now is None else now)
-        hashes = router_hashes.tolist() if isinstance(router_hashes, np.ndarray) else router_hashes
-        values = _probe(self._entries, hashes)
+        values = self._probe_values(router_hashes)
         live = reach = 0
         for worker in self._workers.values():
             if worker.consistent:
@@ -305,7 +331,7 @@ class GlobalIndex(IndexDeletions):
         shared = self._shared_slot if self._shared_refs else None
         counts = (
             _slot_prefixes(values, self._next_slot, live, shared=shared, reach=reach)
-            if values and live
+            if len(values) and live
             else None
         )
         result: dict[str, PrefixMatch] = {}

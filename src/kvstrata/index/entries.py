@@ -21,6 +21,9 @@ from kvstrata.events.schema import BlockHash
 from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
 from kvstrata.index.matching import SLOT_MASK as _SLOT_MASK
 from kvstrata.index.model import IndexStats, Medium
+from kvstrata.index.table import MAX_SLOTS as _TABLE_SLOTS
+from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
+from kvstrata.index.table import ProbeTable
 from kvstrata.index.tombstones import Lineage, Tombstones
 
 
@@ -52,6 +55,7 @@ class IndexEntries:
         self.stats = IndexStats()
         self._clock = clock
         self._entries: dict[int, int] = {}
+        self._table = ProbeTable()  # the lookup's numpy mirror: every write here marks it
         self._workers: dict[str, WorkerSlot] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -191,8 +195,11 @@ class IndexEntries:
             else:
                 entries[router_hash] = value | entry_bit
             placed += 1
+        if placed:
+            self._table.mark_many(router_hashes)
         worker.per_medium[medium] += placed
         self.stats.blocks_stored += placed
+        self._sync_backlog()
 
     def remove_hashes(
         self, worker_id: str, engine_hashes: Sequence[BlockHash], medium: Medium
@@ -220,6 +227,23 @@ class IndexEntries:
             self._release(worker, router_hash, medium, entry_bit)
             worker.per_medium[medium] -= 1
             self.stats.blocks_removed += 1
+        self._sync_backlog()
+
+    def sync_table(self) -> bool:
+        """Bring the lookup table (``index.table``) up to date with the entries; False when
+        the index cannot use it (more than 16 slots, or keys wider than 64 bits)."""
+        table = self._table
+        if self._next_slot > _TABLE_SLOTS:  # values no longer fit one uint64
+            table.stale = True
+            table.dirty.clear()
+            return False
+        table.sync(self._entries)
+        return table.usable
+
+    def _sync_backlog(self) -> None:
+        """On the event path: sync once many hashes are pending (bounds a lookup's share)."""
+        if self._table.pending >= _SYNC_BACKLOG:
+            self.sync_table()
 
     # ---------------------------------------------------------------- entry bits
     def _store_shared(
@@ -243,7 +267,10 @@ class IndexEntries:
             if not count:
                 entries[router_hash] = entries.get(router_hash, 0) | entry_bit
             placed += 1
+        if placed:
+            self._table.mark_many(router_hashes)
         self.stats.blocks_stored += placed
+        self._sync_backlog()
 
     def _remove_shared(self, engine_hashes: Sequence[BlockHash]) -> None:
         if self._shared_slot is None:
@@ -264,6 +291,7 @@ class IndexEntries:
             self._shared_refs[router_hash] = count
             return
         del self._shared_refs[router_hash]
+        self._table.mark(router_hash)
         value = self._entries.get(router_hash, 0) & ~entry_bit
         if value:
             self._entries[router_hash] = value
@@ -290,6 +318,7 @@ class IndexEntries:
             else:
                 worker.aliases[alias] = others - 1
             return
+        self._table.mark(router_hash)
         value = self._entries.get(router_hash, 0) & ~entry_bit
         if value:
             self._entries[router_hash] = value
@@ -301,8 +330,10 @@ class IndexEntries:
         shift = worker.slot * _BITS_PER_SLOT
         keep = ~(_SLOT_MASK << shift)
         entries = self._entries
+        mark = self._table.mark
         for packed in worker.held.values():
             router_hash = packed >> _BITS_PER_SLOT
+            mark(router_hash)
             value = entries.get(router_hash, 0) & keep
             if value:
                 entries[router_hash] = value
@@ -313,6 +344,7 @@ class IndexEntries:
         worker.held.clear()
         worker.aliases.clear()
         worker.per_medium = [0, 0, 0, 0]
+        self._sync_backlog()
         return dropped
 
     def _drop_predictions(self, slot: int) -> None:

@@ -49,7 +49,7 @@ def probe(entries: dict[int, int], hashes: Sequence[int]) -> list[int]:
 
 
 def slot_prefixes(
-    values: list[int],
+    values: list[int] | npt.NDArray[np.uint64],
     slots: int,
     live: int,
     *,
@@ -66,11 +66,13 @@ def slot_prefixes(
     its remote bit is set, every slot with bit ``4·slot`` in ``reach`` gets its remote bit too.
     """
     words = max(1, -(-slots // _NUMPY_SLOTS))
-    if words == 1:  # array.array converts a list of ints faster than numpy does
+    if words == 1 and isinstance(values, np.ndarray):
+        packed = values.reshape(-1, 1)
+    elif words == 1:  # array.array converts a list of ints faster than numpy does
         packed = np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
     else:
         width = 8 * words
-        raw = b"".join(v.to_bytes(width, "little") for v in values)
+        raw = b"".join(int(v).to_bytes(width, "little") for v in values)
         packed = np.frombuffer(raw, dtype="<u8").reshape(-1, words)
     counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
     lent: npt.NDArray[np.uint64] | None = None

@@ -1,0 +1,168 @@
+"""The index's numpy lookup table (``index.table``): it mirrors the entries dict exactly, and
+long-request lookups through it answer like the dict probe and like the hash → worker-set peer."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvstrata.bench.index_peers import SetIndex
+from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index import GlobalIndex, Medium
+from kvstrata.index import core as index_core
+from kvstrata.index.table import SYNC_BACKLOG, ProbeTable
+
+FP = FingerprintDigest(bytes(range(32)))
+BS = 4
+MEDIA = ("GPU", "CPU", "DISK")
+
+
+def _values(table: ProbeTable, keys: list[int]) -> list[int]:
+    return [int(v) for v in table.values(np.array(keys, dtype=np.uint64))]
+
+
+def test_table_mirrors_a_dict_through_inserts_updates_deletes_and_growth() -> None:
+    rng = random.Random(7)
+    entries: dict[int, int] = {}
+    table = ProbeTable()
+    seen: list[int] = []
+    for step in range(40):
+        for _ in range(rng.randrange(1, 3000)):  # up to 60k keys: several growths
+            op = rng.random()
+            if op < 0.6 or not seen:
+                key = rng.getrandbits(64)
+                seen.append(key)
+            else:
+                key = rng.choice(seen)
+            if op < 0.85:
+                entries[key] = rng.getrandbits(64) | 1
+            else:
+                entries.pop(key, None)
+            table.mark(key)
+        table.sync(entries)
+        probe = rng.sample(seen, min(len(seen), 2000)) + [rng.getrandbits(64) for _ in range(50)]
+        assert _values(table, probe) == [entries.get(k, 0) for k in probe], step
+    assert table.usable and not table.pending
+
+
+def test_table_prefix_values_stop_at_the_first_block_nobody_holds() -> None:
+    entries = {k: k + 1 for k in range(5000)}
+    table = ProbeTable()
+    table.sync(entries)
+    for miss_at in (0, 1, 1023, 1024, 1025, 4000, None):
+        keys = list(range(4500))
+        if miss_at is not None:
+            keys[miss_at] = 10**9
+        got = table.prefix_values(np.array(keys, dtype=np.uint64)).tolist()
+        assert got == [k + 1 for k in keys[: 4500 if miss_at is None else miss_at]]
+
+
+def test_keys_wider_than_64_bits_switch_the_table_off() -> None:
+    table = ProbeTable()
+    entries = {2**70: 1}
+    table.mark(2**70)
+    table.sync(entries)
+    assert not table.usable
+
+
+def _tokens(rng: np.random.Generator, blocks: int) -> list[int]:
+    return [int(t) for t in rng.integers(0, 50_000, size=blocks * BS)]
+
+
+def _stored(engine: list[int], tokens: list[int], medium: str, parent: int | None) -> BlockStored:
+    return BlockStored(
+        block_hashes=engine,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def _as_pairs(index: GlobalIndex, hashes: list[int]) -> dict[str, tuple[int, list[int]]]:
+    return {w: (m.blocks, list(m.tier_blocks)) for w, m in index.match(hashes).items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_long_lookups_equal_the_set_peer_on_random_fleets(seed: int) -> None:
+    """Random documents stored by random workers at random depths (chunked, in several
+    media, some with a hole): every lookup, long (table) or short (dict), equals the peer's."""
+    rng = np.random.default_rng(seed)
+    workers = [f"w{i}" for i in range(int(rng.integers(2, 17)))]
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    peer = SetIndex(index, width=16)
+    docs = [_tokens(rng, int(rng.integers(600, 1500))) for _ in range(4)]
+    next_engine = iter(range(1, 10**9))
+    for _ in range(40):
+        worker = workers[int(rng.integers(len(workers)))]
+        doc = docs[int(rng.integers(len(docs)))]
+        depth = int(rng.integers(1, len(doc) // BS + 1))
+        medium = MEDIA[int(rng.integers(len(MEDIA)))]
+        skip = int(rng.integers(0, depth)) if rng.random() < 0.3 else -1  # a hole: chain cut
+        events, parent, start = [], None, 0
+        while start < depth:
+            n = min(int(rng.integers(1, 300)), depth - start)
+            engine = [next(next_engine) for _ in range(n)]
+            if start <= skip < start + n:  # the rest of this chain is orphaned
+                break
+            events.append(_stored(engine, doc[start * BS : (start + n) * BS], medium, parent))
+            parent, start = engine[-1], start + n
+        batch = KVEventBatch(ts=0.0, events=events)
+        index.apply_batch(worker, batch)
+        peer.apply_batch(worker, batch)
+    for doc in docs:
+        hashes = peer.hashes(doc)
+        for length in (len(hashes), 700, 511, 40):
+            assert _as_pairs(index, hashes[:length]) == peer.match(hashes[:length]), length
+        assert index.match(index.request_hashes(None, doc)) == index.match(hashes)
+
+
+def test_table_lookups_follow_removals_epochs_and_wide_fleets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The table path and the dict path agree after removals, a restart and past 16 slots."""
+    rng = np.random.default_rng(5)
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    doc = _tokens(rng, 1200)
+    hashes = index.request_hashes(None, doc).tolist()
+    engine = list(range(1, 1201))
+
+    def both() -> dict[str, tuple[int, list[int]]]:
+        via_table = _as_pairs(index, hashes)
+        monkeypatch.setattr(index_core, "_TABLE_MIN_BLOCKS", 10**9)
+        via_dict = _as_pairs(index, hashes)
+        monkeypatch.setattr(index_core, "_TABLE_MIN_BLOCKS", 512)
+        assert via_table == via_dict
+        return via_table
+
+    for w, medium in (("a", "GPU"), ("b", "CPU"), ("c", "GPU")):
+        index.apply_batch(w, KVEventBatch(ts=0.0, events=[_stored(engine, doc, medium, None)]))
+    assert both()["a"] == (1200, [1200, 0, 0, 0])
+    index.apply_batch("a", KVEventBatch(ts=0.0, events=[BlockRemoved(engine[700:], "GPU")]))
+    index.apply_batch("b", KVEventBatch(ts=0.0, events=[BlockRemoved([engine[5]], "CPU")]))
+    assert both()["a"][0] == 700 and both()["b"][0] == 5
+    index.apply_batch("c", KVEventBatch(ts=0.0, epoch=1, events=[]))
+    index.apply_batch("c", KVEventBatch(ts=0.0, epoch=2, events=[]))  # a restart drops c
+    assert both()["c"][0] == 0
+    for i in range(20):  # past 16 slots the table is off and the dict answers
+        index.store_hashes(f"x{i}", hashes[:900], Medium.DISK)
+    assert both()["x19"] == (900, [0, 0, 900, 0])
+    assert not index.sync_table()
+
+
+def test_the_pending_backlog_stays_bounded_without_long_lookups() -> None:
+    """The simulator stores by router hash and may only look short requests up: the event
+    path syncs, so pending hashes never exceed the backlog plus one call's worth."""
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    rng = random.Random(3)
+    for _ in range(50):
+        hashes = [rng.getrandbits(64) for _ in range(300)]
+        index.store_hashes(f"w{rng.randrange(4)}", hashes, Medium.DEVICE)
+        index.match(hashes[:10])  # short: the dict answers, nothing syncs here
+        assert index._table.pending < SYNC_BACKLOG + 300
+    assert index.sync_table() and not index._table.pending
