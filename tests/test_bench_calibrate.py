@@ -113,7 +113,8 @@ def test_an_isolated_simulated_request_takes_its_live_prefill_time() -> None:
         MODEL,
     )
     profile = sim_profile(reference_cpu(), 16, device_blocks=64, prefill=MODEL)
-    run = simulate(sim_requests(requests, 16), "round-robin", SimConfig(profile=profile, workers=1))
+    config = SimConfig(profile=profile, workers=1, service_noise=0.0)  # deterministic
+    run = simulate(sim_requests(requests, 16), "round-robin", config)
     assert run.ttft_s[0] == pytest.approx(MODEL.seconds(128))  # fresh, nothing running
     # a full hit: the simulator always computes its last *simulated* token (1/32 of a live
     # one), the engine its last live token: they differ by less than one live token's cost
