@@ -57,9 +57,12 @@ of the installed 1.6.1 wheel (engine defaults) and the polynomial timing model,
 ``Polynomial`` model there, ``ai-dynamo/dynamo`` ``lib/mocker/src/common/perf_model.rs`` @
 0894f5c). Matched:
 
-* Prefill forward: ``16.50142 + 1.518344e-2 · T + 4.209989e-7 · T²`` ms for ``T`` new tokens
-  (prefix-cached tokens cost nothing): overhead 16.5 ms, 15.18 µs per token, and
-  ``per_token_ctx_s`` = 2 · 4.21e-10 s so ``T · T/2 · per_token_ctx_s`` is the quadratic term.
+* Prefill: ``16.50142 + 1.518344e-2 · T + 4.209989e-7 · T²`` ms per scheduler iteration of
+  ``T`` new tokens, iterations of at most 8,192 tokens (``max_num_batched_tokens``), the cached
+  prefix free (:class:`ChunkedPolynomialPrefill`; probed: a lone 12,000-token request takes
+  249.6 ms in the replay and here, a 524-token suffix after 11,776 cached tokens 24.6 ms).
+  An iteration that also carries decodes takes the decode step on top (probed: +16 ms over
+  two chunks beside one decode), which ``CostProfile.interference_s`` charges per chunk.
 * Decode step: ``-25.74 p² + 54.01 p + 5.74`` ms (≥ 1 ms), ``p`` = active KV tokens ÷ the
   pool's tokens; linearised at small ``p`` (the trace keeps ``p`` < 0.2) as 5.74 ms + 54.01 ms
   · (mean context 12,035 tokens of the conversation trace ÷ 1,048,576) ≈ 0.62 ms per sequence.
@@ -68,11 +71,10 @@ of the installed 1.6.1 wheel (engine defaults) and the polynomial timing model,
   blocks; no host tier (the mocker offloads nothing by default); LRU eviction
   (``kv_eviction_policy: lru`` in the replay summary).
 
-Not matched (the simulator's worker model, :mod:`kvstrata.sim.worker`): the mocker batches
-several prefills into one 8,192-token iteration (one 16.5 ms overhead per iteration, the
-quadratic on the batch's total), while ours runs one prefill at a time with one overhead; our
-attention term also charges ``new · cached`` (the mocker's polynomial ignores the cached
-prefix); reuse is counted in 64-token blocks there and full 512-token trace blocks here (on
+Not matched (the simulator's worker model, :mod:`kvstrata.sim.worker`): the mocker packs
+several waiting prefills into one 8,192-token iteration (two 12,000-token requests arriving
+together finish at 338 / 495 ms there, 250 / 499 ms here: ours runs one prefill at a time);
+the decode step is linearised; reuse is counted in 64-token blocks there and full 512-token trace blocks here (on
 the conversation trace the infinite-cache reuse differs by 0.0002).
 """
 
@@ -109,6 +111,36 @@ class SimProfile:
             self,
             device_blocks=self.device_blocks if device_blocks is None else device_blocks,
             host_blocks=self.host_blocks if host_blocks is None else host_blocks,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkedPolynomialPrefill(PrefillModel):
+    """The mocker's prefill: one polynomial per scheduler iteration of ≤ ``chunk_tokens``.
+
+    ``seconds(new, cached)`` = Σ over the ``ceil(new / chunk_tokens)`` chunks ``c`` of
+    ``overhead_s + per_token_s · c + per_token_ctx_s · c²/2``; the cached prefix costs
+    nothing (Dynamo's polynomial takes only new tokens). Probed against the 1.6.1 replay: one
+    12,000-token request alone takes 249.6 ms there (= poly(8,192) + poly(3,808)) and here.
+    """
+
+    chunk_tokens: int = 8192
+
+    def seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return self.overhead_s
+        full, rest = divmod(new_tokens, self.chunk_tokens)
+        total = full * self._chunk_s(self.chunk_tokens)
+        return total + (self._chunk_s(rest) if rest else 0.0)
+
+    def marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        return self.seconds(new_tokens, cached_tokens) - self.overhead_s
+
+    def _chunk_s(self, tokens: int) -> float:
+        return self.overhead_s + tokens * self.per_token_s + tokens * tokens / 2.0 * (
+            self.per_token_ctx_s
         )
 
 
@@ -168,12 +200,13 @@ def dynamo_mocker() -> SimProfile:
     block_bytes = kv_bytes * BLOCK_TOKENS
     mean_context_tokens = 12_035  # conversation trace: 144,793,823 input tokens / 12,031 requests
     cost = CostProfile(
-        prefill=PrefillModel(
+        prefill=ChunkedPolynomialPrefill(
             overhead_s=16.50142e-3,
             per_token_s=1.518344e-5,
             per_token_ctx_s=2 * 4.209989e-10,
             kv_bytes_per_token=kv_bytes,
             name="dynamo-mocker-polynomial",
+            chunk_tokens=8192,
         ),
         fetch_s_per_block=_fetch_s(block_bytes, 25e9, 6e9, 10e9),
         decode_interference_s=54.01e-3 * mean_context_tokens / DYNAMO_MOCKER_POOL_TOKENS,
