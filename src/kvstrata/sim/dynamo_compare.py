@@ -21,6 +21,18 @@ Dynamo's KV router breaks exact cost ties at random (``run_synthetic_trace_repla
 docstring says so even at temperature 0), so its runs are repeated (``repeats``) and reported
 as median with the range; ours are deterministic for a seed.
 
+Dynamo's KV router cost (``ai-dynamo/dynamo`` ``lib/kv-router/src/scheduling/selector.rs``
+@ 01690d4, defaults from ``dynamo.llm.KvRouterConfig()`` of 1.6.1: ``prefill_load_scale`` 1,
+``overlap_score_credit`` 1, host / disk credit 0.75 / 0.25, credit decay 0, active-request
+weight 0, temperature 0) is ``max(0, (active_prefill_tokens + isl) / block − overlap_credit)
++ potential_decode_blocks``, lowest wins, exact ties at random. Our ``dynamo`` baseline has the
+same form; what it sees differs (``kvstrata.sim.worker.SimWorker.load``): Dynamo's
+``active_prefill_tokens`` keep a request's uncached tokens from routing to its first token,
+ours drop them when its prefill *starts*; Dynamo's decode term is the *unique* prompt blocks
+of every routed, unfinished request plus the new request's blocks not shared with them
+(``WorkerLoadProjection::potential_decode_blocks``, output blocks untracked by default), ours
+is the running requests' prompt + output blocks, per request, without the new request.
+
 The Dynamo packages are an optional extra (``pip install --no-deps ai-dynamo==1.6.1
 ai-dynamo-runtime==1.6.1 typing_extensions``); :func:`dynamo_unavailable` says why they
 cannot be used. They are imported lazily so nothing else depends on them.

@@ -48,6 +48,7 @@ CPU), from the measurements in ``docs/results.md`` and ``kvstrata.costs.profiles
   disk 14.5 GB/s (page cache warm).
 * Capacities (an assumption sized for small synthetic traces): 64 device blocks (1.5 GB),
   256 host blocks.
+
 ``dynamo-mocker``: NVIDIA Dynamo's simulated vLLM engine ("mocker", ai-dynamo 1.6.1) with its
 default configuration, so ``kvstrata sim`` can be checked against Dynamo's own trace replay
 (:mod:`kvstrata.sim.dynamo_compare`). Sources: ``dynamo.mocker.config.normalize_mocker_config()``
@@ -55,7 +56,8 @@ of the installed 1.6.1 wheel (engine defaults) and the polynomial timing model,
 ``ai-dynamo/aisimulate`` ``crates/core/src/engine/common/perf_model.rs``
 (``polynomial_prefill_time`` / ``polynomial_decode_time``; the 1.6.1 mocker delegates its
 ``Polynomial`` model there, ``ai-dynamo/dynamo`` ``lib/mocker/src/common/perf_model.rs`` @
-0894f5c). Matched:
+0894f5c); the coefficients were checked against the 1.6.1 binary by probing its replay with
+one-request traces (figures below). Matched:
 
 * Prefill: ``16.50142 + 1.518344e-2 · T + 4.209989e-7 · T²`` ms per scheduler iteration of
   ``T`` new tokens, iterations of at most 8,192 tokens (``max_num_batched_tokens``), the cached
@@ -74,8 +76,8 @@ of the installed 1.6.1 wheel (engine defaults) and the polynomial timing model,
 Not matched (the simulator's worker model, :mod:`kvstrata.sim.worker`): the mocker packs
 several waiting prefills into one 8,192-token iteration (two 12,000-token requests arriving
 together finish at 338 / 495 ms there, 250 / 499 ms here: ours runs one prefill at a time);
-the decode step is linearised; reuse is counted in 64-token blocks there and full 512-token trace blocks here (on
-the conversation trace the infinite-cache reuse differs by 0.0002).
+the decode step is linearised; reuse is counted in 64-token blocks there and full 512-token
+trace blocks here (on the conversation trace the infinite-cache reuse differs by 0.0002).
 """
 
 from __future__ import annotations
@@ -139,8 +141,10 @@ class ChunkedPolynomialPrefill(PrefillModel):
         return self.seconds(new_tokens, cached_tokens) - self.overhead_s
 
     def _chunk_s(self, tokens: int) -> float:
-        return self.overhead_s + tokens * self.per_token_s + tokens * tokens / 2.0 * (
-            self.per_token_ctx_s
+        return (
+            self.overhead_s
+            + tokens * self.per_token_s
+            + tokens * tokens / 2.0 * (self.per_token_ctx_s)
         )
 
 
