@@ -32,6 +32,9 @@ ours drop them when its prefill *starts*; Dynamo's decode term is the *unique* p
 of every routed, unfinished request plus the new request's blocks not shared with them
 (``WorkerLoadProjection::potential_decode_blocks``, output blocks untracked by default), ours
 is the running requests' prompt + output blocks, per request, without the new request.
+At the trace's own rate (speed-up 1) the 16 workers are ~5% busy, so the check exercises the
+engine model and block accounting more than routing under contention; ``speedup`` raises the
+load, where those information differences show (``bench dynamo-replay --speedup``).
 
 The Dynamo packages are an optional extra (``pip install --no-deps ai-dynamo==1.6.1
 ai-dynamo-runtime==1.6.1 typing_extensions``); :func:`dynamo_unavailable` says why they
