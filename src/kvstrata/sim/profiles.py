@@ -48,6 +48,36 @@ CPU), from the measurements in ``docs/results.md`` and ``kvstrata.costs.profiles
   disk 14.5 GB/s (page cache warm).
 * Capacities (an assumption sized for small synthetic traces): 64 device blocks (1.5 GB),
   256 host blocks.
+
+``dynamo-mocker``: NVIDIA Dynamo's simulated vLLM engine ("mocker", ai-dynamo 1.6.1) with its
+default configuration, so ``kvstrata sim`` can be checked against Dynamo's own trace replay
+(:mod:`kvstrata.sim.dynamo_compare`). Sources: ``dynamo.mocker.config.normalize_mocker_config()``
+of the installed 1.6.1 wheel (engine defaults) and the polynomial timing model,
+``ai-dynamo/aisimulate`` ``crates/core/src/engine/common/perf_model.rs``
+(``polynomial_prefill_time`` / ``polynomial_decode_time``; the 1.6.1 mocker delegates its
+``Polynomial`` model there, ``ai-dynamo/dynamo`` ``lib/mocker/src/common/perf_model.rs`` @
+0894f5c); the coefficients were checked against the 1.6.1 binary by probing its replay with
+one-request traces (figures below). Matched:
+
+* Prefill: ``16.50142 + 1.518344e-2 · T + 4.209989e-7 · T²`` ms per scheduler iteration of
+  ``T`` new tokens, iterations of at most 8,192 tokens (``max_num_batched_tokens``), the cached
+  prefix free (:class:`ChunkedPolynomialPrefill`; probed: a lone 12,000-token request takes
+  249.6 ms in the replay and here, a 524-token suffix after 11,776 cached tokens 24.6 ms).
+  An iteration that also carries decodes takes the decode step on top (probed: +16 ms over
+  two chunks beside one decode), which ``CostProfile.interference_s`` charges per chunk.
+* Decode step: ``-25.74 p² + 54.01 p + 5.74`` ms (≥ 1 ms), ``p`` = active KV tokens ÷ the
+  pool's tokens; linearised at small ``p`` (the trace keeps ``p`` < 0.2) as 5.74 ms + 54.01 ms
+  · (mean context 12,035 tokens of the conversation trace ÷ 1,048,576) ≈ 0.62 ms per sequence.
+* Chunked prefill with ``max_num_batched_tokens`` = 8,192 (the mocker's vLLM default).
+* Pool: 16,384 blocks of 64 tokens = 1,048,576 tokens per worker = 2,048 of our 512-token
+  blocks; no host tier (the mocker offloads nothing by default); LRU eviction
+  (``kv_eviction_policy: lru`` in the replay summary).
+
+Not matched (the simulator's worker model, :mod:`kvstrata.sim.worker`): the mocker packs
+several waiting prefills into one 8,192-token iteration (two 12,000-token requests arriving
+together finish at 338 / 495 ms there, 250 / 499 ms here: ours runs one prefill at a time);
+the decode step is linearised; reuse is counted in 64-token blocks there and full 512-token
+trace blocks here (on the conversation trace the infinite-cache reuse differs by 0.0002).
 """
 
 from __future__ import annotations
@@ -83,6 +113,38 @@ class SimProfile:
             self,
             device_blocks=self.device_blocks if device_blocks is None else device_blocks,
             host_blocks=self.host_blocks if host_blocks is None else host_blocks,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkedPolynomialPrefill(PrefillModel):
+    """The mocker's prefill: one polynomial per scheduler iteration of ≤ ``chunk_tokens``.
+
+    ``seconds(new, cached)`` = Σ over the ``ceil(new / chunk_tokens)`` chunks ``c`` of
+    ``overhead_s + per_token_s · c + per_token_ctx_s · c²/2``; the cached prefix costs
+    nothing (Dynamo's polynomial takes only new tokens). Probed against the 1.6.1 replay: one
+    12,000-token request alone takes 249.6 ms there (= poly(8,192) + poly(3,808)) and here.
+    """
+
+    chunk_tokens: int = 8192
+
+    def seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return self.overhead_s
+        full, rest = divmod(new_tokens, self.chunk_tokens)
+        total = full * self._chunk_s(self.chunk_tokens)
+        return total + (self._chunk_s(rest) if rest else 0.0)
+
+    def marginal_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        return self.seconds(new_tokens, cached_tokens) - self.overhead_s
+
+    def _chunk_s(self, tokens: int) -> float:
+        return (
+            self.overhead_s
+            + tokens * self.per_token_s
+            + tokens * tokens / 2.0 * (self.per_token_ctx_s)
         )
 
 
@@ -132,9 +194,43 @@ def reference_cpu() -> SimProfile:
     )
 
 
+DYNAMO_MOCKER_POOL_TOKENS: Final = 16_384 * 64
+"""The mocker's default KV pool per worker: 16,384 blocks of 64 tokens (vLLM backend)."""
+
+
+def dynamo_mocker() -> SimProfile:
+    """Dynamo 1.6.1's mocker (vLLM backend, polynomial timing, defaults); module docstring."""
+    kv_bytes = 2 * 32 * 8 * 128 * 2  # any shape: no tier fetches are priced without a host tier
+    block_bytes = kv_bytes * BLOCK_TOKENS
+    mean_context_tokens = 12_035  # conversation trace: 144,793,823 input tokens / 12,031 requests
+    cost = CostProfile(
+        prefill=ChunkedPolynomialPrefill(
+            overhead_s=16.50142e-3,
+            per_token_s=1.518344e-5,
+            per_token_ctx_s=2 * 4.209989e-10,
+            kv_bytes_per_token=kv_bytes,
+            name="dynamo-mocker-polynomial",
+            chunk_tokens=8192,
+        ),
+        fetch_s_per_block=_fetch_s(block_bytes, 25e9, 6e9, 10e9),
+        decode_interference_s=54.01e-3 * mean_context_tokens / DYNAMO_MOCKER_POOL_TOKENS,
+        decode_step_base_s=5.74e-3,
+        prefill_chunk_tokens=8192,
+        block_size=BLOCK_TOKENS,
+    )
+    return SimProfile(
+        "dynamo-mocker",
+        cost,
+        kv_bytes,
+        device_blocks=DYNAMO_MOCKER_POOL_TOKENS // BLOCK_TOKENS,
+        host_blocks=0,
+    )
+
+
 PROFILES: Final[dict[str, Callable[[], SimProfile]]] = {
     "gpu-a100-8b": gpu_a100_8b,
     "reference-cpu": reference_cpu,
+    "dynamo-mocker": dynamo_mocker,
 }
 
 
