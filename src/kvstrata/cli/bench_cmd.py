@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kvstrata.cli import (
+    bench_all,
     bench_eviction,
     bench_hash,
     bench_index,
@@ -28,3 +29,4 @@ def register(sub: Any) -> None:
     bench_index.register(bench_sub)
     bench_vllm.register(bench_sub)
     bench_serving.register(bench_sub)
+    bench_all.register(bench_sub)
