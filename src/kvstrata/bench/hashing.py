@@ -3,13 +3,16 @@
 The question this answers is whether a router can afford to hash every incoming request: the
 router hash must beat vLLM's sha256/pickle scheme (the cost a vLLM-compatible router would pay)
 by a wide margin. All three hash the same Python list of token ids, as a router receives it,
-so list-to-array conversion is part of every measurement; the best of ``repeat`` runs is kept
-to filter out scheduler noise.
+so list-to-array conversion is part of every measurement. The schemes are timed in
+``repeat`` rounds, one run of each per round (so a noisy moment hits all three alike); the
+figures are the medians over the rounds, with every run's figure and the spread of the
+per-round ratio beside them.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,7 +29,7 @@ VOCAB_SIZE = 151_936
 
 @dataclass(frozen=True)
 class HashBenchResult:
-    """Tokens per second of each scheme (full blocks only) and router / baseline."""
+    """Median tokens per second of each scheme (full blocks only) and router / baseline."""
 
     tokens: int
     block_size: int
@@ -35,18 +38,19 @@ class HashBenchResult:
     router_tokens_per_s: float
     baseline_tokens_per_s: float
     ratio: float
+    """Median over rounds of baseline seconds ÷ router seconds in the same round."""
+    ratio_min: float
+    ratio_max: float
+    runs_tokens_per_s: dict[str, list[float]]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - start, 1e-9)
 
 
 def run_hash_bench(
@@ -68,17 +72,26 @@ def run_hash_bench(
     none_hash = vllm_none_hash("sha256")
     router.hashes(token_ids)  # grow its power tables and scratch once, as a live router would
 
-    key_s = _best_seconds(lambda: chain_keys(root, token_ids, block_size), repeat)
-    router_s = _best_seconds(lambda: router.hashes(token_ids), repeat)
-    baseline_s = _best_seconds(
-        lambda: vllm_block_hashes(token_ids, block_size, none_hash=none_hash), repeat
-    )
+    schemes: dict[str, Callable[[], object]] = {
+        "keys": lambda: chain_keys(root, token_ids, block_size),
+        "router": lambda: router.hashes(token_ids),
+        "baseline": lambda: vllm_block_hashes(token_ids, block_size, none_hash=none_hash),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in schemes}
+    for _ in range(repeat):
+        for name, fn in schemes.items():
+            seconds[name].append(_seconds(fn))
+    ratios = [b / r for b, r in zip(seconds["baseline"], seconds["router"], strict=True)]
+    rates = {name: [hashed_tokens / s for s in runs] for name, runs in seconds.items()}
     return HashBenchResult(
         tokens=tokens,
         block_size=block_size,
         repeat=repeat,
-        key_tokens_per_s=hashed_tokens / key_s,
-        router_tokens_per_s=hashed_tokens / router_s,
-        baseline_tokens_per_s=hashed_tokens / baseline_s,
-        ratio=baseline_s / router_s,
+        key_tokens_per_s=statistics.median(rates["keys"]),
+        router_tokens_per_s=statistics.median(rates["router"]),
+        baseline_tokens_per_s=statistics.median(rates["baseline"]),
+        ratio=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        runs_tokens_per_s=rates,
     )

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kvstrata.cli import (
+    bench_all,
     bench_calibrate,
     bench_dynamo,
     bench_eviction,
@@ -32,3 +33,4 @@ def register(sub: Any) -> None:
     bench_serving.register(bench_sub)
     bench_calibrate.register(bench_sub)
     bench_dynamo.register(bench_sub)
+    bench_all.register(bench_sub)
