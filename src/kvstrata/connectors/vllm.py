@@ -192,6 +192,12 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.save(plan.saves, skip=self._failed)
         self._worker.end_step()
 
+    def drain_write_back(self) -> None:
+        """Worker side: return once every write-back queued so far has reached its tier (a
+        benchmark's "stored" point; vLLM itself never calls it)."""
+        if self._worker is not None:
+            self._worker.store.flush()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
