@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvstrata.errors import InvalidInput
@@ -177,10 +178,18 @@ class ValuePolicy(LeafHeapPolicy):
         demotion_fetch_s_per_byte: float | None = None,
         samples: int = DEFAULT_SAMPLES,
         seed: int = 0,
+        ghost_factor: float = 0.0,
+        ghost_uses: bool = False,
     ) -> None:
         super().__init__()
         if samples < 1:
             raise InvalidInput(f"samples must be >= 1, got {samples}")
+        if ghost_factor < 0.0:
+            raise InvalidInput(f"ghost_factor must be >= 0, got {ghost_factor}")
+        self._ghost_factor = ghost_factor
+        self._ghost_uses = ghost_uses
+        # removed key -> (uses, last use): its fate is recorded when it returns or ages out
+        self._ghost: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
         self._fetch_s_per_byte = demotion_fetch_s_per_byte
         self._samples = samples
         self._rng = random.Random(seed)
@@ -207,7 +216,14 @@ class ValuePolicy(LeafHeapPolicy):
     def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
         self._now = max(self._now, now)
         key = meta.key
-        self._uses[key] = 1
+        ghost = self._ghost.pop(key, None)
+        uses = 1
+        if ghost is not None:
+            # a miss on a key this tier removed: had it been kept, this was a hit at that age
+            self.density.record(use_class(ghost[0]), now - ghost[1], hit=True)
+            if self._ghost_uses:
+                uses = ghost[0] + 1
+        self._uses[key] = uses
         self._last_use[key] = now
         self._value_per_byte[key] = value_per_byte(meta, self._fetch_s_per_byte)
         return now  # the base heap keeps LRU order: the fallback when sampling fails
@@ -222,9 +238,17 @@ class ValuePolicy(LeafHeapPolicy):
 
     def _forget(self, key: BlockKey) -> None:
         uses = self._uses.pop(key)
-        age = self._now - self._last_use.pop(key)
+        last_use = self._last_use.pop(key)
         del self._value_per_byte[key]
-        self.density.record(use_class(uses), age, hit=False)
+        if self._ghost_factor <= 0.0:
+            self.density.record(use_class(uses), self._now - last_use, hit=False)
+            return
+        self._ghost[key] = (uses, last_use)
+        self._ghost.move_to_end(key)
+        limit = max(int(self._ghost_factor * len(self)), 1)
+        while len(self._ghost) > limit:
+            _, (old_uses, old_last) = self._ghost.popitem(last=False)
+            self.density.record(use_class(old_uses), self._now - old_last, hit=False)
 
     def _leaf_changed(self, key: BlockKey, is_leaf: bool) -> None:
         if is_leaf:
