@@ -24,6 +24,12 @@ VARIANTS: dict[str, Callable[[], EvictionPolicy]] = {
     "v1-ghost1": lambda: ValuePolicy(ghost_factor=1.0),
     "v1-ghost8": lambda: ValuePolicy(ghost_factor=8.0),
     "v2-ghost8-uses": lambda: ValuePolicy(ghost_factor=8.0, ghost_uses=True),
+    "v3-ghost8-uses-censored": lambda: ValuePolicy(
+        ghost_factor=8.0, ghost_uses=True, ghost_censored=True
+    ),
+    "v3-ghost1-uses-censored": lambda: ValuePolicy(
+        ghost_factor=1.0, ghost_uses=True, ghost_censored=True
+    ),
 }
 
 

@@ -59,6 +59,7 @@ def _belady_never() -> BeladyPolicy:
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "kvstrata": ValuePolicy,
+    "kvstrata-ghost": lambda: ValuePolicy(ghost_factor=8.0, ghost_uses=True, ghost_censored=True),
     "belady": _belady_never,
     **{
         name: (lambda factory=factory: factory(None)) for name, factory in DEPLOYED_POLICIES.items()
@@ -351,3 +352,23 @@ def test_future_accesses_next_use() -> None:
     oracle.advance(1)
     assert oracle.next_use("a") == NEVER
     assert oracle.next_use("zzz") == NEVER
+
+
+def test_value_policy_ghost_records_a_returning_key_as_a_hit_at_its_reuse_age() -> None:
+    """A key removed and inserted again 30 s after its last use is, for the histograms, a
+    hit at age 30 s in its old class (what keeping it would have earned), and with
+    ``ghost_uses`` it comes back with its use count."""
+    policy = ValuePolicy(ghost_factor=8.0, ghost_uses=True)
+    policy.on_insert(meta(1), now=0.0)
+    policy.on_access(meta(1).key, now=5.0)  # two uses, last at 5 s
+    policy.on_remove(meta(1).key)
+    bucket = age_bucket(30.0)
+    before = policy.density.hits[use_class(2)][bucket]
+    policy.on_insert(meta(1), now=35.0)
+    assert policy.density.hits[use_class(2)][bucket] == before + 1.0
+    assert policy._uses[meta(1).key] == 3
+    plain = ValuePolicy()
+    plain.on_insert(meta(1), now=0.0)
+    plain.on_remove(meta(1).key)
+    plain.on_insert(meta(1), now=35.0)
+    assert plain.density.hits[0][age_bucket(35.0)] == 0.0

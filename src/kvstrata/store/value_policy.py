@@ -134,6 +134,9 @@ class HitDensity:
             for c in range(USE_CLASSES)
         ]
         self._events = 0
+        self.pending: Callable[[], list[tuple[int, float]]] | None = None
+        """Objects whose fate is still open (a ghost not yet back): counted as exits at their
+        current age in each reconfiguration only (censored, not forgotten)."""
 
     def record(self, use_cls: int, age_s: float, *, hit: bool) -> None:
         table = self.hits if hit else self.exits
@@ -145,6 +148,18 @@ class HitDensity:
 
     def reconfigure(self) -> None:
         """Recompute every class's density curve from its (aged) histograms, then age them."""
+        pending = self.pending() if self.pending is not None else []
+        for cls, age in pending:
+            self.exits[cls][age_bucket(age)] += 1.0
+        self._recompute()
+        for cls, age in pending:
+            self.exits[cls][age_bucket(age)] -= 1.0
+        for cls in range(USE_CLASSES):
+            for bucket in range(MAX_AGE_BUCKET):
+                self.hits[cls][bucket] *= DECAY
+                self.exits[cls][bucket] *= DECAY
+
+    def _recompute(self) -> None:
         for cls in range(USE_CLASSES):
             hits, exits, density = self.hits[cls], self.exits[cls], self.density[cls]
             if not any(hits) and not any(exits):
@@ -159,9 +174,6 @@ class HitDensity:
                 weighted += count * _BUCKET_MID[bucket]
                 lifetime = weighted - events * _BUCKET_START[bucket]
                 density[bucket] = future_hits / lifetime if lifetime > 0.0 else 0.0
-            for bucket in range(MAX_AGE_BUCKET):
-                hits[bucket] *= DECAY
-                exits[bucket] *= DECAY
 
     def at(self, use_cls: int, age_s: float) -> float:
         return self.density[use_cls][age_bucket(age_s)]
@@ -180,6 +192,7 @@ class ValuePolicy(LeafHeapPolicy):
         seed: int = 0,
         ghost_factor: float = 0.0,
         ghost_uses: bool = False,
+        ghost_censored: bool = False,
     ) -> None:
         super().__init__()
         if samples < 1:
@@ -200,6 +213,11 @@ class ValuePolicy(LeafHeapPolicy):
         self._value_per_byte: dict[BlockKey, float] = {}
         self._now = 0.0
         self.density = HitDensity()
+        if ghost_censored:
+            self.density.pending = self._pending_ghosts
+
+    def _pending_ghosts(self) -> list[tuple[int, float]]:
+        return [(use_class(uses), self._now - last) for uses, last in self._ghost.values()]
 
     # ---- value ---------------------------------------------------------------------------
     def saved_s(self, meta: KVObjectMeta) -> float:
