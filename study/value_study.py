@@ -41,7 +41,7 @@ def main() -> None:
     if name == "mooncake":
         requests = read_trace(data / "mooncake" / "conversation_trace.jsonl")
     else:
-        requests = generate(preset(name, 0), data)
+        requests = generate(preset(name, int(sys.argv[4]) if len(sys.argv) > 4 else 0), data)
     requests = requests[:count]
     trace = SimulatedTrace.build(requests, PROFILES["smollm2-cpu"]())
     distinct = len(trace.meta)

@@ -58,6 +58,22 @@ Constants (none fitted to a trace):
   LRU within a class, frequency across classes (GDSF-like).
 * ``seed`` — the sampling RNG is seeded so that replays are deterministic.
 
+Ghost (optional, off by default; issue 15 item 3 study, ``study/value_study.py``): the
+histograms above are *censored* by the policy itself. In a small tier every object leaves
+before the age at which a conversation's next turn comes back (Mooncake, 2% of the distinct
+blocks: all use-class-0 objects gone by ~30 s), so no hit is ever recorded past that age,
+the density there reads 0, and the policy keeps evicting what it never sees reused —
+including blocks already reused (S3-FIFO never evicts those at that size; this policy did).
+``ghost_factor=f`` keeps the keys of removed objects (key, use count, last use; no payload)
+in a FIFO of up to ``f`` × the resident count, as S3-FIFO's and ARC's ghosts do: a key that
+comes back is recorded as the hit it would have been, at its reuse age, and an exit only
+when it leaves the ghost; ``ghost_uses`` restores its use count (ARC/S3-FIFO promote a
+ghost hit likewise); ``ghost_censored`` counts keys still in the ghost as exits at their
+current age in each reconfiguration (without it, a ghost that has not yet overflowed
+records only the returns, and densities of old ages are overestimated). The censored scan
+is O(ghost) per reconfiguration: fine for the study, to be made incremental before it is
+a default for large tiers.
+
 Limits, measured with ``kvstrata bench eviction``: leaf-first eviction makes most candidates
 the tails of their chains — blocks used once, whose fate is their conversation's: all of a
 turn's blocks are reused together when (if) the next turn comes. An oracle that knows only
