@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
+from kvstrata.store.adaptive import AdaptivePolicy
 from kvstrata.store.belady import NEVER, BeladyPolicy, FutureAccesses
 from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, ValuePolicy
@@ -58,7 +59,9 @@ def _belady_never() -> BeladyPolicy:
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
-    "kvstrata": ValuePolicy,
+    "kvstrata": AdaptivePolicy,
+    "kvstrata-small-shadow": lambda: AdaptivePolicy(shadow_objects=2, half_life_references=4),
+    "kvstrata-value": ValuePolicy,
     "kvstrata-ghost": lambda: ValuePolicy(ghost_factor=8.0, ghost_uses=True, ghost_censored=True),
     "belady": _belady_never,
     **{
