@@ -71,8 +71,9 @@ when it leaves the ghost; ``ghost_uses`` restores its use count (ARC/S3-FIFO pro
 ghost hit likewise); ``ghost_censored`` counts keys still in the ghost as exits at their
 current age in each reconfiguration (without it, a ghost that has not yet overflowed
 records only the returns, and densities of old ages are overestimated). The censored scan
-is O(ghost) per reconfiguration: fine for the study, to be made incremental before it is
-a default for large tiers.
+is O(ghost) per reconfiguration (one per 1024 events: O(8 n / 1024) amortised per event);
+``AdaptivePolicy`` runs this variant as one of its candidates, so on a large tier it is
+worth making incremental.
 
 Limits, measured with ``kvstrata bench eviction``: leaf-first eviction makes most candidates
 the tails of their chains — blocks used once, whose fate is their conversation's: all of a
