@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
+from kvstrata.store.adaptive import AdaptivePolicy
 from kvstrata.store.belady import NEVER, BeladyPolicy, FutureAccesses
 from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
-from kvstrata.store.value_policy import HitDensity, age_bucket, use_class
+from kvstrata.store.value_policy import DECAY, HitDensity, age_bucket, use_class
 
 REPRESENTATION = Representation(dtype="float32", layout="test", block_size=16, shape=(16,))
 
@@ -58,7 +59,10 @@ def _belady_never() -> BeladyPolicy:
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
-    "kvstrata": ValuePolicy,
+    "kvstrata": AdaptivePolicy,
+    "kvstrata-small-shadow": lambda: AdaptivePolicy(shadow_objects=2, half_life_references=4),
+    "kvstrata-value": ValuePolicy,
+    "kvstrata-ghost": lambda: ValuePolicy(ghost_factor=8.0, ghost_uses=True, ghost_censored=True),
     "belady": _belady_never,
     **{
         name: (lambda factory=factory: factory(None)) for name, factory in DEPLOYED_POLICIES.items()
@@ -351,3 +355,42 @@ def test_future_accesses_next_use() -> None:
     oracle.advance(1)
     assert oracle.next_use("a") == NEVER
     assert oracle.next_use("zzz") == NEVER
+
+
+def test_value_policy_ghost_records_a_returning_key_as_a_hit_at_its_reuse_age() -> None:
+    """A key removed and inserted again 30 s after its last use is, for the histograms, a
+    hit at age 30 s in its old class (what keeping it would have earned), and with
+    ``ghost_uses`` it comes back with its use count."""
+    policy = ValuePolicy(ghost_factor=8.0, ghost_uses=True)
+    policy.on_insert(meta(1), now=0.0)
+    policy.on_access(meta(1).key, now=5.0)  # two uses, last at 5 s
+    policy.on_remove(meta(1).key)
+    bucket = age_bucket(30.0)
+    before = policy.density.hits[use_class(2)][bucket]
+    policy.on_insert(meta(1), now=35.0)
+    assert policy.density.hits[use_class(2)][bucket] == before + 1.0
+    assert policy._uses[meta(1).key] == 3
+    plain = ValuePolicy()
+    plain.on_insert(meta(1), now=0.0)
+    plain.on_remove(meta(1).key)
+    plain.on_insert(meta(1), now=35.0)
+    assert plain.density.hits[0][age_bucket(35.0)] == 0.0
+
+
+def test_value_policy_ghost_censored_counts_pending_ghosts_only_while_reconfiguring() -> None:
+    """A key still in the ghost is an exit at its current age for the density computation,
+    so one return and one pending key give half the density of one return alone; the stored
+    exit histogram is left as it was (the pending key may still come back)."""
+    densities = []
+    for censored in (False, True):
+        policy = ValuePolicy(ghost_factor=8.0, ghost_censored=censored)
+        for number in (1, 2):
+            policy.on_insert(meta(number), now=0.0)
+            policy.on_remove(meta(number).key)
+        policy.on_insert(meta(1), now=100.0)  # key 1 returns at age 100 s; key 2 pending
+        exits_before = [row[:] for row in policy.density.exits]
+        policy.density.reconfigure()
+        assert policy.density.exits == [[v * DECAY for v in row] for row in exits_before]
+        densities.append(policy.density.at(0, 0.0))
+    assert densities[0] > 0.0
+    assert densities[1] == pytest.approx(densities[0] / 2, rel=0.2)

@@ -37,13 +37,16 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.objects.chains import chain_metas
+from kvstrata.store.adaptive import AdaptivePolicy
 from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses, LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
 
-POLICY_NAMES: tuple[str, ...] = ("lru", *DEPLOYED_POLICIES, "kvstrata", "belady")
-"""LRU, the deployed peers (``kvstrata.store.deployed``), kvstrata, and the oracle."""
+POLICY_NAMES: tuple[str, ...] = ("lru", *DEPLOYED_POLICIES, "kvstrata-value", "kvstrata", "belady")
+"""LRU, the deployed peers (``kvstrata.store.deployed``), kvstrata's value policy alone
+(``kvstrata-value``), kvstrata (``AdaptivePolicy``, which chooses among candidates that include
+it), and the oracle."""
 
 DEFAULT_CAPACITIES: tuple[int, ...] = (10_000, 30_000, 100_000)
 """Blocks. On the Mooncake conversation trace (182,790 distinct blocks) these span the
@@ -159,6 +162,8 @@ def make_policy(name: str, trace: SimulatedTrace) -> EvictionPolicy:
     if name == "lru":
         return LRUPolicy()
     if name == "kvstrata":
+        return AdaptivePolicy()
+    if name == "kvstrata-value":
         return ValuePolicy()
     if name in DEPLOYED_POLICIES:
         return DEPLOYED_POLICIES[name](None)

@@ -102,7 +102,8 @@ KEYS: Final[tuple[Key, ...]] = (
         "tiers.eviction_policy",
         "str",
         "kvstrata",
-        "kvstrata (by measured value) | lru | s3fifo | arc | gdsf | tinylfu",
+        "kvstrata (adaptive: the candidate its miniature simulations find saves most)"
+        " | kvstrata-value (by measured value alone) | lru | s3fifo | arc | gdsf | tinylfu",
     ),
     Key("tiers.verify_reads", "bool", True, "check the payload digest on every read"),
     Key("tiers.selective_min_uses", "int", 2, "selective: uses before an object is admitted"),

@@ -19,6 +19,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import TierSpec, WorkerConfig
 from kvstrata.runtime.remote_metrics import RemoteTierCollector
 from kvstrata.security.audit import NULL_AUDIT, AuditLog
+from kvstrata.store.adaptive import AdaptivePolicy
 from kvstrata.store.config import TierConfig
 from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
@@ -41,10 +42,12 @@ def eviction_policy(name: str, demotion_fetch_s_per_byte: float | None = None) -
     if name == "lru":
         return LRUPolicy()
     if name == "kvstrata":
+        return AdaptivePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
+    if name == "kvstrata-value":
         return ValuePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
     if name in DEPLOYED_POLICIES:
         return DEPLOYED_POLICIES[name](demotion_fetch_s_per_byte)
-    known = ", ".join(("kvstrata", "lru", *DEPLOYED_POLICIES))
+    known = ", ".join(("kvstrata", "kvstrata-value", "lru", *DEPLOYED_POLICIES))
     raise ConfigError(f"unknown eviction policy {name!r}; known: {known}")
 
 

@@ -58,6 +58,23 @@ Constants (none fitted to a trace):
   LRU within a class, frequency across classes (GDSF-like).
 * ``seed`` — the sampling RNG is seeded so that replays are deterministic.
 
+Ghost (optional, off by default; issue 15 item 3 study, ``study/value_study.py``): the
+histograms above are *censored* by the policy itself. In a small tier every object leaves
+before the age at which a conversation's next turn comes back (Mooncake, 2% of the distinct
+blocks: all use-class-0 objects gone by ~30 s), so no hit is ever recorded past that age,
+the density there reads 0, and the policy keeps evicting what it never sees reused —
+including blocks already reused (S3-FIFO never evicts those at that size; this policy did).
+``ghost_factor=f`` keeps the keys of removed objects (key, use count, last use; no payload)
+in a FIFO of up to ``f`` × the resident count, as S3-FIFO's and ARC's ghosts do: a key that
+comes back is recorded as the hit it would have been, at its reuse age, and an exit only
+when it leaves the ghost; ``ghost_uses`` restores its use count (ARC/S3-FIFO promote a
+ghost hit likewise); ``ghost_censored`` counts keys still in the ghost as exits at their
+current age in each reconfiguration (without it, a ghost that has not yet overflowed
+records only the returns, and densities of old ages are overestimated). The censored scan
+is O(ghost) per reconfiguration (one per 1024 events: O(8 n / 1024) amortised per event);
+``AdaptivePolicy`` runs this variant as one of its candidates, so on a large tier it is
+worth making incremental.
+
 Limits, measured with ``kvstrata bench eviction``: leaf-first eviction makes most candidates
 the tails of their chains — blocks used once, whose fate is their conversation's: all of a
 turn's blocks are reused together when (if) the next turn comes. An oracle that knows only
@@ -71,6 +88,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvstrata.errors import InvalidInput
@@ -133,6 +151,9 @@ class HitDensity:
             for c in range(USE_CLASSES)
         ]
         self._events = 0
+        self.pending: Callable[[], list[tuple[int, float]]] | None = None
+        """Objects whose fate is still open (a ghost not yet back): counted as exits at their
+        current age in each reconfiguration only (censored, not forgotten)."""
 
     def record(self, use_cls: int, age_s: float, *, hit: bool) -> None:
         table = self.hits if hit else self.exits
@@ -144,6 +165,18 @@ class HitDensity:
 
     def reconfigure(self) -> None:
         """Recompute every class's density curve from its (aged) histograms, then age them."""
+        pending = self.pending() if self.pending is not None else []
+        for cls, age in pending:
+            self.exits[cls][age_bucket(age)] += 1.0
+        self._recompute()
+        for cls, age in pending:
+            self.exits[cls][age_bucket(age)] -= 1.0
+        for cls in range(USE_CLASSES):
+            for bucket in range(MAX_AGE_BUCKET):
+                self.hits[cls][bucket] *= DECAY
+                self.exits[cls][bucket] *= DECAY
+
+    def _recompute(self) -> None:
         for cls in range(USE_CLASSES):
             hits, exits, density = self.hits[cls], self.exits[cls], self.density[cls]
             if not any(hits) and not any(exits):
@@ -158,9 +191,6 @@ class HitDensity:
                 weighted += count * _BUCKET_MID[bucket]
                 lifetime = weighted - events * _BUCKET_START[bucket]
                 density[bucket] = future_hits / lifetime if lifetime > 0.0 else 0.0
-            for bucket in range(MAX_AGE_BUCKET):
-                hits[bucket] *= DECAY
-                exits[bucket] *= DECAY
 
     def at(self, use_cls: int, age_s: float) -> float:
         return self.density[use_cls][age_bucket(age_s)]
@@ -177,10 +207,19 @@ class ValuePolicy(LeafHeapPolicy):
         demotion_fetch_s_per_byte: float | None = None,
         samples: int = DEFAULT_SAMPLES,
         seed: int = 0,
+        ghost_factor: float = 0.0,
+        ghost_uses: bool = False,
+        ghost_censored: bool = False,
     ) -> None:
         super().__init__()
         if samples < 1:
             raise InvalidInput(f"samples must be >= 1, got {samples}")
+        if ghost_factor < 0.0:
+            raise InvalidInput(f"ghost_factor must be >= 0, got {ghost_factor}")
+        self._ghost_factor = ghost_factor
+        self._ghost_uses = ghost_uses
+        # removed key -> (uses, last use): its fate is recorded when it returns or ages out
+        self._ghost: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
         self._fetch_s_per_byte = demotion_fetch_s_per_byte
         self._samples = samples
         self._rng = random.Random(seed)
@@ -191,6 +230,11 @@ class ValuePolicy(LeafHeapPolicy):
         self._value_per_byte: dict[BlockKey, float] = {}
         self._now = 0.0
         self.density = HitDensity()
+        if ghost_censored:
+            self.density.pending = self._pending_ghosts
+
+    def _pending_ghosts(self) -> list[tuple[int, float]]:
+        return [(use_class(uses), self._now - last) for uses, last in self._ghost.values()]
 
     # ---- value ---------------------------------------------------------------------------
     def saved_s(self, meta: KVObjectMeta) -> float:
@@ -207,7 +251,14 @@ class ValuePolicy(LeafHeapPolicy):
     def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
         self._now = max(self._now, now)
         key = meta.key
-        self._uses[key] = 1
+        ghost = self._ghost.pop(key, None)
+        uses = 1
+        if ghost is not None:
+            # a miss on a key this tier removed: had it been kept, this was a hit at that age
+            self.density.record(use_class(ghost[0]), now - ghost[1], hit=True)
+            if self._ghost_uses:
+                uses = ghost[0] + 1
+        self._uses[key] = uses
         self._last_use[key] = now
         self._value_per_byte[key] = value_per_byte(meta, self._fetch_s_per_byte)
         return now  # the base heap keeps LRU order: the fallback when sampling fails
@@ -222,9 +273,17 @@ class ValuePolicy(LeafHeapPolicy):
 
     def _forget(self, key: BlockKey) -> None:
         uses = self._uses.pop(key)
-        age = self._now - self._last_use.pop(key)
+        last_use = self._last_use.pop(key)
         del self._value_per_byte[key]
-        self.density.record(use_class(uses), age, hit=False)
+        if self._ghost_factor <= 0.0:
+            self.density.record(use_class(uses), self._now - last_use, hit=False)
+            return
+        self._ghost[key] = (uses, last_use)
+        self._ghost.move_to_end(key)
+        limit = max(int(self._ghost_factor * len(self)), 1)
+        while len(self._ghost) > limit:
+            _, (old_uses, old_last) = self._ghost.popitem(last=False)
+            self.density.record(use_class(old_uses), self._now - old_last, hit=False)
 
     def _leaf_changed(self, key: BlockKey, is_leaf: bool) -> None:
         if is_leaf:
