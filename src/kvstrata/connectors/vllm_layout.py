@@ -180,7 +180,7 @@ class BlockCodec:
 
     # CPU tensors are copied with numpy: plain single-threaded memcpy. torch's copy kernels
     # fan out to its OpenMP pool, and on a busy small machine (vLLM's own threads included)
-    # their spin-waits made loads many times slower (docs/results.md, vLLM connector).
+    # their spin-waits made loads many times slower (docs/results-history.md, vLLM connector).
     def _layers(self) -> Iterator[tuple[torch.Tensor, LayerLayout, int, int]]:
         yield from zip(self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=True)
 

@@ -8,7 +8,7 @@ cannot pin three unknowns, so the ratio b / a is fixed from the architecture and
   = (4 · hidden · layers) / (2 · params incl. the tied LM head)
   = (4 · 576 · 30) / (2 · 134.5 M) = 2.57e-4 for SmolLM2-135M (hidden 576, 30 layers,
   106.2 M non-embedding parameters + a 49,152 × 576 LM head);
-* the timings (``docs/results.md``, ``kvstrata bench ttft``): a fresh 2,048-token prefill,
+* the timings (``docs/results-history.md``, ``kvstrata bench ttft``): a fresh 2,048-token prefill,
   3.9 s (the less contended end of the measured 3.9–6 s), and a 16-token forward over 2,032
   cached tokens, 0.14 s. Without ``t0`` these give a negative ``a`` (16 tokens cost 8.8 ms
   each, 2,048 tokens 1.9 ms each: the short forward is dominated by fixed cost).

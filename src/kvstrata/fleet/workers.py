@@ -311,8 +311,8 @@ def default_profile(block_size: int) -> CostProfile:
     """A prior for a CPU reference worker until its own requests refit the prefill model.
 
     The per-token cost is SmolLM2's fresh 2k-token prefill on this project's 2-core machines
-    (``bench ttft``, ``docs/results.md``) divided by its tokens; host-tier fetches cost about
-    1/25 of recomputing per token there. The online fit replaces both within a few requests.
+    (``bench ttft``, ``docs/results-history.md``) divided by its tokens; host-tier fetches cost
+    about 1/25 of recomputing per token there. The online fit replaces both within a few requests.
     """
     return CostProfile(
         prefill=PrefillModel(overhead_s=0.02, per_token_s=2.3e-3, per_token_ctx_s=0.0),

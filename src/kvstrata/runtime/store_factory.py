@@ -5,7 +5,8 @@ Defaults and where they come from:
   (``s3fifo``, ``arc``, ``gdsf``, ``tinylfu``: ``kvstrata.store.deployed``) for comparison;
 - the host level's policy prices demotion with the disk tier's fetch cost
   (``DISK_FETCH_S_PER_BYTE``, from ``kvstrata bench tiers`` on this project's machines; see
-  ``docs/results.md``): evicting a block that is also on disk loses less than one that is not.
+  ``docs/results-history.md``): evicting a block that is also on disk loses less than one
+  that is not.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ efficiency assumptions named:
   tokens); host DRAM tier 4× that, 3,072 blocks = 201 GiB per GPU (1.6 TiB per 8-GPU node).
 
 ``reference-cpu``: this project's reference engine (SmolLM2-135M, fp32, torch on the 2-core
-CPU), from the measurements in ``docs/results.md`` and ``kvstrata.costs.profiles``:
+CPU), from the measurements in ``docs/results-history.md`` and ``kvstrata.costs.profiles``:
 
 * Prefill: ``kvstrata.costs.smollm2_cpu()`` — fitted to ``kvstrata bench ttft``'s fresh
   2,048-token prefill (3.9 s) and a 16-token forward over 2,032 cached tokens (0.14 s), with

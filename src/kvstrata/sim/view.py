@@ -29,7 +29,7 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
 **Service-time noise** (:class:`ServiceNoise`): each executed prefill (fetch + compute +
 decode interference) lasts its model time × ``w · e``, with ``e ~ lognormal(0, σ)`` drawn
 per job and ``w ~ lognormal(0, σ/2)`` drawn once per worker (a persistent slowdown: clocks,
-thermals, a noisy neighbour). Default σ = 0.1. Grounding, from ``docs/results.md``: fresh
+thermals, a noisy neighbour). Default σ = 0.1. Grounding, from ``docs/results-history.md``: fresh
 2,048-token prefills on the reference engine on a quiet machine (issue 9 table: 4.71–4.96 s
 over eight runs) have a log-spread of ≈ 0.017 — a lower bound, one process alone; the same
 prefill on the loaded shared machine ranged 2.8–9.3 s (log-spread ≈ 0.3) — an upper bound.

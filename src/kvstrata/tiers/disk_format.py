@@ -9,7 +9,7 @@ The payload starts at a multiple of ``PAYLOAD_ALIGN`` (the meta JSON is padded w
 the tier reads into buffers aligned the same way. Why: the kernel's page-cache → user copy is
 much slower on some CPUs when source and destination addresses differ by a small non-multiple
 of 64 modulo 4096 — exactly what an mmap'd ``malloc`` buffer and a page-aligned payload
-produce; equal alignment avoids it (figures in ``docs/results.md``, disk tier).
+produce; equal alignment avoids it (figures in ``docs/results-history.md``, disk tier).
 
 The meta checksum lets recovery reject a flipped bit in the metadata (which the payload digest
 does not cover); the exact file size rejects truncation and trailing garbage. Nothing here
