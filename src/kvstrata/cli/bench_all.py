@@ -122,7 +122,8 @@ PLAN: Final[tuple[Entry, ...]] = (
     Entry(
         "sim-mooncake",
         _cmd(
-            "sim --trace {mooncake} --workers 16 --policies all --plot {plots}/sim-mooncake.png --json"
+            "sim --trace {mooncake} --workers 16 --policies all "
+            "--plot {plots}/sim-mooncake.png --json"
         ),
         "Cluster simulator, one run at the default load: p50/p99 TTFT and hit rate of every "
         "routing policy on 16 workers (TTFT CDFs plotted).",
@@ -136,14 +137,16 @@ PLAN: Final[tuple[Entry, ...]] = (
     Entry(
         "sim-loads-mooncake",
         _cmd(
-            "sim --trace {mooncake} --workers 16 --loads 0.5,0.7,0.9 --repeats 5 --jobs 2 --json --quiet"
+            "sim --trace {mooncake} --workers 16 --loads 0.5,0.7,0.9 --repeats 5 --jobs 2 "
+            "--json --quiet"
         ),
         "Cluster simulator, the headline: every policy tuned on window 0, then p50/p99 TTFT and "
         "hit rate as median [5th, 95th percentile] over 5 disjoint windows at three loads; the "
         "router sees only a live router's view (online fit, its own queue estimates), service "
         "times carry noise.",
         quick=_cmd(
-            "sim --trace {mooncake} --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 --json --quiet"
+            "sim --trace {mooncake} --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 "
+            "--json --quiet"
         ),
         needs=(MOONCAKE,),
     ),
@@ -156,7 +159,8 @@ PLAN: Final[tuple[Entry, ...]] = (
         "As above on the synthetic chat preset: seed 0 tunes, seeds 1–5 evaluate (first 3,000 "
         "requests of each).",
         quick=_cmd(
-            "sim --synthetic chat --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 --json --quiet"
+            "sim --synthetic chat --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 "
+            "--json --quiet"
         ),
     ),
     Entry(
