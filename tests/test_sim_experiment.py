@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from kvstrata.cli.main import main
 from kvstrata.router import POLICIES
-from kvstrata.router.policies import DynamoWeights, LlmdScorerPolicy, LlmdWeights
+from kvstrata.router.dynamo_policy import DynamoWeights
+from kvstrata.router.policies import LlmdScorerPolicy, LlmdWeights
 from kvstrata.router.specs import format_spec, parse_spec
 from kvstrata.sim import experiment
 from kvstrata.sim.cluster import SimConfig

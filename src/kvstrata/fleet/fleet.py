@@ -453,6 +453,8 @@ class Fleet:
     def first_token(self, reservation: Reservation, now: float) -> float | None:
         """Record the first token (TTFT); learn the prefill model from it if it ran alone."""
         with self._lock:
+            if self._router is not None:
+                self._router.first_token(reservation.request_id)
             state = self._state_of(reservation)
             if state is None:
                 return None
@@ -479,6 +481,8 @@ class Fleet:
     ) -> None:
         """Release the reservation; learn the output length and decode step from it."""
         with self._lock:
+            if self._router is not None:
+                self._router.finished(reservation.request_id)
             state = self._state_of(reservation)
             if state is not None:
                 state.finish(reservation.request_id, now, completion_tokens, ttft_s)
@@ -490,6 +494,8 @@ class Fleet:
         one owner of worker lifecycle; an unhealthy worker is never chosen meanwhile.
         """
         with self._lock:
+            if self._router is not None:
+                self._router.finished(reservation.request_id)
             state = self._state_of(reservation)
             if state is not None:
                 state.finish(reservation.request_id, time.time(), None, None)

@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstrata.index.core import ConsistencyMode, GlobalIndex
-from kvstrata.router.model import RouteDecision, RouteRequest, RoutingPolicy, WorkerLoad
+from kvstrata.router.model import (
+    RequestLifecycle,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerLoad,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -28,6 +34,7 @@ class Router:
         self.index = index
         self.policy = policy
         self.recent: deque[RouteDecision] = deque(maxlen=keep_decisions)
+        self._lifecycle = policy if isinstance(policy, RequestLifecycle) else None
 
     def route(
         self,
@@ -47,6 +54,18 @@ class Router:
             if self.index.mode is ConsistencyMode.APPROXIMATE:
                 self.index.record_route(decision.worker_id, list(hashes), now)
             self.recent.append(decision)
+            if self._lifecycle is not None:
+                self._lifecycle.routed(request, decision)
             if _log.isEnabledFor(logging.DEBUG):
                 _log.debug("route %s", decision.to_dict())
         return decision
+
+    def first_token(self, request_id: str) -> None:
+        """The request's first token came back (policies with a lifecycle record are told)."""
+        if self._lifecycle is not None:
+            self._lifecycle.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (completed, failed or cancelled)."""
+        if self._lifecycle is not None:
+            self._lifecycle.finished(request_id)

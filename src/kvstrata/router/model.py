@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvstrata.identity.router_hash import RouterHashes
 from kvstrata.index.core import PrefixMatch
@@ -88,3 +88,19 @@ class RoutingPolicy(Protocol):
         matches: Mapping[str, PrefixMatch],
         loads: Sequence[WorkerLoad],
     ) -> RouteDecision: ...
+
+
+@runtime_checkable
+class RequestLifecycle(Protocol):
+    """A policy that keeps its own record of the requests it placed (Dynamo's router does).
+
+    :class:`~kvstrata.router.core.Router` calls ``routed`` for each committed decision and
+    forwards ``first_token`` / ``finished`` from its caller — the simulator and the live fleet
+    both report these, as a live router proxying the stream sees them.
+    """
+
+    def routed(self, request: RouteRequest, decision: RouteDecision) -> None: ...
+
+    def first_token(self, request_id: str) -> None: ...
+
+    def finished(self, request_id: str) -> None: ...

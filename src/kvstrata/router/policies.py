@@ -6,12 +6,8 @@ run exactly this code. Baselines follow their public documentation:
 
 - ``round-robin`` and ``least-loaded`` (fewest queued + running requests);
 - ``prefix-affinity``: the longest cached prefix, ties to the least loaded;
-- ``dynamo``: Dynamo's KV router cost
-  ``prefill_load_scale · max(prefill_blocks − overlap_credit, 0) + decode_blocks``, where
-  ``prefill_blocks`` counts the request's blocks plus the worker's queued prefill blocks, the
-  overlap credit weighs cached blocks by tier (device ``overlap_score_credit`` 1.0, host 0.75,
-  disk 0.25) and ``decode_blocks`` are the worker's active KV blocks; lowest cost wins
-  (``router_temperature`` 0.0, Dynamo's default, is this deterministic argmin);
+- ``dynamo``: Dynamo's KV router cost over the router's own request bookkeeping, in
+  :mod:`.dynamo_policy`;
 - ``llm-d``: the scorer sum ``3·prefix_hit_ratio + 2·(1 − kv_utilisation) + 2·queue_score``
   (llm-d's published default profile), where ``queue_score`` is 1 for the shortest queue and 0
   for the longest; highest wins.
@@ -310,62 +306,6 @@ class PrefixAffinityPolicy:
         )
         return _decide(
             self.name, request, matches, healthy, self.estimator, pick.worker_id, "longest_prefix"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class DynamoWeights:
-    """Dynamo KV router defaults: overlap credit per tier and the prefill load scale.
-
-    From ``KvRouterConfig::default()`` in ai-dynamo/dynamo ``lib/kv-router/src/scheduling/
-    config.rs`` (commit 0243c51bb6e8958be89df4978b5761677c9adc23): ``overlap_score_credit``
-    1.0 (our ``device_credit``), ``prefill_load_scale`` 1.0 (what the deprecated
-    ``kv_overlap_score_weight`` now sets), ``host_cache_hit_weight`` 0.75,
-    ``disk_cache_hit_weight`` 0.25, ``router_temperature`` 0.0 (deterministic argmin, the only
-    mode implemented here). Dynamo has no remote-tier credit; 0 keeps remote blocks uncredited.
-    """
-
-    prefill_load_scale: float = 1.0
-    device_credit: float = 1.0
-    host_credit: float = 0.75
-    disk_credit: float = 0.25
-    remote_credit: float = 0.0
-
-
-class DynamoLinearPolicy:
-    name = "dynamo"
-
-    def __init__(
-        self, profiles: Callable[[str], CostProfile], weights: DynamoWeights | None = None
-    ) -> None:
-        self.estimator = TtftEstimator(profiles)
-        self.weights = weights or DynamoWeights()
-
-    def cost(self, request: RouteRequest, match: PrefixMatch, load: WorkerLoad) -> float:
-        w = self.weights
-        block_size = self.estimator.profiles(load.worker_id).block_size
-        device, host, disk, remote = match.tier_blocks
-        credit = w.device_credit * device + w.host_credit * host + w.disk_credit * disk
-        credit += w.remote_credit * remote
-        request_blocks = math.ceil(request.prompt_tokens / block_size)
-        prefill_blocks = request_blocks + load.queued_prefill_tokens / block_size
-        return w.prefill_load_scale * max(prefill_blocks - credit, 0.0) + load.active_kv_blocks
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = _healthy(loads)
-        scores = {w.worker_id: self.cost(request, _match(matches, w.worker_id), w) for w in healthy}
-        pick = min(healthy, key=lambda w: scores[w.worker_id])
-        return _decide(
-            self.name,
-            request,
-            matches,
-            healthy,
-            self.estimator,
-            pick.worker_id,
-            "lowest_cost",
-            scores,
         )
 
 

@@ -1,7 +1,8 @@
 """The policy registry: every routing policy by name, with its published default parameters.
 
 ``POLICIES[spec]`` accepts a plain name or a spec with parameters (:mod:`.specs`); the
-defaults recorded here are the ones each policy's docstring cites (:mod:`.policies`).
+defaults recorded here are the ones each policy's docstring cites (:mod:`.policies`,
+:mod:`.dynamo_policy`).
 """
 
 from __future__ import annotations
@@ -9,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Final
 
+from kvstrata.router.dynamo_policy import DynamoLinearPolicy, DynamoWeights
 from kvstrata.router.model import RoutingPolicy
 from kvstrata.router.policies import (
     DEFAULT_WORK_WEIGHT,
-    DynamoLinearPolicy,
-    DynamoWeights,
     KvstrataPolicy,
     LeastLoadedPolicy,
     LlmdScorerPolicy,

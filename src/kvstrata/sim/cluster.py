@@ -277,11 +277,15 @@ class Simulation:
             if self.view is not None:
                 new_tokens = job.request.prompt_tokens - job.hit_tokens
                 self.view.first_token(n, new_tokens, job.hit_tokens, job.compute_s, self.now)
+            self.router.first_token(str(job.request.index))
+            if job.finished:
+                self.router.finished(str(job.request.index))
             self._start(n)
         elif kind == _Kind.DECODE:
             if version != worker.decode_version:
                 return
-            worker.finish_decodes(self.now)
+            for done in worker.finish_decodes(self.now):
+                self.router.finished(str(done.request.index))
             self._start(n)
 
     def run(self) -> RunResult:

@@ -25,13 +25,16 @@ Dynamo's KV router cost (``ai-dynamo/dynamo`` ``lib/kv-router/src/scheduling/sel
 @ 01690d4, defaults from ``dynamo.llm.KvRouterConfig()`` of 1.6.1: ``prefill_load_scale`` 1,
 ``overlap_score_credit`` 1, host / disk credit 0.75 / 0.25, credit decay 0, active-request
 weight 0, temperature 0) is ``max(0, (active_prefill_tokens + isl) / block − overlap_credit)
-+ potential_decode_blocks``, lowest wins, exact ties at random. Our ``dynamo`` baseline has the
-same form; what it sees differs (``kvstrata.sim.worker.SimWorker.load``): Dynamo's
-``active_prefill_tokens`` keep a request's uncached tokens from routing to its first token,
-ours drop them when its prefill *starts*; Dynamo's decode term is the *unique* prompt blocks
-of every routed, unfinished request plus the new request's blocks not shared with them
-(``WorkerLoadProjection::potential_decode_blocks``, output blocks untracked by default), ours
-is the running requests' prompt + output blocks, per request, without the new request.
++ potential_decode_blocks``, lowest wins, exact ties at random. Our ``dynamo`` baseline
+(:mod:`kvstrata.router.dynamo_policy`) computes the same cost from the same inputs: the router's
+own record of what it routed — a request's uncached tokens count in ``active_prefill_tokens``
+from routing to its first token, and the decode term is the *unique* prompt blocks of every
+routed, unfinished request plus the new request's blocks not among them
+(``WorkerLoadProjection::potential_decode_blocks``, output blocks untracked by default).
+Before that (until issue 15 2b's follow-up) it read the simulated worker's counts instead —
+prefill tokens dropped when the prefill *started*, per-request prompt + output blocks of
+running requests only — which matched at light load but not under contention
+(``--speedup 10``). Exact ties still go to the first worker.
 At the trace's own rate (speed-up 1) the 16 workers are ~5% busy, so the check exercises the
 engine model and block accounting more than routing under contention; ``speedup`` raises the
 load, where those information differences show (``bench dynamo-replay --speedup``).

@@ -25,6 +25,9 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
   ``kv_cache_usage_perc``; scrape lag is not modelled), per-tier fetch seconds per block (the
   worker's measured figures in ``/kv/info`` ``fetch_s_per_block``) and the decode step model
   (engine configuration; vLLM exports time-per-output-token).
+* **Request lifecycle**: a policy that keeps its own record of what it placed (the ``dynamo``
+  baseline, as Dynamo's router does) is told each committed route, first token and end through
+  :class:`kvstrata.router.Router` — the simulator reports them as the live fleet does.
 
 **Service-time noise** (:class:`ServiceNoise`): each executed prefill (fetch + compute +
 decode interference) lasts its model time × ``w · e``, with ``e ~ lognormal(0, σ)`` drawn
