@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.bench.results_page import method_line, render_page
-from kvstrata.cli.bench_all import PLAN, Entry, run_entry, select
+from kvstrata.cli.bench_all import PLAN, Entry, merge_bundles, run_entry, select
 from kvstrata.errors import InvalidInput
 
 
@@ -52,7 +52,7 @@ def test_page_shows_tables_meta_method_plots_and_missing_figures() -> None:
     assert "**toy: ours vs peer**" in page
     assert "repetitions: 5" in page and "`p99_ms.hi`" in page
     assert "![toy](img/toy.png)" in page
-    assert "| gone | skipped: no vLLM venv | - |" in page
+    assert "| gone | skipped: no vLLM venv | - | - | - |" in page
     assert "**Not measured** (failed): Traceback: boom" in page
 
 
@@ -132,3 +132,15 @@ def test_bench_all_then_render_end_to_end(tmp_path: Path) -> None:
     page = page_path.read_text()
     assert "## hash" in page and hash_run["record"]["title"] in page
     assert bundle["meta"]["commit"] in page
+
+
+def test_bundles_merge_later_runs_replace_earlier_ones() -> None:
+    first = {
+        "meta": {"cores": 2, "date": "d1"},
+        "benches": [{"name": "index", "v": 1}, {"name": "zz"}, {"name": "hash"}],
+    }
+    second = {"meta": {"cores": 4, "date": "d2"}, "benches": [{"name": "index", "v": 2}]}
+    merged = merge_bundles([first, second])
+    assert merged["meta"] == {"cores": 4}
+    names = [(b["name"], b.get("v")) for b in merged["benches"]]
+    assert names == [("hash", None), ("index", 2), ("zz", None)]  # plan order, unknown last

@@ -40,14 +40,17 @@ def render_page(bundle: Mapping[str, Any]) -> str:
         "",
         _meta_table(meta),
         "",
-        "| benchmark | status | seconds |",
-        "|---|---|---|",
+        "| benchmark | status | seconds | commit | date |",
+        "|---|---|---|---|---|",
     ]
     for bench in benches:
         status = bench.get("status", "?")
         if status != "ok":
             status = f"{status}: {bench.get('reason', '')}"
-        lines.append(f"| {bench['name']} | {_cell(status)} | {_seconds(bench.get('seconds'))} |")
+        lines.append(
+            f"| {bench['name']} | {_cell(status)} | {_seconds(bench.get('seconds'))} "
+            f"| {bench.get('commit', '-')} | {bench.get('date', '-')} |"
+        )
     for bench in benches:
         lines.extend(["", *render_bench(bench)])
     return "\n".join(lines) + "\n"

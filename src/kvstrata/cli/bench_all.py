@@ -220,7 +220,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print the bundle as JSON")
     parser.set_defaults(func=run_all)
     render = sub.add_parser("render", help="render a `bench all` bundle to Markdown")
-    render.add_argument("bundle", help="JSON file printed by `kvstrata bench all --json`")
+    render.add_argument(
+        "bundle", nargs="+", help="JSON file(s) printed by `kvstrata bench all --json`"
+    )
     render.add_argument("--out", help="write the page here (default: stdout)")
     render.set_defaults(func=run_render)
 
@@ -244,11 +246,13 @@ def run_all(args: argparse.Namespace) -> int:
         return 0
     plots.mkdir(parents=True, exist_ok=True)
     vllm_ok = vllm_python(args).is_file()
+    meta = machine_meta(quick=args.quick)
     benches = []
     for entry in entries:
         print(f"bench all: {entry.name} …", file=sys.stderr, flush=True)
-        benches.append(run_entry(entry, quick=args.quick, plots=plots, vllm_ok=vllm_ok))
-    bundle = {"meta": machine_meta(quick=args.quick), "benches": benches}
+        run = run_entry(entry, quick=args.quick, plots=plots, vllm_ok=vllm_ok)
+        benches.append({**run, "commit": meta["commit"], "date": _now()})
+    bundle = {"meta": meta, "benches": benches}
     emit(
         bundle,
         as_json=args.json,
@@ -316,7 +320,7 @@ def _subprocess(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
 def machine_meta(*, quick: bool) -> dict[str, Any]:
     """Where and when the figures were taken: machine, date, commit, versions."""
     return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _now(),
         "commit": _git("rev-parse", "--short", "HEAD") + (" (dirty)" if _git_dirty() else ""),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -327,14 +331,34 @@ def machine_meta(*, quick: bool) -> dict[str, Any]:
     }
 
 
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def run_render(args: argparse.Namespace) -> int:
-    bundle = json.loads(Path(args.bundle).read_text())
-    page = render_page(bundle)
+    page = render_page(merge_bundles([json.loads(Path(p).read_text()) for p in args.bundle]))
     if args.out:
         Path(args.out).write_text(page)
     else:
         sys.stdout.write(page)
     return 0
+
+
+def merge_bundles(bundles: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several ``bench all`` runs as one page: benchmarks in plan order (a later run of the
+    same name replaces an earlier one), the machine of the last run; each benchmark keeps the
+    date and commit of its own run."""
+    benches: dict[str, dict[str, Any]] = {}
+    for bundle in bundles:
+        for bench in bundle.get("benches", []):
+            benches.pop(bench["name"], None)
+            benches[bench["name"]] = bench
+    meta = dict(bundles[-1].get("meta", {})) if bundles else {}
+    meta.pop("date", None)
+    meta.pop("commit", None)
+    order = {entry.name: index for index, entry in enumerate(PLAN)}
+    ordered = sorted(benches.values(), key=lambda bench: order.get(bench["name"], len(order)))
+    return {"meta": meta, "benches": ordered}
 
 
 def _names(text: str) -> list[str]:
