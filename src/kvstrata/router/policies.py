@@ -41,6 +41,11 @@ from kvstrata.router.model import (
 _NO_MATCH: Final = (0, 0, 0, 0)
 
 DEFAULT_WORK_WEIGHT: Final = 10.0
+DEFAULT_RISK_Z: Final = 1.2816
+"""KvstrataPolicy prices the 90th percentile of queue wait and prefill (z of a normal's p90 on
+the log scale of the cost model's error), not their mean: a wrong estimate costs a request
+more when it under-states the wait (it joins a queue that is longer than believed) than
+when it over-states it."""
 _REFERENCE_BUSY: Final = 0.8
 _MAX_LOAD_FACTOR: Final = 4.0
 
@@ -164,10 +169,12 @@ class KvstrataPolicy:
         hot: HotPrefixConfig | None = None,
         work_weight: float = DEFAULT_WORK_WEIGHT,
         load_adaptive: bool = True,
+        risk_z: float = DEFAULT_RISK_Z,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
+        self.risk_z = risk_z
         self.load_adaptive = load_adaptive
         self._popularity = _Popularity(self.hot.half_life_s)
         self._turn = itertools.count()
@@ -181,9 +188,11 @@ class KvstrataPolicy:
         healthy = _healthy(loads)
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
+        upper: dict[str, tuple[float, float]] = {}
         for load in healthy:
             estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
-            score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
+            upper[load.worker_id] = queue_hi, ttft_hi = self._upper(estimate)
+            score = ttft_hi + weight * (estimate.prefill_s + estimate.fetch_s)
             estimates.append(replace(estimate, score=score))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
         # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
@@ -194,6 +203,13 @@ class KvstrataPolicy:
         )
         tied = [e for e in ranked if _same_rank(e, ranked[0], utilisation)]
         best, reason = tied[next(self._turn) % len(tied)], "lowest_ttft_plus_work"
+        # The work charge may keep a request behind a holder's queue to save recompute, but
+        # never once the wait alone (at its upper quantile) exceeds a whole TTFT elsewhere:
+        # then the holder's queue is the bottleneck, and recomputing elsewhere is faster for
+        # this request and relieves the queue for the ones behind it.
+        fastest = min(ranked, key=lambda e: upper[e.worker_id][1])
+        if upper[best.worker_id][0] > upper[fastest.worker_id][1]:
+            best, reason = fastest, f"wait_exceeds_ttft_elsewhere:{best.worker_id}"
         holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
         if holder.matched_blocks > 0 and len(estimates) > 1:
             spill = self._spill_target(request, holder, estimates, ranked)
@@ -207,6 +223,21 @@ class KvstrataPolicy:
             predicted_ttft_s=best.ttft_s,
             matched_blocks=best.matched_blocks,
             estimates=tuple(estimates),
+        )
+
+    def _upper(self, estimate: WorkerEstimate) -> tuple[float, float]:
+        """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``.
+
+        The queue and the prefill are both priced by the worker's prefill model, so both are
+        off by the same factor when the model is: they scale by ``exp(z · spread)``, the
+        model's own measured log error (``PrefillModel.spread``; large while the router
+        still prices with a prior). Fetch (measured per block) and decode interference stay.
+        """
+        spread = self.estimator.profiles(estimate.worker_id).prefill.spread
+        factor = math.exp(self.risk_z * spread)
+        queue = estimate.queue_s * factor
+        return queue, queue + estimate.prefill_s * factor + estimate.fetch_s + (
+            estimate.interference_s
         )
 
     def _load_factor(self, healthy: Sequence[WorkerLoad]) -> float:
