@@ -7,6 +7,9 @@ docstring, issue 4), not read back from the code under test.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -316,3 +319,51 @@ def test_router_records_its_decisions_in_approximate_mode() -> None:
     busy = loads(WorkerLoad("a"), WorkerLoad("b", queued_requests=2))
     second = router.route(RouteRequest("r2", "t", 64, hashes), busy, now=1.0)
     assert second.worker_id == "b" and second.matched_blocks == 4
+
+
+# ------------------------------------------------------------ kvstrata under uncertainty
+def test_kvstrata_never_waits_longer_than_a_whole_ttft_elsewhere() -> None:
+    """The work charge keeps a request at the holder only while the wait there is shorter
+    than recomputing on a free worker; past that, it recomputes elsewhere."""
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
+    policy = KvstrataPolicy(profiles, work_weight=10.0, load_adaptive=False)
+    recompute = prefill_s(1024)  # x's whole TTFT
+    short = policy.choose(
+        req, found, loads(WorkerLoad("h", queued_s=0.9 * recompute), WorkerLoad("x"))
+    )
+    assert short.worker_id == "h" and short.reason == "lowest_ttft_plus_work"
+    long = policy.choose(
+        req, found, loads(WorkerLoad("h", queued_s=1.1 * recompute), WorkerLoad("x"))
+    )
+    assert long.worker_id == "x" and long.reason == "wait_exceeds_ttft_elsewhere:h"
+
+
+def _profiles_with_spread(spreads: dict[str, float]) -> Callable[[str], CostProfile]:
+    def lookup(worker_id: str) -> CostProfile:
+        model = replace(PROFILE.prefill, spread=spreads.get(worker_id, 0.0))
+        return PROFILE.with_prefill(model)
+
+    return lookup
+
+
+def test_kvstrata_prices_an_upper_quantile_of_an_uncertain_estimate() -> None:
+    """Equal mean TTFTs: the worker whose cost model is less certain (larger spread) loses;
+    with ``risk_z = 0`` (mean pricing) the tie goes the other way (longer prefix)."""
+    req = request(1024)
+    found = matches(a=(32, 0, 0, 0), b=(0, 0, 0, 0))
+    # a: 0.3 s queue + 512 new tokens; b: no queue, 1,024 new tokens; choose the queue so
+    # that both means are equal.
+    queue = prefill_s(1024) - prefill_s(1024 - 32 * BS)
+    load = loads(WorkerLoad("a", queued_s=queue), WorkerLoad("b"))
+    uncertain = _profiles_with_spread({"a": 0.3})
+    mean = KvstrataPolicy(uncertain, work_weight=0.0, risk_z=0.0).choose(req, found, load)
+    assert mean.worker_id == "a"
+    risky = KvstrataPolicy(uncertain, work_weight=0.0).choose(req, found, load)
+    assert risky.worker_id == "b"
+    scores = {e.worker_id: e.score for e in risky.estimates}
+    factor = math.exp(1.2816 * 0.3)
+    assert scores["a"] == pytest.approx((queue + prefill_s(512)) * factor)
+    assert scores["b"] == pytest.approx(prefill_s(1024))
+    # The predicted TTFT stays the mean estimate (what prediction error is measured on).
+    assert risky.predicted_ttft_s == pytest.approx(prefill_s(1024))
