@@ -347,23 +347,22 @@ def _profiles_with_spread(spreads: dict[str, float]) -> Callable[[str], CostProf
     return lookup
 
 
-def test_kvstrata_prices_an_upper_quantile_of_an_uncertain_estimate() -> None:
-    """Equal mean TTFTs: the worker whose cost model is less certain (larger spread) loses;
-    with ``risk_z = 0`` (mean pricing) the tie goes the other way (longer prefix)."""
+def test_kvstrata_guard_prices_an_upper_quantile_of_an_uncertain_wait() -> None:
+    """A holder whose mean wait is just under x's whole TTFT keeps the request (work charge);
+    once its cost model is uncertain (spread), the p90 wait exceeds it and x takes it."""
     req = request(1024)
-    found = matches(a=(32, 0, 0, 0), b=(0, 0, 0, 0))
-    # a: 0.3 s queue + 512 new tokens; b: no queue, 1,024 new tokens; choose the queue so
-    # that both means are equal.
-    queue = prefill_s(1024) - prefill_s(1024 - 32 * BS)
-    load = loads(WorkerLoad("a", queued_s=queue), WorkerLoad("b"))
-    uncertain = _profiles_with_spread({"a": 0.3})
-    mean = KvstrataPolicy(uncertain, work_weight=0.0, risk_z=0.0).choose(req, found, load)
-    assert mean.worker_id == "a"
-    risky = KvstrataPolicy(uncertain, work_weight=0.0).choose(req, found, load)
-    assert risky.worker_id == "b"
-    scores = {e.worker_id: e.score for e in risky.estimates}
-    factor = math.exp(1.2816 * 0.3)
-    assert scores["a"] == pytest.approx((queue + prefill_s(512)) * factor)
-    assert scores["b"] == pytest.approx(prefill_s(1024))
-    # The predicted TTFT stays the mean estimate (what prediction error is measured on).
-    assert risky.predicted_ttft_s == pytest.approx(prefill_s(1024))
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
+    load = loads(WorkerLoad("h", queued_s=0.9 * prefill_s(1024)), WorkerLoad("x"))
+    certain = KvstrataPolicy(profiles, work_weight=10.0, load_adaptive=False)
+    assert certain.choose(req, found, load).worker_id == "h"
+    uncertain = _profiles_with_spread({"h": 0.3})
+    mean = KvstrataPolicy(uncertain, work_weight=10.0, load_adaptive=False, risk_z=0.0)
+    assert mean.choose(req, found, load).worker_id == "h"
+    risky = KvstrataPolicy(uncertain, work_weight=10.0, load_adaptive=False)
+    decision = risky.choose(req, found, load)
+    assert 0.9 * math.exp(1.2816 * 0.3) > 1.0  # the p90 wait exceeds x's TTFT
+    assert decision.worker_id == "x" and decision.reason == "wait_exceeds_ttft_elsewhere:h"
+    # Scores and the predicted TTFT stay mean estimates.
+    scores = {e.worker_id: e.score for e in decision.estimates}
+    assert scores["x"] == pytest.approx(prefill_s(1024) * 11.0)
+    assert decision.predicted_ttft_s == pytest.approx(prefill_s(1024))

@@ -153,11 +153,27 @@ class HotPrefixConfig:
 class KvstrataPolicy:
     """Lowest estimated TTFT plus the work it adds, with hot-prefix spill-over.
 
-    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure TTFT-greedy placement
-    ignores what a choice costs *later* requests: recomputing a prefix another worker holds
-    adds its prefill seconds to that worker's queue (everyone behind it waits) and a second
-    copy of the prefix to a cache, so the next turns of other conversations miss more. The
-    ``work_weight`` term charges that externality; 0 is plain lowest-TTFT.
+    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure
+    TTFT-greedy placement ignores what a choice costs *later* requests: recomputing a prefix
+    another worker holds adds its prefill seconds to that worker's queue (everyone behind it
+    waits) and a second copy of the prefix to a cache, so the next turns of other
+    conversations miss more. The ``work_weight`` term charges that externality; 0 is plain
+    lowest-TTFT.
+
+    Robust to what a live router does not know (issue 15: its cost model is an online fit,
+    its queues its own predictions):
+
+    * the work charge never keeps a request waiting longer than a **whole TTFT elsewhere**:
+      past that the holder's queue is the bottleneck, and recomputing on the fastest worker
+      serves this request sooner and shortens the queue for the rest;
+    * that guard is **risk-aware**: it compares upper quantiles (``risk_z``, p90 by default),
+      queue wait and prefill × ``exp(z · spread)`` of each worker's prefill model
+      (:attr:`kvstrata.costs.PrefillModel.spread`, large while the router still prices with a
+      prior), so an under-estimated queue — the costly error — trips it sooner.
+
+    (Measured, issue 15: pricing the upper quantile in the score itself, not only in the
+    guard, lost on synthetic chat — it prefers whichever worker has the most samples so far
+    — so the score keeps the mean.)
     """
 
     name = "kvstrata"
@@ -191,8 +207,8 @@ class KvstrataPolicy:
         upper: dict[str, tuple[float, float]] = {}
         for load in healthy:
             estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
-            upper[load.worker_id] = queue_hi, ttft_hi = self._upper(estimate)
-            score = ttft_hi + weight * (estimate.prefill_s + estimate.fetch_s)
+            upper[load.worker_id] = self._upper(estimate)
+            score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
             estimates.append(replace(estimate, score=score))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
         # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
