@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -111,7 +112,7 @@ def test_online_fit_refits_from_observed_samples() -> None:
     samples = [(int(rng.integers(1, 4096)), int(rng.integers(0, 8192))) for _ in range(40)]
     for new, cached in samples[:7]:
         online.observe(new, cached, truth.seconds(new, cached))
-    assert online.model() == PRIOR  # not enough samples yet
+    assert replace(online.model(), spread=0.0) == PRIOR  # not enough samples yet
     for new, cached in samples[7:]:
         online.observe(new, cached, truth.seconds(new, cached))
     online.observe(10, 0, -1.0)  # ignored: not a duration
@@ -133,7 +134,7 @@ def test_online_fit_keeps_the_prior_until_shapes_determine_the_terms() -> None:
     for _ in range(50):  # many samples, but only three distinct (new, cached) shapes
         for new in (10, 20, 30):
             online.observe(new, 0, 0.01 * new)
-    assert online.model() == PRIOR
+    assert replace(online.model(), spread=0.0) == PRIOR
     online.observe(40, 100, 0.4)
     assert online.model() != PRIOR
 
@@ -193,3 +194,43 @@ def test_online_fit_rejects_a_bad_configuration() -> None:
         OnlinePrefillFit(PRIOR, window=0)
     with pytest.raises(InvalidInput):
         OnlinePrefillFit(PRIOR, min_samples=2)
+
+
+# ------------------------------------------------------------------------------ spread
+TRUTH = PrefillModel(overhead_s=0.02, per_token_s=2e-4, per_token_ctx_s=3e-8)
+
+
+def _noisy(n: int, sigma: float, seed: int = 0) -> list[tuple[int, int, float]]:
+    rng = np.random.default_rng(seed)
+    shapes = [(int(rng.integers(1, 4096)), int(rng.integers(0, 8192))) for _ in range(n)]
+    return [(a, c, TRUTH.seconds(a, c) * math.exp(rng.normal(0.0, sigma))) for a, c in shapes]
+
+
+def test_fit_spread_measures_the_log_error_of_noisy_timings() -> None:
+    exact = fit([(a, c, TRUTH.seconds(a, c)) for a, c, _ in _noisy(50, 0.0)])
+    assert exact.spread == pytest.approx(0.0, abs=1e-6)
+    noisy = fit(_noisy(400, 0.2))
+    assert 0.17 < noisy.spread < 0.23  # the noise's own sigma, 0.2
+    with pytest.raises(InvalidInput):
+        PrefillModel(per_token_s=1e-4, spread=-0.1)
+
+
+def test_online_fit_spread_of_the_prior_until_timings_judge_it() -> None:
+    wrong = replace(TRUTH, per_token_s=TRUTH.per_token_s * 0.5, per_token_ctx_s=0.0)
+    online = OnlinePrefillFit(wrong, unknown_spread=0.5)
+    assert online.model().spread == pytest.approx(0.5)  # nothing seen: unknown
+    # An exact prior, one timing: the unknown counts as one more squared error.
+    exact = OnlinePrefillFit(TRUTH, unknown_spread=0.5)
+    exact.observe(1000, 0, TRUTH.seconds(1000, 0))
+    assert exact.model().spread == pytest.approx(0.5 / math.sqrt(2))
+    # A prior off by a factor: its spread is about that factor's log, out of sample.
+    for a, c, s in _noisy(6, 0.0):
+        online.observe(a, c, s)
+    logs = [math.log(s / wrong.seconds(a, c)) for a, c, s in _noisy(6, 0.0)]
+    want = math.sqrt((sum(x * x for x in logs) + 0.25) / 7)
+    assert online.model().spread == pytest.approx(want)
+    assert online.model().spread > 0.3
+    # Determined: the fit's own (small) spread replaces the prior's.
+    for a, c, s in _noisy(40, 0.05, seed=1):
+        online.observe(a, c, s)
+    assert online.model().name == "online" and online.model().spread < 0.1

@@ -7,6 +7,9 @@ docstring, issue 4), not read back from the code under test.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -307,3 +310,50 @@ def test_router_records_its_decisions_in_approximate_mode() -> None:
     busy = loads(WorkerLoad("a"), WorkerLoad("b", queued_requests=2))
     second = router.route(RouteRequest("r2", "t", 64, hashes), busy, now=1.0)
     assert second.worker_id == "b" and second.matched_blocks == 4
+
+
+# ------------------------------------------------------------ kvstrata under uncertainty
+def test_kvstrata_never_waits_longer_than_a_whole_ttft_elsewhere() -> None:
+    """The work charge keeps a request at the holder only while the wait there is shorter
+    than recomputing on a free worker; past that, it recomputes elsewhere."""
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
+    policy = KvstrataPolicy(profiles, work_weight=10.0, load_adaptive=False)
+    recompute = prefill_s(1024)  # x's whole TTFT
+    short = policy.choose(
+        req, found, loads(WorkerLoad("h", queued_s=0.9 * recompute), WorkerLoad("x"))
+    )
+    assert short.worker_id == "h" and short.reason == "lowest_ttft_plus_work"
+    long = policy.choose(
+        req, found, loads(WorkerLoad("h", queued_s=1.1 * recompute), WorkerLoad("x"))
+    )
+    assert long.worker_id == "x" and long.reason == "wait_exceeds_ttft_elsewhere:h"
+
+
+def _profiles_with_spread(spreads: dict[str, float]) -> Callable[[str], CostProfile]:
+    def lookup(worker_id: str) -> CostProfile:
+        model = replace(PROFILE.prefill, spread=spreads.get(worker_id, 0.0))
+        return PROFILE.with_prefill(model)
+
+    return lookup
+
+
+def test_kvstrata_guard_prices_an_upper_quantile_of_an_uncertain_wait() -> None:
+    """A holder whose mean wait is just under x's whole TTFT keeps the request (work charge);
+    once its cost model is uncertain (spread), the p90 wait exceeds it and x takes it."""
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
+    load = loads(WorkerLoad("h", queued_s=0.9 * prefill_s(1024)), WorkerLoad("x"))
+    certain = KvstrataPolicy(profiles, work_weight=10.0, load_adaptive=False)
+    assert certain.choose(req, found, load).worker_id == "h"
+    uncertain = _profiles_with_spread({"h": 0.3})
+    mean = KvstrataPolicy(uncertain, work_weight=10.0, load_adaptive=False, risk_z=0.0)
+    assert mean.choose(req, found, load).worker_id == "h"
+    risky = KvstrataPolicy(uncertain, work_weight=10.0, load_adaptive=False)
+    decision = risky.choose(req, found, load)
+    assert 0.9 * math.exp(1.2816 * 0.3) > 1.0  # the p90 wait exceeds x's TTFT
+    assert decision.worker_id == "x" and decision.reason == "wait_exceeds_ttft_elsewhere:h"
+    # Scores and the predicted TTFT stay mean estimates.
+    scores = {e.worker_id: e.score for e in decision.estimates}
+    assert scores["x"] == pytest.approx(prefill_s(1024) * 11.0)
+    assert decision.predicted_ttft_s == pytest.approx(prefill_s(1024))

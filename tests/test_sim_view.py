@@ -18,7 +18,7 @@ from kvstrata.sim.cluster import SimConfig, Simulation, simulate
 from kvstrata.sim.profiles import gpu_a100_8b
 from kvstrata.sim.report import summarize
 from kvstrata.sim.trace import SimRequest, prepare
-from kvstrata.sim.view import ServiceNoise, prior_prefill, scaled_prefill
+from kvstrata.sim.view import RouterView, ServiceNoise, prior_prefill, scaled_prefill
 from kvstrata.workloads.synthetic import generate, preset, write_trace
 
 SHAPES = [(128, 0), (512, 0), (1024, 0), (2048, 0), (4096, 0), (512, 1024), (1024, 1536)]
@@ -172,3 +172,24 @@ def test_cli_says_which_information_model_ran(
     report = json.loads(capsys.readouterr().out)
     assert report["oracle"] is oracle
     assert report["service_noise"] == noise
+
+
+def test_queued_predictions_are_repriced_as_the_fit_learns() -> None:
+    """A queue filled while the router priced with its prior corrects itself once the fit
+    learns the worker is slower, before any of those queued requests comes back."""
+    cost = _config().profile.cost
+    view = RouterView(cost, 1)
+    prior = view.fit(0).model()
+    queued = [(4096, 0), (1024, 2048)]
+    for new, cached in queued:
+        view.sent(0, prior.seconds(new, cached), 0.0, new, cached)
+    view.sent(0, 0.5, 0.0)  # no tokens given: kept as predicted
+    assert view.queued_s(0, 0.0) == pytest.approx(sum(prior.seconds(n, c) for n, c in queued) + 0.5)
+    slower = scaled_prefill(cost.prefill, 2.0)
+    for new, cached in SHAPES * 2:  # timings of other requests (the fit alone sees them)
+        view.fit(0).observe(new, cached, slower.seconds(new, cached))
+    learnt = view.fit(0).model()
+    assert learnt.name == "online"
+    want = sum(learnt.seconds(n, c) for n, c in queued) + 0.5
+    assert view.queued_s(0, 0.0) == pytest.approx(want)
+    assert view.queued_s(0, 0.0) > 1.5 * (sum(prior.seconds(n, c) for n, c in queued))

@@ -34,12 +34,19 @@ term that only went negative because another one absorbed its share.
 
 ``kv_bytes_per_token`` travels with the model because eviction prices a block by what it
 saves per byte it occupies; the default is SmolLM2-135M's (the reference engine).
+
+``spread`` says how far the model can be trusted: the root-mean-square of
+``log(measured / predicted)`` over the timings it was judged on (:func:`fit` inflates the
+in-sample figure by ``sqrt(n / (n − k))`` for the ``k`` fitted terms, the usual degrees-of-
+freedom correction, so it estimates the out-of-sample error). A risk-aware caller prices a
+quantile instead of the mean: ``seconds · exp(z · spread)``. 0 means "not measured".
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -71,8 +78,12 @@ class PrefillModel:
     per_token_ctx_s: float = 0.0
     kv_bytes_per_token: int = SMOLLM2_KV_BYTES_PER_TOKEN
     name: str = "custom"
+    spread: float = 0.0
+    """RMS log error of the model on measured timings (module docstring); 0: unknown."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.spread) and self.spread >= 0):
+            raise InvalidInput(f"spread must be a finite number >= 0, got {self.spread}")
         if not all(term >= 0 for term in (self.overhead_s, self.per_token_s, self.per_token_ctx_s)):
             raise InvalidInput(f"prefill model terms must be >= 0: {self}")
         if self.kv_bytes_per_token <= 0:
@@ -94,6 +105,21 @@ class PrefillModel:
 
     def kv_bytes(self, tokens: int) -> int:
         return self.kv_bytes_per_token * tokens
+
+    def log_spread(self, samples: Sequence[tuple[int, int, float]], fitted_terms: int = 0) -> float:
+        """RMS of ``log(measured / seconds(n, c))`` over ``samples``; with ``fitted_terms``
+        > 0 (the samples fitted the model), × ``sqrt(n / (n − fitted_terms))``."""
+        logs = [
+            math.log(s / predicted)
+            for n, c, s in samples
+            if s > 0 and (predicted := self.seconds(n, c)) > 0
+        ]
+        if not logs:
+            return 0.0
+        mean_square = sum(x * x for x in logs) / len(logs)
+        if 0 < fitted_terms < len(logs):
+            mean_square *= len(logs) / (len(logs) - fitted_terms)
+        return math.sqrt(mean_square)
 
 
 def fit(
@@ -118,13 +144,14 @@ def fit(
             break
         active.pop(int(np.argmin(solution)))
     overhead_s, per_token_s, per_token_ctx_s = (float(x) for x in coefficients)
-    return PrefillModel(
+    model = PrefillModel(
         overhead_s=overhead_s,
         per_token_s=per_token_s,
         per_token_ctx_s=per_token_ctx_s,
         kv_bytes_per_token=kv_bytes_per_token,
         name=name,
     )
+    return replace(model, spread=model.log_spread(samples, fitted_terms=len(active)))
 
 
 def calibrate(

@@ -37,6 +37,11 @@ from kvstrata.router.model import (
 _NO_MATCH: Final = (0, 0, 0, 0)
 
 DEFAULT_WORK_WEIGHT: Final = 10.0
+DEFAULT_RISK_Z: Final = 1.2816
+"""KvstrataPolicy prices the 90th percentile of queue wait and prefill (z of a normal's p90 on
+the log scale of the cost model's error), not their mean: a wrong estimate costs a request
+more when it under-states the wait (it joins a queue that is longer than believed) than
+when it over-states it."""
 _REFERENCE_BUSY: Final = 0.8
 _MAX_LOAD_FACTOR: Final = 4.0
 
@@ -144,11 +149,27 @@ class HotPrefixConfig:
 class KvstrataPolicy:
     """Lowest estimated TTFT plus the work it adds, with hot-prefix spill-over.
 
-    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure TTFT-greedy placement
-    ignores what a choice costs *later* requests: recomputing a prefix another worker holds
-    adds its prefill seconds to that worker's queue (everyone behind it waits) and a second
-    copy of the prefix to a cache, so the next turns of other conversations miss more. The
-    ``work_weight`` term charges that externality; 0 is plain lowest-TTFT.
+    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure
+    TTFT-greedy placement ignores what a choice costs *later* requests: recomputing a prefix
+    another worker holds adds its prefill seconds to that worker's queue (everyone behind it
+    waits) and a second copy of the prefix to a cache, so the next turns of other
+    conversations miss more. The ``work_weight`` term charges that externality; 0 is plain
+    lowest-TTFT.
+
+    Robust to what a live router does not know (issue 15: its cost model is an online fit,
+    its queues its own predictions):
+
+    * the work charge never keeps a request waiting longer than a **whole TTFT elsewhere**:
+      past that the holder's queue is the bottleneck, and recomputing on the fastest worker
+      serves this request sooner and shortens the queue for the rest;
+    * that guard is **risk-aware**: it compares upper quantiles (``risk_z``, p90 by default),
+      queue wait and prefill × ``exp(z · spread)`` of each worker's prefill model
+      (:attr:`kvstrata.costs.PrefillModel.spread`, large while the router still prices with a
+      prior), so an under-estimated queue — the costly error — trips it sooner.
+
+    (Measured, issue 15: pricing the upper quantile in the score itself, not only in the
+    guard, lost on synthetic chat — it prefers whichever worker has the most samples so far
+    — so the score keeps the mean.)
     """
 
     name = "kvstrata"
@@ -160,10 +181,12 @@ class KvstrataPolicy:
         hot: HotPrefixConfig | None = None,
         work_weight: float = DEFAULT_WORK_WEIGHT,
         load_adaptive: bool = True,
+        risk_z: float = DEFAULT_RISK_Z,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
+        self.risk_z = risk_z
         self.load_adaptive = load_adaptive
         self._popularity = _Popularity(self.hot.half_life_s)
         self._turn = itertools.count()
@@ -177,8 +200,10 @@ class KvstrataPolicy:
         healthy = _healthy(loads)
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
+        upper: dict[str, tuple[float, float]] = {}
         for load in healthy:
             estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
+            upper[load.worker_id] = self._upper(estimate)
             score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
             estimates.append(replace(estimate, score=score))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
@@ -190,6 +215,13 @@ class KvstrataPolicy:
         )
         tied = [e for e in ranked if _same_rank(e, ranked[0], utilisation)]
         best, reason = tied[next(self._turn) % len(tied)], "lowest_ttft_plus_work"
+        # The work charge may keep a request behind a holder's queue to save recompute, but
+        # never once the wait alone (at its upper quantile) exceeds a whole TTFT elsewhere:
+        # then the holder's queue is the bottleneck, and recomputing elsewhere is faster for
+        # this request and relieves the queue for the ones behind it.
+        fastest = min(ranked, key=lambda e: upper[e.worker_id][1])
+        if upper[best.worker_id][0] > upper[fastest.worker_id][1]:
+            best, reason = fastest, f"wait_exceeds_ttft_elsewhere:{best.worker_id}"
         holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
         if holder.matched_blocks > 0 and len(estimates) > 1:
             spill = self._spill_target(request, holder, estimates, ranked)
@@ -203,6 +235,21 @@ class KvstrataPolicy:
             predicted_ttft_s=best.ttft_s,
             matched_blocks=best.matched_blocks,
             estimates=tuple(estimates),
+        )
+
+    def _upper(self, estimate: WorkerEstimate) -> tuple[float, float]:
+        """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``.
+
+        The queue and the prefill are both priced by the worker's prefill model, so both are
+        off by the same factor when the model is: they scale by ``exp(z · spread)``, the
+        model's own measured log error (``PrefillModel.spread``; large while the router
+        still prices with a prior). Fetch (measured per block) and decode interference stay.
+        """
+        spread = self.estimator.profiles(estimate.worker_id).prefill.spread
+        factor = math.exp(self.risk_z * spread)
+        queue = estimate.queue_s * factor
+        return queue, queue + estimate.prefill_s * factor + estimate.fetch_s + (
+            estimate.interference_s
         )
 
     def _load_factor(self, healthy: Sequence[WorkerLoad]) -> float:

@@ -337,7 +337,7 @@ class Simulation:
         self._predicted.append(decision.predicted_ttft_s)
         job.worker = n
         if view is not None:
-            view.sent(n, job.estimate_s, now)
+            view.sent(n, job.estimate_s, now, job.predicted_new_tokens, cached)
         self.workers[n].enqueue(job)
         self._start(n)
 

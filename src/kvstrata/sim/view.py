@@ -15,9 +15,14 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
   ``estimate_noise`` (a lognormal factor drawn once per worker).
 * **Queue state**: the router's own estimate — per worker, the predictions it made for the
   requests it sent whose first token has not come back, minus the time elapsed since the head
-  one can have started (its send time or the previous first token, whichever is later). The
-  live fleet's ``WorkerState.load`` sums the same predictions (without the elapsed-time
-  refinement). The simulator's true remaining prefill time is never read.
+  one can have started (its send time or the previous first token, whichever is later). Each
+  prediction is **re-priced with the current fit** when the queue is read: it is scaled by
+  ``fit_now(n, c) / fit_at_send(n, c)`` for the request's predicted new and cached tokens, so
+  a queue filled while the fit was still the prior (which has no attention term and
+  under-prices long prompts) corrects itself as first tokens come back, instead of keeping the
+  stale under-estimate until it drains. The live fleet's ``WorkerState.load`` sums the same
+  predictions (without either refinement). The simulator's true remaining prefill time is
+  never read.
 * **Kept true, because a live router observes them**: ``queued_requests`` (its own in-flight
   record: sent, no first token yet), ``active_decodes`` (it proxies the stream, so it sees the
   first token and the end), ``queued_prefill_tokens`` (already the router's prediction from its
@@ -120,13 +125,30 @@ class ServiceNoise:
         return self.worker_factor[worker] * math.exp(self._rng.gauss(0.0, self.sigma))
 
 
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """One request in flight: its predicted seconds and what they were priced from."""
+
+    predicted_s: float
+    new_tokens: int
+    cached_tokens: int
+    priced_s: float
+    """The fit's prefill seconds for ``(new_tokens, cached_tokens)`` when it was sent."""
+
+    def now_s(self, model: PrefillModel) -> float:
+        """The prediction re-priced with ``model`` (the same request, today's fit)."""
+        if self.priced_s <= 0:
+            return self.predicted_s
+        return self.predicted_s * model.seconds(self.new_tokens, self.cached_tokens) / self.priced_s
+
+
 @dataclass
 class _Flights:
     """One worker's requests sent and not yet through prefill, as the router recorded them."""
 
     fit: OnlinePrefillFit
     base: CostProfile
-    predictions: deque[float] = field(default_factory=deque)
+    predictions: deque[_Sent] = field(default_factory=deque)
     head_since_s: float = 0.0
     profile: CostProfile | None = None
 
@@ -160,11 +182,21 @@ class RouterView:
             flights.profile = flights.base.with_prefill(flights.fit.model())
         return flights.profile
 
-    def sent(self, worker: int, predicted_s: float, now: float) -> None:
+    def sent(
+        self,
+        worker: int,
+        predicted_s: float,
+        now: float,
+        new_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> None:
+        """A request sent to ``worker``, predicted ``predicted_s`` for ``new_tokens`` after
+        ``cached_tokens`` (both 0: the prediction is never re-priced)."""
         flights = self._flights[worker]
         if not flights.predictions:
             flights.head_since_s = now
-        flights.predictions.append(predicted_s)
+        priced = flights.fit.seconds(new_tokens, cached_tokens) if new_tokens > 0 else 0.0
+        flights.predictions.append(_Sent(predicted_s, new_tokens, cached_tokens, priced))
 
     def first_token(
         self, worker: int, new_tokens: int, cached_tokens: int, measured_s: float, now: float
@@ -178,11 +210,13 @@ class RouterView:
 
     def queued_s(self, worker: int, now: float) -> float:
         """Predicted prefill seconds ahead of a new request on ``worker``."""
-        predictions = self._flights[worker].predictions
-        if not predictions:
+        flights = self._flights[worker]
+        if not flights.predictions:
             return 0.0
-        head = max(0.0, predictions[0] - (now - self._flights[worker].head_since_s))
-        return head + sum(predictions) - predictions[0]
+        model = flights.fit.model()
+        seconds = [sent.now_s(model) for sent in flights.predictions]
+        head = max(0.0, seconds[0] - (now - flights.head_since_s))
+        return head + sum(seconds) - seconds[0]
 
     def load(self, worker: int, observable: WorkerLoad, now: float) -> WorkerLoad:
         """``observable`` (the counts a live router sees) with the router's own queue time."""
