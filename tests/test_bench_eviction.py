@@ -173,12 +173,13 @@ def test_mooncake_lru_matches_reuse_bench_and_kvstrata_beats_it() -> None:
     that values every prompt token alike, kvstrata saves at least as many tokens as LRU."""
     requests = read_trace(MOONCAKE_TRACE)
     reference = analyse_reuse(requests, (10_000, 100_000))
-    report = run_eviction_bench(
-        requests, [10_000, 100_000], cost_model=per_token(), policies=("lru", "kvstrata")
-    )
-    total = report["total_tokens"]
+    lru = run_eviction_bench(requests, [10_000, 100_000], cost_model=per_token(), policies=("lru",))
+    total = lru["total_tokens"]
     for index, entry in enumerate(reference.lru):
-        assert report["saved_tokens"]["lru"][index] / total == pytest.approx(
-            entry.hit_rate, abs=1e-3
-        )
+        assert lru["saved_tokens"]["lru"][index] / total == pytest.approx(entry.hit_rate, abs=1e-3)
+    # kvstrata (the adaptive policy: four candidates and their shadow tiers) at the small
+    # capacity only, where policies differ; it is the slow half of this test
+    report = run_eviction_bench(
+        requests, [10_000], cost_model=per_token(), policies=("lru", "kvstrata")
+    )
     assert report["kvstrata_vs_lru"][0] >= 1.0
