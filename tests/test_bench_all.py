@@ -58,6 +58,11 @@ def test_page_shows_tables_meta_method_plots_and_missing_figures() -> None:
 
 def test_method_line_says_when_nothing_is_reported() -> None:
     assert method_line({"x": 1}) == "*repetitions: not reported; spread: not reported.*"
+    # look-alikes are not spread figures: "_lookup", "tokens_max"
+    assert "spread: not reported" in method_line({"lookup_p99_ms": 1, "prompt_tokens_max": 9})
+    line = method_line({"method": "deterministic", "ratio_max": 2, "p99": {"lo": 1}})
+    assert line.startswith("*deterministic; repetitions: not reported; spread fields: ")
+    assert "`p99.lo`" in line and "`ratio_max`" in line
 
 
 def test_select_by_name_and_unknown_names_are_refused() -> None:

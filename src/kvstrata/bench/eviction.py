@@ -207,6 +207,10 @@ def run_eviction_bench(
         },
         "saved_prefill_s": saved_s,
         "cost_model": cost_model.name,
+        "method": (
+            "simulated time, deterministic: one replay per policy and capacity (spread comes "
+            "from other traces and seeds, not from repeating this one)"
+        ),
     }
     if "kvstrata" in saved_tokens:
         for reference in ("lru", "belady"):

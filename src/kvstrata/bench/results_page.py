@@ -19,12 +19,17 @@ benchmark that failed or was skipped is listed with its reason: a missing figure
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 REPEAT_FIELDS: Final = ("repeats", "repetitions", "repeat", "runs")
-SPREAD_NAMES: Final = frozenset({"lo", "hi", "min", "max", "iqr", "stdev", "std", "runs"})
-SPREAD_PARTS: Final = ("spread", "_lo", "_hi", "_min", "_max", "interval", "iqr", "stdev")
+SPREAD_WORDS: Final = frozenset({"spread", "lo", "hi", "iqr", "stdev", "interval", "samples"})
+"""Words of a result key (split at ``_``) that mark a spread figure."""
+SPREAD_NAMES: Final = frozenset({"min", "max", "runs"})
+"""Whole key names that do (``{"median", "min", "max"}``-style objects, per-run lists)."""
+SPREAD_SUFFIX: Final = re.compile(r"(ratio|p\d+|_s|_ms|gbps)_(min|max)$")
+"""``…_ratio_min``, ``…_p99_max``: the extremes of a repeated figure (not ``tokens_max``)."""
 
 
 def render_page(bundle: Mapping[str, Any]) -> str:
@@ -85,7 +90,8 @@ def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> lis
 
 
 def method_line(result: Mapping[str, Any]) -> str:
-    """What the result says about its repetitions and spread (or that it says nothing)."""
+    """What the result says about its repetitions and spread (or that it says nothing),
+    after its own ``method`` sentence when it has one."""
     repeats = next((result[k] for k in REPEAT_FIELDS if k in result), None)
     spread = sorted(key for key in _flat_keys(result) if _is_spread(key))
     parts = [
@@ -95,12 +101,18 @@ def method_line(result: Mapping[str, Any]) -> str:
         if spread
         else "spread: not reported",
     ]
+    if isinstance(result.get("method"), str):
+        parts.insert(0, result["method"])
     return "*" + "; ".join(parts) + ".*"
 
 
 def _is_spread(key: str) -> bool:
     last = key.rsplit(".", 1)[-1].lower()
-    return last in SPREAD_NAMES or any(part in last for part in SPREAD_PARTS)
+    return (
+        last in SPREAD_NAMES
+        or bool(SPREAD_WORDS.intersection(last.split("_")))
+        or SPREAD_SUFFIX.search(last) is not None
+    )
 
 
 def _flat_keys(value: Any, prefix: str = "", depth: int = 0) -> set[str]:
