@@ -54,6 +54,8 @@ def test_page_shows_tables_meta_method_plots_and_missing_figures() -> None:
     assert "![toy](img/toy.png)" in page
     assert "| gone | skipped: no vLLM venv | - | - | - |" in page
     assert "**Not measured** (failed): Traceback: boom" in page
+    assert "| never | not run in this bundle |" in render_page(_bundle(), plan=["toy", "never"])
+    assert "not run in this bundle" not in page
 
 
 def test_method_line_says_when_nothing_is_reported() -> None:

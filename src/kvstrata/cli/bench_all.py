@@ -336,7 +336,8 @@ def _now() -> str:
 
 
 def run_render(args: argparse.Namespace) -> int:
-    page = render_page(merge_bundles([json.loads(Path(p).read_text()) for p in args.bundle]))
+    bundle = merge_bundles([json.loads(Path(p).read_text()) for p in args.bundle])
+    page = render_page(bundle, plan=[entry.name for entry in PLAN])
     if args.out:
         Path(args.out).write_text(page)
     else:
