@@ -219,8 +219,11 @@ class KvstrataPolicy:
         # never once the wait alone (at its upper quantile) exceeds a whole TTFT elsewhere:
         # then the holder's queue is the bottleneck, and recomputing elsewhere is faster for
         # this request and relieves the queue for the ones behind it.
+        # Only a holder is kept by the work charge: a request without cached blocks anywhere
+        # is placed by its TTFT alone, and the guard must not override that (comparing upper
+        # quantiles across workers would favour whichever has the most samples so far).
         fastest = min(ranked, key=lambda e: upper[e.worker_id][1])
-        if upper[best.worker_id][0] > upper[fastest.worker_id][1]:
+        if best.matched_blocks > 0 and upper[best.worker_id][0] > upper[fastest.worker_id][1]:
             best, reason = fastest, f"wait_exceeds_ttft_elsewhere:{best.worker_id}"
         holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
         if holder.matched_blocks > 0 and len(estimates) > 1:
