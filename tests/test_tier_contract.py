@@ -241,14 +241,6 @@ def test_concurrent_use_keeps_invariants(case: Case) -> None:
     assert not errors, errors
     visible = list(case.tier.keys())
     sizes = {meta.key: meta.size for meta, _ in objects}
-    if isinstance(case.tier, RemoteTier) and case.tier.used_bytes != sum(
-        sizes[key] for key in visible
-    ):
-        # KNOWN BUG, not fixed (issue 15 session note): under concurrent store/remove of the
-        # same keys the remote tier's local key view and the server ledger's byte count can
-        # disagree by one object (seen: 15018 vs 16383 bytes). Everything above still ran and
-        # passed; only this final equality is marked, for the remote medium alone.
-        pytest.xfail("remote tier: local key view vs ledger bytes race (known, unfixed)")
     assert case.tier.used_bytes == sum(sizes[key] for key in visible)
     assert case.tier.tenant_bytes("t0") == case.tier.used_bytes
     for key in visible:

@@ -32,7 +32,7 @@ class RemoteDeletion(RemoteState):
         with self._lock:
             if self._pins.get(key) or key in self._pending:
                 return False
-            self._known.pop(key, None)
+            self._forget(key)
         try:
             reply = self._script("remove", [self._prefix, repr(self._clock()), key.hex()])
         except RemoteUnavailable as exc:
@@ -43,6 +43,8 @@ class RemoteDeletion(RemoteState):
             raise TierError(f"removing {key.hex()} failed: its shard did not answer")
         present = bool(int(reply.extra[0]))  # type: ignore[call-overload]
         with self._lock:
+            # again: a read may have fetched it while it was being deleted
+            self._forget(key, after=reply.version)
             self._apply(reply)
             if present:
                 self._counters.removed += 1
@@ -67,7 +69,7 @@ class RemoteDeletion(RemoteState):
         with self._lock:
             self._apply(reply)
             for mark in marks:
-                self._known.pop(mark.key, None)
+                self._forget(mark.key)
                 ahead = self._ahead.pop(mark.key, None)
                 if ahead is not None:
                     self._ahead_bytes -= len(ahead[1])

@@ -43,6 +43,8 @@ class RemoteReads(RemoteState):
         if self._closed or not keys:
             return
         by_name = {self.meta_key(k): k for k in keys}
+        with self._lock:
+            mark = self._read_mark()
         replies = self._client.pipelined(
             list(by_name), lambda pipe, name: pipe.mget(name, tomb_key(self._ns, by_name[name]))
         )
@@ -58,7 +60,7 @@ class RemoteReads(RemoteState):
                 if meta is None or buried(meta, raw_tomb):
                     self._known.pop(key, None)
                 elif not meta.expired(self._clock()):
-                    self._learn(meta)
+                    self._learn_read(meta, mark)
         if failed:
             self._count_error("probe")
 
@@ -115,6 +117,7 @@ class RemoteReads(RemoteState):
             ahead = self._ahead.pop(key, None)
             if ahead is not None:
                 self._ahead_bytes -= len(ahead[1])
+            mark = self._read_mark()
         if expired:
             self.refresh_usage()
             with self._lock:
@@ -159,7 +162,7 @@ class RemoteReads(RemoteState):
             self.refresh_usage()
             return None
         with self._lock:
-            self._learn(meta)
+            self._learn_read(meta, mark)
             self._pins[key] = self._pins.get(key, 0) + 1
             self._counters.loads += 1
             self._touches.append(key.hex())

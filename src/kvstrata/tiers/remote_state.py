@@ -108,6 +108,12 @@ class RemoteState:
         # Ledger version at which recent victims left: a commit reply older than that must
         # not make the object visible here again (replies of concurrent calls can cross).
         self._gone_at: OrderedDict[BlockKey, int] = OrderedDict()
+        # Local sequence number of each recent removal (``_forget``): a read that began
+        # before it (``_read_mark``) may have fetched the object just before the server
+        # deleted it, so it must not teach this process the key again (``_learn_read``).
+        self._forgets = 0
+        self._forgotten_at: OrderedDict[BlockKey, int] = OrderedDict()
+        self._committed_at: OrderedDict[BlockKey, int] = OrderedDict()  # ledger versions
         self._ahead: dict[BlockKey, tuple[bytes, bytes]] = {}
         self._ahead_bytes = 0
         self._touches: list[str] = []
@@ -232,6 +238,40 @@ class RemoteState:
         while len(self._known) > self.config.meta_cache_entries:
             self._known.popitem(last=False)
 
+    def _forget(self, key: BlockKey, *, after: int | None = None) -> None:
+        """Drop ``key`` from the local view because it is leaving the server (a removal, a
+        victim), and keep reads already in flight from learning it again. ``after``: the
+        ledger version of the removal — a commit of the key at a later version (a new store
+        that raced past the removal) stays visible. Caller holds ``_lock``."""
+        if after is None or self._committed_at.get(key, -1) < after:
+            self._known.pop(key, None)
+            ahead = self._ahead.pop(key, None)  # fetched before the removal: stale now
+            if ahead is not None:
+                self._ahead_bytes -= len(ahead[1])
+        self._forgets += 1
+        self._forgotten_at[key] = self._forgets
+        self._forgotten_at.move_to_end(key)
+        if len(self._forgotten_at) > 4096:
+            self._forgotten_at.popitem(last=False)
+
+    def _learn_commit(self, meta: KVObjectMeta, version: int) -> None:
+        """Learn a meta this process committed at ledger ``version``. Caller holds ``_lock``."""
+        self._learn(meta)
+        self._committed_at[meta.key] = version
+        self._committed_at.move_to_end(meta.key)
+        if len(self._committed_at) > 4096:
+            self._committed_at.popitem(last=False)
+
+    def _read_mark(self) -> int:
+        """Taken under ``_lock`` before a read's I/O; passed to ``_learn_read``."""
+        return self._forgets
+
+    def _learn_read(self, meta: KVObjectMeta, mark: int) -> None:
+        """Learn a meta a read fetched, unless the key was forgotten since the read began
+        (its bytes may be gone from the server by now). Caller holds ``_lock``."""
+        if self._forgotten_at.get(meta.key, -1) <= mark:
+            self._learn(meta)
+
     def _apply(self, reply: LedgerReply) -> None:
         """Take the usage figures of a ledger reply unless a newer one was applied already
         (replies of concurrent calls can arrive out of order). Caller holds ``_lock``."""
@@ -253,7 +293,7 @@ class RemoteState:
         keys = [BlockKey(bytes.fromhex(victim.key_hex)) for victim in victims]
         with self._lock:
             for victim, key in zip(victims, keys, strict=True):
-                self._known.pop(key, None)
+                self._forget(key)
                 self._gone_at[key] = version
                 if len(self._gone_at) > 4096:
                     self._gone_at.popitem(last=False)

@@ -118,7 +118,7 @@ class RemoteWrites(RemoteState):
             self._pending.pop(meta.key, None)
             self._apply(reply)
             if self._gone_at.pop(meta.key, -1) < reply.version:
-                self._learn(meta)
+                self._learn_commit(meta, reply.version)
             self._counters.stores += 1
         return True
 
