@@ -7,6 +7,7 @@ Pure code: imports no torch, does no I/O, and depends on nothing else of kvstrat
 from kvstrata.identity.fingerprint import (
     AdapterIdentity,
     ModelFacts,
+    ModelDigest,
     ModelFingerprint,
     ReuseDisabled,
     ReuseDisabledReason,
@@ -36,6 +37,7 @@ __all__ = [
     "BlockKey",
     "ContentHash",
     "FingerprintDigest",
+    "ModelDigest",
     "ModelFacts",
     "ModelFingerprint",
     "MultimodalExtra",
