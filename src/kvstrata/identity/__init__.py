@@ -6,8 +6,8 @@ Pure code: imports no torch, does no I/O, and depends on nothing else of kvstrat
 
 from kvstrata.identity.fingerprint import (
     AdapterIdentity,
-    ModelFacts,
     ModelDigest,
+    ModelFacts,
     ModelFingerprint,
     ReuseDisabled,
     ReuseDisabledReason,
