@@ -68,7 +68,8 @@ def test_two_layouts_of_one_model_share_the_model_digest_only() -> None:
 def test_every_representation_field_leaves_the_model_digest(name: str) -> None:
     base = _fingerprint(_vector("smollm2_shape_bs16_fp32")["fingerprint"])
     value = getattr(base, name)
-    changed = dataclasses.replace(base, **{name: value + 1 if isinstance(value, int) else "x"})
+    new: Any = value + 1 if isinstance(value, int) else "x"
+    changed = dataclasses.replace(base, **{name: new})
     assert changed.model_digest() == base.model_digest()
     assert changed.digest() != base.digest()
 

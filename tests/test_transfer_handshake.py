@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstrata.errors import InvalidInput
 from kvstrata.transfer.handshake import (
     MAX_BLOCKS,
     PROTOCOL_VERSION,
@@ -235,6 +236,11 @@ def test_a_tenant_predicate_is_honoured() -> None:
     assert _negotiated(offer(tenant="zed"), allowed) is RefuseReason.TENANT_FORBIDDEN
 
 
+def test_one_tenant_name_is_not_a_set_of_names() -> None:
+    with pytest.raises(InvalidInput):
+        receiver(tenant_allowed="acme-corp")
+
+
 def test_oversized_input_is_refused_before_decoding() -> None:
     raw = encode(offer())
     assert _decoded(raw, max_bytes=len(raw) - 1) is RefuseReason.TOO_LARGE
@@ -380,7 +386,7 @@ hostile_values = st.recursive(
 
 
 @given(st.data())
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 def test_hostile_field_values_raise_only_handshake_errors(data: st.DataObject) -> None:
     raw_offer = as_map(offer())
     field = data.draw(st.sampled_from([*raw_offer, "layout.order", "layout.tp_size", "blocks.0"]))

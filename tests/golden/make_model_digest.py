@@ -60,7 +60,8 @@ def cases() -> list[tuple[str, ModelFingerprint]]:
 
 
 def _as_json(fp: ModelFingerprint) -> dict[str, Any]:
-    return json.loads(fp.canonical_bytes())
+    fields: dict[str, Any] = json.loads(fp.canonical_bytes())
+    return fields
 
 
 def main() -> int:

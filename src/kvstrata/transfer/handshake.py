@@ -29,6 +29,7 @@ from typing import Final, TypeVar
 
 import msgspec
 
+from kvstrata.errors import InvalidInput
 from kvstrata.transfer.layout import (
     ConversionPlan,
     KVLayout,
@@ -191,6 +192,10 @@ class ReceiverCapabilities:
     versions: frozenset[int] = frozenset({PROTOCOL_VERSION})
     allow_lossy: bool = False
     max_blocks: int = MAX_BLOCKS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tenant_allowed, str):  # "acme" in "acme-corp" would be a hole
+            raise InvalidInput("tenant_allowed is a set of names or a predicate, not one str")
 
     def allows_tenant(self, tenant: str) -> bool:
         allowed = self.tenant_allowed
