@@ -6,6 +6,7 @@ Pure code: imports no torch, does no I/O, and depends on nothing else of kvstrat
 
 from kvstrata.identity.fingerprint import (
     AdapterIdentity,
+    ModelDigest,
     ModelFacts,
     ModelFingerprint,
     ReuseDisabled,
@@ -36,6 +37,7 @@ __all__ = [
     "BlockKey",
     "ContentHash",
     "FingerprintDigest",
+    "ModelDigest",
     "ModelFacts",
     "ModelFingerprint",
     "MultimodalExtra",

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NewType
 
 from blake3 import blake3
 
@@ -21,6 +21,25 @@ from kvstrata.identity.keys import FingerprintDigest
 
 FINGERPRINT_SCHEMA_VERSION = 1
 _FP_TAG = b"kvstrata.fingerprint.v1\x00"
+_MODEL_TAG = b"kvstrata.model.v1\x00"
+
+ModelDigest = NewType("ModelDigest", bytes)
+"""32 bytes naming the model alone, whatever the KV representation (see ``model_digest``)."""
+
+REPRESENTATION_FIELDS = frozenset(
+    {
+        "kv_dtype",
+        "block_size",
+        "kv_layout",
+        "codec_id",
+        "codec_version",
+        "tp_size",
+        "tp_rank",
+        "pp_size",
+        "pp_stage",
+    }
+)
+"""Fingerprint fields that say how KV is laid out, not which model computed it."""
 
 
 class ReuseDisabledReason(StrEnum):
@@ -96,6 +115,32 @@ class ModelFingerprint:
 
     def digest(self) -> FingerprintDigest:
         return FingerprintDigest(blake3(_FP_TAG + self.canonical_bytes()).digest())
+
+    def model_canonical_bytes(self) -> bytes:
+        fields = {k: v for k, v in asdict(self).items() if k not in REPRESENTATION_FIELDS}
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
+            "ascii"
+        )
+
+    def model_digest(self) -> ModelDigest:
+        """The digest of the model alone: two layouts of one model (block size, dtype, order,
+        codec, TP/PP) share it, so a transfer handshake can tell "another model" from "the same
+        model, laid out differently — convert". Block keys stay rooted in ``digest()``.
+
+        Byte-exact spec (version 1)::
+
+            fields  = asdict(fingerprint) minus REPRESENTATION_FIELDS
+                      (kv_dtype, block_size, kv_layout, codec_id, codec_version,
+                       tp_size, tp_rank, pp_size, pp_stage); schema_version stays
+            body    = json.dumps(fields, sort_keys=True, separators=(",", ":"),
+                                 ensure_ascii=True) encoded as ASCII
+                      (nested records are objects, tuples are arrays, None is null,
+                       floats in Python's shortest repr, e.g. 10000.0)
+            digest  = BLAKE3-256("kvstrata.model.v1\\0" ‖ body)
+
+        Golden vector: ``tests/golden/model_digest_v1.json``.
+        """
+        return ModelDigest(blake3(_MODEL_TAG + self.model_canonical_bytes()).digest())
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,16 @@ class RefuseReason(Enum):
     HEADS_NOT_DIVISIBLE = "heads_not_divisible"  # a TP size does not shard the KV heads
     PIPELINE_MISMATCH = "pipeline_mismatch"  # PP size or stage differ
     INVALID_LAYOUT = "invalid_layout"  # non-positive sizes, rank out of range
+    # The handshake's reasons (transfer/handshake.py): beyond the layout itself.
+    MODEL_MISMATCH = "model_mismatch"  # model digests differ (another model, not a layout)
+    VERSION_UNSUPPORTED = "version_unsupported"  # protocol version the receiver does not speak
+    TENANT_FORBIDDEN = "tenant_forbidden"  # the receiver does not take this tenant's KV
+    TRANSPORT_UNSUPPORTED = "transport_unsupported"  # no transport in common
+    OPERATION_UNSUPPORTED = "operation_unsupported"  # no operation (write/read) in common
+    LOSSY_NOT_ALLOWED = "lossy_not_allowed"  # the only plan is lossy; the receiver wants exact
+    TOO_LARGE = "too_large"  # message over the size limit, or more blocks than the receiver takes
+    MALFORMED = "malformed"  # not a message of this protocol (bytes, types, values)
+    PLAN_MISMATCH = "plan_mismatch"  # the receiver's plan is not the sender's own plan
 
 
 @dataclass(frozen=True)
