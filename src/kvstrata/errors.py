@@ -106,3 +106,8 @@ class ApiError(KvstrataError):
                 "code": self.code,
             }
         }
+
+
+class ConversionError(InvalidInput):
+    """KV blocks that do not match the layout or conversion plan they were handed with (a
+    wrong shape, dtype or missing TP rank), or a plan whose steps are inconsistent."""
