@@ -57,7 +57,9 @@ class RemoteReads(RemoteState):
                     continue
                 raw_meta, raw_tomb = reply
                 meta = decode_meta(raw_meta, key) if isinstance(raw_meta, bytes) else None
-                if meta is None or buried(meta, raw_tomb):
+                if meta is None:
+                    self._miss_read(key, mark)
+                elif buried(meta, raw_tomb):
                     self._known.pop(key, None)
                 elif not meta.expired(self._clock()):
                     self._learn_read(meta, mark)
@@ -140,7 +142,7 @@ class RemoteReads(RemoteState):
             (raw_meta, raw_data), raw_tomb = ahead, None
         if raw_meta is None and raw_data is None:
             with self._lock:
-                self._known.pop(key, None)
+                self._miss_read(key, mark)
                 self._counters.misses += 1
             return None
         meta = decode_meta(raw_meta, key) if isinstance(raw_meta, bytes) else None

@@ -108,11 +108,12 @@ class RemoteState:
         # Ledger version at which recent victims left: a commit reply older than that must
         # not make the object visible here again (replies of concurrent calls can cross).
         self._gone_at: OrderedDict[BlockKey, int] = OrderedDict()
-        # Local sequence number of each recent removal (``_forget``): a read that began
-        # before it (``_read_mark``) may have fetched the object just before the server
-        # deleted it, so it must not teach this process the key again (``_learn_read``).
-        self._forgets = 0
-        self._forgotten_at: OrderedDict[BlockKey, int] = OrderedDict()
+        # Local sequence number of each key's last change by a writer of this process (a
+        # removal or eviction ``_forget``, a commit ``_learn_commit``): a read that began
+        # before it (``_read_mark``) saw the server before that change, so its result must
+        # not undo it (``_learn_read``, ``_miss_read``).
+        self._changes = 0
+        self._changed_at: OrderedDict[BlockKey, int] = OrderedDict()
         self._committed_at: OrderedDict[BlockKey, int] = OrderedDict()  # ledger versions
         self._ahead: dict[BlockKey, tuple[bytes, bytes]] = {}
         self._ahead_bytes = 0
@@ -248,29 +249,39 @@ class RemoteState:
             ahead = self._ahead.pop(key, None)  # fetched before the removal: stale now
             if ahead is not None:
                 self._ahead_bytes -= len(ahead[1])
-        self._forgets += 1
-        self._forgotten_at[key] = self._forgets
-        self._forgotten_at.move_to_end(key)
-        if len(self._forgotten_at) > 4096:
-            self._forgotten_at.popitem(last=False)
+        self._changed(key)
 
     def _learn_commit(self, meta: KVObjectMeta, version: int) -> None:
         """Learn a meta this process committed at ledger ``version``. Caller holds ``_lock``."""
         self._learn(meta)
+        self._changed(meta.key)
         self._committed_at[meta.key] = version
         self._committed_at.move_to_end(meta.key)
         if len(self._committed_at) > 4096:
             self._committed_at.popitem(last=False)
 
+    def _changed(self, key: BlockKey) -> None:
+        self._changes += 1
+        self._changed_at[key] = self._changes
+        self._changed_at.move_to_end(key)
+        if len(self._changed_at) > 4096:
+            self._changed_at.popitem(last=False)
+
     def _read_mark(self) -> int:
-        """Taken under ``_lock`` before a read's I/O; passed to ``_learn_read``."""
-        return self._forgets
+        """Taken under ``_lock`` before a read's I/O; passed to ``_learn_read``/``_miss_read``."""
+        return self._changes
 
     def _learn_read(self, meta: KVObjectMeta, mark: int) -> None:
-        """Learn a meta a read fetched, unless the key was forgotten since the read began
-        (its bytes may be gone from the server by now). Caller holds ``_lock``."""
-        if self._forgotten_at.get(meta.key, -1) <= mark:
+        """Learn a meta a read fetched, unless a writer here changed the key since the read
+        began (removed: its bytes may be gone from the server by now). Caller holds ``_lock``."""
+        if self._changed_at.get(meta.key, -1) <= mark:
             self._learn(meta)
+
+    def _miss_read(self, key: BlockKey, mark: int) -> None:
+        """A read found no object: forget the key, unless a writer here changed it since the
+        read began (committed it after the read missed). Caller holds ``_lock``."""
+        if self._changed_at.get(key, -1) <= mark:
+            self._known.pop(key, None)
 
     def _apply(self, reply: LedgerReply) -> None:
         """Take the usage figures of a ledger reply unless a newer one was applied already
@@ -299,7 +310,11 @@ class RemoteState:
                     self._gone_at.popitem(last=False)
                 self._evicted.append((key, victim.tenant))
                 self.remote_counters.count(self.remote_counters.evicted, victim.reason)
-        if not self._delete_objects(keys):
+        deleted = self._delete_objects(keys)
+        with self._lock:  # a read may have fetched one between the eviction and the delete
+            for key in keys:
+                self._forget(key, after=version)
+        if not deleted:
             self._count_error("evict")  # their server TTL or a later read catches them
 
     def _delete_objects(self, keys: Sequence[BlockKey]) -> bool:
