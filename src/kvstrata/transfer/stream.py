@@ -120,7 +120,7 @@ class TransferResult:
         return self.outcome == "committed"
 
 
-class _End(Exception):  # noqa: N818 - control flow inside receive, never escapes
+class _End(Exception):  # control flow inside receive, never escapes
     def __init__(self, outcome: str, detail: str) -> None:
         super().__init__(detail)
         self.outcome, self.detail = outcome, detail
