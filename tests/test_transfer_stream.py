@@ -16,8 +16,9 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.security.audit import AuditLog
 from kvstrata.telemetry.transfer_metrics import TransferMetrics
+from kvstrata.tiers.base import TierError
 from kvstrata.tiers.host import HostTier
 from kvstrata.transfer import frames
 from kvstrata.transfer.nixl_transport import available as nixl_missing
@@ -231,7 +233,12 @@ def test_audit_record_names_objects_and_outcome(tmp_path: Path, tier: HostTier) 
 
 def _receive_raw(tier: HostTier, raw_frames: list[bytes], *, max_frame: int) -> TransferResult:
     a, b = socket.socketpair()
-    writer = threading.Thread(target=lambda: (a.sendall(b"".join(raw_frames)), a.close()))
+
+    def write() -> None:
+        with a:
+            a.sendall(b"".join(raw_frames))
+
+    writer = threading.Thread(target=write)
     writer.start()
     conn = TcpConnection(b, max_frame=max_frame)
     try:
@@ -290,7 +297,7 @@ def test_oversized_and_truncated_frames(tier: HostTier, extra: int, cut: int) ->
 def test_conversion_hook_runs_after_verification(tier: HostTier) -> None:
     seen: list[int] = []
 
-    def convert(sources: list[bytes]) -> list[bytes]:  # type: ignore[type-arg]
+    def convert(sources: Sequence[bytes]) -> list[bytes]:
         seen.append(len(sources))
         return [src[::-1] for src in sources]  # stands for a real layout conversion
 
@@ -323,3 +330,13 @@ def test_streamed_block_digest_is_payload_digest() -> None:
 
 def test_raw_socket_gbps_measures_loopback() -> None:
     assert raw_socket_gbps(32 * 1024 * 1024) > 0.0
+
+
+def test_a_slot_final_meta_keeps_key_size_and_tenant(tier: HostTier) -> None:
+    meta = metas(1)[0]
+    slot = tier.prepare_store(meta)
+    assert slot is not None
+    slot.buffer[:] = bytes(BLOCK_BYTES)
+    slot.meta = replace(meta, tenant="t1", digest=payload_digest(bytes(BLOCK_BYTES)))
+    with pytest.raises(TierError, match="key, size and tenant"):
+        tier.complete_store(slot, True)

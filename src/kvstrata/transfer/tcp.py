@@ -44,23 +44,27 @@ class TcpConnection:
         self._closed = False
 
     def send_frame(self, *parts: Buffer, timeout_s: float | None = None) -> None:
+        if self._broken is not None:
+            raise FrameError(f"connection unusable: {self._broken}")
         length = frame_length(parts)
         if length > self.max_frame:
             raise FrameError(f"frame of {length} bytes over the limit of {self.max_frame}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = [memoryview(_LENGTH.pack(length))]
+        pending += [memoryview(part).cast("B") for part in parts if memoryview(part).nbytes]
         try:
-            self._sendall(_LENGTH.pack(length), deadline)
-            for part in parts:
-                self._sendall(part, deadline)
+            while pending:  # one sendmsg per frame (gathered), resumed after a partial send
+                self._sock.settimeout(_remaining(deadline))
+                sent = self._sock.sendmsg(pending)
+                while pending and sent >= pending[0].nbytes:
+                    sent -= pending.pop(0).nbytes
+                if pending:
+                    pending[0] = pending[0][sent:]
         except TimeoutError as exc:
             self._broken = "send timed out mid-frame"
             raise TransportTimeout(f"sending a {length}-byte frame timed out") from exc
         except OSError as exc:
             raise PeerLost(f"peer gone while sending: {exc}") from exc
-
-    def _sendall(self, data: Buffer, deadline: float | None) -> None:
-        self._sock.settimeout(_remaining(deadline))
-        self._sock.sendall(data)
 
     def recv_frame(self, *, timeout_s: float | None = None) -> Buffer:
         if self._broken is not None:
