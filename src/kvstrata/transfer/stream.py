@@ -158,8 +158,10 @@ class TransferReceiver:
         timeout_s: float,
         request_id: str | None = None,
     ) -> TransferResult:
-        """Receive one request's blocks as ``metas`` (provisional digests) → the outcome."""
-        self._cancelled.clear()
+        """Receive one request's blocks as ``metas`` (provisional digests) → the outcome.
+
+        A ``cancel()`` that came before this call cancels this transfer; the flag clears when
+        it ends."""
         session = _Session(self, conn, metas, request_id)
         start = self._clock()
         try:
@@ -170,6 +172,7 @@ class TransferReceiver:
         finally:
             if session.pending:
                 session.abort()
+            self._cancelled.clear()
         seconds = self._clock() - start
         self.metrics.observe(conn.path, outcome, session.payload_bytes, seconds)
         keys = session.committed if outcome == "committed" else [m.key for m in metas]
