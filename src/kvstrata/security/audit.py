@@ -12,7 +12,10 @@ Actions (``Action``) and their reason codes:
 - ``delete`` (reason: the selector, ``all`` / ``prompt`` / ``messages`` / ``older_than``;
   counts per tier), ``tombstone_refused`` (a late write or event for a deleted key);
 - ``evict`` (the eviction outcome), ``invalidate`` (``digest_mismatch``, ``expired``,
-  ``rollback``, …), ``quota_reject``, ``tier_switch`` (``enabled`` / ``disabled``).
+  ``rollback``, …), ``quota_reject``, ``tier_switch`` (``enabled`` / ``disabled``);
+- ``transfer`` (a KV transfer received from another worker; reason: its outcome, ``committed``,
+  ``digest_mismatch``, ``cancelled``, ``timeout``, ``peer_lost``, ``refused``; the objects
+  committed or aborted, counts of blocks and bytes).
 
 Writing never blocks the caller: ``record`` puts the line on a queue (``logging``'s
 ``QueueHandler``) and a listener thread started by ``start()`` writes it to the file (or to the
@@ -46,6 +49,7 @@ class Action(enum.StrEnum):
     INVALIDATE = "invalidate"
     QUOTA_REJECT = "quota_reject"
     TIER_SWITCH = "tier_switch"
+    TRANSFER = "transfer"
 
 
 def _hex(key: bytes | str) -> str:

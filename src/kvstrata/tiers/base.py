@@ -10,7 +10,10 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
 - The caller fills ``slot.buffer`` (``meta.size`` writable bytes) and calls
   ``complete_store(slot, success)``. With ``success=True`` the tier verifies the payload digest
   and makes the object COMMITTED (returns True); on a mismatch or ``success=False`` nothing is
-  left behind (returns False).
+  left behind (returns False). A writer that learns the digest only once the payload is
+  whole (a layer-wise transfer) prepares with a provisional digest and, before completing,
+  sets ``slot.meta`` to the final meta — same key, size and tenant (``final_meta``); the
+  host and disk tiers verify against and keep the slot's meta (``adopt_meta``).
 - ``prepare_load(key) -> LoadLease | None``: a COMMITTED, unexpired, *verified* object, pinned
   until ``complete_load(lease)``; ``None`` on a miss. Every tier re-checks the payload digest
   on every read unless built with ``verify_reads=False`` (one policy for every medium). A
@@ -152,6 +155,16 @@ class Tier(Protocol):
     def keys(self) -> Iterator[BlockKey]: ...
 
     def close(self) -> None: ...
+
+
+def adopt_meta(record: ObjectRecord, final: KVObjectMeta) -> None:
+    """Make ``final`` the committed meta of a pending record (see ``complete_store``)."""
+    current = record.meta
+    if final is current:
+        return
+    if (final.key, final.size, final.tenant) != (current.key, current.size, current.tenant):
+        raise TierError("a slot's final meta must keep its key, size and tenant")
+    record.meta = final
 
 
 @dataclass

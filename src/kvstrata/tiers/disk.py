@@ -53,7 +53,14 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
 from kvstrata.objects.tombstone import Tombstone
-from kvstrata.tiers.base import IndexedTierViews, LoadLease, StoreSlot, TierError, TierIndex
+from kvstrata.tiers.base import (
+    IndexedTierViews,
+    LoadLease,
+    StoreSlot,
+    TierError,
+    TierIndex,
+    adopt_meta,
+)
 from kvstrata.tiers.disk_format import (
     OBJECT_SUFFIX,
     TEMP_SUFFIX,
@@ -174,6 +181,7 @@ class DiskTier(IndexedTierViews):
                 raise TierError(f"writing {meta.key.hex()} failed: {exc}") from exc
             with self._lock:
                 handle.record.extra["offset"] = offset
+                adopt_meta(handle.record, meta)
                 self._index.commit(meta.key, self._clock())
             return True
         finally:

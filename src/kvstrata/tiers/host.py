@@ -39,7 +39,14 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
-from kvstrata.tiers.base import IndexedTierViews, LoadLease, StoreSlot, TierError, TierIndex
+from kvstrata.tiers.base import (
+    IndexedTierViews,
+    LoadLease,
+    StoreSlot,
+    TierError,
+    TierIndex,
+    adopt_meta,
+)
 
 
 @dataclass
@@ -148,6 +155,7 @@ class HostTier(IndexedTierViews):
             if self._index.records.get(key) is not handle.record:
                 raise TierError("slot no longer reserved in this tier")
             if verified:
+                adopt_meta(handle.record, slot.meta)
                 self._index.commit(key, self._clock())
                 return True
             self._index.counters.store_failures += 1

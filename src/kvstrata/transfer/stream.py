@@ -1,0 +1,355 @@
+"""Layer-wise KV transfer with digests: a sender fed as layers are computed, a receiver that
+commits only what verified whole.
+
+``TransferSender`` is fed one layer at a time (``send_layer(layer, blocks)``: that layer's
+bytes for every block of the request, as soon as the layer's KV exists) and sends one LAYER
+frame per (block, layer) with the slice's xxh3-128 digest, then ``finish()`` sends COMPLETE
+with each block's whole-payload digest (``objects.payload_digest`` of the layers in order:
+the sender hashes incrementally, never re-reading the payload). Wire format: ``frames``.
+
+``TransferReceiver.receive(conn, metas)`` writes layer slices straight into PENDING objects of
+a destination tier (``prepare_store``: the host tier's slot is writable in place) at offset
+``layer × layer_bytes``, checks every frame's digest, and at COMPLETE checks that every layer of
+every block came and each block's digest; only then does it give each slot its final meta
+(the announced digest) and ``complete_store(ok)``. Any other end — a digest mismatch, a missing
+layer, a malformed or foreign frame, the sender's CANCEL, ``cancel()`` here, the deadline, or
+the sender gone — aborts every pending object (``complete_store(fail)``): nothing half-written
+is ever visible. A non-identity conversion (``convert``: source blocks → target blocks, run
+after verification) stages source blocks in memory instead and stores the converted ones.
+
+Each transfer is counted once (``TransferMetrics``: path, outcome, bytes, seconds) and audited
+(``Action.TRANSFER``: outcome, object ids, counts — never tokens).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from kvstrata.errors import InvalidInput
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
+from kvstrata.telemetry.transfer_metrics import TransferMetrics
+from kvstrata.tiers.base import StoreSlot, Tier, TierError
+from kvstrata.transfer import frames
+from kvstrata.transfer.transport import (
+    Buffer,
+    Connection,
+    FrameError,
+    PeerLost,
+    TransportTimeout,
+)
+
+Converter = Callable[[Sequence[bytes]], Sequence[Buffer]]
+
+
+class TransferSender:
+    """Sends one request's KV, layer by layer, over one connection (one thread drives it)."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        request_id: str,
+        *,
+        blocks: int,
+        layers: int,
+        layer_bytes: int,
+        timeout_s: float | None = 30.0,
+    ) -> None:
+        self.conn = conn
+        self.request_id = request_id
+        self.blocks, self.layers, self.layer_bytes = blocks, layers, layer_bytes
+        self.timeout_s = timeout_s
+        self._hashers = [xxhash.xxh3_128() for _ in range(blocks)]
+        self._next_layer = 0
+        self._begun = False
+
+    def begin(self) -> None:
+        frame = frames.encode_begin(self.request_id, self.blocks, self.layers, self.layer_bytes)
+        self.conn.send_frame(frame, timeout_s=self.timeout_s)
+        self._begun = True
+
+    def send_layer(self, layer: int, blocks: Sequence[Buffer]) -> None:
+        """``blocks[i]``: layer ``layer`` of block ``i`` (``layer_bytes`` each); layers in order."""
+        if not self._begun:
+            self.begin()
+        if layer != self._next_layer or len(blocks) != self.blocks:
+            raise InvalidInput(
+                f"expected layer {self._next_layer} of {self.blocks} blocks, "
+                f"got layer {layer} of {len(blocks)}"
+            )
+        for index, data in enumerate(blocks):
+            view = memoryview(data).cast("B")
+            if view.nbytes != self.layer_bytes:
+                raise InvalidInput(f"block {index}: {view.nbytes} bytes, not {self.layer_bytes}")
+            self._hashers[index].update(view)
+            header = frames.layer_header(self.request_id, index, layer, payload_digest(view))
+            self.conn.send_frame(header, view, timeout_s=self.timeout_s)
+        self._next_layer += 1
+
+    def finish(self) -> list[bytes]:
+        """Send COMPLETE; returns the per-block digests it announced."""
+        if self._next_layer != self.layers:
+            raise InvalidInput(f"finish after {self._next_layer} of {self.layers} layers")
+        digests = [h.digest() for h in self._hashers]
+        self.conn.send_frame(
+            frames.encode_complete(self.request_id, digests), timeout_s=self.timeout_s
+        )
+        return digests
+
+    def cancel(self) -> None:
+        self.conn.send_frame(frames.encode_cancel(self.request_id), timeout_s=self.timeout_s)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    outcome: str  # one of telemetry.transfer_metrics.OUTCOMES
+    committed: tuple[BlockKey, ...]
+    payload_bytes: int
+    seconds: float
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "committed"
+
+
+class _End(Exception):  # control flow inside receive, never escapes
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome, self.detail = outcome, detail
+
+
+class TransferReceiver:
+    """Receives one transfer at a time into ``tier``; ``cancel()`` may come from any thread."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        *,
+        metrics: TransferMetrics | None = None,
+        audit: AuditLog = NULL_AUDIT,
+        convert: Converter | None = None,
+        poll_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tier = tier
+        self.metrics = metrics if metrics is not None else TransferMetrics()
+        self.audit = audit
+        self.convert = convert
+        self.poll_s = poll_s
+        self._clock = clock
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def receive(
+        self,
+        conn: Connection,
+        metas: Sequence[KVObjectMeta],
+        *,
+        timeout_s: float,
+        request_id: str | None = None,
+    ) -> TransferResult:
+        """Receive one request's blocks as ``metas`` (provisional digests) → the outcome.
+
+        A ``cancel()`` that came before this call cancels this transfer; the flag clears when
+        it ends."""
+        session = _Session(self, conn, metas, request_id)
+        start = self._clock()
+        try:
+            session.run(start + timeout_s)
+            outcome, detail = "committed", ""
+        except _End as end:
+            outcome, detail = end.outcome, end.detail
+        finally:
+            if session.pending:
+                session.abort()
+            self._cancelled.clear()
+        seconds = self._clock() - start
+        self.metrics.observe(conn.path, outcome, session.payload_bytes, seconds)
+        keys = session.committed if outcome == "committed" else [m.key for m in metas]
+        self.audit.record(
+            Action.TRANSFER,
+            outcome,
+            tenant=metas[0].tenant if metas else None,
+            request_id=session.request_id,
+            tier=self.tier.name,
+            keys=keys,
+            counts={"blocks": len(metas), "bytes": session.payload_bytes},
+        )
+        return TransferResult(
+            session.request_id or "",
+            outcome,
+            tuple(session.committed),
+            session.payload_bytes,
+            seconds,
+            detail,
+        )
+
+
+class _Session:
+    """One transfer's state: pending slots (or staged source blocks), layers seen, digests."""
+
+    def __init__(
+        self,
+        owner: TransferReceiver,
+        conn: Connection,
+        metas: Sequence[KVObjectMeta],
+        request_id: str | None,
+    ) -> None:
+        self.owner, self.conn, self.metas = owner, conn, list(metas)
+        self.request_id = request_id
+        self.pending: list[StoreSlot] = []
+        self.staged: list[bytearray] = []
+        self.seen: list[bytearray] = []
+        self.committed: list[BlockKey] = []
+        self.payload_bytes = 0
+        self.begin: frames.Begin | None = None
+
+    def run(self, deadline: float) -> None:
+        while True:
+            frame = self._next(deadline)
+            if self.request_id is None:
+                self.request_id = frame.request_id
+            if frame.request_id != self.request_id:
+                raise _End("refused", "frame of another request")
+            if isinstance(frame, frames.Cancel):
+                raise _End("cancelled", "sender cancelled")
+            if isinstance(frame, frames.Begin):
+                self._on_begin(frame)
+            elif self.begin is None:
+                raise _End("refused", "first frame is not BEGIN")
+            elif isinstance(frame, frames.Layer):
+                self._on_layer(self.begin, frame)
+            else:
+                self._on_complete(self.begin, frame)
+                return
+
+    def _next(self, deadline: float) -> frames.Frame:
+        owner = self.owner
+        while True:
+            if owner._cancelled.is_set():
+                raise _End("cancelled", "receiver cancelled")
+            left = deadline - owner._clock()
+            if left <= 0:
+                raise _End("timeout", "deadline passed before COMPLETE")
+            try:
+                raw = self.conn.recv_frame(timeout_s=min(left, owner.poll_s))
+            except TransportTimeout:
+                continue
+            except PeerLost as exc:
+                raise _End("peer_lost", str(exc)) from exc
+            except FrameError as exc:
+                raise _End("refused", str(exc)) from exc
+            try:
+                return frames.decode(raw)
+            except frames.MalformedFrame as exc:
+                raise _End("refused", str(exc)) from exc
+
+    def _on_begin(self, begin: frames.Begin) -> None:
+        if self.begin is not None:
+            raise _End("refused", "second BEGIN")
+        source_size = begin.layers * begin.layer_bytes
+        if self.owner.convert is None:
+            if begin.blocks != len(self.metas):
+                raise _End("refused", f"{begin.blocks} blocks announced, {len(self.metas)} asked")
+            if any(m.size != source_size for m in self.metas):
+                raise _End("refused", f"block of {source_size} bytes does not match the metas")
+        self.begin = begin
+        self.seen = [bytearray(begin.layers) for _ in range(begin.blocks)]
+        if self.owner.convert is not None:
+            self.staged = [bytearray(source_size) for _ in range(begin.blocks)]
+            return
+        for meta in self.metas:
+            slot = self._prepare(meta)
+            self.pending.append(slot)
+
+    def _prepare(self, meta: KVObjectMeta) -> StoreSlot:
+        try:
+            slot = self.owner.tier.prepare_store(meta)
+        except (TierError, InvalidInput) as exc:
+            raise _End("refused", f"tier refused: {exc}") from exc
+        if slot is None:
+            raise _End("refused", "no room in the tier (or the object exists)")
+        return slot
+
+    def _on_layer(self, begin: frames.Begin, frame: frames.Layer) -> None:
+        if not (0 <= frame.block < begin.blocks and 0 <= frame.layer < begin.layers):
+            raise _End("refused", f"block {frame.block} layer {frame.layer} out of range")
+        if len(frame.payload) != begin.layer_bytes:
+            raise _End("refused", f"layer payload of {len(frame.payload)} bytes")
+        if self.seen[frame.block][frame.layer]:
+            raise _End("refused", f"block {frame.block} layer {frame.layer} sent twice")
+        self.payload_bytes += len(frame.payload)
+        if payload_digest(frame.payload) != frame.digest:
+            raise _End("digest_mismatch", f"block {frame.block} layer {frame.layer}")
+        start = frame.layer * begin.layer_bytes
+        target = self.staged[frame.block] if self.staged else self.pending[frame.block].buffer
+        target[start : start + begin.layer_bytes] = frame.payload
+        self.seen[frame.block][frame.layer] = 1
+
+    def _on_complete(self, begin: frames.Begin, frame: frames.Complete) -> None:
+        if len(frame.digests) != begin.blocks:
+            raise _End("refused", f"COMPLETE names {len(frame.digests)} of {begin.blocks} blocks")
+        for block, layers in enumerate(self.seen):
+            if not all(layers):
+                raise _End("refused", f"block {block} missing layer {layers.index(0)}")
+        sources: Sequence[Buffer] = self.staged or [s.buffer for s in self.pending]
+        for block, (data, digest) in enumerate(zip(sources, frame.digests, strict=True)):
+            if payload_digest(data) != digest:
+                raise _End("digest_mismatch", f"block {block} whole-payload digest")
+        digests = self._store_converted() if self.staged else list(frame.digests)
+        self._commit_all(digests)
+
+    def _store_converted(self) -> list[bytes]:
+        convert = self.owner.convert
+        assert convert is not None
+        targets = convert([bytes(b) for b in self.staged])
+        if len(targets) != len(self.metas):
+            raise _End("refused", f"conversion gave {len(targets)} of {len(self.metas)} blocks")
+        for meta, data in zip(self.metas, targets, strict=True):
+            if memoryview(data).nbytes != meta.size:
+                raise _End("refused", f"converted block of {memoryview(data).nbytes} bytes")
+            slot = self._prepare(meta)
+            self.pending.append(slot)
+            slot.buffer[:] = memoryview(data).cast("B")
+        return [payload_digest(slot.buffer) for slot in self.pending]
+
+    def _commit_all(self, digests: list[bytes]) -> None:
+        for slot, digest in zip(self.pending, digests, strict=True):
+            slot.meta = replace(slot.meta, digest=digest)
+        while self.pending:
+            slot = self.pending[0]
+            try:
+                ok = self.owner.tier.complete_store(slot, True)
+            except TierError as exc:
+                self.pending.pop(0)
+                self._unwind()
+                raise _End("refused", f"tier failed at commit: {exc}") from exc
+            self.pending.pop(0)
+            if not ok:
+                self._unwind()
+                raise _End("digest_mismatch", "tier rejected a verified block at commit")
+            self.committed.append(slot.meta.key)
+
+    def _unwind(self) -> None:
+        """A commit failed midway: drop what committed so the transfer is all or nothing."""
+        for key in self.committed:
+            self.owner.tier.remove(key)
+        self.committed.clear()
+
+    def abort(self) -> None:
+        for slot in self.pending:
+            try:
+                self.owner.tier.complete_store(slot, False)
+            except TierError:  # already finished by the tier: nothing of it is visible
+                continue
+        self.pending.clear()

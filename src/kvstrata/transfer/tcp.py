@@ -1,0 +1,193 @@
+"""The built-in transport: length-prefixed frames over plain TCP sockets (no dependency).
+
+A frame is a 4-byte big-endian body length and the body. Receiving is resumable: a timeout in
+the middle of a frame keeps what arrived, so a caller may poll with short timeouts (to notice a
+cancellation) without losing the stream's framing. ``raw_socket_gbps`` measures this machine's
+plain loopback socket throughput, the physical peer that transfer benchmarks report beside
+their own figure.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+from kvstrata.transfer.transport import (
+    DEFAULT_MAX_FRAME,
+    Address,
+    Buffer,
+    FrameError,
+    PeerLost,
+    TransportError,
+    TransportTimeout,
+    frame_length,
+)
+
+_LENGTH = struct.Struct(">I")
+
+
+class TcpConnection:
+    path = "tcp"
+
+    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self.max_frame = max_frame
+        self._header = bytearray(_LENGTH.size)
+        self._header_got = 0
+        self._body: bytearray | None = None
+        self._body_got = 0
+        self._broken: str | None = None
+        self._closed = False
+
+    def send_frame(self, *parts: Buffer, timeout_s: float | None = None) -> None:
+        if self._broken is not None:
+            raise FrameError(f"connection unusable: {self._broken}")
+        length = frame_length(parts)
+        if length > self.max_frame:
+            raise FrameError(f"frame of {length} bytes over the limit of {self.max_frame}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = [memoryview(_LENGTH.pack(length))]
+        pending += [memoryview(part).cast("B") for part in parts if memoryview(part).nbytes]
+        try:
+            while pending:  # one sendmsg per frame (gathered), resumed after a partial send
+                self._sock.settimeout(_remaining(deadline))
+                sent = self._sock.sendmsg(pending)
+                while pending and sent >= pending[0].nbytes:
+                    sent -= pending.pop(0).nbytes
+                if pending:
+                    pending[0] = pending[0][sent:]
+        except TimeoutError as exc:
+            self._broken = "send timed out mid-frame"
+            raise TransportTimeout(f"sending a {length}-byte frame timed out") from exc
+        except OSError as exc:
+            raise PeerLost(f"peer gone while sending: {exc}") from exc
+
+    def recv_frame(self, *, timeout_s: float | None = None) -> Buffer:
+        if self._broken is not None:
+            raise FrameError(f"connection unusable: {self._broken}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while self._header_got < len(self._header):
+                view = memoryview(self._header)[self._header_got :]
+                self._header_got += self._recv_into(view, deadline, mid=self._header_got > 0)
+            if self._body is None:
+                (length,) = _LENGTH.unpack(self._header)
+                if length > self.max_frame:
+                    self._broken = f"announced frame of {length} bytes"
+                    raise FrameError(f"frame of {length} bytes over the limit {self.max_frame}")
+                self._body = bytearray(length)
+                self._body_got = 0
+            while self._body_got < len(self._body):
+                view = memoryview(self._body)[self._body_got :]
+                self._body_got += self._recv_into(view, deadline, mid=True)
+        except TimeoutError as exc:
+            raise TransportTimeout("no whole frame arrived in time") from exc
+        except OSError as exc:
+            raise PeerLost(f"peer gone: {exc}") from exc
+        body = self._body
+        self._body = None
+        self._header_got = 0
+        return body
+
+    def _recv_into(self, view: memoryview, deadline: float | None, *, mid: bool) -> int:
+        self._sock.settimeout(_remaining(deadline))
+        got = self._sock.recv_into(view)
+        if got == 0:
+            raise PeerLost("peer closed the connection" + (" mid-frame" if mid else ""))
+        return got
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+class TcpListener:
+    def __init__(self, host: str, port: int, *, max_frame: int) -> None:
+        self._sock = socket.create_server((host, port))
+        self.max_frame = max_frame
+
+    @property
+    def address(self) -> Address:
+        host, port = self._sock.getsockname()[:2]
+        return str(host), int(port)
+
+    def accept(self, *, timeout_s: float | None = None) -> TcpConnection:
+        self._sock.settimeout(timeout_s)
+        try:
+            sock, _ = self._sock.accept()
+        except TimeoutError as exc:
+            raise TransportTimeout("no peer connected in time") from exc
+        except OSError as exc:
+            raise TransportError(f"accept failed: {exc}") from exc
+        sock.settimeout(None)
+        return TcpConnection(sock, max_frame=self.max_frame)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class TcpTransport:
+    name = "tcp"
+
+    def __init__(self, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+
+    def listen(self, host: str = "127.0.0.1", port: int = 0) -> TcpListener:
+        return TcpListener(host, port, max_frame=self.max_frame)
+
+    def connect(self, address: Address, *, timeout_s: float | None = None) -> TcpConnection:
+        try:
+            sock = socket.create_connection(address, timeout=timeout_s)
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
+        sock.settimeout(None)
+        return TcpConnection(sock, max_frame=self.max_frame)
+
+
+def raw_socket_gbps(total_bytes: int, *, chunk_bytes: int = 4 * 1024 * 1024) -> float:
+    """Plain loopback socket throughput (GB/s, 1e9) for ``total_bytes``: one sender thread,
+    ``sendall`` of one reused buffer, the receiver ``recv_into`` a preallocated one."""
+    server = socket.create_server(("127.0.0.1", 0))
+    received = 0
+
+    def drain() -> None:
+        nonlocal received
+        conn, _ = server.accept()
+        buf = memoryview(bytearray(chunk_bytes))
+        with conn:
+            while received < total_bytes:
+                got = conn.recv_into(buf)
+                if got == 0:
+                    return
+                received += got
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    payload = memoryview(bytearray(chunk_bytes))
+    with socket.create_connection(server.getsockname()[:2]) as sock:
+        start = time.perf_counter()
+        left = total_bytes
+        while left > 0:
+            piece = payload[: min(left, chunk_bytes)]
+            sock.sendall(piece)
+            left -= len(piece)
+        thread.join()
+        elapsed = time.perf_counter() - start
+    server.close()
+    if received != total_bytes:
+        raise TransportError(f"raw socket probe received {received} of {total_bytes} bytes")
+    return total_bytes / elapsed / 1e9

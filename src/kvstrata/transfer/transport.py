@@ -1,0 +1,83 @@
+"""The transport seam of a KV transfer: framed, ordered, one peer per connection.
+
+Primitives and their contracts (checked for every transport by ``tests/test_transfer_stream.py``):
+
+- ``Transport.listen(host, port) -> Listener``: bind on loopback by default (``port=0``: any
+  free port); ``Listener.address`` is what the peer passes to ``connect``.
+- ``Listener.accept(timeout_s) -> Connection``: one peer; ``TransportTimeout`` if none came.
+- ``Transport.connect(address, timeout_s) -> Connection``.
+- ``Connection.send_frame(*parts, timeout_s)``: one frame whose body is the parts concatenated
+  (bytes or memoryviews of a memory region; a transport may send the region without copying it
+  into a Python object). It returns once the frame is handed over — the transport's completion
+  notification: TCP has it in the kernel's send buffer, NIXL has it written into the peer's
+  registered memory (transfer state DONE). Frames arrive whole and in order, or not at all.
+- ``Connection.recv_frame(timeout_s) -> bytes-like``: the next whole frame. A timeout before
+  the frame is complete raises ``TransportTimeout`` and leaves the connection usable (the next
+  call resumes the same frame). The peer gone (EOF, reset) raises ``PeerLost``; a frame over
+  ``max_frame`` bytes or a broken framing header raises ``FrameError`` (the connection is then
+  unusable: close it).
+- ``close()`` on either is idempotent.
+
+Transport errors are ours (``TransportError`` and subclasses): socket and library errors are
+mapped at the transport's edge.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstrata.errors import KvstrataError
+
+Buffer = bytes | bytearray | memoryview
+Address = tuple[str, int]
+
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+"""Frames above this are refused on both sides (a hostile length cannot make us allocate)."""
+
+
+class TransportError(KvstrataError):
+    """The transport failed (setup, I/O, library error)."""
+
+
+class TransportTimeout(TransportError):
+    """Nothing (or not a whole frame) arrived in time; the connection stays usable."""
+
+
+class PeerLost(TransportError):
+    """The peer went away (EOF, reset): no more frames will come."""
+
+
+class FrameError(TransportError):
+    """A frame broke the framing rules (oversized, bad header): the connection is unusable."""
+
+
+class Connection(Protocol):
+    path: str  # the metrics label of the transport: "tcp", "nixl"
+    max_frame: int
+
+    def send_frame(self, *parts: Buffer, timeout_s: float | None = None) -> None: ...
+
+    def recv_frame(self, *, timeout_s: float | None = None) -> Buffer: ...
+
+    def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    @property
+    def address(self) -> Address: ...
+
+    def accept(self, *, timeout_s: float | None = None) -> Connection: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def listen(self, host: str = "127.0.0.1", port: int = 0) -> Listener: ...
+
+    def connect(self, address: Address, *, timeout_s: float | None = None) -> Connection: ...
+
+
+def frame_length(parts: tuple[Buffer, ...]) -> int:
+    return sum(memoryview(part).nbytes for part in parts)
