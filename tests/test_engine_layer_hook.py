@@ -18,6 +18,10 @@ from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import RequestCancelled
 from kvstrata.runtime.scheduler import SchedulerConfig
 
+pytestmark = (
+    pytest.mark.slow
+)  # the real SmolLM2 (the tiny model's case is in test_engine_layer_hook_tiny)
+
 B = 16
 CHUNK = 64
 
