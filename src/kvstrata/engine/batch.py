@@ -18,7 +18,13 @@ import torch
 from kvstrata.costs import OnlinePrefillFit
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.kv_pool import PagedKVPool
-from kvstrata.engine.paged_attention import BATCH_KWARG, BatchLayout, DecodeBatch, SeqSlice
+from kvstrata.engine.paged_attention import (
+    BATCH_KWARG,
+    BatchLayout,
+    DecodeBatch,
+    LayerListener,
+    SeqSlice,
+)
 from kvstrata.engine.sampling import SamplingParams, sample_next
 from kvstrata.engine.sequence import Sequence as Seq
 from kvstrata.engine.tiering import PoolBridge
@@ -265,6 +271,7 @@ class BatchRunner:
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_contexts: list[int] = []
+        listeners: list[tuple[LayerListener, tuple[int, ...]]] = []
         for index, (seq, count) in enumerate(work):
             start, stop = seq.num_computed, seq.num_computed + count
             table = torch.tensor(seq.table, dtype=torch.long)
@@ -273,6 +280,9 @@ class BatchRunner:
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             n_blocks = math.ceil(stop / block_size)
+            if seq.on_layer is not None:
+                written = tuple(seq.table[start // block_size : n_blocks])
+                listeners.append((_guarded(seq, seq.on_layer), written))
             if count == 1:  # one token: batched with every other such sequence
                 decode_rows.append(len(ids) - 1)
                 decode_tables.append(seq.table[:n_blocks])
@@ -293,6 +303,7 @@ class BatchRunner:
             slots=torch.cat(slots).to(self.device),
             seqs=tuple(slices),
             decode=decode,
+            layer_listeners=tuple(listeners),
         )
         forward_started = time.perf_counter()
         out = self.model(
@@ -311,7 +322,11 @@ class BatchRunner:
             seq.num_computed += count
             self._publish_full_blocks(seq)
         for row, index in enumerate(sampled):
-            self._sample(work[index][0], logits[row])
+            if work[index][0].listener_error is None:
+                self._sample(work[index][0], logits[row])
+        for seq, _ in work if listeners else ():
+            if seq.listener_error is not None:
+                self._finish(seq, "error", seq.listener_error)
 
     def _publish_full_blocks(self, seq: Seq) -> None:
         """Commit every scratch block that is now full, so others reuse it at once."""
@@ -368,5 +383,23 @@ class BatchRunner:
             if self.bridge is not None:
                 self.bridge.prefetch_done(seq.gen.request_id)
         self.scheduler.remove(seq)
-        seq.release(self.pool)
+        if seq.hold is not None and error is None and reason in ("stop", "length"):
+            seq.hold(seq.hand_over(self.block_size, len(seq.gen.prompt_ids)))
+        else:
+            seq.release(self.pool)
         seq.gen._finish(reason, error)
+
+
+def _guarded(seq: Seq, listener: LayerListener) -> LayerListener:
+    """``listener`` for ``seq``: what it raises fails ``seq`` alone (after the step), not the
+    step's other sequences; once it has raised it is not called again."""
+
+    def call(layer: int, block_ids: tuple[int, ...]) -> None:
+        if seq.listener_error is not None:
+            return
+        try:
+            listener(layer, block_ids)
+        except Exception as exc:  # handed to the request's caller as its error
+            seq.listener_error = exc
+
+    return call

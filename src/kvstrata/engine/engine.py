@@ -50,10 +50,10 @@ from kvstrata.engine.generation import Generation
 from kvstrata.engine.hf_identity import fingerprint_model
 from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
-from kvstrata.engine.paged_attention import (
-    use_paged_attention,
-)
+from kvstrata.engine.paged_attention import LayerListener, use_paged_attention
+from kvstrata.engine.prefill import PrefillHandle
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.sequence import HeldBlocks
 from kvstrata.engine.sequence import Sequence as Seq
 from kvstrata.engine.tiering import PoolBridge
 from kvstrata.errors import ContextTooLong, EngineError, InvalidInput, QueueFull, RequestCancelled
@@ -255,12 +255,17 @@ class ReferenceEngine:
         store: bool | None = None,
         keep_logits: bool = False,
         request_id: str | None = None,
+        on_layer: LayerListener | None = None,
+        hold: Callable[[HeldBlocks], None] | None = None,
     ) -> Generation:
         """Queue a generation; iterate the result (or call ``run()``) to get its tokens.
 
         ``use_cache=False`` is a fresh prefill that neither reads nor writes the pool;
         ``lookup`` and ``store`` override the two halves separately. Raises ``QueueFull``
-        when ``max_waiting`` requests are queued already.
+        when ``max_waiting`` requests are queued already. ``on_layer(layer, block_ids)`` is
+        called on the step thread after each layer of each step of this request has written
+        its K/V (``paged_attention``); ``hold`` receives the blocks of a request that
+        finished normally instead of their release (``prefill`` uses both).
         """
         params = params or SamplingParams()
         params.validate()
@@ -295,6 +300,7 @@ class ReferenceEngine:
         else:
             generator.seed()
         seq = Seq(gen=generation, tenant=tenant, lookup=lookup, store=store, generator=generator)
+        seq.on_layer, seq.hold = on_layer, hold
         seq.tokens = list(prompt)
         if lookup or store:
             seq.root = self._root(tenant)
@@ -314,6 +320,28 @@ class ReferenceEngine:
         if waits and lookup:
             self._prefetch(seq, prompt)
         return generation
+
+    def prefill(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        on_layer: LayerListener | None = None,
+        request_id: str | None = None,
+    ) -> PrefillHandle:
+        """A prefill-only request (a prefill for transfer): compute the prompt's KV, sample its
+        first token greedily, and keep every block of the prompt pinned until the handle's
+        ``release`` — see :mod:`kvstrata.engine.prefill`."""
+        handle = PrefillHandle(self.pool, self.call)
+        handle.generation = self.generate(
+            prompt_ids,
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            tenant=tenant,
+            request_id=request_id,
+            on_layer=on_layer,
+            hold=handle._hold,
+        )
+        return handle
 
     def _prefetch(self, seq: Seq, prompt: list[int]) -> None:
         """Hand a queued request's prefix to the prefetcher (keys are hashed on its thread)."""

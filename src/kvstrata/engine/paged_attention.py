@@ -12,6 +12,14 @@ transformers hands through to the attention call of every layer. There, per laye
    ``index_select``; none when the sequence has no past) and torch's
    ``scaled_dot_product_attention`` runs with a causal mask aligned to the context's end.
 
+Layer listeners (``BatchLayout.layer_listeners``, for prefill-for-transfer requests): right
+after layer ``l`` has written this step's K/V, each ``(listener, block_ids)`` pair is called as
+``listener(l, block_ids)`` with the pool blocks that sequence wrote this step, in layer order,
+so a sender can ship layer ``l``'s blocks while layers ``l+1…`` compute. A listener runs on the
+step thread in the middle of the forward and must only enqueue (on CUDA the writes are queued
+on the current stream: read them in stream order, e.g. ``non_blocking`` copies and an event).
+With no listener the loop is over an empty tuple: nothing else is paid.
+
 Without a ``kvstrata_batch`` argument the function is transformers' SDPA, so the model stays
 usable for plain forwards (a fresh-prefill reference). The per-sequence computation is the
 same SDPA call a request running alone makes, on the same
@@ -26,6 +34,7 @@ storage hierarchy and must stay the one owner of its blocks. See docs/engine.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +45,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PAGED_ATTENTION = "kvstrata_paged"
 BATCH_KWARG = "kvstrata_batch"
+
+LayerListener = Callable[[int, tuple[int, ...]], None]
+"""``on_layer(layer, block_ids)``: layer ``layer`` has written its K/V into ``block_ids``."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,7 @@ class BatchLayout:
     slots: torch.Tensor  # [T] flat pool slot of every new token (long)
     seqs: tuple[SeqSlice, ...]  # sequences computing more than one token
     decode: DecodeBatch | None = None
+    layer_listeners: tuple[tuple[LayerListener, tuple[int, ...]], ...] = ()
 
 
 def causal_mask(length: int, context: int, device: torch.device) -> torch.Tensor:
@@ -147,6 +160,8 @@ def paged_attention_forward(
     flat = pool.view(2, heads, blocks * block_size, head_dim)
     flat[0].index_copy_(1, layout.slots, key[0].to(pool.dtype))
     flat[1].index_copy_(1, layout.slots, value[0].to(pool.dtype))
+    for listener, block_ids in layout.layer_listeners:
+        listener(layer, block_ids)
     out = torch.empty(
         (1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype, device=query.device
     )

@@ -10,13 +10,31 @@ on (matched at admission, or published once full); the rest are scratch blocks i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.kv_pool import PagedKVPool
+from kvstrata.engine.paged_attention import LayerListener
 from kvstrata.identity import BlockKey, NamespaceRoot, chain_keys
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """A finished sequence's blocks, handed over instead of released (a prefill-only request):
+    the first ``committed`` of ``block_ids`` are committed blocks it holds a reference on, the
+    rest scratch blocks it owns; ``release`` gives them back (on the step thread)."""
+
+    block_ids: tuple[int, ...]
+    committed: int
+    keys: tuple[BlockKey, ...]
+
+    def release(self, pool: PagedKVPool) -> None:
+        pool.release(list(self.block_ids[: self.committed]))
+        for block_id in self.block_ids[self.committed :]:
+            pool.free_scratch(block_id)
 
 
 @dataclass(eq=False)
@@ -36,6 +54,9 @@ class Sequence:
     publishable: bool = True
     admitted_at: float | None = None
     started: bool = False  # admitted once (metrics of the prompt are recorded once)
+    on_layer: LayerListener | None = None  # called per layer of every step (prefill-for-transfer)
+    listener_error: BaseException | None = None  # what ``on_layer`` raised: the sequence fails
+    hold: Callable[[HeldBlocks], None] | None = None  # a finished prefill's blocks go here
 
     @property
     def pending_tokens(self) -> int:
@@ -50,6 +71,17 @@ class Sequence:
             chunk = self.tokens[i * block_size : (i + 1) * block_size]
             self.keys.append(chain_keys(parent, chunk, block_size)[0])
         return self.keys[index]
+
+    def hand_over(self, block_size: int, prompt_tokens: int) -> HeldBlocks:
+        """Give up every block to the returned holder (nothing is released); ``keys`` are the
+        chained keys of the prompt's full blocks (none when reuse is disabled)."""
+        full = prompt_tokens // block_size if self.root is not None else 0
+        keys = tuple(self.key(i, block_size) for i in range(full))
+        held = HeldBlocks(tuple(self.table), self.committed, keys)
+        self.table = []
+        self.committed = 0
+        self.num_computed = 0
+        return held
 
     def release(self, pool: PagedKVPool) -> None:
         """Drop every block: references on committed ones, scratch ones freed."""
