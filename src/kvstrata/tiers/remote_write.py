@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.errors import InvalidInput
+from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, payload_digest
 from kvstrata.tiers.base import StoreSlot, TierError
 from kvstrata.tiers.remote_client import RemoteUnavailable
@@ -114,6 +115,16 @@ class RemoteWrites(RemoteState):
                 self.remote_counters.count(self.remote_counters.refused, "tombstoned")
             self._release(meta, "tombstoned")
             return False
+        if not self._still_in_ledger(meta.key):  # evicted between its commit and its write
+            deleted = self._delete_objects([meta.key])
+            with self._lock:
+                self._pending.pop(meta.key, None)
+                self._forget(meta.key)
+                self._counters.store_failures += 1
+                self.remote_counters.count(self.remote_counters.refused, "evicted_in_flight")
+            if not deleted:
+                self._count_error("write")  # the server TTL (if any) collects the bytes
+            return False
         with self._lock:
             self._pending.pop(meta.key, None)
             self._apply(reply)
@@ -121,6 +132,22 @@ class RemoteWrites(RemoteState):
                 self._learn_commit(meta, reply.version)
             self._counters.stores += 1
         return True
+
+    def _still_in_ledger(self, key: BlockKey) -> bool:
+        """Whether the ledger still holds ``key`` after its bytes were written. Another
+        writer's admission may evict it between the commit and the write (the ledger and
+        the object live on different slots, so no script can do both): its victim deletion
+        then ran before the bytes existed, and they would stay behind unaccounted. One round
+        trip to the ledger's node; unknown (node down) counts as held — the victim's TTL or a
+        later read catches it."""
+        try:
+            held = self._client.call(
+                self.ledger_node, lambda conn: conn.hexists(self._ledger_key, key.hex())
+            )
+        except RemoteUnavailable:
+            self._count_error("commit_check")
+            return True
+        return bool(held)
 
     def _write_object(self, meta: KVObjectMeta, payload: memoryview) -> bool:
         """Meta and payload in one script on the object's slot (readers see both or
