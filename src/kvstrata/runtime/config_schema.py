@@ -377,7 +377,6 @@ def reference_markdown() -> str:
     for key in KEYS:
         default = "—" if key.default is None else f"`{_toml_value(key.default)}`"
         path = key.path.replace("tiers.", "[[tiers]] ", 1)
-        path = path.replace("pool.read_layouts.", "[[pool.read_layouts]] ", 1)
         meaning = key.help.replace("|", "\\|")
         lines.append(f"| `{path}` | {key.type} | {default} | {meaning} |")
     lines += [
