@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
@@ -226,5 +227,19 @@ def test_own_layout_representation_is_the_pool_bridges(
         assert layout_representation(own) == engine.bridge.bridge.representation
         shard = layout_representation(replace(own, tp_size=2, tp_rank=1))
         assert shard.shape == (2, 2, 1, 32, 16) and shard.tp_rank == 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_smollm2_restart_block16_to_block32_is_exact(
+    smollm2_model: LoadedModel, tmp_path: Path
+) -> None:
+    prompt = tokens(120, seed=14)  # 7 stored blocks of 16 → 3 own blocks of 32, 23 recomputed
+    engine = restart(smollm2_model, tmp_path / "disk", prompt, 16, 32)
+    try:
+        source = relayout_of(engine).alternates[0].label
+        assert assert_exact(engine, prompt) == {"disk": 96}
+        assert converted_blocks(engine, source) == 3
     finally:
         engine.close()
