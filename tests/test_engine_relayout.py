@@ -30,9 +30,12 @@ from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.transfer_io import export_prefix
 from kvstrata.identity import DEFAULT_TENANT, chain_keys
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
+from kvstrata.runtime.config import WorkerConfig, remote_tier
 from kvstrata.runtime.read_layouts import ReadLayout
+from kvstrata.runtime.valkey_server import ValkeyServer
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.remote_client import RemoteConfig
 from kvstrata.transfer.convert import shard_blocks
 from tier_helpers import worker_tiers
 
@@ -243,3 +246,31 @@ def test_smollm2_restart_block16_to_block32_is_exact(
         assert converted_blocks(engine, source) == 3
     finally:
         engine.close()
+
+
+def test_remote_tier_of_another_block_size_is_read(
+    tiny_model: LoadedModel, remote_server: ValkeyServer, remote_namespace: str
+) -> None:
+    """Workers of two block sizes share one remote tier: the block-32 one reads the block-16
+    one's objects, and stores its own beside them."""
+    prompt = tokens(PROMPT_LEN, seed=6)
+
+    def worker(block_size: int, *reads: ReadLayout) -> ReferenceEngine:
+        remote = RemoteConfig(url=remote_server.url, namespace=remote_namespace)
+        options = WorkerConfig(tiers=(remote_tier(remote, 64 << 20),))
+        config = EngineConfig(block_size=block_size, pool_blocks=64, read_layouts=reads)
+        return build_engine(tiny_model, config, options)
+
+    writer = worker(16)
+    reader = worker(32, ReadLayout(block_size=16))
+    try:
+        writer.generate(prompt, SamplingParams(max_tokens=1)).run()
+        source = relayout_of(reader).alternates[0].label
+        assert assert_exact(reader, prompt) == {"remote": 128}
+        assert converted_blocks(reader, source) == 4
+        assert reader.bridge is not None
+        own_keys = reader.block_keys(prompt)[:4]
+        assert all(reader.bridge.bridge.holds(key) for key in own_keys)
+    finally:
+        reader.close()
+        writer.close()
