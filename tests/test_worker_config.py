@@ -15,6 +15,7 @@ from kvstrata.fleet.supervisor import WorkerSpec
 from kvstrata.identity import secret_digest
 from kvstrata.runtime.config import ServeLimits, WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB, KEYS, OVERRIDES, reference_markdown
+from kvstrata.runtime.read_layouts import ReadLayout
 from kvstrata.store.config import WritePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,20 @@ ttl_s = 3600
     assert "s3cret" not in repr(config) and "s3cret" not in str(describe(config))
 
 
+def test_read_layouts_from_the_file(tmp_path: Path) -> None:
+    assert load_worker_config().read_layouts == ()  # none unless named
+    path = _write(
+        tmp_path,
+        "[pool]\nblock_size = 32\n[[pool.read_layouts]]\nblock_size = 16\n"
+        "[[pool.read_layouts]]\norder = 'HTLKD'\ntp_size = 2\ndtype = 'bfloat16'\n",
+    )
+    config = load_worker_config(path)
+    assert config.read_layouts == (
+        ReadLayout(block_size=16),
+        ReadLayout(order="HTLKD", tp_size=2, dtype="bfloat16"),
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [
@@ -115,6 +130,12 @@ ttl_s = 3600
             "tiers.rollout.canary",
         ),
         ("[events]\nendpoint = '127.0.0.1:5'\n", "events.endpoint"),
+        ("[pool]\nread_layouts = [{block_size = 0}]\n", "pool.read_layouts.block_size"),
+        ("[pool]\nread_layouts = [{order = 'LKHT'}]\n", "pool.read_layouts.order"),
+        ("[pool]\nread_layouts = [{dtype = 'int8'}]\n", "pool.read_layouts.dtype"),
+        ("[pool]\nread_layouts = [{}]\n", "pool.read_layouts.block_size"),
+        ("[pool]\nread_layouts = [{colour = 1}]\n", "pool.read_layouts.colour"),
+        ("[pool]\nread_layouts = 32\n", "pool.read_layouts"),
         ("tenant_secret_file = 'missing-secret'\n", "tenant_secret_file"),
         ("[limits]\nmax_tokens = 0\n", "limits.max_tokens"),
         ("[limits]\nmax_body_mib = -1\n", "limits.max_body_mib"),

@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             pool_blocks=blocks,
             tenant_secret=config.tenant_secret,
             scheduler=config.scheduler,
+            read_layouts=config.read_layouts,
         )
         engine = build_engine(
             loaded, engine_config, config, metrics=metrics, events=emitter, audit=audit

@@ -25,6 +25,7 @@ from kvstrata.engine.paged_attention import (
     LayerListener,
     SeqSlice,
 )
+from kvstrata.engine.relayout import StoredRelayout
 from kvstrata.engine.sampling import SamplingParams, sample_next
 from kvstrata.engine.sequence import Sequence as Seq
 from kvstrata.engine.tiering import PoolBridge
@@ -43,6 +44,7 @@ class BatchRunner:
         model: torch.nn.Module,
         pool: PagedKVPool,
         bridge: PoolBridge | None,
+        relayout: StoredRelayout | None = None,
         scheduler: SchedulerConfig,
         metrics: KvMetrics,
         costs: OnlinePrefillFit,
@@ -56,6 +58,7 @@ class BatchRunner:
         self.model = model
         self.pool = pool
         self.bridge = bridge
+        self.relayout = relayout  # stored objects of other layouts, converted at admission
         self.block_size = pool.config.block_size
         self.scheduler: Scheduler[Seq] = Scheduler(scheduler)
         self.metrics = metrics
@@ -169,6 +172,12 @@ class BatchRunner:
             seq.table += promoted.block_ids
             seq.committed = len(seq.table)
             for tier, count in promoted.tokens_by_tier.items():
+                by_tier[tier] = by_tier.get(tier, 0) + count
+        if self.relayout is not None and seq.committed < full:
+            converted = self.relayout.extend(tokens, keys, seq.committed, full, self._scope(seq))
+            seq.table += converted.block_ids
+            seq.committed = len(seq.table)
+            for tier, count in converted.tokens_by_tier.items():
                 by_tier[tier] = by_tier.get(tier, 0) + count
         seq.num_computed = seq.committed * block_size
         rest = len(tokens) - 1 - seq.num_computed

@@ -52,6 +52,7 @@ from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.paged_attention import LayerListener, use_paged_attention
 from kvstrata.engine.prefill import PrefillHandle
+from kvstrata.engine.relayout import StoredRelayout
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.sequence import HeldBlocks
 from kvstrata.engine.sequence import Sequence as Seq
@@ -69,6 +70,7 @@ from kvstrata.identity import (
 )
 from kvstrata.runtime import tokenization
 from kvstrata.runtime.events import KVEventEmitter
+from kvstrata.runtime.read_layouts import ReadLayout
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.runtime.wiring import wire
 from kvstrata.store.deletion import DeleteReport, DeleteSelector
@@ -91,6 +93,7 @@ class EngineConfig:
     reuse: bool = True  # False: never look up or store (the fresh-prefill baseline)
     prefetch: bool = True  # prefetch queued requests' prefixes from a shared store level
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    read_layouts: tuple[ReadLayout, ...] = ()  # stored objects of these layouts are converted
 
 
 def pool_config_for(
@@ -170,6 +173,19 @@ class ReferenceEngine:
                 recompute_estimate=self.costs.marginal_s,
                 prefetch=self.config.prefetch,
             )
+        relayout = None
+        if (
+            self.bridge is not None
+            and self.config.read_layouts
+            and isinstance(self.fingerprint, ModelFingerprint)
+        ):
+            relayout = StoredRelayout(
+                self.bridge,
+                self.fingerprint,
+                self.config.read_layouts,
+                tenant_secret=self.config.tenant_secret,
+                metrics=self.metrics,
+            )
         self.events = events
         wire(pool=self.pool, store=store, demotion=self.bridge, emitter=events)
         self.eos_token_ids = self._eos_ids()
@@ -178,6 +194,7 @@ class ReferenceEngine:
             model=self.model,
             pool=self.pool,
             bridge=self.bridge,
+            relayout=relayout,
             scheduler=self.config.scheduler,
             metrics=self.metrics,
             costs=self.costs,

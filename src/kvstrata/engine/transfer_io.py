@@ -30,23 +30,13 @@ from typing import NamedTuple
 import torch
 
 from kvstrata.engine.engine import ReferenceEngine
-from kvstrata.engine.kv_pool import PoolConfig
+from kvstrata.engine.relayout import pool_layout
 from kvstrata.errors import ConversionError, KvstrataError
 from kvstrata.identity import DEFAULT_TENANT, BlockKey
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
-from kvstrata.transfer.convert import dtype_name
 from kvstrata.transfer.layout import KVLayout
 
-
-def pool_layout(config: PoolConfig) -> KVLayout:
-    """The layout of one block of a pool configured by ``config`` (``kv[L, 2, H, N, B, D]``)."""
-    return KVLayout(
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        block_size=config.block_size,
-        dtype=dtype_name(config.dtype),
-    )
+__all__ = ["ExportedPrefix", "ImportResult", "export_prefix", "import_prefix", "pool_layout"]
 
 
 class ExportedPrefix(NamedTuple):

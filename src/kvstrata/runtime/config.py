@@ -42,6 +42,7 @@ from kvstrata.runtime.config_schema import (
     TIER_NAMES,
 )
 from kvstrata.runtime.events import KVEventsConfig
+from kvstrata.runtime.read_layouts import READ_LAYOUTS, ReadLayout, parse_read_layout
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.security.config import SecurityConfig
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
@@ -79,6 +80,7 @@ class WorkerConfig:
     served_model_name: str | None = None
     pool_bytes: int = GIB
     block_size: int = 16
+    read_layouts: tuple[ReadLayout, ...] = ()  # alternate layouts of stored objects it reads
     tiers: tuple[TierSpec, ...] = ()
     events: KVEventsConfig | None = None
     tenant_secret: bytes = field(default=b"", repr=False)
@@ -178,6 +180,11 @@ def _check_table(prefix: str, table: Mapping[str, Any], where: str) -> None:
             if not isinstance(value, Mapping):
                 raise ConfigError("must be a table", key=path, source=where)
             _check_table(path, value, where)
+        elif path == READ_LAYOUTS:
+            if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+                raise ConfigError("must be an array of tables", key=path, source=where)
+            for entry in value:
+                _check_table(path, entry, where)
         elif path not in BY_PATH:
             raise ConfigError("unknown key", key=path, source=where)
 
@@ -272,6 +279,12 @@ def _build(
     if block_size < 1:
         raise pool.fail("block_size", "must be at least 1")
     tiers = tuple(_tier(entry, i, where, base) for i, entry in enumerate(data.get("tiers", [])))
+    read_layouts = tuple(
+        parse_read_layout(
+            _Reader(entry, f"{READ_LAYOUTS}.", f"{where} ({READ_LAYOUTS}[{i}])", base)
+        )
+        for i, entry in enumerate(data.get("pool", {}).get("read_layouts", []))
+    )
     names = [spec.name for spec in tiers]
     if len(set(names)) != len(names):
         raise ConfigError("each tier may appear once", key="tiers.name", source=where)
@@ -306,6 +319,7 @@ def _build(
         served_model_name=top.get("served_model_name"),
         pool_bytes=int(pool_gib * GIB),
         block_size=block_size,
+        read_layouts=read_layouts,
         tiers=tiers,
         events=_events(data.get("events"), where, base),
         tenant_secret=secret,

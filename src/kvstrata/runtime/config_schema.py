@@ -58,6 +58,34 @@ KEYS: Final[tuple[Key, ...]] = (
     ),
     Key("pool.gib", "float", 1.0, "device KV pool size in GiB (reference engine)"),
     Key("pool.block_size", "int", 16, "tokens per KV block (reference engine)"),
+    Key(
+        "pool.read_layouts.block_size",
+        "int",
+        None,
+        "one alternate layout whose stored objects this worker reads and converts (an array "
+        "of tables, `read_layouts = [{block_size = 32}]`; unset fields: the pool's own): "
+        "tokens per block of the writer (a restart with another block size reuses the disk "
+        "and remote tiers); none by default",
+    ),
+    Key(
+        "pool.read_layouts.order",
+        "str",
+        None,
+        "the writer's block axis order, a permutation of `LKHTD` (layers, K/V, heads, tokens, "
+        "head dim)",
+    ),
+    Key(
+        "pool.read_layouts.tp_size",
+        "int",
+        None,
+        "the writer's tensor-parallel size (its KV heads sharded; every rank's objects read)",
+    ),
+    Key(
+        "pool.read_layouts.dtype",
+        "str",
+        None,
+        "the writer's KV dtype; another dtype than the pool's is lossy: refused, counted",
+    ),
     Key("scheduler.max_num_seqs", "int", 64, "`serve`: sequences in one engine step's batch"),
     Key(
         "scheduler.max_num_batched_tokens",

@@ -63,6 +63,25 @@ class KvMetrics:
             ["reason"],
             registry=r,
         )
+        self.relayout_blocks = Counter(
+            "kvstrata_relayout_blocks",
+            "Stored blocks of another layout converted into the pool's (counted in own blocks)",
+            ["from_layout", "to_layout"],
+            registry=r,
+        )
+        self.relayout_tokens = Counter(
+            "kvstrata_relayout_tokens",
+            "Prompt tokens served from stored objects of another layout, converted",
+            ["from_layout", "to_layout"],
+            registry=r,
+        )
+        self.relayout_refused = Counter(
+            "kvstrata_relayout_refused",
+            "Stored prefixes of another layout not used: lossy_not_allowed, a failed load "
+            "(missing, digest_mismatch, incompatible, tier_error) or conversion_error",
+            ["from_layout", "reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "kvstrata_queue_depth", "Requests waiting for their first engine step", registry=r
         )
