@@ -227,6 +227,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         done = self._saver.take_finished(finished_req_ids)
+        if done and self._worker is not None:
+            self._worker.count_released(len(done))
         return (done or None), None
 
     def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:

@@ -78,6 +78,7 @@ class ConnectorStats:
     save_dropped: int = 0  # beyond the saver's queue bound: not saved (only reuse is lost)
     save_failed: int = 0  # background save jobs that raised
     load_timeouts: int = 0  # step loads given up at connector.load_timeout_ms
+    requests_released: int = 0  # finished requests whose saves were done (get_finished)
     steps: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
@@ -259,6 +260,9 @@ class ConnectorWorker:
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
             self._dirty = True
+
+    def count_released(self, requests: int) -> None:
+        self._count(requests_released=requests)
 
     def end_step(self) -> None:
         with self._stats_lock:
