@@ -67,7 +67,7 @@ from kvstrata.connectors.vllm_lookup import (
     unregister_local,
 )
 from kvstrata.connectors.vllm_plan import RequestSave, ScheduledRequest, SchedulerPlanner, StepPlan
-from kvstrata.connectors.vllm_saver import BackgroundSaver
+from kvstrata.connectors.vllm_saver import BackgroundSaver, local_saver, register_saver
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config, lookup_keys
 from kvstrata.connectors.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics, StatsDelta
 from kvstrata.connectors.vllm_worker import ConnectorWorker
@@ -167,6 +167,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         max_blocks = self.settings.save_queue_blocks
         self._saver = BackgroundSaver(self._worker.save_request, max_blocks=max_blocks).start()
+        register_saver(self.engine_id, self._saver)
         register_local(self.engine_id, self._worker.lookup)
         self._server = self._lookup_server(self._worker.lookup)
         logger.info(
@@ -216,7 +217,15 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._last_load, self._load = self._load, None
         if plan.saves:
             self._saver.submit(self._worker.select_saves(plan.saves, skip=self._failed))
+        self._copy_saver_counts()
         self._worker.end_step()
+
+    def _copy_saver_counts(self) -> None:
+        if self._worker is not None:
+            saver = self._saver
+            self._worker.saver_counts(
+                dropped=saver.dropped_blocks, failed=saver.failed_jobs, released=saver.released
+            )
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """A preempted request's blocks are freed at once: finish its saves first."""
@@ -227,15 +236,12 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         done = self._saver.take_finished(finished_req_ids)
-        if done and self._worker is not None:
-            self._worker.count_released(len(done))
         return (done or None), None
 
     def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
         if self._worker is None:
             return None
-        self._worker.stats.save_dropped = self._saver.dropped_blocks
-        self._worker.stats.save_failed = self._saver.failed_jobs
+        self._copy_saver_counts()
         gauges = {"save_queued_blocks": float(self._saver.queued_blocks)}
         delta = self._deltas.take(self._worker.snapshot_stats(), gauges)
         return KvstrataConnectorStats(data=delta)
@@ -270,11 +276,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._server.close()
             self._server = None
         unregister_local(self.engine_id)
+        register_saver(self.engine_id, None)
         if self._load is not None:
             self._load.join()
         if self._last_load is not None:
             self._last_load.join()
         self._saver.close()  # drains: every queued save reaches the store before it closes
+        self._copy_saver_counts()
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -345,8 +353,14 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._planner is None:
             return False, None
-        # Saves run in the background: the blocks stay until get_finished reports them done.
-        return self._planner.finished(request.request_id), None
+        if not self._planner.finished(request.request_id):
+            return False, None
+        saver = local_saver(self.engine_id)
+        if saver is not None:  # the worker is in this process: finish its saves, free now
+            saver.release_now(request.request_id)
+            return False, None
+        # Saves run in another process: the blocks stay until get_finished reports them done.
+        return True, None
 
 
 def _no_hits(tenant: str, keys: Sequence[BlockKey]) -> int:

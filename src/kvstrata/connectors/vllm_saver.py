@@ -16,6 +16,12 @@ steps. Contracts:
   ``dropped_blocks``): a lost save costs only future reuse, never correctness, and the step
   never waits for the saver.
 - **Failures lose nothing but reuse**: a put that fails is logged and counted by ``save``.
+- **In one process** (vLLM's engine core runs scheduler and worker together: the API server,
+  or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side finds the saver through
+  ``local_saver`` and ``release_now`` finishes what is left of that request's saves (usually
+  nothing: they ran during its decode) so its blocks are freed at once; only a saver in another
+  process goes through ``delay_free_blocks`` and ``get_finished`` (an offline ``LLM`` does not
+  step after its last request, so a delayed free would wait for the next request).
 - ``start()`` starts the thread; ``close()`` drains the queue, then stops it.
 """
 
@@ -32,6 +38,22 @@ from kvstrata.connectors.vllm_plan import RequestSave
 logger = logging.getLogger("kvstrata.connectors.vllm")
 
 SaveFn = Callable[[RequestSave], None]
+
+_LOCAL: dict[str, BackgroundSaver] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def register_saver(engine_id: str, saver: BackgroundSaver | None) -> None:
+    with _LOCAL_LOCK:
+        if saver is None:
+            _LOCAL.pop(engine_id, None)
+        else:
+            _LOCAL[engine_id] = saver
+
+
+def local_saver(engine_id: str) -> BackgroundSaver | None:
+    with _LOCAL_LOCK:
+        return _LOCAL.get(engine_id)
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,7 @@ class BackgroundSaver:
         self.dropped_blocks = 0
         self.jobs_done = 0
         self.failed_jobs = 0
+        self.released = 0  # requests whose blocks were let go (take_finished or release_now)
 
     def start(self) -> BackgroundSaver:
         self._thread = threading.Thread(target=self._run, name="kvstrata-saver", daemon=True)
@@ -89,6 +112,7 @@ class BackgroundSaver:
             done = {r for r in self._finished if not self._pending.get(r)}
             self._finished -= done
             self._tracked -= done
+            self.released += len(done)
         return done
 
     def drain_requests(self, req_ids: Iterable[str]) -> None:
@@ -105,6 +129,15 @@ class BackgroundSaver:
         with self._lock:
             while any(self._pending.get(r) for r in wanted):
                 self._wake.wait(0.05)
+
+    def release_now(self, req_id: str) -> None:
+        """Finish the request's saves here and forget it (never reported by ``get_finished``):
+        the caller frees its blocks itself."""
+        self.drain_requests([req_id])
+        with self._lock:
+            self._tracked.discard(req_id)
+            self._finished.discard(req_id)
+            self.released += 1
 
     @property
     def queued_blocks(self) -> int:

@@ -261,8 +261,14 @@ class ConnectorWorker:
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
             self._dirty = True
 
-    def count_released(self, requests: int) -> None:
-        self._count(requests_released=requests)
+    def saver_counts(self, *, dropped: int, failed: int, released: int) -> None:
+        """The background saver's own counters (it owns them; copied here once a step)."""
+        with self._stats_lock:
+            now = (self.stats.save_dropped, self.stats.save_failed, self.stats.requests_released)
+            if now != (dropped, failed, released):
+                self.stats.save_dropped, self.stats.save_failed = dropped, failed
+                self.stats.requests_released = released
+                self._dirty = True
 
     def end_step(self) -> None:
         with self._stats_lock:
