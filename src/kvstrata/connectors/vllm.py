@@ -32,7 +32,8 @@ vLLM instance with the same url and ``remote_namespace`` shares.)
 
 A model kvstrata cannot identify (``ReuseDisabled``), and requests with LoRA, multimodal inputs
 or prompt embeddings, get 0 external tokens and are never stored.
-This is the only kvstrata module that imports vLLM (an optional extra: ``kvstrata[vllm]``).
+With ``vllm_stats``, the only kvstrata module that imports vLLM (an optional extra:
+``kvstrata[vllm]``).
 """
 
 from __future__ import annotations

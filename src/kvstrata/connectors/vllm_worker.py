@@ -5,20 +5,23 @@ shared remote tier), the ``BlockCodec`` over vLLM's registered KV tensors, an op
 emitter and the counters. It is driven by the connector, once per engine step, on the worker
 thread:
 
-- ``load(plan.loads)`` before the forward: for each request, its blocks are planned again
-  through the bridge's ``plan_promotion`` (a shared remote tier then fetches the whole prefix
-  in one pipelined, shard-parallel batch — read-ahead — instead of a round trip per block;
-  what no load took is dropped by ``finish_promotion`` and counted as unused), pinned, checked
-  (representation and size here; the payload digest by the tier, on every read unless a
-  tier's ``verify_reads`` is off) and scattered into vLLM's blocks — through the runtime's
-  ``StoreBridge``, the same code the reference engine loads with. The first block that is
-  missing, fails a check or whose tier errs ends that request's load: it and every later
-  block of the request are returned as failed (``get_block_ids_with_load_errors``), so vLLM
-  recomputes them (never uses them).
-- ``save(plan.saves)`` after the forward: blocks kvstrata does not hold yet are gathered and
-  put, each with its xxh3-128 payload digest, parent key, position and tokens. A block whose
-  load failed is replaced when vLLM has recomputed it (its later blocks may hold bad bytes
-  that no read has found yet).
+- ``begin_load(plan.loads)`` from ``start_load_kv``: a ``LayerwiseLoad`` (``vllm_loader``)
+  whose thread runs ``fetch`` per request: its blocks are planned again through the bridge's
+  ``plan_promotion`` (a shared remote tier then fetches the whole prefix in one pipelined,
+  shard-parallel batch — read-ahead — instead of a round trip per block; what no load took is
+  dropped by ``finish_promotion`` and counted as unused), pinned, checked (representation and
+  size here; the payload digest by the tier, on every read unless a tier's ``verify_reads`` is
+  off) and copied into a staging buffer — through the runtime's ``StoreBridge``, the same code
+  the reference engine loads with. The forward places each layer; ``finish_load`` (after the
+  forward) books it: the first block that is missing, fails a check or whose tier errs ends
+  that request's load, and it and every later block are returned as failed
+  (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them); a load past
+  its deadline fails all its blocks.
+- ``select_saves(plan.saves)`` on the step thread (bookkeeping: blocks kvstrata does not hold
+  yet), ``save_request`` on the background saver (``vllm_saver``): gathered and put, each with
+  its xxh3-128 payload digest, parent key, position and tokens. A block whose load failed is
+  replaced when vLLM has recomputed it (its later blocks may hold bad bytes that no read has
+  found yet).
 - ``end_step()`` publishes the step's KV events (one batch, ``medium`` = tier name) and, when
   asked, writes the counters to a JSON file (how tests in another process read them).
 
