@@ -3,7 +3,8 @@
 ``vllm`` holds ``KvstrataConnector`` (a vLLM ``KVConnectorBase_V1``, loaded through
 ``kv_connector_module_path="kvstrata.connectors.vllm"``); it and ``vllm_stats`` (its
 ``KVConnectorStats`` and Prometheus counters) are the only modules here that import vLLM. The
-parts it is made of are plain code that the main test suite checks without vLLM: ``vllm_layout`` (vLLM's per-layer KV tensors ↔ one kvstrata object per block),
+parts it is made of are plain code that the main test suite checks without vLLM:
+``vllm_layout`` (vLLM's per-layer KV tensors ↔ one kvstrata object per block),
 ``vllm_identity`` (fingerprint and tenant from vLLM's model config and ``cache_salt``),
 ``vllm_plan`` (the scheduler side's bookkeeping: which blocks to load and store each step),
 ``vllm_worker`` (the worker side: store, loads with digest check, saves, events, stats),
