@@ -69,6 +69,18 @@ def test_preempted_requests_are_saved_before_their_blocks_go() -> None:
     assert saved == ["b", "a"]
 
 
+def test_a_request_released_in_place_takes_no_later_saves() -> None:
+    saved: list[str] = []
+    saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=16)  # not started
+    saver.submit([_save("a", 1)])
+    saver.release_now("a")  # the scheduler frees its blocks itself
+    assert saved == ["a"] and saver.released == 1
+    saver.submit([_save("a", 1)])  # planned before vLLM finished it: its blocks are gone
+    assert saver.dropped_blocks == 1 and saver.take_finished({"a"}) == set()
+    saver.close()
+    assert saved == ["a"]
+
+
 def test_a_failing_save_is_counted_and_the_request_still_released() -> None:
     def broken(request: RequestSave) -> None:
         raise OSError("disk gone")

@@ -82,6 +82,9 @@ class BackgroundSaver:
         self.jobs_done = 0
         self.failed_jobs = 0
         self.released = 0  # requests whose blocks were let go (take_finished or release_now)
+        # Released in place: a plan built before vLLM finished the request (async scheduling)
+        # may still name its blocks, which vLLM has freed: such saves are refused.
+        self._gone: deque[str] = deque(maxlen=4096)
 
     def start(self) -> BackgroundSaver:
         self._thread = threading.Thread(target=self._run, name="kvstrata-saver", daemon=True)
@@ -93,6 +96,9 @@ class BackgroundSaver:
         """Queue the step's saves (never blocks on the saver)."""
         with self._lock:
             for request in requests:
+                if request.req_id in self._gone:
+                    self.dropped_blocks += len(request.blocks)
+                    continue
                 self._tracked.add(request.req_id)
                 if not request.blocks:
                     continue
@@ -137,6 +143,7 @@ class BackgroundSaver:
         with self._lock:
             self._tracked.discard(req_id)
             self._finished.discard(req_id)
+            self._gone.append(req_id)
             self.released += 1
 
     @property
