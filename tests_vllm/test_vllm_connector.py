@@ -7,6 +7,9 @@ Scenarios (each one vLLM process):
 - ``fresh_mp``: a new process, in vLLM's default multiprocess mode (scheduler and worker in
   different processes, so the connector metadata is pickled across), reuses what ``stored``
   left on disk.
+- ``plain``: the same prompt on vLLM without a connector: every kvstrata answer equals it.
+- saves run on the connector's background saver after the step; a finished request's blocks
+  are let go once its saves are done (``requests_released``), and the next request hits.
 - ``tamper``: disk tier only; the stored files' payload bytes are flipped while vLLM runs;
   the next load fails its digest check, is reported, vLLM recomputes, the output stays right;
   the block is stored again and a third run hits.
@@ -62,11 +65,22 @@ def stored(
     return results, _stats(stats_path)
 
 
+@pytest.fixture(scope="module")
+def plain_tokens(store_dir: Path, smol: Path, prompt_ids: list[int]) -> list[int]:
+    steps = [{"op": "generate", "prompt": prompt_ids}]
+    (only,) = generations(run_driver(store_dir, {"model": str(smol), "steps": steps}))
+    return list(only["tokens"])
+
+
 def test_reset_prefix_cache_then_hit_from_kvstrata(
-    stored: tuple[list[dict[str, Any]], dict[str, Any]], prompt_ids: list[int]
+    stored: tuple[list[dict[str, Any]], dict[str, Any]],
+    prompt_ids: list[int],
+    plain_tokens: list[int],
 ) -> None:
     results, stats = stored
+    assert all(r["ok"] for r in results if r["op"] == "reset")  # no block left pinned
     fresh, again = generations(results)[:2]
+    assert fresh["tokens"] == plain_tokens  # the connector changes nothing in the answer
     assert fresh["num_cached_tokens"] == 0
     assert fresh["tokens"] and fresh["text"].strip(), fresh
     # vLLM's own cache was reset: every cached token came through the connector.
@@ -76,6 +90,9 @@ def test_reset_prefix_cache_then_hit_from_kvstrata(
     assert stats["load_errors"] == 0 and stats["load_digest_mismatch"] == 0
     assert stats["tiers"]["host"]["objects"] >= len(prompt_ids) // BLOCK
     assert stats["tiers"]["disk"]["objects"] >= len(prompt_ids) // BLOCK
+    # Saved by the background saver; each finished request let go once its saves were done.
+    assert stats["blocks_saved"] >= len(prompt_ids) // BLOCK
+    assert stats["requests_released"] >= 4 and stats["save_dropped"] == 0
 
 
 def test_cache_salt_isolation(
@@ -122,7 +139,7 @@ def test_fresh_multiprocess_vllm_reuses_disk_tier(
     assert hit["num_cached_tokens"] == _reusable(prompt_ids)
     assert hit["tokens"] == expected
     assert stats["tokens_loaded"] == _reusable(prompt_ids)
-    assert stats["load_errors"] == 0
+    assert stats["load_errors"] == 0 and stats["load_timeouts"] == 0
 
 
 def test_tampered_disk_bytes_are_detected_and_recomputed(
@@ -151,3 +168,24 @@ def test_tampered_disk_bytes_are_detected_and_recomputed(
     # The recomputed blocks were stored again: the third run is a full hit.
     assert healed["num_cached_tokens"] == _reusable(prompt_ids)
     assert stats["tokens_loaded"] >= _reusable(prompt_ids)
+
+
+def test_a_load_past_its_deadline_is_recomputed(
+    tmp_path: Path, smol: Path, prompt_ids: list[int], plain_tokens: list[int]
+) -> None:
+    """A 1 ms load deadline (a disk read of ~7 MB and its digests take longer): the load is
+    given up, vLLM recomputes, the answer is still plain vLLM's."""
+    disk = tmp_path / "disk"
+    stats_path = tmp_path / "stats.json"
+    connector = {"disk_dir": str(disk), "disk_gib": 1, "stats_path": str(stats_path)}
+    steps = [{"op": "generate", "prompt": prompt_ids}, {"op": "reset"}]
+    run_driver(tmp_path, {"model": str(smol), "connector": connector, "steps": steps})
+    late = connector | {"load_timeout_ms": 1}
+    steps = [{"op": "generate", "prompt": prompt_ids}]
+    (answer,) = generations(
+        run_driver(tmp_path, {"model": str(smol), "connector": late, "steps": steps})
+    )
+    stats = _stats(stats_path)
+    assert answer["tokens"] == plain_tokens
+    assert stats["load_timeouts"] == 1
+    assert stats["load_errors"] == _reusable(prompt_ids) // BLOCK and stats["tokens_loaded"] == 0

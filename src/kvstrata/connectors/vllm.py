@@ -18,15 +18,22 @@ vLLM instance with the same url and ``remote_namespace`` shares.)
   hit it holds (``get_num_new_matched_tokens``), and ships a ``StepPlan`` (blocks to load, blocks
   to store) to the worker in the connector metadata — a plain, picklable record, because in
   vLLM's default multiprocess mode the worker is another process;
-- worker side (``ConnectorWorker``): owns the store; loads synchronously before the forward
-  (``start_load_kv``), stores the step's new full blocks after it (``wait_for_save``), reports
-  every block it could not fill through ``get_block_ids_with_load_errors`` (so with
-  ``kv_load_failure_policy="recompute"`` vLLM recomputes instead of using bad KV), publishes
-  kvstrata KV events and counters.
+- worker side (``ConnectorWorker``): owns the store. ``start_load_kv`` starts fetching the
+  step's planned blocks on a thread; each attention layer's ``wait_for_layer_load`` places that
+  layer's slice (``vllm_loader``); a load that fails or misses ``connector.load_timeout_ms``
+  is reported through ``get_block_ids_with_load_errors`` (so with
+  ``kv_load_failure_policy="recompute"`` vLLM recomputes instead of using bad KV).
+  ``wait_for_save`` only queues the step's new full blocks for the background saver
+  (``vllm_saver``): ``request_finished`` keeps a request's blocks (``delay_free_blocks``) until
+  ``get_finished`` reports its saves done. Counters go to vLLM's ``KVConnectorStats`` and
+  ``/metrics`` (``vllm_stats``) and to the JSON stats file; kvstrata KV events (``medium`` =
+  tier) go out on kvstrata's own ZMQ publisher (``[events]``), not vLLM's connector event
+  path, so they carry kvstrata's keys, tenant and epoch.
 
 A model kvstrata cannot identify (``ReuseDisabled``), and requests with LoRA, multimodal inputs
 or prompt embeddings, get 0 external tokens and are never stored.
-This is the only kvstrata module that imports vLLM (an optional extra: ``kvstrata[vllm]``).
+With ``vllm_stats``, the only kvstrata module that imports vLLM (an optional extra:
+``kvstrata[vllm]``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from kvstrata.connectors.vllm_identity import (
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_layout import BlockCodec
+from kvstrata.connectors.vllm_loader import LayerwiseLoad
 from kvstrata.connectors.vllm_lookup import (
     LookupClient,
     LookupFn,
@@ -59,8 +67,10 @@ from kvstrata.connectors.vllm_lookup import (
     register_local,
     unregister_local,
 )
-from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner, StepPlan
+from kvstrata.connectors.vllm_plan import RequestSave, ScheduledRequest, SchedulerPlanner, StepPlan
+from kvstrata.connectors.vllm_saver import BackgroundSaver, local_saver, register_saver
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config, lookup_keys
+from kvstrata.connectors.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics, StatsDelta
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.identity import (
     BlockKey,
@@ -101,6 +111,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookup: LookupClient | None = None
         self._worker: ConnectorWorker | None = None
         self._server: LookupServer | None = None
+        self._load: LayerwiseLoad | None = None
+        self._last_load: LayerwiseLoad | None = None
+        # Without a store (no tier opened) it still tracks requests: their blocks were kept.
+        self._saver = BackgroundSaver(_no_save, max_blocks=0)
+        self._deltas = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             fingerprint = model_fingerprint(vllm_config, kv_cache_config)
             if isinstance(fingerprint, ReuseDisabled):
@@ -151,6 +166,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats_path=self.settings.stats_path,
             audit=audit,
         )
+        max_blocks = self.settings.save_queue_blocks
+        self._saver = BackgroundSaver(self._worker.save_request, max_blocks=max_blocks).start()
+        register_saver(self.engine_id, self._saver)
         register_local(self.engine_id, self._worker.lookup)
         self._server = self._lookup_server(self._worker.lookup)
         logger.info(
@@ -173,28 +191,80 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is None:
             return
         plan = self._plan()
-        if plan.loads:
-            self._failed |= self._worker.load(plan.loads)
+        if not plan.loads:
+            return
+        if self._last_load is not None:  # a late fetch of an earlier step: the bridge is one
+            self._last_load.join()
+            self._last_load = None
+        timeout_s = self.settings.load_timeout_ms / 1000
+        self._load = self._worker.begin_load(plan.loads, timeout_s=timeout_s)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous and complete before the forward starts
+        if self._load is not None:
+            self._load.layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # whole blocks of every layer are stored after the forward (wait_for_save)
+        return  # whole blocks of every layer are queued after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        if self._worker is None:
-            return
         plan = self._plan()
+        if self._worker is None:
+            self._saver.submit(plan.saves)  # tracked only: reported finished at once
+            return
+        if self._load is not None:
+            self._failed |= self._worker.finish_load(self._load)
+            self._last_load, self._load = self._load, None
         if plan.saves:
-            self._worker.save(plan.saves, skip=self._failed)
+            self._saver.submit(self._worker.select_saves(plan.saves, skip=self._failed))
+        self._copy_saver_counts()
         self._worker.end_step()
 
+    def _copy_saver_counts(self) -> None:
+        if self._worker is not None:
+            saver = self._saver
+            self._worker.saver_counts(
+                dropped=saver.dropped_blocks, failed=saver.failed_jobs, released=saver.released
+            )
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """A preempted request's blocks are freed at once: finish its saves first."""
+        if isinstance(kv_connector_metadata, KvstrataConnectorMetadata):
+            preempted = kv_connector_metadata.plan.preempted
+            if preempted:
+                self._saver.drain_requests(preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        done = self._saver.take_finished(finished_req_ids)
+        return (done or None), None
+
+    def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
+        if self._worker is None:
+            return None
+        self._copy_saver_counts()
+        gauges = {"save_queued_blocks": float(self._saver.queued_blocks)}
+        delta = self._deltas.take(self._worker.snapshot_stats(), gauges)
+        return KvstrataConnectorStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataConnectorStats:
+        return KvstrataConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvstrataPromMetrics:
+        return KvstrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def drain_write_back(self) -> None:
-        """Worker side: return once every write-back queued so far has reached its tier (a
-        benchmark's "stored" point; vLLM itself never calls it)."""
+        """Worker side: return once every save queued so far and every write-back has reached
+        its tier (a benchmark's "stored" point; vLLM itself never calls it)."""
+        self._saver.wait_idle()
         if self._worker is not None:
             self._worker.store.flush()
 
@@ -207,6 +277,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._server.close()
             self._server = None
         unregister_local(self.engine_id)
+        register_saver(self.engine_id, None)
+        if self._load is not None:
+            self._load.join()
+        if self._last_load is not None:
+            self._last_load.join()
+        self._saver.close()  # drains: every queued save reaches the store before it closes
+        self._copy_saver_counts()
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -264,18 +341,35 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     counts.get(req_id, 0),
                 )
             )
-        return KvstrataConnectorMetadata(self._planner.build(scheduled))
+        plan = self._planner.build(scheduled)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted:
+            plan.preempted = tuple(sorted(preempted))
+            for req_id in preempted:
+                self._planner.preempted(req_id)
+        return KvstrataConnectorMetadata(plan)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._planner is not None:
-            self._planner.finished(request.request_id)
-        return False, None
+        if self._planner is None:
+            return False, None
+        if not self._planner.finished(request.request_id):
+            return False, None
+        saver = local_saver(self.engine_id)
+        if saver is not None:  # the worker is in this process: finish its saves, free now
+            saver.release_now(request.request_id)
+            return False, None
+        # Saves run in another process: the blocks stay until get_finished reports them done.
+        return True, None
 
 
 def _no_hits(tenant: str, keys: Sequence[BlockKey]) -> int:
     return 0
+
+
+def _no_save(request: RequestSave) -> None:
+    return
 
 
 def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprint | ReuseDisabled:

@@ -21,6 +21,7 @@ the GPU shapes are unit-tested on CPU tensors (real CUDA is untested here: no GP
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -158,6 +159,15 @@ class BlockCodec:
         return rows
 
     def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        self._scatter(block_ids, rows, None)
+
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Write only layer ``layer``'s slice of whole-block ``rows`` (a layer-wise load)."""
+        if not 0 <= layer < len(self.tensors):
+            raise InvalidInput(f"layer {layer} outside [0, {len(self.tensors)})")
+        self._scatter(block_ids, rows, layer)
+
+    def _scatter(self, block_ids: Sequence[int], rows: torch.Tensor, layer: int | None) -> None:
         self._check(block_ids)
         n = len(block_ids)
         if rows.shape != (n, self.block_bytes) or rows.dtype != torch.uint8:
@@ -165,9 +175,9 @@ class BlockCodec:
         if n == 0:
             return
         if self.use_numpy:
-            self._scatter_cpu(block_ids, rows.numpy())
+            self._scatter_cpu(block_ids, rows.numpy(), layer)
             return
-        for tensor, layout, offset, size in self._layers():
+        for tensor, layout, offset, size in self._layers(layer):
             chunk = rows[:, offset : offset + size].contiguous().view(self.dtype)
             chunk = chunk.to(self.device)
             per_block = tensor.shape[:]
@@ -181,8 +191,14 @@ class BlockCodec:
     # CPU tensors are copied with numpy: plain single-threaded memcpy. torch's copy kernels
     # fan out to its OpenMP pool, and on a busy small machine (vLLM's own threads included)
     # their spin-waits made loads many times slower (docs/results-history.md, vLLM connector).
-    def _layers(self) -> Iterator[tuple[torch.Tensor, LayerLayout, int, int]]:
-        yield from zip(self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=True)
+    def _layers(
+        self, layer: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, LayerLayout, int, int]]:
+        every = zip(self.tensors, self.layouts, self.offsets, self.layer_bytes, strict=True)
+        if layer is None:
+            yield from every
+        else:
+            yield next(itertools.islice(every, layer, None))
 
     def _as_words(self, tensor: torch.Tensor) -> np.ndarray:
         return tensor.view(_INT_OF_SIZE[tensor.element_size()]).numpy()
@@ -203,9 +219,9 @@ class BlockCodec:
             flat = np.ascontiguousarray(picked).reshape(n, -1).view(np.uint8)
             rows[:, offset : offset + size] = flat
 
-    def _scatter_cpu(self, block_ids: Sequence[int], rows: np.ndarray) -> None:
+    def _scatter_cpu(self, block_ids: Sequence[int], rows: np.ndarray, layer: int | None) -> None:
         n = len(block_ids)
-        for tensor, layout, offset, size in self._layers():
+        for tensor, layout, offset, size in self._layers(layer):
             words = self._as_words(tensor)
             chunk = np.ascontiguousarray(rows[:, offset : offset + size]).view(words.dtype)
             index = self._kernel_index(layout, block_ids)

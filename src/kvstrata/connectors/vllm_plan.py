@@ -66,6 +66,7 @@ class RequestSave:
 class StepPlan:
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
+    preempted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class _Tracked:
     planned_saves: int = 0
     local_blocks: int = 0
     found_blocks: int = 0
+    saving: bool = False  # saves were planned: its blocks stay pinned until they are done
 
 
 class SchedulerPlanner:
@@ -214,11 +216,15 @@ class SchedulerPlanner:
                     )
                 )
             state.planned_saves = full
+            state.saving = True
             plan.saves.append(RequestSave(item.req_id, state.tenant.name, tuple(blocks)))
         return plan
 
-    def finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+    def finished(self, req_id: str) -> bool:
+        """Forget the request; True when saves were planned for it (vLLM must then keep its
+        blocks until the worker reports the saves done: ``delay_free_blocks``)."""
+        state = self._requests.pop(req_id, None)
+        return state is not None and state.saving
 
     def preempted(self, req_id: str) -> None:
         """Its blocks are gone; resumption re-matches and gets a new block list."""

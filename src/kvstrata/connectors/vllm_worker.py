@@ -5,20 +5,23 @@ shared remote tier), the ``BlockCodec`` over vLLM's registered KV tensors, an op
 emitter and the counters. It is driven by the connector, once per engine step, on the worker
 thread:
 
-- ``load(plan.loads)`` before the forward: for each request, its blocks are planned again
-  through the bridge's ``plan_promotion`` (a shared remote tier then fetches the whole prefix
-  in one pipelined, shard-parallel batch — read-ahead — instead of a round trip per block;
-  what no load took is dropped by ``finish_promotion`` and counted as unused), pinned, checked
-  (representation and size here; the payload digest by the tier, on every read unless a
-  tier's ``verify_reads`` is off) and scattered into vLLM's blocks — through the runtime's
-  ``StoreBridge``, the same code the reference engine loads with. The first block that is
-  missing, fails a check or whose tier errs ends that request's load: it and every later
-  block of the request are returned as failed (``get_block_ids_with_load_errors``), so vLLM
-  recomputes them (never uses them).
-- ``save(plan.saves)`` after the forward: blocks kvstrata does not hold yet are gathered and
-  put, each with its xxh3-128 payload digest, parent key, position and tokens. A block whose
-  load failed is replaced when vLLM has recomputed it (its later blocks may hold bad bytes
-  that no read has found yet).
+- ``begin_load(plan.loads)`` from ``start_load_kv``: a ``LayerwiseLoad`` (``vllm_loader``)
+  whose thread runs ``fetch`` per request: its blocks are planned again through the bridge's
+  ``plan_promotion`` (a shared remote tier then fetches the whole prefix in one pipelined,
+  shard-parallel batch — read-ahead — instead of a round trip per block; what no load took is
+  dropped by ``finish_promotion`` and counted as unused), pinned, checked (representation and
+  size here; the payload digest by the tier, on every read unless a tier's ``verify_reads`` is
+  off) and copied into a staging buffer — through the runtime's ``StoreBridge``, the same code
+  the reference engine loads with. The forward places each layer; ``finish_load`` (after the
+  forward) books it: the first block that is missing, fails a check or whose tier errs ends
+  that request's load, and it and every later block are returned as failed
+  (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them); a load past
+  its deadline fails all its blocks.
+- ``select_saves(plan.saves)`` on the step thread (bookkeeping: blocks kvstrata does not hold
+  yet), ``save_request`` on the background saver (``vllm_saver``): gathered and put, each with
+  its xxh3-128 payload digest, parent key, position and tokens. A block whose load failed is
+  replaced when vLLM has recomputed it (its later blocks may hold bad bytes that no read has
+  found yet).
 - ``end_step()`` publishes the step's KV events (one batch, ``medium`` = tier name) and, when
   asked, writes the counters to a JSON file (how tests in another process read them).
 
@@ -43,6 +46,7 @@ import numpy as np
 import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
+from kvstrata.connectors.vllm_loader import Fetched, LayerwiseLoad
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
 from kvstrata.costs import DEFAULT_PREFILL_MODEL, PrefillModel
 from kvstrata.errors import KvstrataError
@@ -74,6 +78,10 @@ class ConnectorStats:
     bytes_saved: int = 0
     save_skipped_present: int = 0
     save_rejected: int = 0
+    save_dropped: int = 0  # beyond the saver's queue bound: not saved (only reuse is lost)
+    save_failed: int = 0  # background save jobs that raised
+    load_timeouts: int = 0  # step loads given up at connector.load_timeout_ms
+    requests_released: int = 0  # finished requests whose saves were done (get_finished)
     steps: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
@@ -102,7 +110,7 @@ class ConnectorWorker:
         self.representation = codec.representation
         self.stats = ConnectorStats()
         self._stats_lock = threading.Lock()
-        self._written: ConnectorStats | None = None
+        self._dirty = True
         self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
         self.bridge = StoreBridge(
             store,
@@ -117,26 +125,20 @@ class ConnectorWorker:
         located = self.store.lookup(keys, RequestScope(tenant=tenant, model=self.model))
         # The keys start after vLLM's own hit, whose length is not sent: context offset 0.
         found = len(located) if self.bridge.worth_loading(located, 0) else 0
-        with self._stats_lock:
-            self.stats.lookups += 1
-            self.stats.lookup_blocks_found += found
+        self._count(lookups=1, lookup_blocks_found=found)
         return found
 
     def holds(self, key: BlockKey) -> bool:
         return self.bridge.holds(key)
 
-    # ---- loads ------------------------------------------------------------------------------
-    def load(self, loads: Sequence[RequestLoad]) -> set[int]:
-        """Fill the planned blocks; returns the block ids that could not be filled."""
-        started = time.perf_counter()
-        failed: set[int] = set()
-        for request in loads:
-            failed.update(self._load_request(request))
-        with self._stats_lock:
-            self.stats.load_seconds += time.perf_counter() - started
-        return failed
+    # ---- loads (fetch thread, then step thread) ---------------------------------------------
+    def begin_load(self, loads: Sequence[RequestLoad], *, timeout_s: float) -> LayerwiseLoad:
+        """Start fetching the step's planned blocks (placed by the forward, layer by layer)."""
+        return LayerwiseLoad(loads, self.fetch, self.codec, timeout_s=timeout_s).start()
 
-    def _load_request(self, request: RequestLoad) -> list[int]:
+    def fetch(self, request: RequestLoad) -> Fetched:
+        """Read a request's planned blocks into a staging buffer (runs on the fetch thread):
+        the first block missing, failing a check or whose tier errs ends the request's load."""
         keys = [BlockKey(k) for k in request.keys]
         scope = RequestScope(tenant=request.tenant, model=self.model)
         located = self.bridge.plan_promotion(keys, 0, scope)
@@ -151,25 +153,42 @@ class ConnectorWorker:
             if located:
                 self.bridge.finish_promotion()
         if loaded == len(located) < len(keys):  # gone since the scheduler looked
-            self.stats.load_missing += 1
-        if loaded:
-            self.codec.scatter(request.block_ids[:loaded], rows[:loaded])
-        failed = list(request.block_ids[loaded:])
-        # vLLM recomputes these blocks; their fresh KV replaces whatever the store holds.
-        self._suspect.update(request.keys[loaded:])
-        with self._stats_lock:
-            self.stats.blocks_loaded += loaded
-            self.stats.tokens_loaded += loaded * self.codec.block_size
-            self.stats.bytes_loaded += loaded * self.codec.block_bytes
-            self.stats.load_errors += len(failed)
-        if failed:
+            self._count(load_missing=1)
+        return Fetched(request, rows, loaded)
+
+    def finish_load(self, load: LayerwiseLoad) -> set[int]:
+        """Book a finished step's load (step thread); returns the block ids vLLM recomputes."""
+        result = load.finish()
+        loaded = sum(item.loaded for item in result.fetched)
+        for request in load.loads:
+            done = next((f.loaded for f in result.fetched if f.request is request), 0)
+            # vLLM recomputes these blocks; their fresh KV replaces whatever the store holds.
+            self._suspect.update(request.keys[done:])
+        if result.timed_out:
+            self._count(load_timeouts=1)
             logger.warning(
-                "kvstrata: %d of %d blocks of request %s failed to load; vLLM recomputes them",
-                len(failed),
-                len(keys),
-                request.req_id,
+                "kvstrata: a load missed its %.0f ms deadline; vLLM recomputes %d blocks",
+                1000 * load.timeout_s,
+                len(result.failed),
             )
-        return failed
+        elif load.error is not None:
+            logger.error("kvstrata: a load failed (%s); vLLM recomputes it", load.error)
+        elif result.failed:
+            logger.warning(
+                "kvstrata: %d blocks failed to load; vLLM recomputes them", len(result.failed)
+            )
+        self._count(
+            blocks_loaded=loaded,
+            tokens_loaded=loaded * self.codec.block_size,
+            bytes_loaded=loaded * self.codec.block_bytes,
+            load_errors=len(result.failed),
+            load_seconds=result.seconds,
+        )
+        return set(result.failed)
+
+    def load(self, loads: Sequence[RequestLoad], *, timeout_s: float = 60.0) -> set[int]:
+        """Fill the planned blocks now (every layer); returns the block ids not filled."""
+        return self.finish_load(self.begin_load(loads, timeout_s=timeout_s))
 
     def _load_one(self, loc: Located, tenant: str, row: torch.Tensor) -> bool:
         def copy(payload: memoryview) -> None:
@@ -177,18 +196,20 @@ class ConnectorWorker:
 
         outcome = self.bridge.load_verified(loc, tenant, copy)
         if outcome is LoadOutcome.DIGEST_MISMATCH:
-            self.stats.load_digest_mismatch += 1
+            self._count(load_digest_mismatch=1)
         elif outcome is LoadOutcome.INCOMPATIBLE:
-            self.stats.load_incompatible += 1
+            self._count(load_incompatible=1)
         elif outcome is not LoadOutcome.LOADED:
-            self.stats.load_missing += 1
+            self._count(load_missing=1)
         return outcome is LoadOutcome.LOADED
 
-    # ---- saves ------------------------------------------------------------------------------
-    def save(
+    # ---- saves: chosen on the step thread, written by the saver thread ----------------------
+    def select_saves(
         self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
-    ) -> None:
-        started = time.perf_counter()
+    ) -> list[RequestSave]:
+        """The blocks worth saving (bookkeeping only: no bytes move here)."""
+        chosen = []
+        skipped = 0
         for request in saves:
             todo = []
             for block in request.blocks:
@@ -200,15 +221,28 @@ class ConnectorWorker:
                 elif self.holds(BlockKey(block.key)):
                     continue
                 todo.append(block)
-            with self._stats_lock:
-                self.stats.save_skipped_present += len(request.blocks) - len(todo)
-            if not todo:
-                continue
-            rows = self.codec.gather([block.block_id for block in todo]).numpy()
-            for block, row in zip(todo, rows, strict=True):
-                self._put(request.tenant, block, row)
-        with self._stats_lock:
-            self.stats.save_seconds += time.perf_counter() - started
+            skipped += len(request.blocks) - len(todo)
+            chosen.append(RequestSave(request.req_id, request.tenant, tuple(todo)))
+        if skipped:
+            self._count(save_skipped_present=skipped)
+        return chosen
+
+    def save_request(self, request: RequestSave) -> None:
+        """Gather a request's blocks out of vLLM's KV and put them (the saver thread)."""
+        if not request.blocks:
+            return
+        started = time.perf_counter()
+        rows = self.codec.gather([block.block_id for block in request.blocks]).numpy()
+        for block, row in zip(request.blocks, rows, strict=True):
+            self._put(request.tenant, block, row)
+        self._count(save_seconds=time.perf_counter() - started)
+
+    def save(
+        self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        """Select and write now, on the calling thread."""
+        for request in self.select_saves(saves, skip):
+            self.save_request(request)
 
     def _put(self, tenant: str, block: BlockSave, row: np.ndarray) -> None:
         info = BlockInfo(tenant, block.position, block.tokens)
@@ -218,14 +252,27 @@ class ConnectorWorker:
         except KvstrataError:
             logger.exception("kvstrata: storing a block failed")
             stored = False
-        with self._stats_lock:
-            if stored:
-                self.stats.blocks_saved += 1
-                self.stats.bytes_saved += self.codec.block_bytes
-            else:
-                self.stats.save_rejected += 1
+        if stored:
+            self._count(blocks_saved=1, bytes_saved=self.codec.block_bytes)
+        else:
+            self._count(save_rejected=1)
 
-    # ---- per step ---------------------------------------------------------------------------
+    # ---- counters and per step --------------------------------------------------------------
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+            self._dirty = True
+
+    def saver_counts(self, *, dropped: int, failed: int, released: int) -> None:
+        """The background saver's own counters (it owns them; copied here once a step)."""
+        with self._stats_lock:
+            now = (self.stats.save_dropped, self.stats.save_failed, self.stats.requests_released)
+            if now != (dropped, failed, released):
+                self.stats.save_dropped, self.stats.save_failed = dropped, failed
+                self.stats.requests_released = released
+                self._dirty = True
+
     def end_step(self) -> None:
         with self._stats_lock:
             self.stats.steps += 1
@@ -238,16 +285,15 @@ class ConnectorWorker:
             return ConnectorStats(**asdict(self.stats))
 
     def write_stats(self, *, force: bool = False) -> None:
-        """Write the counters (and tier usage) to ``stats_path`` when they changed."""
+        """Write the counters (and tier usage) to ``stats_path`` when they changed (a flag
+        checked once per step: no snapshot unless something moved)."""
         if self.stats_path is None:
             return
+        with self._stats_lock:
+            if not (self._dirty or force):
+                return
+            self._dirty = False
         current = self.snapshot_stats()
-        steps_only = self._written is not None and asdict(current) | {"steps": 0} == asdict(
-            self._written
-        ) | {"steps": 0}
-        if steps_only and not force:
-            return
-        self._written = current
         body = asdict(current) | {
             "tiers": {level.name: _tier_stats(level.tier) for level in self.store.levels},
             "block_bytes": self.codec.block_bytes,

@@ -88,6 +88,8 @@ class WorkerConfig:
     debug_endpoints: bool = False
     limits: ServeLimits = ServeLimits()
     lookup_timeout_ms: int = 2000
+    load_timeout_ms: int = 5000
+    save_queue_blocks: int = 1024
     stats_path: Path | None = None
     lookup_curve_secret_file: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -311,6 +313,12 @@ def _build(
     timeout = connector.get("lookup_timeout_ms")
     if timeout <= 0:
         raise connector.fail("lookup_timeout_ms", "must be positive")
+    load_timeout = connector.get("load_timeout_ms")
+    if load_timeout <= 0:
+        raise connector.fail("load_timeout_ms", "must be positive")
+    save_queue = connector.get("save_queue_blocks")
+    if save_queue <= 0:
+        raise connector.fail("save_queue_blocks", "must be positive")
     lookup_curve = connector.get("lookup_curve_secret_file")
     if lookup_curve is not None and not lookup_curve.is_file():
         raise connector.fail("lookup_curve_secret_file", f"no such file: {lookup_curve}")
@@ -327,6 +335,8 @@ def _build(
         debug_endpoints=top.get("debug_endpoints"),
         limits=_limits(_Reader(data.get("limits", {}), "limits.", where, base)),
         lookup_timeout_ms=timeout,
+        load_timeout_ms=load_timeout,
+        save_queue_blocks=save_queue,
         stats_path=connector.get("stats_path"),
         lookup_curve_secret_file=lookup_curve,
         scheduler=scheduler,

@@ -193,6 +193,18 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("security.tls_key_file", "path", None, "the certificate's private key (PEM)"),
     Key("security.tls_ca_file", "path", None, "CA bundle a router trusts for workers' HTTPS"),
     Key("connector.lookup_timeout_ms", "int", 2000, "vLLM: scheduler → worker lookup timeout"),
+    Key(
+        "connector.load_timeout_ms",
+        "int",
+        5000,
+        "vLLM: a load not read by then is given up: its blocks are recomputed",
+    ),
+    Key(
+        "connector.save_queue_blocks",
+        "int",
+        1024,
+        "vLLM: blocks queued for the background saver at most (beyond: not saved, counted)",
+    ),
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
     Key(
         "connector.lookup_curve_secret_file",
@@ -319,6 +331,10 @@ _OVERRIDE_LIST: Final = (
     Override("worker_id", "events.worker_id", _set("events.worker_id")),
     Override(
         "lookup_timeout_ms", "connector.lookup_timeout_ms", _set("connector.lookup_timeout_ms")
+    ),
+    Override("load_timeout_ms", "connector.load_timeout_ms", _set("connector.load_timeout_ms")),
+    Override(
+        "save_queue_blocks", "connector.save_queue_blocks", _set("connector.save_queue_blocks")
     ),
     Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
     Override(

@@ -1,0 +1,146 @@
+"""The asynchronous parts of the vLLM connector, without vLLM: the background saver (pinned
+blocks released only when their saves are done, bounded, drained on close) and the layer-wise
+load (only the forward thread writes vLLM's KV; a late or failing fetch writes nothing)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from kvstrata.connectors.vllm_layout import BlockCodec
+from kvstrata.connectors.vllm_loader import Fetched, LayerwiseLoad
+from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
+from kvstrata.connectors.vllm_saver import BackgroundSaver
+
+BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
+
+
+def _layer(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=gen).to(torch.bfloat16)
+
+
+def _save(req_id: str, blocks: int) -> RequestSave:
+    items = tuple(BlockSave(i, bytes([i]) * 32, None, i * BS, (1,) * BS) for i in range(blocks))
+    return RequestSave(req_id, "default", items)
+
+
+# ---- saver ---------------------------------------------------------------------------------
+def test_a_finished_request_is_released_only_once_its_saves_are_done() -> None:
+    gate = threading.Event()
+    saved: list[str] = []
+
+    def slow_save(request: RequestSave) -> None:
+        gate.wait(10)
+        saved.append(request.req_id)
+
+    saver = BackgroundSaver(slow_save, max_blocks=16).start()
+    saver.submit([_save("a", 2), _save("b", 0)])
+    # "b" had nothing to write: released as soon as vLLM finishes it; "a" is still saving.
+    assert saver.take_finished({"a", "b", "unknown"}) == {"b"}
+    assert saver.take_finished(set()) == set()
+    gate.set()
+    assert saver.wait_idle(10)
+    assert saver.take_finished(set()) == {"a"}  # vLLM said "finished" before: reported now
+    assert saver.take_finished({"a"}) == set()  # once only
+    assert saved == ["a"]
+    saver.close()
+
+
+def test_the_queue_is_bounded_and_close_drains_it() -> None:
+    saved: list[str] = []
+    saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=3)  # not started
+    saver.submit([_save("a", 2), _save("b", 2), _save("c", 1)])
+    assert saver.dropped_blocks == 2 and saver.queued_blocks == 3
+    assert saver.take_finished({"b"}) == {"b"}  # dropped: nothing pins its blocks any more
+    saver.close()
+    assert saved == ["a", "c"] and saver.idle()
+
+
+def test_preempted_requests_are_saved_before_their_blocks_go() -> None:
+    saved: list[str] = []
+    saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=16)  # not started
+    saver.submit([_save("a", 1), _save("b", 1)])
+    saver.drain_requests(["b"])
+    assert saved == ["b"]
+    saver.close()
+    assert saved == ["b", "a"]
+
+
+def test_a_request_released_in_place_takes_no_later_saves() -> None:
+    saved: list[str] = []
+    saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=16)  # not started
+    saver.submit([_save("a", 1)])
+    saver.release_now("a")  # the scheduler frees its blocks itself
+    assert saved == ["a"] and saver.released == 1
+    saver.submit([_save("a", 1)])  # planned before vLLM finished it: its blocks are gone
+    assert saver.dropped_blocks == 1 and saver.take_finished({"a"}) == set()
+    saver.close()
+    assert saved == ["a"]
+
+
+def test_a_failing_save_is_counted_and_the_request_still_released() -> None:
+    def broken(request: RequestSave) -> None:
+        raise OSError("disk gone")
+
+    saver = BackgroundSaver(broken, max_blocks=16).start()
+    saver.submit([_save("a", 1)])
+    assert saver.wait_idle(10)
+    assert saver.failed_jobs == 1 and saver.take_finished({"a"}) == {"a"}
+    saver.close()
+
+
+# ---- layer-wise load -----------------------------------------------------------------------
+def _codec() -> tuple[BlockCodec, dict[str, torch.Tensor], torch.Tensor]:
+    source = BlockCodec({"l0": _layer(0), "l1": _layer(1)}, BLOCKS, BS)
+    rows = source.gather([0, 1, 2])
+    target = {"l0": torch.zeros_like(_layer(0)), "l1": torch.zeros_like(_layer(1))}
+    return BlockCodec(target, BLOCKS, BS), target, rows
+
+
+def test_each_layer_is_placed_when_the_forward_reaches_it(tmp_path: Path) -> None:
+    codec, target, rows = _codec()
+    request = RequestLoad("a", "default", (3, 4, 5), (b"k0", b"k1", b"k2"))
+    load = LayerwiseLoad(
+        [request], lambda r: Fetched(r, rows, 2), codec, timeout_s=10
+    ).start()  # the third block failed to fetch
+    load.layer("l0")
+    assert target["l0"][3:5].any() and not target["l1"].any()  # l1 not yet: its layer is later
+    assert not target["l0"][5].any()
+    result = load.finish()
+    assert target["l1"][3:5].any()  # finish places the layers the forward did not ask for
+    assert result.failed == {5} and not result.timed_out
+
+
+def test_a_late_fetch_is_given_up_and_never_writes_vllm_kv() -> None:
+    codec, target, rows = _codec()
+    gate = threading.Event()
+    request = RequestLoad("a", "default", (3, 4), (b"k0", b"k1"))
+
+    def late(r: RequestLoad) -> Fetched:
+        gate.wait(10)
+        return Fetched(r, rows[:2], 2)
+
+    load = LayerwiseLoad([request], late, codec, timeout_s=0.05).start()
+    load.layer("l0")
+    result = load.finish()
+    assert result.timed_out and result.failed == {3, 4}
+    gate.set()
+    assert load.join(10)
+    load.layer("l1")
+    assert not target["l0"].any() and not target["l1"].any()
+
+
+def test_a_fetch_that_raises_fails_every_block() -> None:
+    codec, target, _ = _codec()
+
+    def broken(r: RequestLoad) -> Fetched:
+        raise OSError("tier gone")
+
+    request = RequestLoad("a", "default", (3,), (b"k0",))
+    load = LayerwiseLoad([request], broken, codec, timeout_s=10).start()
+    result = load.finish()
+    assert result.failed == {3} and isinstance(load.error, OSError)
+    assert not target["l0"].any()
