@@ -1,0 +1,236 @@
+"""Disaggregated prefill between two real ``kvstrata serve`` processes (issue 14, items 3, 5).
+
+A prefill worker (``POST /kv/prefill``) streams a prompt's KV layer by layer to a decode
+worker's transfer port; the decode worker's completion (``kvstrata_transfer``) then hits the
+received blocks. A sender SIGKILLed mid-transfer and a refused handshake both end in a local
+prefill with the same answer, counted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvstrata.runtime.processes import free_port
+from kvstrata.transfer.handshake import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    BlockEntry,
+    Operation,
+    Refuse,
+    TransferOffer,
+    Transport,
+    WireLayout,
+    decode_answer,
+    encode,
+)
+from kvstrata.transfer.intro import TransferIntro, encode_intro, intro_mac
+from kvstrata.transfer.layout import KVLayout, RefuseReason
+from kvstrata.transfer.tcp import TcpTransport
+
+SECRET = b"disagg-test-secret"
+BLOCK = 16
+
+
+@contextmanager
+def _worker(
+    tmp_path: Path, name: str, *flags: str, model: str = "tiny"
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    port = free_port()
+    log = tmp_path / f"{name}.log"
+    command = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", model]
+    command += ["--port", str(port), "--pool-gib", "0.01", "--host-gib", "0.02"]
+    command += ["--tenant-secret-file", str(secret), "--log-level", "warning", *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _healthy(process, url, log), 180, f"{name} to start")
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def _healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> bool:
+    assert process.poll() is None, f"serve exited early:\n{log.read_text()}"
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _transfer_info(url: str) -> dict[str, Any]:
+    response = httpx.get(f"{url}/kv/info", timeout=10)
+    assert response.status_code == 200, response.text
+    info: dict[str, Any] = response.json()["transfer"]
+    return info
+
+
+def _complete(url: str, tokens: list[int], wait: dict[str, Any] | None = None) -> tuple[str, int]:
+    body: dict[str, Any] = {"prompt": tokens, "max_tokens": 8, "temperature": 0}
+    if wait is not None:
+        body["kvstrata_transfer"] = wait
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"], int(response.headers["x-kvstrata-matched-tokens"])
+
+
+def _prefill(url: str, request_id: str, tokens: list[int], info: dict[str, Any]) -> Any:
+    body = {
+        "request_id": request_id,
+        "prompt_token_ids": tokens,
+        "target": {"host": info["host"], "port": info["port"]},
+    }
+    response = httpx.post(f"{url}/kv/prefill", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        present = head[len(name) + 1 : -1].split(",")
+        if all(part in present for part in wanted.split(",")):
+            total += float(value)
+    return total
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 97 + 3 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def tiny_ready() -> None:
+    from kvstrata.engine.model_loader import ensure_checkpoint
+
+    ensure_checkpoint("tiny")
+
+
+def test_transferred_prefill_is_a_hit_with_the_single_worker_answer(
+    tmp_path: Path, tiny_ready: None
+) -> None:
+    tokens = _prompt(1, 5 * BLOCK + 5)
+    with (
+        _worker(tmp_path, "decode", "--transfer-port", "0") as (_d, decode),
+        _worker(tmp_path, "prefill") as (_p, prefill),
+    ):
+        info = _transfer_info(decode)
+        assert info["layout"]["block_size"] == BLOCK and len(info["model_digest"]) == 64
+        sent = _prefill(prefill, "req-1", tokens, info)
+        assert sent["outcome"] == "sent", sent
+        assert sent["blocks"] == 5 and sent["bytes"] > 0 and 0.0 <= sent["overlap"] <= 1.0
+        text, matched = _complete(decode, tokens, {"request_id": "req-1", "timeout_s": 30})
+        assert matched == 5 * BLOCK  # the transferred blocks, through lookup and promotion
+        single, _ = _complete(prefill, tokens)
+        assert text == single
+        assert _metric(decode, "kvstrata_transfers_total", outcome="committed") == 1
+        assert _metric(decode, "kvstrata_disagg_requests_total", path="transfer") == 1
+        assert _metric(prefill, "kvstrata_disagg_requests_total", outcome="sent") == 1
+        # a request the transfer never reaches: waits, times out, computes locally
+        other = _prompt(2, 3 * BLOCK)
+        text, matched = _complete(decode, other, {"request_id": "nobody", "timeout_s": 0.3})
+        assert matched == 0
+        assert _metric(decode, "kvstrata_disagg_requests_total", outcome="timeout") == 1
+
+
+def test_sender_sigkilled_mid_transfer_leaves_nothing_and_decode_computes(
+    tmp_path: Path, tiny_ready: None
+) -> None:
+    tokens = _prompt(3, 4 * BLOCK)
+    delay = "1.5"
+    with (
+        _worker(tmp_path, "decode", "--transfer-port", "0") as (_d, decode),
+        _worker(tmp_path, "prefill", "--transfer-layer-delay-s", delay) as (sender, prefill),
+    ):
+        info = _transfer_info(decode)
+        errors: list[BaseException] = []
+
+        def post() -> None:
+            try:
+                _prefill(prefill, "req-k", tokens, info)
+            except (httpx.HTTPError, AssertionError) as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        _wait(lambda: _transfer_info(decode)["active"] >= 1, 60, "the transfer to begin")
+        time.sleep(float(delay) * 1.5)  # layer 0 of 2 has gone, layer 1 not yet
+        assert _transfer_info(decode)["active"] == 1
+        sender.send_signal(signal.SIGKILL)
+        sender.wait(timeout=30)
+        thread.join(timeout=30)
+        assert errors  # the prefill worker died: its reply never came
+        text, matched = _complete(decode, tokens, {"request_id": "req-k", "timeout_s": 30})
+        assert matched == 0  # nothing half-written is visible
+        assert _metric(decode, "kvstrata_transfers_total", outcome="peer_lost") == 1
+        assert _metric(decode, "kvstrata_disagg_requests_total", outcome="peer_lost") == 1
+        assert _metric(decode, "kvstrata_transfer_bytes_total", outcome="peer_lost") > 0
+        again, matched = _complete(decode, tokens)
+        assert again == text and matched == 4 * BLOCK  # its own local prefill, reused
+
+
+def _offer_from_another_model(info: dict[str, Any], request_id: str, tokens: list[int]) -> bytes:
+    layout = KVLayout(**info["layout"])
+    return encode(
+        TransferOffer(
+            version=PROTOCOL_VERSION,
+            model_digest=bytes(32),  # not the decode worker's model
+            layout=WireLayout.of(layout),
+            request_id=request_id,
+            tenant="default",
+            blocks=tuple(BlockEntry(i, BLOCK, bytes(32)) for i in range(len(tokens) // BLOCK)),
+            operations=(Operation.WRITE,),
+            transports=(Transport.TCP,),
+        )
+    )
+
+
+def test_refused_handshake_falls_back_to_local_prefill_counted_with_reason(
+    tmp_path: Path, tiny_ready: None
+) -> None:
+    tokens = _prompt(4, 2 * BLOCK)
+    with _worker(tmp_path, "decode", "--transfer-port", "0") as (_d, decode):
+        info = _transfer_info(decode)
+        conn = TcpTransport().connect((info["host"], info["port"]), timeout_s=10)
+        try:
+            mac = intro_mac(SECRET, "req-r", "default", tokens)
+            intro = TransferIntro(PROTOCOL_VERSION, "req-r", tuple(tokens), "default", mac)
+            conn.send_frame(encode_intro(intro))
+            conn.send_frame(_offer_from_another_model(info, "req-r", tokens))
+            answer = decode_answer(bytes(conn.recv_frame(timeout_s=10)), max_bytes=MAX_MESSAGE_BYTES)
+        finally:
+            conn.close()
+        assert isinstance(answer, Refuse) and answer.reason is RefuseReason.MODEL_MISMATCH
+        text, matched = _complete(decode, tokens, {"request_id": "req-r", "timeout_s": 10})
+        assert matched == 0 and text == _complete(decode, tokens)[0]
+        assert _metric(decode, "kvstrata_transfer_refusals_total", reason="model_mismatch") == 1
+        assert (
+            _metric(decode, "kvstrata_disagg_requests_total", outcome="refused_model_mismatch") == 1
+        )
