@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,30 +41,61 @@ from kvstrata.transfer.tcp import TcpTransport
 
 SECRET = b"disagg-test-secret"
 BLOCK = 16
+DELAY_S = 1.5
 
 
-@contextmanager
-def _worker(
-    tmp_path: Path, name: str, *flags: str, model: str = "tiny"
-) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    secret = tmp_path / "secret"
-    secret.write_bytes(SECRET)
-    port = free_port()
-    log = tmp_path / f"{name}.log"
-    command = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", model]
-    command += ["--port", str(port), "--pool-gib", "0.01", "--host-gib", "0.02"]
-    command += ["--tenant-secret-file", str(secret), "--log-level", "warning", *flags]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with log.open("ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+pytestmark = pytest.mark.timeout(300)
+
+
+class _Worker:
+    """A ``kvstrata serve`` process on a free port (started, not yet waited for)."""
+
+    def __init__(self, tmp_path: Path, name: str, *flags: str) -> None:
+        secret = tmp_path / "secret"
+        secret.write_bytes(SECRET)
+        port = free_port()
+        self.log = tmp_path / f"{name}.log"
+        command = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", "tiny"]
+        command += ["--port", str(port), "--pool-gib", "0.01", "--host-gib", "0.02"]
+        command += ["--tenant-secret-file", str(secret), "--log-level", "warning", *flags]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self) -> None:
+        _wait(lambda: _healthy(self.process, self.url, self.log), 240, f"{self.log} to start")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+@dataclass
+class Workers:
+    decode: _Worker
+    prefill: _Worker
+    slow_prefill: _Worker  # pauses before each layer it sends: killed mid-transfer
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    from kvstrata.engine.model_loader import ensure_checkpoint
+
+    ensure_checkpoint("tiny")
+    tmp_path = tmp_path_factory.mktemp("disagg")
+    started: list[_Worker] = []
     try:
-        _wait(lambda: _healthy(process, url, log), 180, f"{name} to start")
-        yield process, url
+        started.append(_Worker(tmp_path, "decode", "--transfer-port", "0"))
+        started.append(_Worker(tmp_path, "prefill"))
+        started.append(_Worker(tmp_path, "slow", "--transfer-layer-delay-s", str(DELAY_S)))
+        for worker in started:  # all three start at once
+            worker.wait_ready()
+        yield Workers(*started)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+        for worker in started:
+            worker.stop()
 
 
 def _healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> bool:
@@ -126,82 +157,71 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 97 + 3 for i in range(length)]
 
 
-@pytest.fixture(scope="module")
-def tiny_ready() -> None:
-    from kvstrata.engine.model_loader import ensure_checkpoint
-
-    ensure_checkpoint("tiny")
-
-
-def test_transferred_prefill_is_a_hit_with_the_single_worker_answer(
-    tmp_path: Path, tiny_ready: None
-) -> None:
+def test_transferred_prefill_is_a_hit_with_the_single_worker_answer(workers: Workers) -> None:
+    decode, prefill = workers.decode.url, workers.prefill.url
     tokens = _prompt(1, 5 * BLOCK + 5)
-    with (
-        _worker(tmp_path, "decode", "--transfer-port", "0") as (_d, decode),
-        _worker(tmp_path, "prefill") as (_p, prefill),
-    ):
-        info = _transfer_info(decode)
-        assert info["layout"]["block_size"] == BLOCK and len(info["model_digest"]) == 64
-        sent = _prefill(prefill, "req-1", tokens, info)
-        assert sent["outcome"] == "sent", sent
-        assert sent["blocks"] == 5 and sent["bytes"] > 0 and 0.0 <= sent["overlap"] <= 1.0
-        text, matched = _complete(decode, tokens, {"request_id": "req-1", "timeout_s": 30})
-        assert matched == 5 * BLOCK  # the transferred blocks, through lookup and promotion
-        single, _ = _complete(prefill, tokens)
-        assert text == single
-        assert _metric(decode, "kvstrata_transfers_total", outcome="committed") == 1
-        assert _metric(decode, "kvstrata_disagg_requests_total", path="transfer") == 1
-        assert _metric(prefill, "kvstrata_disagg_requests_total", outcome="sent") == 1
-        # a request the transfer never reaches: waits, times out, computes locally
-        other = _prompt(2, 3 * BLOCK)
-        text, matched = _complete(decode, other, {"request_id": "nobody", "timeout_s": 0.3})
-        assert matched == 0
-        assert _metric(decode, "kvstrata_disagg_requests_total", outcome="timeout") == 1
+    committed = _metric(decode, "kvstrata_transfers_total", outcome="committed")
+    info = _transfer_info(decode)
+    assert info["layout"]["block_size"] == BLOCK and len(info["model_digest"]) == 64
+    sent = _prefill(prefill, "req-1", tokens, info)
+    assert sent["outcome"] == "sent", sent
+    assert sent["blocks"] == 5 and sent["bytes"] > 0 and 0.0 <= sent["overlap"] <= 1.0
+    text, matched = _complete(decode, tokens, {"request_id": "req-1", "timeout_s": 30})
+    assert matched == 5 * BLOCK  # the transferred blocks, through lookup and promotion
+    single, _ = _complete(prefill, tokens)
+    assert text == single
+    assert _metric(decode, "kvstrata_transfers_total", outcome="committed") == committed + 1
+    assert _metric(decode, "kvstrata_disagg_requests_total", path="transfer") >= 1
+    assert _metric(prefill, "kvstrata_disagg_requests_total", outcome="sent") >= 1
+    # a request no transfer reaches: it waits, times out and computes locally
+    timeouts = _metric(decode, "kvstrata_disagg_requests_total", outcome="timeout")
+    text, matched = _complete(decode, _prompt(2, 3 * BLOCK), {"request_id": "x", "timeout_s": 0.3})
+    assert matched == 0
+    assert _metric(decode, "kvstrata_disagg_requests_total", outcome="timeout") == timeouts + 1
 
 
 def test_sender_sigkilled_mid_transfer_leaves_nothing_and_decode_computes(
-    tmp_path: Path, tiny_ready: None
+    workers: Workers,
 ) -> None:
+    decode, prefill = workers.decode.url, workers.slow_prefill.url
     tokens = _prompt(3, 4 * BLOCK)
-    delay = "1.5"
-    with (
-        _worker(tmp_path, "decode", "--transfer-port", "0") as (_d, decode),
-        _worker(tmp_path, "prefill", "--transfer-layer-delay-s", delay) as (sender, prefill),
-    ):
-        info = _transfer_info(decode)
-        errors: list[BaseException] = []
+    info = _transfer_info(decode)
+    errors: list[BaseException] = []
 
-        def post() -> None:
-            try:
-                _prefill(prefill, "req-k", tokens, info)
-            except (httpx.HTTPError, AssertionError) as exc:
-                errors.append(exc)
+    def post() -> None:
+        try:
+            _prefill(prefill, "req-k", tokens, info)
+        except (httpx.HTTPError, AssertionError) as exc:
+            errors.append(exc)
 
-        thread = threading.Thread(target=post, daemon=True)
-        thread.start()
-        _wait(lambda: _transfer_info(decode)["active"] >= 1, 60, "the transfer to begin")
-        time.sleep(float(delay) * 1.5)  # layer 0 of 2 has gone, layer 1 not yet
-        assert _transfer_info(decode)["active"] == 1
-        sender.send_signal(signal.SIGKILL)
-        sender.wait(timeout=30)
-        thread.join(timeout=30)
-        assert errors  # the prefill worker died: its reply never came
-        text, matched = _complete(decode, tokens, {"request_id": "req-k", "timeout_s": 30})
-        assert matched == 0  # nothing half-written is visible
-        assert _metric(decode, "kvstrata_transfers_total", outcome="peer_lost") == 1
-        assert _metric(decode, "kvstrata_disagg_requests_total", outcome="peer_lost") == 1
-        assert _metric(decode, "kvstrata_transfer_bytes_total", outcome="peer_lost") > 0
-        again, matched = _complete(decode, tokens)
-        assert again == text and matched == 4 * BLOCK  # its own local prefill, reused
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    _wait(lambda: _transfer_info(decode)["active"] >= 1, 60, "the transfer to begin")
+    time.sleep(DELAY_S * 1.5)  # layer 0 of 2 has gone, layer 1 not yet
+    assert _transfer_info(decode)["active"] == 1
+    sender = workers.slow_prefill.process
+    sender.send_signal(signal.SIGKILL)
+    sender.wait(timeout=30)
+    thread.join(timeout=30)
+    assert errors  # the prefill worker died: its reply never came
+    text, matched = _complete(decode, tokens, {"request_id": "req-k", "timeout_s": 30})
+    assert matched == 0  # nothing half-written is visible
+    assert _metric(decode, "kvstrata_transfers_total", outcome="peer_lost") == 1
+    assert _metric(decode, "kvstrata_disagg_requests_total", outcome="peer_lost") == 1
+    assert _metric(decode, "kvstrata_transfer_bytes_total", outcome="peer_lost") > 0
+    again, matched = _complete(decode, tokens)
+    assert again == text and matched > 0  # its own local prefill, reused
+    assert again == _complete(workers.prefill.url, tokens)[0]
 
 
-def _offer_from_another_model(info: dict[str, Any], request_id: str, tokens: list[int]) -> bytes:
+def _offer(
+    info: dict[str, Any], request_id: str, tokens: list[int], model_digest: bytes = bytes(32)
+) -> bytes:
     layout = KVLayout(**info["layout"])
     return encode(
         TransferOffer(
             version=PROTOCOL_VERSION,
-            model_digest=bytes(32),  # not the decode worker's model
+            model_digest=model_digest,  # by default not the decode worker's model
             layout=WireLayout.of(layout),
             request_id=request_id,
             tenant="default",
@@ -212,25 +232,33 @@ def _offer_from_another_model(info: dict[str, Any], request_id: str, tokens: lis
     )
 
 
+def _handshake(
+    info: dict[str, Any], request_id: str, tokens: list[int], secret: bytes, offer: bytes
+) -> Any:
+    conn = TcpTransport().connect((info["host"], info["port"]), timeout_s=10)
+    try:
+        mac = intro_mac(secret, request_id, "default", tokens)
+        intro = TransferIntro(PROTOCOL_VERSION, request_id, tuple(tokens), "default", mac)
+        conn.send_frame(encode_intro(intro))
+        conn.send_frame(offer)
+        return decode_answer(bytes(conn.recv_frame(timeout_s=10)), max_bytes=MAX_MESSAGE_BYTES)
+    finally:
+        conn.close()
+
+
 def test_refused_handshake_falls_back_to_local_prefill_counted_with_reason(
-    tmp_path: Path, tiny_ready: None
+    workers: Workers,
 ) -> None:
     tokens = _prompt(4, 2 * BLOCK)
-    with _worker(tmp_path, "decode", "--transfer-port", "0") as (_d, decode):
-        info = _transfer_info(decode)
-        conn = TcpTransport().connect((info["host"], info["port"]), timeout_s=10)
-        try:
-            mac = intro_mac(SECRET, "req-r", "default", tokens)
-            intro = TransferIntro(PROTOCOL_VERSION, "req-r", tuple(tokens), "default", mac)
-            conn.send_frame(encode_intro(intro))
-            conn.send_frame(_offer_from_another_model(info, "req-r", tokens))
-            answer = decode_answer(bytes(conn.recv_frame(timeout_s=10)), max_bytes=MAX_MESSAGE_BYTES)
-        finally:
-            conn.close()
-        assert isinstance(answer, Refuse) and answer.reason is RefuseReason.MODEL_MISMATCH
-        text, matched = _complete(decode, tokens, {"request_id": "req-r", "timeout_s": 10})
-        assert matched == 0 and text == _complete(decode, tokens)[0]
-        assert _metric(decode, "kvstrata_transfer_refusals_total", reason="model_mismatch") == 1
-        assert (
-            _metric(decode, "kvstrata_disagg_requests_total", outcome="refused_model_mismatch") == 1
-        )
+    decode = workers.decode.url
+    info = _transfer_info(decode)
+    answer = _handshake(info, "req-r", tokens, SECRET, _offer(info, "req-r", tokens))
+    assert isinstance(answer, Refuse) and answer.reason is RefuseReason.MODEL_MISMATCH
+    # the right model, but a peer without the deployment's secret: refused before any write
+    right = bytes.fromhex(info["model_digest"])
+    forged = _handshake(info, "req-f", tokens, b"guess", _offer(info, "req-f", tokens, right))
+    assert isinstance(forged, Refuse) and forged.reason is RefuseReason.TENANT_FORBIDDEN
+    text, matched = _complete(decode, tokens, {"request_id": "req-r", "timeout_s": 10})
+    assert matched == 0 and text == _complete(decode, tokens)[0]
+    assert _metric(decode, "kvstrata_transfer_refusals_total", reason="model_mismatch") == 1
+    assert _metric(decode, "kvstrata_disagg_requests_total", outcome="refused_model_mismatch") == 1

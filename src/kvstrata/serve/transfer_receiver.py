@@ -80,6 +80,7 @@ class TransferStatus:
     payload_bytes: int
     seconds: float
     reason: str = ""
+    detail: str = ""  # why a transfer that began did not commit (logs, never a label)
 
     @property
     def committed(self) -> bool:
@@ -244,7 +245,7 @@ class DecodeTransfers:
                 len(result.committed),
                 result.payload_bytes,
                 time.monotonic() - start,
-                result.detail if not result.ok else "",
+                detail=result.detail,
             )
         )
 
@@ -266,7 +267,7 @@ class DecodeTransfers:
         plan = plan_conversion(source, self.layout)
         if not isinstance(plan, ConversionPlan):  # negotiate accepted: cannot happen
             return refuse(plan.reason, plan.detail), None
-        if plan.source_ranks != (source.tp_rank,) or source.tp_size != 1 and not plan.identity:
+        if source.tp_size != 1 or len(plan.source_ranks) != 1:
             detail = "one connection carries one TP rank: multi-rank senders are not wired"
             return refuse(RefuseReason.INVALID_LAYOUT, detail), None
         if isinstance(answer, AcceptWithConversion) or plan.identity:
