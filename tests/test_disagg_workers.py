@@ -50,13 +50,13 @@ pytestmark = pytest.mark.timeout(300)
 class _Worker:
     """A ``kvstrata serve`` process on a free port (started, not yet waited for)."""
 
-    def __init__(self, tmp_path: Path, name: str, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, name: str, *flags: str, model: str = "tiny") -> None:
         secret = tmp_path / "secret"
         secret.write_bytes(SECRET)
         port = free_port()
         self.log = tmp_path / f"{name}.log"
-        command = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", "tiny"]
-        command += ["--port", str(port), "--pool-gib", "0.01", "--host-gib", "0.02"]
+        command = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", model]
+        command += ["--port", str(port), "--pool-gib", "0.05", "--host-gib", "0.05"]
         command += ["--tenant-secret-file", str(secret), "--log-level", "warning", *flags]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         with self.log.open("ab") as out:
@@ -77,6 +77,7 @@ class Workers:
     decode: _Worker
     prefill: _Worker
     slow_prefill: _Worker  # pauses before each layer it sends: killed mid-transfer
+    decode_32: _Worker  # another block size: receives through a reblocking conversion
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,9 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
         started.append(_Worker(tmp_path, "decode", "--transfer-port", "0"))
         started.append(_Worker(tmp_path, "prefill"))
         started.append(_Worker(tmp_path, "slow", "--transfer-layer-delay-s", str(DELAY_S)))
+        started.append(
+            _Worker(tmp_path, "decode32", "--transfer-port", "0", "--block-size", str(2 * BLOCK))
+        )
         for worker in started:  # all three start at once
             worker.wait_ready()
         yield Workers(*started)
@@ -180,6 +184,19 @@ def test_transferred_prefill_is_a_hit_with_the_single_worker_answer(workers: Wor
     assert _metric(decode, "kvstrata_disagg_requests_total", outcome="timeout") == timeouts + 1
 
 
+def test_another_block_size_receives_through_a_conversion(workers: Workers) -> None:
+    decode, prefill = workers.decode_32.url, workers.prefill.url
+    tokens = _prompt(5, 5 * BLOCK + 5)
+    info = _transfer_info(decode)
+    assert info["layout"]["block_size"] == 2 * BLOCK
+    sent = _prefill(prefill, "req-c", tokens, info)
+    assert sent["outcome"] == "sent" and sent["blocks"] == 5, sent
+    text, matched = _complete(decode, tokens, {"request_id": "req-c", "timeout_s": 30})
+    assert matched == 4 * BLOCK  # five 16-token blocks reblocked into two of 32 (+16 dropped)
+    assert text == _complete(prefill, tokens)[0]
+    assert _metric(decode, "kvstrata_transfers_total", outcome="committed") == 1
+
+
 def test_sender_sigkilled_mid_transfer_leaves_nothing_and_decode_computes(
     workers: Workers,
 ) -> None:
@@ -262,3 +279,28 @@ def test_refused_handshake_falls_back_to_local_prefill_counted_with_reason(
     assert matched == 0 and text == _complete(decode, tokens)[0]
     assert _metric(decode, "kvstrata_transfer_refusals_total", reason="model_mismatch") == 1
     assert _metric(decode, "kvstrata_disagg_requests_total", outcome="refused_model_mismatch") == 1
+
+
+@pytest.mark.slow
+def test_smollm2_disaggregated_greedy_output_is_exact(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from kvstrata.engine.model_loader import ensure_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_checkpoint("smollm2")))
+    text = "The three primary colours of light are red, green and blue. Mixing all of them"
+    tokens = [int(t) for t in tokenizer(text * 2)["input_ids"]]
+    decode = _Worker(tmp_path, "smol-decode", "--transfer-port", "0", model="smollm2")
+    prefill = _Worker(tmp_path, "smol-prefill", model="smollm2")
+    try:
+        decode.wait_ready()
+        prefill.wait_ready()
+        sent = _prefill(prefill.url, "smol-1", tokens, _transfer_info(decode.url))
+        assert sent["outcome"] == "sent", sent
+        out, matched = _complete(decode.url, tokens, {"request_id": "smol-1", "timeout_s": 60})
+        assert matched == len(tokens) // BLOCK * BLOCK
+        single, _ = _complete(prefill.url, tokens)
+        assert out == single
+    finally:
+        decode.stop()
+        prefill.stop()
