@@ -107,7 +107,7 @@ class Disaggregation:
         started = loop.time()
         status = None
         if self.receiver is not None:
-            status = await asyncio.to_thread(self.receiver.wait, wait.request_id, wait.timeout_s)
+            status = await self.receiver.wait_async(wait.request_id, wait.timeout_s)
         seconds = loop.time() - started
         if self.receiver is None:
             outcome = "no_receiver"

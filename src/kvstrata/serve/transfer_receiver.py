@@ -23,11 +23,12 @@ the store's short locked sections, bytes are written outside them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -92,6 +93,7 @@ class _Waiter:
         self.done = threading.Event()
         self.status: TransferStatus | None = None
         self.created = now
+        self.callbacks: list[Callable[[TransferStatus], None]] = []  # guarded by the lock
 
 
 class DecodeTransfers:
@@ -169,6 +171,34 @@ class DecodeTransfers:
             return None
         return waiter.status
 
+    async def wait_async(self, request_id: str, timeout_s: float) -> TransferStatus | None:
+        """``wait`` for the event loop: no thread is held while the transfer runs."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TransferStatus] = loop.create_future()
+
+        def resolve(status: TransferStatus) -> None:
+            if not future.done():
+                future.set_result(status)
+
+        def notify(status: TransferStatus) -> None:  # on the receiving thread
+            loop.call_soon_threadsafe(resolve, status)
+
+        waiter = self._waiter(request_id)
+        with self._lock:
+            status = waiter.status
+            if status is None:
+                waiter.callbacks.append(notify)
+        if status is not None:
+            return status
+        try:
+            return await asyncio.wait_for(future, timeout=max(0.0, timeout_s))
+        except TimeoutError:
+            return None
+        finally:
+            with self._lock:
+                if notify in waiter.callbacks:
+                    waiter.callbacks.remove(notify)
+
     def _waiter(self, request_id: str) -> _Waiter:
         now = time.monotonic()
         with self._lock:
@@ -184,8 +214,12 @@ class DecodeTransfers:
 
     def _finish(self, status: TransferStatus) -> None:
         waiter = self._waiter(status.request_id)
-        waiter.status = status
+        with self._lock:
+            waiter.status = status
+            callbacks = list(waiter.callbacks)
         waiter.done.set()
+        for callback in callbacks:
+            callback(status)
 
     # ---- connections -------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -200,16 +234,19 @@ class DecodeTransfers:
     def _serve(self, conn: Connection) -> None:
         with self._lock:
             self._active += 1
+        started: list[str] = []  # the request id, once the intro named it
         try:
-            self._serve_one(conn)
-        except (KvstrataError, OSError):
+            self._serve_one(conn, started)
+        except (KvstrataError, OSError) as exc:
             logger.exception("transfer connection failed")
+            if started:
+                self._finish(TransferStatus(started[0], "failed", 0, 0, 0.0, detail=str(exc)))
         finally:
             with self._lock:
                 self._active -= 1
             conn.close()
 
-    def _serve_one(self, conn: Connection) -> None:
+    def _serve_one(self, conn: Connection, started: list[str]) -> None:
         start = time.monotonic()
         try:
             intro = decode_intro(bytes(conn.recv_frame(timeout_s=_HANDSHAKE_TIMEOUT_S)))
@@ -217,6 +254,7 @@ class DecodeTransfers:
         except HandshakeError as error:
             conn.send_frame(encode(refuse(error.reason, error.detail)))
             return  # no request id we can trust: nobody waits on it
+        started.append(intro.request_id)
         answer = answer_offer(raw_offer, self.capabilities, max_bytes=MAX_MESSAGE_BYTES)
         offer: TransferOffer | None = None
         plan: ConversionPlan | None = None
