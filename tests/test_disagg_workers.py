@@ -8,6 +8,7 @@ prefill with the same answer, counted.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,7 +89,10 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
     tmp_path = tmp_path_factory.mktemp("disagg")
     started: list[_Worker] = []
     try:
-        started.append(_Worker(tmp_path, "decode", "--transfer-port", "0"))
+        audit = tmp_path / "decode-audit.jsonl"
+        started.append(
+            _Worker(tmp_path, "decode", "--transfer-port", "0", "--audit-path", str(audit))
+        )
         started.append(_Worker(tmp_path, "prefill"))
         started.append(_Worker(tmp_path, "slow", "--transfer-layer-delay-s", str(DELAY_S)))
         started.append(
@@ -228,7 +232,16 @@ def test_sender_sigkilled_mid_transfer_leaves_nothing_and_decode_computes(
     assert _metric(decode, "kvstrata_transfer_bytes_total", outcome="peer_lost") > 0
     again, matched = _complete(decode, tokens)
     assert again == text and matched > 0  # its own local prefill, reused
+    lines = [json.loads(x) for x in _audit_of(workers.decode).read_text().splitlines()]
+    mine = [x for x in lines if x.get("request_id") == "req-k" and x["audit"] == "transfer"]
+    assert {x["reason"] for x in mine} == {"peer_lost", "decode_local_peer_lost"}
     assert again == _complete(workers.prefill.url, tokens)[0]
+
+
+def _audit_of(worker: _Worker) -> Path:
+    path = worker.log.parent / "decode-audit.jsonl"
+    _wait(lambda: path.is_file() and "decode_local_peer_lost" in path.read_text(), 30, "audit")
+    return path
 
 
 def _offer(
