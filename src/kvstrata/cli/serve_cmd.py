@@ -141,6 +141,23 @@ def register(sub: Any) -> None:
         default=None,
         help="serve POST /kv/debug/drop-events (event gap injection, for recovery tests)",
     )
+    disagg = parser.add_argument_group("disaggregated prefill (docs/disaggregation.md)")
+    disagg.add_argument(
+        "--transfer-port",
+        type=int,
+        default=None,
+        help="receive KV transfers (decode role) on this TCP port (0: any free port; "
+        "advertised in /kv/info); off by default",
+    )
+    disagg.add_argument(
+        "--transfer-host", default="127.0.0.1", help="transfer listener address (127.0.0.1)"
+    )
+    disagg.add_argument(
+        "--transfer-layer-delay-s",
+        type=float,
+        default=0.0,
+        help=argparse.SUPPRESS,  # tests only: a pause before each layer a prefill sends
+    )
     security_args.add_serve_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -219,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             name = config.served_model_name or config.model
             _banner(name, args.host, args.port, engine.device, blocks, config.block_size, tls)
+            disagg = _disaggregation(engine, args, config.tenant_secret, metrics, audit)
             app = create_app(
                 engine,
                 model_name=name,
@@ -228,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
                 ),
                 debug_endpoints=config.debug_endpoints,
                 limits=config.limits,
+                disagg=disagg,
             )
             if engine.bridge is not None:
                 levels = ", ".join(
@@ -256,6 +275,36 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     return 0
+
+
+def _disaggregation(
+    engine: Any, args: argparse.Namespace, secret: bytes, metrics: Any, audit: AuditLog
+) -> Any:
+    """Both roles of ``serve.disagg``: ``/kv/prefill`` always, the receiver with a port."""
+    from kvstrata.serve.disagg import DisaggMetrics, Disaggregation
+    from kvstrata.serve.transfer_receiver import DecodeTransfers
+    from kvstrata.telemetry.transfer_metrics import TransferMetrics
+
+    receiver = None
+    if args.transfer_port is not None:
+        if not 0 <= args.transfer_port < 65536:
+            raise InvalidInput("--transfer-port must lie in 0..65535")
+        receiver = DecodeTransfers(
+            engine,
+            host=args.transfer_host,
+            port=args.transfer_port,
+            metrics=TransferMetrics(metrics.registry),
+            audit=audit,
+            tenant_secret=secret,
+        )
+    return Disaggregation(
+        engine,
+        DisaggMetrics(metrics.registry),
+        receiver=receiver,
+        tenant_secret=secret,
+        layer_delay_s=max(0.0, float(args.transfer_layer_delay_s)),
+        audit=audit,
+    )
 
 
 class _Terminated(Exception):

@@ -47,6 +47,7 @@ from kvstrata.serve import protocol
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.deletion import DELETE_PATH, register_deletion
+from kvstrata.serve.disagg import PREFILL_PATH, Disaggregation, register_disagg
 from kvstrata.serve.kv_state import KV_PREFIX, KvStateRuntime, register_kv_state
 from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits, output_budget
 from kvstrata.serve.protocol import (
@@ -63,7 +64,7 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", DELETE_PATH})
 KV_ENDPOINTS = frozenset(
-    {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events"}
+    {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events", PREFILL_PATH}
 )
 PREFILL_HEADER = "X-Kvstrata-Prefill-S"
 """Engine-measured prefill seconds of a non-streamed answer (the router learns from it)."""
@@ -81,17 +82,21 @@ def create_app(
     auth: HttpAuth | None = None,
     debug_endpoints: bool = False,
     limits: ServeLimits = DEFAULT_LIMITS,
+    disagg: Disaggregation | None = None,
 ) -> FastAPI:
     """Build the app; ``metrics`` must be the engine's own, so ``/metrics`` shows its figures.
 
     ``auth``: who may do what (None: single-tenant, nothing privileged);
     ``debug_endpoints`` adds ``POST /kv/debug/drop-events`` (event gap injection for tests);
-    ``limits`` bounds request bodies and output lengths (``serve.limits``).
+    ``limits`` bounds request bodies and output lengths (``serve.limits``);
+    ``disagg``: this worker's disaggregated-prefill roles (``serve.disagg``): ``/kv/prefill``,
+    ``kvstrata_transfer`` waits, the transfer listener (started and stopped with the app).
     """
     if metrics is not engine.metrics:
         raise InvalidInput("metrics must be the KvMetrics object the engine records into")
     guard = auth if auth is not None else HttpAuth(Authenticator())
-    service = _Service(engine, model_name, limits)
+    service = _Service(engine, model_name, limits, disagg)
+    receiver = disagg.receiver if disagg is not None else None
     kv_runtime = KvStateRuntime(engine.events, engine) if engine.events is not None else None
 
     @asynccontextmanager
@@ -99,9 +104,13 @@ def create_app(
         engine.start_loop()
         if kv_runtime is not None:
             kv_runtime.start()
+        if receiver is not None:
+            receiver.start()
         try:
             yield
         finally:
+            if receiver is not None:
+                await asyncio.to_thread(receiver.close)
             if kv_runtime is not None:
                 await kv_runtime.close()
             await asyncio.to_thread(engine.stop_loop)
@@ -115,8 +124,15 @@ def create_app(
     register_admin(app, engine.bridge.store if engine.bridge is not None else None, guard)
     register_deletion(app, engine, guard)
     register_kv_state(
-        app, engine, model_name=model_name, auth=guard, debug_endpoints=debug_endpoints
+        app,
+        engine,
+        model_name=model_name,
+        auth=guard,
+        debug_endpoints=debug_endpoints,
+        transfer_info=receiver.info if receiver is not None else None,
     )
+    if disagg is not None:
+        register_disagg(app, disagg, guard)
 
     def caller(request: Request) -> None:
         """A route dependency: runs before the body is validated, so a caller without a key
@@ -154,8 +170,15 @@ def create_app(
 class _Service:
     """Turns parsed requests into queued generations and their tokens into responses."""
 
-    def __init__(self, engine: ReferenceEngine, model_name: str, limits: ServeLimits) -> None:
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        model_name: str,
+        limits: ServeLimits,
+        disagg: Disaggregation | None,
+    ) -> None:
         self.engine = engine
+        self.disagg = disagg
         self.limits = limits
         self.model_name = model_name
         self.created = int(time.time())
@@ -212,6 +235,9 @@ class _Service:
         correlation = request_id_of(request)
         request_id = f"{correlation}.{uuid.uuid4().hex[:8]}"
         engine = self.engine
+        wait = body.kvstrata_transfer
+        if wait is not None and self.disagg is not None:
+            await self.disagg.await_transfer(wait, tenant)  # then generate: a hit or local
         try:
             prompt_ids = encode()  # on the loop: the tokenizer has one user, no locking
             generation = engine.generate(

@@ -10,6 +10,8 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   polls this page for health, so it prices fetches with what the worker measured.
   ``curve_public_key``: the event sockets' CURVE server key (z85; null without CURVE), which
   a subscriber needs (with a client certificate the worker lists) to receive anything.
+  ``transfer`` (a decode worker only): its transfer listener ``{host, port, layout,
+  model_digest, active}`` (``serve.transfer_receiver``; ``docs/disaggregation.md``).
 - ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
   events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
   consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
@@ -34,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, Final
 
 from fastapi import FastAPI, Query, Request
@@ -114,8 +117,10 @@ def register_kv_state(
     model_name: str,
     auth: HttpAuth,
     debug_endpoints: bool = False,
+    transfer_info: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
-    """Add the ``/kv`` endpoints (404 with a clear message when the engine has no emitter)."""
+    """Add the ``/kv`` endpoints (404 with a clear message when the engine has no emitter).
+    ``transfer_info``: the decode worker's transfer listener, advertised as ``"transfer"``."""
     emitter = engine.events
 
     def no_events() -> JSONResponse:
@@ -125,9 +130,12 @@ def register_kv_state(
     @app.get(KV_PREFIX + "/info", response_model=None)
     async def kv_info(request: Request) -> Response:
         auth.check(request, OBSERVE, "read /kv/info", open_single_tenant=True)
-        if emitter is None:
+        if emitter is None and transfer_info is None:
             return no_events()
-        return JSONResponse(kv_info_body(engine, emitter, model_name))
+        body = kv_info_body(engine, emitter, model_name) if emitter is not None else {}
+        if transfer_info is not None:
+            body["transfer"] = transfer_info()
+        return JSONResponse(body)
 
     @app.get(KV_PREFIX + "/dump", response_model=None)
     async def kv_dump(request: Request) -> Response:

@@ -51,6 +51,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class TransferWait(_Strict):
+    """``kvstrata_transfer``: wait for the KV transfer ``request_id`` (prefill → decode) to end,
+    at most ``timeout_s``, then generate (a hit when it committed; local prefill otherwise)."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    timeout_s: float = Field(default=30.0, gt=0.0, le=600.0)
+
+    @field_validator("request_id")
+    @classmethod
+    def _valid_id(cls, value: str) -> str:
+        return _valid_text(value)
+
+
 class SamplingRequest(_Strict):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -70,6 +83,7 @@ class SamplingRequest(_Strict):
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
+    kvstrata_transfer: TransferWait | None = None
 
     @field_validator("model", "user", "kvstrata_tenant")
     @classmethod

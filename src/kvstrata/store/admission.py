@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.erasure import ErasingCore
@@ -56,16 +57,39 @@ class AdmittingCore(ErasingCore):
         slot = self._reserve(index, meta)
         if isinstance(slot, bool):
             return slot
-        tier = self.levels[index].tier
         try:
             fill(slot.buffer)
         except BaseException:
+            self._finish_store(index, slot, False, cause=cause)
+            raise
+        return self._finish_store(index, slot, True, cause=cause)
+
+    # ---- an external writer's two-phase store (a KV transfer receiving into a level) -------
+    def reserve_external(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool:
+        """Phase one of a store whose bytes another component writes (a transfer receiver):
+        the same admission as ``put``'s (quotas, eviction, demotion, tombstones) → a PENDING
+        slot, invisible and unevictable, or True (the level holds the key already) or False
+        (refused). The caller fills ``slot.buffer`` outside any lock of ours, may replace
+        ``slot.meta``'s digest, and must end it with ``complete_external``."""
+        if not 0 <= index < len(self.levels):
+            raise InvalidInput(f"no level {index}")
+        return self._reserve(index, meta)
+
+    def complete_external(self, index: int, slot: StoreSlot, success: bool) -> bool:
+        """Phase two: commit (the tier verifies the digest) and register the object — visible
+        to lookups from here on, unless a delete came meanwhile — or abort it (``success``
+        False). Returns whether the object is now visible."""
+        return self._finish_store(index, slot, success, cause="transfer")
+
+    def _finish_store(self, index: int, slot: StoreSlot, success: bool, *, cause: str) -> bool:
+        tier = self.levels[index].tier
+        if not success:
             tier.complete_store(slot, False)
             with self._lock:
                 self._storing.discard((index, slot.meta.key))
                 if slot.meta.key in self._pending_delete:
                     self._finish_delete(slot.meta.key)
-            raise
+            return False
         buried_before = tier.counters.tombstoned
         try:
             ok = tier.complete_store(slot, True)

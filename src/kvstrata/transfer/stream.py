@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import xxhash
 
@@ -35,7 +36,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, payload_digest
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
 from kvstrata.telemetry.transfer_metrics import TransferMetrics
-from kvstrata.tiers.base import StoreSlot, Tier, TierError
+from kvstrata.tiers.base import StoreSlot, TierError
 from kvstrata.transfer import frames
 from kvstrata.transfer.transport import (
     Buffer,
@@ -46,6 +47,20 @@ from kvstrata.transfer.transport import (
 )
 
 Converter = Callable[[Sequence[bytes]], Sequence[Buffer]]
+
+
+class PendingSink(Protocol):
+    """Where a receiver writes: the two-phase store of a ``Tier`` (every tier is one), or a
+    ``TieredStore`` level through ``transfer.ingress.StoreIngress``."""
+
+    @property
+    def name(self) -> str: ...
+
+    def prepare_store(self, meta: KVObjectMeta) -> StoreSlot | None: ...
+
+    def complete_store(self, slot: StoreSlot, success: bool) -> bool: ...
+
+    def remove(self, key: BlockKey) -> bool: ...
 
 
 class TransferSender:
@@ -131,7 +146,7 @@ class TransferReceiver:
 
     def __init__(
         self,
-        tier: Tier,
+        tier: PendingSink,
         *,
         metrics: TransferMetrics | None = None,
         audit: AuditLog = NULL_AUDIT,

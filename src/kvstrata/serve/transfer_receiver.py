@@ -1,0 +1,356 @@
+"""The decode worker's side of a prefill → decode transfer: a TCP listener that receives KV
+into the worker's store (issue 14; the contract is ``docs/disaggregation.md``).
+
+``DecodeTransfers.start()`` listens on ``host:port`` (``transfer.tcp``) and serves every
+connection on its own thread:
+
+1. an intro frame (``transfer.intro``: request id, tenant, prompt token ids, a MAC under the
+   deployment's tenant secret) — a wrong MAC is refused ``tenant_forbidden``;
+2. the handshake: the ``TransferOffer`` is answered by ``answer_offer`` with this worker's
+   ``ReceiverCapabilities`` (its model digest and pool layout, valid tenant names, TCP, write,
+   never lossy); a refusal is sent, counted and audited with its reason;
+3. ``TransferReceiver`` writes the blocks into PENDING objects of the store's first level
+   through the store's own two-phase path (``transfer.ingress.StoreIngress``) under keys this
+   worker computes from the intro's tokens (its fingerprint, the offer's tenant) — never the
+   sender's keys — and commits only after every layer and digest verified. A plan that is not
+   the identity runs as the receiver's ``convert`` hook (``transfer.convert``).
+
+Each transfer's end (``TransferStatus``) is kept by request id for a bounded time so a decode
+request (``/v1/completions`` with ``kvstrata_transfer``) can ``wait`` for it, whichever of the
+two arrives first. The store's lock is never held across I/O: reservations and commits are
+the store's short locked sections, bytes are written outside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.transfer_io import pool_layout
+from kvstrata.errors import ConfigError, KvstrataError
+from kvstrata.identity import ModelFingerprint
+from kvstrata.objects import KVObjectMeta
+from kvstrata.runtime.blocks import BlockInfo, block_tokens
+from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
+from kvstrata.security.keys import valid_namespace
+from kvstrata.telemetry.transfer_metrics import TransferMetrics
+from kvstrata.transfer.convert import convert_blocks, torch_dtype
+from kvstrata.transfer.handshake import (
+    MAX_MESSAGE_BYTES,
+    AcceptWithConversion,
+    HandshakeError,
+    ReceiverCapabilities,
+    Refuse,
+    TransferAnswer,
+    TransferOffer,
+    answer_offer,
+    decode_offer,
+    encode,
+    refuse,
+)
+from kvstrata.transfer.ingress import StoreIngress
+from kvstrata.transfer.intro import TransferIntro, decode_intro, intro_authentic
+from kvstrata.transfer.layout import ConversionPlan, RefuseReason, plan_conversion
+from kvstrata.transfer.stream import Converter, TransferReceiver
+from kvstrata.transfer.tcp import TcpListener, TcpTransport
+from kvstrata.transfer.transport import Buffer, Connection, TransportError
+
+logger = logging.getLogger("kvstrata.serve.transfer")
+
+_HANDSHAKE_TIMEOUT_S = 10.0
+_KEEP_S = 300.0  # how long a finished transfer's status waits for its decode request
+_MAX_TRACKED = 4096
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """How one transfer ended on this worker: ``outcome`` is a ``TransferMetrics`` outcome;
+    ``reason`` a ``RefuseReason`` value for a refused handshake (else empty)."""
+
+    request_id: str
+    outcome: str
+    blocks: int
+    payload_bytes: int
+    seconds: float
+    reason: str = ""
+    detail: str = ""  # why a transfer that began did not commit (logs, never a label)
+
+    @property
+    def committed(self) -> bool:
+        return self.outcome == "committed"
+
+
+class _Waiter:
+    def __init__(self, now: float) -> None:
+        self.done = threading.Event()
+        self.status: TransferStatus | None = None
+        self.created = now
+        self.callbacks: list[Callable[[TransferStatus], None]] = []  # guarded by the lock
+
+
+class DecodeTransfers:
+    """Receives transfers into ``engine``'s store (module docstring); ``start``/``close``."""
+
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics: TransferMetrics | None = None,
+        audit: AuditLog = NULL_AUDIT,
+        receive_timeout_s: float = 60.0,
+        tenant_secret: bytes = b"",
+    ) -> None:
+        if engine.bridge is None or not engine.bridge.store.levels:
+            raise ConfigError("a decode worker needs a store tier to receive transfers into")
+        if not isinstance(engine.fingerprint, ModelFingerprint):
+            raise ConfigError(f"reuse is disabled ({engine.fingerprint.reason}): no transfers")
+        self.engine = engine
+        self.host, self.port = host, port
+        self.metrics = metrics if metrics is not None else TransferMetrics()
+        self.audit = audit
+        self.receive_timeout_s = receive_timeout_s
+        self.tenant_secret = tenant_secret
+        self.layout = pool_layout(engine.pool.config)
+        self.model_digest = engine.fingerprint.model_digest()
+        self.capabilities = ReceiverCapabilities(
+            model_digest=self.model_digest,
+            layout=self.layout,
+            tenant_allowed=valid_namespace,
+            allow_lossy=False,
+        )
+        self._ingress = StoreIngress(engine.bridge.store)
+        self._lock = threading.Lock()
+        self._waiters: OrderedDict[str, _Waiter] = OrderedDict()
+        self._active = 0
+        self._listener: TcpListener | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> DecodeTransfers:
+        self._listener = TcpTransport().listen(self.host, self.port)
+        self.host, self.port = self._listener.address
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-transfers", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._listener is not None:
+            self._listener.close()
+
+    def info(self) -> dict[str, object]:
+        """What ``GET /kv/info`` advertises under ``"transfer"``."""
+        with self._lock:
+            active = self._active
+        return {
+            "host": self.host,
+            "port": self.port,
+            "layout": asdict(self.layout),
+            "model_digest": self.model_digest.hex(),
+            "active": active,
+        }
+
+    # ---- waiting (any thread) ----------------------------------------------------------------
+    def wait(self, request_id: str, timeout_s: float) -> TransferStatus | None:
+        """The transfer's end, or None when it did not end within ``timeout_s``."""
+        waiter = self._waiter(request_id)
+        if not waiter.done.wait(timeout=max(0.0, timeout_s)):
+            return None
+        return waiter.status
+
+    async def wait_async(self, request_id: str, timeout_s: float) -> TransferStatus | None:
+        """``wait`` for the event loop: no thread is held while the transfer runs."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TransferStatus] = loop.create_future()
+
+        def resolve(status: TransferStatus) -> None:
+            if not future.done():
+                future.set_result(status)
+
+        def notify(status: TransferStatus) -> None:  # on the receiving thread
+            loop.call_soon_threadsafe(resolve, status)
+
+        waiter = self._waiter(request_id)
+        with self._lock:
+            status = waiter.status
+            if status is None:
+                waiter.callbacks.append(notify)
+        if status is not None:
+            return status
+        try:
+            return await asyncio.wait_for(future, timeout=max(0.0, timeout_s))
+        except TimeoutError:
+            return None
+        finally:
+            with self._lock:
+                if notify in waiter.callbacks:
+                    waiter.callbacks.remove(notify)
+
+    def _waiter(self, request_id: str) -> _Waiter:
+        now = time.monotonic()
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            if waiter is None:
+                waiter = self._waiters[request_id] = _Waiter(now)
+            while self._waiters and (
+                len(self._waiters) > _MAX_TRACKED
+                or next(iter(self._waiters.values())).created < now - _KEEP_S
+            ):
+                self._waiters.popitem(last=False)
+            return waiter
+
+    def _finish(self, status: TransferStatus) -> None:
+        waiter = self._waiter(status.request_id)
+        with self._lock:
+            waiter.status = status
+            callbacks = list(waiter.callbacks)
+        waiter.done.set()
+        for callback in callbacks:
+            callback(status)
+
+    # ---- connections -------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn = self._listener.accept(timeout_s=0.2)
+            except TransportError:
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        with self._lock:
+            self._active += 1
+        started: list[str] = []  # the request id, once the intro named it
+        try:
+            self._serve_one(conn, started)
+        except (KvstrataError, OSError) as exc:
+            logger.exception("transfer connection failed")
+            if started:
+                self._finish(TransferStatus(started[0], "failed", 0, 0, 0.0, detail=str(exc)))
+        finally:
+            with self._lock:
+                self._active -= 1
+            conn.close()
+
+    def _serve_one(self, conn: Connection, started: list[str]) -> None:
+        start = time.monotonic()
+        try:
+            intro = decode_intro(bytes(conn.recv_frame(timeout_s=_HANDSHAKE_TIMEOUT_S)))
+            raw_offer = bytes(conn.recv_frame(timeout_s=_HANDSHAKE_TIMEOUT_S))
+        except HandshakeError as error:
+            conn.send_frame(encode(refuse(error.reason, error.detail)))
+            return  # no request id we can trust: nobody waits on it
+        started.append(intro.request_id)
+        answer = answer_offer(raw_offer, self.capabilities, max_bytes=MAX_MESSAGE_BYTES)
+        offer: TransferOffer | None = None
+        plan: ConversionPlan | None = None
+        if not isinstance(answer, Refuse):
+            offer = decode_offer(raw_offer, max_bytes=MAX_MESSAGE_BYTES)
+            answer, plan = self._check(intro, offer, answer)
+        conn.send_frame(encode(answer))
+        if isinstance(answer, Refuse) or offer is None or plan is None:
+            reason = answer.reason.value if isinstance(answer, Refuse) else "malformed"
+            self._refused(intro, conn, reason, time.monotonic() - start)
+            return
+        metas = self._metas(intro, offer, plan)
+        receiver = TransferReceiver(
+            self._ingress,
+            metrics=self.metrics,
+            audit=self.audit,
+            convert=None if plan.identity else self._converter(plan),
+        )
+        result = receiver.receive(
+            conn, metas, timeout_s=self.receive_timeout_s, request_id=intro.request_id
+        )
+        self._finish(
+            TransferStatus(
+                intro.request_id,
+                result.outcome,
+                len(result.committed),
+                result.payload_bytes,
+                time.monotonic() - start,
+                detail=result.detail,
+            )
+        )
+
+    def _check(
+        self,
+        intro: TransferIntro,
+        offer: TransferOffer,
+        answer: TransferAnswer,
+    ) -> tuple[TransferAnswer, ConversionPlan | None]:
+        """What the pure negotiation cannot know: the intro's MAC and agreement with the
+        offer, the tokens covering the blocks, one source rank per connection."""
+        if not intro_authentic(intro, self.tenant_secret):
+            return refuse(RefuseReason.TENANT_FORBIDDEN, "intro MAC does not verify"), None
+        if offer.request_id != intro.request_id or offer.tenant != intro.tenant:
+            return refuse(RefuseReason.MALFORMED, "offer and intro disagree"), None
+        source = offer.layout.layout()
+        if len(offer.blocks) * source.block_size > len(intro.prompt_token_ids):
+            return refuse(RefuseReason.MALFORMED, "more blocks than the prompt fills"), None
+        plan = plan_conversion(source, self.layout)
+        if not isinstance(plan, ConversionPlan):  # negotiate accepted: cannot happen
+            return refuse(plan.reason, plan.detail), None
+        if source.tp_size != 1 or len(plan.source_ranks) != 1:
+            detail = "one connection carries one TP rank: multi-rank senders are not wired"
+            return refuse(RefuseReason.INVALID_LAYOUT, detail), None
+        if isinstance(answer, AcceptWithConversion) or plan.identity:
+            return answer, plan
+        return refuse(RefuseReason.PLAN_MISMATCH, "no plan"), None
+
+    def _metas(
+        self, intro: TransferIntro, offer: TransferOffer, plan: ConversionPlan
+    ) -> list[KVObjectMeta]:
+        """Provisional metas of the blocks this worker will hold, under its own keys."""
+        tokens = list(intro.prompt_token_ids)
+        engine = self.engine
+        assert engine.bridge is not None
+        size = self.layout.block_size
+        count = len(offer.blocks) * plan.source.block_size // size
+        keys = engine.call(lambda: engine.block_keys(tokens, intro.tenant)).result()[:count]
+        metas = []
+        for i, key in enumerate(keys):
+            info = BlockInfo(intro.tenant, i * size, block_tokens(tokens, i, size))
+            parent = keys[i - 1] if i else None
+            metas.append(engine.bridge.bridge.make_meta(key, parent, info, memoryview(b"")))
+        return metas
+
+    def _converter(self, plan: ConversionPlan) -> Converter:
+        source_shape = plan.source.block_shape()
+        source_dtype = torch_dtype(plan.source.dtype)
+
+        def convert(sources: Sequence[bytes]) -> Sequence[Buffer]:
+            joined = bytearray(b"".join(sources))
+            tensor = torch.frombuffer(joined, dtype=source_dtype).reshape(-1, *source_shape)
+            converted = convert_blocks(plan, {plan.source.tp_rank: tensor})
+            blocks = converted.blocks.contiguous()
+            flat = blocks.view(torch.uint8).reshape(blocks.shape[0], -1)
+            return [memoryview(flat[i].numpy().tobytes()) for i in range(blocks.shape[0])]
+
+        return convert
+
+    def _refused(self, intro: TransferIntro, conn: Connection, reason: str, seconds: float) -> None:
+        path = getattr(conn, "path", "tcp")
+        self.metrics.observe(path, "refused", 0, seconds)
+        self.audit.record(
+            Action.TRANSFER,
+            f"refused_{reason}",
+            tenant=intro.tenant,
+            request_id=intro.request_id,
+            tier=self._ingress.name,
+        )
+        self._finish(TransferStatus(intro.request_id, "refused", 0, 0, seconds, reason))

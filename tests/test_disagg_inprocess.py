@@ -1,0 +1,88 @@
+"""Prefill → decode between two engines in one process (tiny model, fast): the sender's
+layer-wise feed places blocks right across a chunked prefill (several steps) and the decode
+engine hits exactly what it received."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+from kvstrata.engine.factory import build_engine
+from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.engine.sampling import SamplingParams
+from kvstrata.runtime.config import load_worker_config
+from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.serve.transfer_receiver import DecodeTransfers
+from kvstrata.serve.transfer_sender import prefill_and_send
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SECRET = b"in-process-secret"
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 40000, size=n)]
+
+
+@pytest.fixture()
+def decode(tiny_model: LoadedModel) -> Iterator[tuple[ReferenceEngine, DecodeTransfers]]:
+    worker = load_worker_config(raw={"tiers": [{"name": "host", "gib": 0.01}]}, source="test")
+    config = EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
+    engine = build_engine(tiny_model, config, worker)
+    engine.start_loop()
+    receiver = DecodeTransfers(engine, tenant_secret=SECRET).start()
+    yield engine, receiver
+    receiver.close()
+    engine.close()
+
+
+@pytest.mark.parametrize("chunk", [512, 32])  # one step; several steps of two blocks each
+def test_chunked_prefill_streams_every_block_to_its_place(
+    tiny_model: LoadedModel, decode: tuple[ReferenceEngine, DecodeTransfers], chunk: int
+) -> None:
+    engine, receiver = decode
+    scheduler = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk)
+    sender = ReferenceEngine(
+        tiny_model,
+        EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET, scheduler=scheduler),
+    )
+    sender.start_loop()
+    try:
+        prompt = _tokens(16 * 6 + 3, seed=chunk)
+        cached = prompt[: 16 * 2]
+        sender.generate(cached, SamplingParams(max_tokens=1)).run()  # 2 blocks held already
+        address = (receiver.host, receiver.port)
+        sent = prefill_and_send(
+            sender, prompt, "default", f"r{chunk}", address, tenant_secret=SECRET
+        )
+        assert sent.outcome == "sent", sent
+        assert sent.blocks == 6 and 0.0 <= sent.overlap <= 1.0
+        status = receiver.wait(f"r{chunk}", 10)
+        assert status is not None and status.committed and status.blocks == 6
+        hit = engine.generate(prompt, GREEDY).run()  # first: only the transfer can explain it
+        assert hit.record.matched_tokens == 96
+        fresh = engine.generate(prompt, GREEDY, use_cache=False).run()
+        assert hit.output_ids == fresh.output_ids
+    finally:
+        sender.stop_loop()
+
+
+def test_wrong_secret_is_refused_and_nothing_stored(
+    tiny_model: LoadedModel, decode: tuple[ReferenceEngine, DecodeTransfers]
+) -> None:
+    engine, receiver = decode
+    sender = ReferenceEngine(
+        tiny_model, EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
+    )
+    sender.start_loop()
+    try:
+        prompt = _tokens(40, seed=9)
+        sent = prefill_and_send(
+            sender, prompt, "default", "rx", (receiver.host, receiver.port), tenant_secret=b"wrong"
+        )
+        assert (sent.outcome, sent.reason) == ("refused", "tenant_forbidden")
+        assert engine.generate(prompt, GREEDY).run().record.matched_tokens == 0
+    finally:
+        sender.stop_loop()
