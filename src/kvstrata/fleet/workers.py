@@ -37,6 +37,17 @@ class WorkerProtocolError(InvalidInput):
 
 
 @dataclass(frozen=True, slots=True)
+class ScrapedLoad:
+    """Load figures an engine reports itself (vLLM's ``/metrics``): requests waiting and
+    running there — the router's own in-flight count misses clients that bypass it — and
+    the share of its KV cache in use (0..1)."""
+
+    waiting: int
+    running: int
+    kv_usage: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     worker_id: str
     base_url: str
@@ -59,6 +70,12 @@ class WorkerInfo:
     measured yet), from the worker's store: the router prices fetches with these."""
     curve_public_key: bytes | None = None
     """The event sockets' CURVE server key (None: plaintext sockets)."""
+    lower_events_endpoint: str | None = None
+    """A second stream into the same worker slot: the kvstrata connector's events (host,
+    disk, remote) beside vLLM's own (device)."""
+    lower_replay_endpoint: str | None = None
+    scraped: ScrapedLoad | None = None
+    """The engine's own load figures when it reports them (None: the router's count only)."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -206,6 +223,8 @@ class WorkerState:
     )
     """The worker's own fetch figures per medium (``WorkerInfo.fetch_s_per_block``), updated
     by every health round."""
+    scraped: ScrapedLoad | None = None
+    """The engine's own load figures from the last health round (``WorkerInfo.scraped``)."""
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
 
@@ -292,16 +311,37 @@ class WorkerState:
         active_blocks = sum(f.prompt_tokens + f.expected_output for f in flights)
         active_blocks //= self.info.block_size
         capacity = self.kv_blocks_capacity
+        utilisation = min(1.0, active_blocks / capacity) if capacity else 0.0
+        queued_requests, decodes = len(queued), len(decoding)
+        if self.scraped is not None:
+            # Requests the engine has that the router did not send (other clients): each
+            # waiting one is priced as the mean queued prefill (else one typical prefill),
+            # each running one as a share of the decode steps ahead.
+            unseen_waiting = max(0, self.scraped.waiting - queued_requests)
+            unseen_running = max(0, self.scraped.running - decodes)
+            typical = queued_s / queued_requests if queued_requests else self._typical_prefill_s()
+            queued_s += unseen_waiting * typical
+            queued_s += unseen_running * self.mean_output_tokens * self.decode_step_s / max(
+                1, decodes + unseen_running
+            )
+            queued_requests += unseen_waiting
+            decodes += unseen_running
+            utilisation = max(utilisation, min(1.0, max(0.0, self.scraped.kv_usage)))
         return WorkerLoad(
             worker_id=self.worker_id,
-            queued_requests=len(queued),
+            queued_requests=queued_requests,
             queued_prefill_tokens=sum(f.new_tokens for f in queued),
             queued_s=queued_s,
-            active_decodes=len(decoding),
+            active_decodes=decodes,
             active_kv_blocks=active_blocks,
-            kv_utilisation=min(1.0, active_blocks / capacity) if capacity else 0.0,
+            kv_utilisation=utilisation,
             healthy=self.healthy,
         )
+
+    def _typical_prefill_s(self) -> float:
+        """One fresh prefill of a typical prompt (the recent mean output length stands in
+        for nothing: prompts are not remembered, so a 512-token prompt is assumed)."""
+        return self.prefill_fit.model().seconds(512, 0)
 
     def inflight(self) -> int:
         return len(self._inflight)
