@@ -408,14 +408,8 @@ def run_router(args: argparse.Namespace) -> int:
             ]
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        source = VllmSource(workers, secret_digest=_secret_digest_of(args))
+        source = VllmSource(workers, tenant_secret=worker_config(args).tenant_secret)
         _serve_frontdoor(args, [w.base_url for w in workers], api_key, source=source)
         return 0
     _serve_frontdoor(args, [url.rstrip("/") for url in args.worker], api_key)
     return 0
-
-
-def _secret_digest_of(args: argparse.Namespace) -> str:
-    from kvstrata.identity import secret_digest
-
-    return secret_digest(worker_config(args).tenant_secret)

@@ -25,7 +25,6 @@ def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
     from kvstrata.fleet.vllm_servers import VllmServer, VllmServerSpec
     from kvstrata.fleet.vllm_workers import VllmSource
-    from kvstrata.identity import secret_digest
     from kvstrata.runtime.config import load_worker_config
 
     if args.workers < 1:
@@ -57,11 +56,11 @@ def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
         started = time.monotonic()
         for server in servers:
             server.wait_ready()
-        print(f"{len(servers)} vLLM servers ready in {time.monotonic() - started:.1f} s", flush=True)
-        settings = load_worker_config(args.config, _overrides(args))
-        source = VllmSource(
-            [spec.worker() for spec in specs], secret_digest=secret_digest(settings.tenant_secret)
+        print(
+            f"{len(servers)} vLLM servers ready in {time.monotonic() - started:.1f} s", flush=True
         )
+        settings = load_worker_config(args.config, _overrides(args))
+        source = VllmSource([spec.worker() for spec in specs], tenant_secret=settings.tenant_secret)
         serve(args, [spec.url for spec in specs], None, source=source)
     return 0
 
@@ -73,4 +72,6 @@ def _secret_args(args: argparse.Namespace) -> list[str]:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {} if args.tenant_secret_file is None else {"tenant_secret_file": args.tenant_secret_file}
+    return (
+        {} if args.tenant_secret_file is None else {"tenant_secret_file": args.tenant_secret_file}
+    )

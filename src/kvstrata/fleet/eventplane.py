@@ -34,7 +34,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import httpx
-
 from msgspec.structs import replace
 
 from kvstrata.events.curve import KeyPair

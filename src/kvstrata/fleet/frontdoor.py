@@ -173,7 +173,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             principal = observer(request)
             raw = await request.body()
             endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
-            body, _ = _parse(endpoint, raw)
+            body, payload = _parse(endpoint, raw)
             tenant = _engine_tenant(
                 fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload
             )

@@ -16,6 +16,7 @@ no ``/kv/info`` from vLLM: :meth:`VllmServerSpec.worker` is what it attaches to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -47,12 +48,14 @@ class VllmServerSpec:
     lower_events_port: int = field(default_factory=free_port)
     lower_replay_port: int = field(default_factory=free_port)
     block_size: int = DEFAULT_BLOCK_SIZE
-    max_model_len: int = 2048
+    max_model_len: int = 1024
     kv_cache_blocks: int | None = 64
     host_gib: float = 0.25
     disk_gib: float | None = None
     connector: bool = True
     pythonpath: str | None = None
+    multiprocess: bool = True
+    """False: scheduler and engine core in one process (starts in seconds; tests)."""
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -131,6 +134,10 @@ class VllmServerSpec:
         )
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath
+        if self.multiprocess:
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
 
@@ -182,10 +189,8 @@ class VllmServer:
         if self.process is None:
             return
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:

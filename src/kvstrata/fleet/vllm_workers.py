@@ -30,15 +30,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-
-from msgspec.structs import replace
 from typing import Any
 
 import httpx
+from msgspec.structs import replace
 
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
 from kvstrata.fleet.workers import ScrapedLoad, WorkerDump, WorkerInfo, WorkerProtocolError
-from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest
+from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest, secret_digest
 from kvstrata.identity.salts import salt_tenant
 
 _LOAD_METRICS = {
@@ -115,11 +114,11 @@ def router_fingerprint(model: str, block_size: int) -> FingerprintDigest:
 class VllmSource:
     """``WorkerSource`` for vLLM OpenAI servers (``kvstrata.fleet.source``)."""
 
-    def __init__(self, workers: list[VllmWorker], *, secret_digest: str | None = None) -> None:
-        """``secret_digest``: what the servers' connectors salt tenants with. vLLM cannot say
+    def __init__(self, workers: list[VllmWorker], *, tenant_secret: bytes = b"") -> None:
+        """``tenant_secret``: what the servers' connectors salt tenants with. vLLM cannot say
         (no ``/kv/info``); whoever configured both (``kvstrata up``, the operator) vouches."""
         self._workers = {w.base_url: w for w in workers}
-        self._secret_digest = secret_digest
+        self._secret_digest = secret_digest(tenant_secret)
 
     def info(self, http: httpx.Client, base_url: str, api_key: str | None) -> WorkerInfo:
         worker = self._workers.get(base_url)

@@ -321,8 +321,11 @@ class WorkerState:
             unseen_running = max(0, self.scraped.running - decodes)
             typical = queued_s / queued_requests if queued_requests else self._typical_prefill_s()
             queued_s += unseen_waiting * typical
-            queued_s += unseen_running * self.mean_output_tokens * self.decode_step_s / max(
-                1, decodes + unseen_running
+            queued_s += (
+                unseen_running
+                * self.mean_output_tokens
+                * self.decode_step_s
+                / max(1, decodes + unseen_running)
             )
             queued_requests += unseen_waiting
             decodes += unseen_running
