@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from pathlib import Path
+
 import pytest
+import zmq
 
 from kvstrata.connectors.vllm_identity import tenant_for_salt
-from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvstrata.events.subscriber import ZmqEventSubscriber
+from kvstrata.fleet.vllm_servers import VllmServerSpec
 from kvstrata.fleet.vllm_workers import (
     VllmWorker,
     parse_metrics,
@@ -91,3 +99,61 @@ def test_scraped_load_raises_the_ttft_estimate() -> None:
     assert loaded.active_decodes == 2
     assert loaded.kv_utilisation == pytest.approx(0.9)
     assert _state(None).load().queued_requests == 0
+
+
+def test_server_command_configures_both_event_streams(tmp_path: Path) -> None:
+    spec = VllmServerSpec("v3", tmp_path / "model", Path("python"), tmp_path / "run")
+    argv = spec.command()
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    # vLLM binds only an endpoint with "*" in it; the router connects to the host's port
+    assert events["endpoint"] == f"tcp://*:{spec.events_port}"
+    assert events["replay_endpoint"] == f"tcp://*:{spec.replay_port}"
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    extra = transfer["kv_connector_extra_config"]
+    worker = spec.worker()
+    assert worker.events_endpoint == f"tcp://127.0.0.1:{spec.events_port}"
+    assert extra["events_endpoint"] == worker.lower_events_endpoint
+    assert extra["events_replay_endpoint"] == worker.lower_replay_endpoint
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert "--enable-prefix-caching" in argv
+    assert len({spec.port, spec.events_port, spec.replay_port, spec.lower_events_port}) == 4
+    bare = VllmServerSpec("v4", tmp_path, Path("python"), tmp_path, connector=False)
+    assert "--kv-transfer-config" not in bare.command()
+    assert bare.worker().lower_events_endpoint is None
+
+
+def test_subscriber_reads_vllms_replay_frames() -> None:
+    """vLLM's ROUTER answers ``[id, "", topic, seq, payload]`` and ends with ``[id, "", "",
+    -1, ""]`` (``vllm/distributed/kv_events.py``, ``_service_replay``): one frame more than
+    kvstrata's publisher. The subscriber takes both."""
+    context = zmq.Context.instance()
+    pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    payloads = [encode_batch(KVEventBatch(float(i), [_stored(None, None)])) for i in range(3)]
+
+    def serve() -> None:
+        client, _, start = router.recv_multipart()
+        for seq in range(int.from_bytes(start, "big"), 2):
+            router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payloads[seq]))
+        router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sub = ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", replay_timeout_s=5.0
+    ).start()
+    try:
+        received: list[int] = []
+        deadline = time.monotonic() + 10
+        while not received and time.monotonic() < deadline:
+            pub.send_multipart((b"", (2).to_bytes(8, "big"), payloads[2]))
+            result = sub.poll(100)
+            received = [b.seq for b in result.batches]
+        assert received == [0, 1, 2]
+        assert not result.resync_needed
+    finally:
+        sub.close()
+        pub.close(linger=0)
+        thread.join(timeout=5)
+        router.close(linger=0)
