@@ -221,7 +221,7 @@ class EventPlane:
     def _poll(self, worker_id: str, stream: _Stream) -> bool:
         busy = self._apply(worker_id, stream, stream.subscriber.poll(0), self._transform)
         if stream.lower is not None:
-            busy |= self._apply(worker_id, stream, stream.lower.poll(0), _without_epoch)
+            busy |= self._apply(worker_id, stream, stream.lower.poll(0), _without_epoch, lower=True)
         return busy
 
     def _apply(
@@ -230,13 +230,24 @@ class EventPlane:
         stream: _Stream,
         result: PollResult,
         transform: Callable[[KVEventBatch], KVEventBatch] | None,
+        *,
+        lower: bool = False,
     ) -> bool:
+        """A gap replay cannot fill resyncs the worker from its dump — except on a lower
+        stream, which has no dump of its own (and the kvstrata connector serves no replay
+        today): its lost blocks stay unknown (routing misses, never wrong KV), counted in
+        ``resyncs["lower_lost"]``, and the device entries are kept."""
         if result.batches:
             with self.lock:
                 for received in result.batches:
                     batch = received.batch if transform is None else transform(received.batch)
                     self.index.apply_batch(worker_id, batch, seq=received.seq)
-        if result.resync_needed:
+        if result.resync_needed and lower:
+            self.resyncs["lower_lost"] = self.resyncs.get("lower_lost", 0) + 1
+            _log.warning(
+                "lost connector events of %s (no replay): lower tiers partly unknown", worker_id
+            )
+        elif result.resync_needed:
             self._resync(worker_id, stream, "gap")
         return bool(result.batches) or result.resync_needed
 
