@@ -135,9 +135,9 @@ def test_routes_to_holders_hits_and_survives_a_kill(smol: Path, servers: list[Vl
             match = next(e for e in decision.estimates if e.worker_id == worker)
             return match.matched_blocks >= len(tokens) // 32 - 1
 
-        # A new step on v0 makes the next live batch show the gap; replay fills it.
+        # New full blocks on v0 make the next live batch show the gap; replay fills it.
         _complete(httpx.Client(timeout=120), f"{servers[0].spec.url}/v1/completions",
-                  {"model": model, "prompt": "Hello there, keeper."})  # fmt: skip
+                  {"model": model, "prompt": _story("trigger")})  # fmt: skip
         _wait(lambda: held(DEFAULT_TENANT, early_tokens, "v0"), what="replayed history on v0")
         assert ask("early", early) == "v0"
 
