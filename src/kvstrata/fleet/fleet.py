@@ -260,7 +260,7 @@ class Fleet:
             events.attach(info)
         state = WorkerState(info, default_profile(info.block_size))
         state.measured_fetch = info.fetch_s_per_block
-        state.scraped = info.scraped
+        state.observe_scrape(info.scraped, time.time())
         with self._lock:
             assert self._index is not None
             self._index.set_shared_access(info.worker_id, info.reaches_shared_tier)
@@ -337,7 +337,7 @@ class Fleet:
                     current.failures = 0
                     if current.info.epoch == info.epoch:
                         current.measured_fetch = info.fetch_s_per_block
-                        current.scraped = info.scraped
+                        current.observe_scrape(info.scraped, time.time())
 
     def worker_views(self) -> list[WorkerView]:
         """A consistent snapshot of every worker and what the index holds of it."""
@@ -407,7 +407,7 @@ class Fleet:
             raise NoWorkerAvailable("no worker attached")
         index = self._index
         loads = [
-            replace(state.load(), cached_blocks=sum(index.blocks_held(state.worker_id)))
+            replace(state.load(now), cached_blocks=sum(index.blocks_held(state.worker_id)))
             for state in self._table.by_id.values()
         ]
         request = RouteRequest(

@@ -48,6 +48,38 @@ class ScrapedLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class _UnseenWork:
+    """Other clients' work on an engine, as its scraped gauges showed it at ``since``.
+
+    Pure; aged by :meth:`at`. Waiting requests are a prefill backlog the engine works off at
+    wall-clock rate; running ones add decode interference (vLLM schedules a new prefill
+    beside running decodes, it does not queue it behind them) until they are expected to
+    have finished, one mean output length of decode steps later; the KV usage is theirs and
+    the router's own at that instant, kept as long as any of that work is expected to be
+    left.
+    """
+
+    since: float
+    waiting: int
+    backlog_s: float
+    running: int
+    decode_s: float
+    kv_usage: float
+
+    def at(self, now: float | None) -> _UnseenWork:
+        elapsed = 0.0 if now is None else max(0.0, now - self.since)
+        if elapsed <= 0.0:
+            return self
+        backlog = max(0.0, self.backlog_s - elapsed)
+        waiting = math.ceil(self.waiting * backlog / self.backlog_s) if self.backlog_s else 0
+        running = self.running if elapsed < self.decode_s else 0
+        left = elapsed < max(self.backlog_s, self.decode_s)
+        return _UnseenWork(
+            self.since, waiting, backlog, running, self.decode_s, self.kv_usage if left else 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     worker_id: str
     base_url: str
@@ -224,7 +256,9 @@ class WorkerState:
     """The worker's own fetch figures per medium (``WorkerInfo.fetch_s_per_block``), updated
     by every health round."""
     scraped: ScrapedLoad | None = None
-    """The engine's own load figures from the last health round (``WorkerInfo.scraped``)."""
+    """The engine's own load figures from the last health round (``WorkerInfo.scraped``);
+    set through :meth:`observe_scrape`, which also fixes the unseen work they imply."""
+    _unseen: _UnseenWork | None = None
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
 
@@ -299,7 +333,41 @@ class WorkerState:
     def running_alone(self) -> bool:
         return len(self._inflight) <= 1
 
-    def load(self) -> WorkerLoad:
+    def observe_scrape(self, scraped: ScrapedLoad | None, now: float) -> None:
+        """The engine's own figures, read at ``now`` (a health round).
+
+        They count the router's own requests too, as they were at that instant: what exceeds
+        them is other clients' work, fixed here — the router's own requests that finish
+        later must not reappear as unseen ones until the next scrape. That work then drains
+        with time (:class:`_UnseenWork`): a gauge read before a burst ended must not keep a
+        worker looking busy for a whole health interval after it went idle.
+        """
+        self.scraped = scraped
+        if scraped is None:
+            self._unseen = None
+            return
+        flights = list(self._inflight.values())
+        queued = [f for f in flights if not f.first_token]
+        # vLLM counts a request still in prefill as running: compare totals first.
+        total = max(0, scraped.waiting + scraped.running - len(flights))
+        waiting = min(total, max(0, scraped.waiting - len(queued)))
+        running = total - waiting
+        typical = (
+            sum(f.predicted_prefill_s for f in queued) / len(queued)
+            if queued
+            else self._typical_prefill_s()
+        )
+        self._unseen = _UnseenWork(
+            since=now,
+            waiting=waiting,
+            backlog_s=waiting * typical,
+            running=running,
+            decode_s=self.mean_output_tokens * self.decode_step_s if running else 0.0,
+            kv_usage=min(1.0, max(0.0, scraped.kv_usage)),
+        )
+
+    def load(self, now: float | None = None) -> WorkerLoad:
+        """What the policies read; ``now`` ages the engine's scraped figures (None: as read)."""
         flights = list(self._inflight.values())
         queued = [f for f in flights if not f.first_token]
         decoding = [f for f in flights if f.first_token]
@@ -313,23 +381,12 @@ class WorkerState:
         capacity = self.kv_blocks_capacity
         utilisation = min(1.0, active_blocks / capacity) if capacity else 0.0
         queued_requests, decodes = len(queued), len(decoding)
-        if self.scraped is not None:
-            # Requests the engine has that the router did not send (other clients): each
-            # waiting one is priced as the mean queued prefill (else one typical prefill),
-            # each running one as a share of the decode steps ahead.
-            unseen_waiting = max(0, self.scraped.waiting - queued_requests)
-            unseen_running = max(0, self.scraped.running - decodes)
-            typical = queued_s / queued_requests if queued_requests else self._typical_prefill_s()
-            queued_s += unseen_waiting * typical
-            queued_s += (
-                unseen_running
-                * self.mean_output_tokens
-                * self.decode_step_s
-                / max(1, decodes + unseen_running)
-            )
-            queued_requests += unseen_waiting
-            decodes += unseen_running
-            utilisation = max(utilisation, min(1.0, max(0.0, self.scraped.kv_usage)))
+        if self._unseen is not None:
+            unseen = self._unseen.at(now)
+            queued_s += unseen.backlog_s
+            queued_requests += unseen.waiting
+            decodes += unseen.running
+            utilisation = max(utilisation, unseen.kv_usage)
         return WorkerLoad(
             worker_id=self.worker_id,
             queued_requests=queued_requests,
