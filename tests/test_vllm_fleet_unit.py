@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import zmq
 
@@ -16,6 +17,7 @@ from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, enco
 from kvstrata.events.subscriber import ZmqEventSubscriber
 from kvstrata.fleet.vllm_servers import VllmServerSpec
 from kvstrata.fleet.vllm_workers import (
+    VllmSource,
     VllmWorker,
     parse_metrics,
     router_fingerprint,
@@ -23,7 +25,7 @@ from kvstrata.fleet.vllm_workers import (
     tenant_of_body,
 )
 from kvstrata.fleet.workers import ScrapedLoad, WorkerInfo, WorkerState, default_profile
-from kvstrata.index import PrefixMatch
+from kvstrata.index import GlobalIndex, PrefixMatch
 from kvstrata.router import KvstrataPolicy, RouteRequest
 
 METRICS = """\
@@ -207,3 +209,32 @@ def test_subscriber_reads_vllms_replay_frames() -> None:
         pub.close(linger=0)
         thread.join(timeout=5)
         router.close(linger=0)
+
+
+def test_a_restarted_server_is_a_new_epoch_and_drops_its_old_entries() -> None:
+    """``process_start_time_seconds`` is the epoch; a restart re-attaches the worker (the
+    fleet's health round compares epochs) and its empty snapshot clears the old entries,
+    which the new process's replay then rebuilds."""
+    started = [1_764_600_000.25]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=f"process_start_time_seconds {started[0]}\n")
+        return httpx.Response(200, json={"data": [{"id": "smol"}]})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    source = VllmSource([VllmWorker("v0", "http://v0", "tcp://127.0.0.1:1", None)])
+    first = source.info(http, "http://v0", None)
+    assert first.epoch == 1_764_600_000_250 and first.model == "smol"
+    index = GlobalIndex(first.fingerprint, 4)
+    dump = source.dump(http, first, None)
+    index.replace_worker("v0", dump.epoch, dump.events, next_seq=dump.next_seq)
+    index.apply_batch("v0", KVEventBatch(0.0, [_stored(None, None)]), seq=1)
+    assert sum(index.blocks_held("v0")) == 1
+    assert source.info(http, "http://v0", None).epoch == first.epoch  # same process
+    started[0] += 30.0  # the server restarted
+    second = source.info(http, "http://v0", None)
+    assert second.epoch != first.epoch
+    dump = source.dump(http, second, None)
+    index.replace_worker("v0", dump.epoch, dump.events, next_seq=dump.next_seq)
+    assert index.blocks_held("v0") == (0, 0, 0, 0)

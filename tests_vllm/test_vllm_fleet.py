@@ -139,7 +139,8 @@ def test_routes_to_holders_hits_and_survives_a_kill(smol: Path, servers: list[Vl
         _complete(httpx.Client(timeout=120), f"{servers[0].spec.url}/v1/completions",
                   {"model": model, "prompt": _story("trigger")})  # fmt: skip
         _wait(lambda: held(DEFAULT_TENANT, early_tokens, "v0"), what="replayed history on v0")
-        assert ask("early", early) == "v0"
+        why = fleet.route("why", DEFAULT_TENANT, early_tokens, 8, False).to_dict()
+        assert ask("early", early) == "v0", why
 
         holders: dict[str, str] = {}
         for topic in ("north", "south", "east"):
