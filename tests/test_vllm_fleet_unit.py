@@ -15,6 +15,7 @@ import zmq
 from kvstrata.connectors.vllm_identity import tenant_for_salt
 from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from kvstrata.events.subscriber import ZmqEventSubscriber
+from kvstrata.fleet.engine_load import ScrapedLoad
 from kvstrata.fleet.vllm_servers import VllmServerSpec
 from kvstrata.fleet.vllm_workers import (
     VllmSource,
@@ -24,7 +25,7 @@ from kvstrata.fleet.vllm_workers import (
     salted_batch,
     tenant_of_body,
 )
-from kvstrata.fleet.workers import ScrapedLoad, WorkerInfo, WorkerState, default_profile
+from kvstrata.fleet.workers import WorkerInfo, WorkerState, default_profile
 from kvstrata.index import GlobalIndex, PrefixMatch
 from kvstrata.router import KvstrataPolicy, RouteRequest
 

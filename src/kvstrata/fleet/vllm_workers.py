@@ -36,7 +36,8 @@ import httpx
 from msgspec.structs import replace
 
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
-from kvstrata.fleet.workers import ScrapedLoad, WorkerDump, WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.engine_load import ScrapedLoad
+from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest, secret_digest
 from kvstrata.identity.salts import salt_tenant
 

@@ -23,6 +23,7 @@ from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.errors import InvalidInput
 from kvstrata.events.curve import CurveKeyError, decode_public_key
 from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
+from kvstrata.fleet.engine_load import ScrapedLoad, UnseenWork
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.model import Medium, parse_medium
 from kvstrata.router.costs import CostProfile
@@ -34,49 +35,6 @@ EPOCH_HEADER = "X-Kvstrata-Epoch"
 
 class WorkerProtocolError(InvalidInput):
     """A worker's ``/kv/info`` or ``/kv/dump`` answer is not what the protocol says."""
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapedLoad:
-    """Load figures an engine reports itself (vLLM's ``/metrics``): requests waiting and
-    running there — the router's own in-flight count misses clients that bypass it — and
-    the share of its KV cache in use (0..1)."""
-
-    waiting: int
-    running: int
-    kv_usage: float
-
-
-@dataclass(frozen=True, slots=True)
-class _UnseenWork:
-    """Other clients' work on an engine, as its scraped gauges showed it at ``since``.
-
-    Pure; aged by :meth:`at`. Waiting requests are a prefill backlog the engine works off at
-    wall-clock rate; running ones add decode interference (vLLM schedules a new prefill
-    beside running decodes, it does not queue it behind them) until they are expected to
-    have finished, one mean output length of decode steps later; the KV usage is theirs and
-    the router's own at that instant, kept as long as any of that work is expected to be
-    left.
-    """
-
-    since: float
-    waiting: int
-    backlog_s: float
-    running: int
-    decode_s: float
-    kv_usage: float
-
-    def at(self, now: float | None) -> _UnseenWork:
-        elapsed = 0.0 if now is None else max(0.0, now - self.since)
-        if elapsed <= 0.0:
-            return self
-        backlog = max(0.0, self.backlog_s - elapsed)
-        waiting = math.ceil(self.waiting * backlog / self.backlog_s) if self.backlog_s else 0
-        running = self.running if elapsed < self.decode_s else 0
-        left = elapsed < max(self.backlog_s, self.decode_s)
-        return _UnseenWork(
-            self.since, waiting, backlog, running, self.decode_s, self.kv_usage if left else 0.0
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +216,7 @@ class WorkerState:
     scraped: ScrapedLoad | None = None
     """The engine's own load figures from the last health round (``WorkerInfo.scraped``);
     set through :meth:`observe_scrape`, which also fixes the unseen work they imply."""
-    _unseen: _UnseenWork | None = None
+    _unseen: UnseenWork | None = None
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
 
@@ -339,7 +297,7 @@ class WorkerState:
         They count the router's own requests too, as they were at that instant: what exceeds
         them is other clients' work, fixed here — the router's own requests that finish
         later must not reappear as unseen ones until the next scrape. That work then drains
-        with time (:class:`_UnseenWork`): a gauge read before a burst ended must not keep a
+        with time (:class:`UnseenWork`): a gauge read before a burst ended must not keep a
         worker looking busy for a whole health interval after it went idle.
         """
         self.scraped = scraped
@@ -357,7 +315,7 @@ class WorkerState:
             if queued
             else self._typical_prefill_s()
         )
-        self._unseen = _UnseenWork(
+        self._unseen = UnseenWork(
             since=now,
             waiting=waiting,
             backlog_s=waiting * typical,
