@@ -22,6 +22,7 @@ from kvstrata.router import (
     HotPrefixConfig,
     KvstrataPolicy,
     NoWorkerAvailable,
+    RouteDecision,
     Router,
     RouteRequest,
     WorkerLoad,
@@ -136,6 +137,38 @@ def test_kvstrata_work_charge_follows_the_busy_share() -> None:
         )
 
 
+def place(
+    policy: KvstrataPolicy,
+    req: RouteRequest,
+    found: dict[str, PrefixMatch],
+    load: list[WorkerLoad],
+) -> RouteDecision:
+    """A committed decision, as :class:`Router` makes one (choose, then ``routed``)."""
+    decision = policy.choose(req, found, load)
+    policy.routed(req, decision)
+    return decision
+
+
+def test_kvstrata_explanations_change_no_later_decision() -> None:
+    """``/debug/route`` (``record=False``) neither makes a prefix popular nor turns ties."""
+    explained = KvstrataPolicy(profiles, work_weight=0.0, hot=HotPrefixConfig(min_requests=4))
+    fresh = KvstrataPolicy(profiles, work_weight=0.0, hot=HotPrefixConfig(min_requests=4))
+    router = Router(GlobalIndex(FingerprintDigest(bytes(32)), BS), explained)
+    found, load = _hot_setup()
+    for _ in range(10):
+        explained.choose(request(2048, rid="q"), found, load)  # what record=False runs
+    for i in range(5):
+        a = place(explained, request(2048, rid=f"r{i}"), found, load)
+        b = place(fresh, request(2048, rid=f"r{i}"), found, load)
+        assert (a.worker_id, a.reason) == (b.worker_id, b.reason)
+    assert a.reason == "hot_prefix_spill:h"  # committed decisions still count
+    idle = loads(WorkerLoad("x"), WorkerLoad("y"))
+    explain = {router.route(request(64, rid="c"), idle, record=False).worker_id for _ in range(4)}
+    assert len(explain) == 1  # explaining again says the same thing
+    committed = {router.route(request(64, rid=f"c{i}"), idle).worker_id for i in range(4)}
+    assert committed == {"x", "y"}  # exact ties rotate over committed decisions
+
+
 def _hot_setup() -> tuple[dict[str, PrefixMatch], list[WorkerLoad]]:
     # h holds all 128 blocks and is overloaded: 2.0 s > 1.5 × mean(2.0, 0, 0.1) + 0.25.
     found = matches(h=(128, 0, 0, 0), x=(0, 0, 0, 0), y=(0, 0, 0, 0))
@@ -148,7 +181,7 @@ def test_kvstrata_spills_a_popular_prefix_away_from_an_overloaded_holder() -> No
     found, load = _hot_setup()
     reasons = []
     for i in range(5):
-        decision = policy.choose(request(2048, rid=f"r{i}"), found, load)  # same instant
+        decision = place(policy, request(2048, rid=f"r{i}"), found, load)  # same instant
         reasons.append((decision.worker_id, decision.reason))
     # The first three go to the holder (lowest TTFT, prefix not yet popular) ...
     assert [w for w, _ in reasons[:3]] == ["h", "h", "h"]
@@ -162,12 +195,12 @@ def test_kvstrata_does_not_spill_an_unpopular_prefix_or_from_a_busy_but_fair_hol
     policy = KvstrataPolicy(profiles, work_weight=0.0, hot=HotPrefixConfig(min_requests=4))
     found, load = _hot_setup()
     for i in range(8):  # every request another prefix: none becomes popular
-        decision = policy.choose(request(2048, prefix=100 + i, rid=f"u{i}"), found, load)
+        decision = place(policy, request(2048, prefix=100 + i, rid=f"u{i}"), found, load)
         assert decision.worker_id == "h" and not decision.reason.startswith("hot_prefix_spill")
     # A popular prefix whose holder is not overloaded (everyone is as busy) stays put.
     even = loads(*(WorkerLoad(w, queued_s=2.0) for w in ("h", "x", "y")))
     for i in range(8):
-        decision = policy.choose(request(2048, prefix=7, rid=f"p{i}"), found, even)
+        decision = place(policy, request(2048, prefix=7, rid=f"p{i}"), found, even)
         assert decision.worker_id == "h" and not decision.reason.startswith("hot_prefix_spill")
 
 
@@ -187,7 +220,7 @@ def test_kvstrata_spills_a_popular_short_prefix_with_distinct_tails() -> None:
     for i in range(8):
         tail = [(1000 + i) * 1_000_003 + b for b in range(32)]
         req = RouteRequest(f"s{i}", "t", 1024, shared + tail)
-        reasons.append(policy.choose(req, found, load).reason)
+        reasons.append(place(policy, req, found, load).reason)
     assert reasons[-1] == "hot_prefix_spill:h"
 
 

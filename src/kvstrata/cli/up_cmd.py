@@ -40,6 +40,7 @@ from kvstrata.runtime.config_schema import GIB
 
 if TYPE_CHECKING:
     from kvstrata.fleet.curve_keys import FleetKeys
+    from kvstrata.fleet.source import WorkerSource
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +65,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="the deployment's tenant secret (must match every worker's; checked by digest)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["kvstrata", "vllm"],
+        default="kvstrata",
+        help="workers are `kvstrata serve` (default) or vLLM OpenAI servers "
+        "(see docs/vllm-fleet.md)",
     )
 
 
@@ -100,6 +108,18 @@ def register(sub: Any) -> None:
         help=f"the shared remote tier's capacity (GiB; default {DEFAULT_REMOTE_GIB:g} "
         "with --remote)",
     )
+    up.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="--engine vllm: the python of vLLM's venv (default: ./.venv-vllm/bin/python)",
+    )
+    up.add_argument(
+        "--vllm-kv-blocks",
+        type=int,
+        default=None,
+        help="--engine vllm: each server's device KV cache in blocks (default: vLLM's)",
+    )
     up.add_argument("--restart-workers", action="store_true", help="restart workers that exit")
     up.add_argument("--log-dir", type=Path, default=None, help="write each worker's log here")
     up.set_defaults(func=run_up)
@@ -111,7 +131,17 @@ def register(sub: Any) -> None:
     )
     _common(router)
     security_args.add_router_arguments(router, fleet_key_flag=True)
-    router.add_argument("--worker", action="append", required=True, help="worker base URL")
+    router.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        help="worker base URL; with --engine vllm: "
+        "URL,events=tcp://H:P[,replay=tcp://H:P][,lower=tcp://H:P][,lower_replay=tcp://H:P]"
+        "[,id=NAME]",
+    )
+    router.add_argument(
+        "--block-size", type=int, default=32, help="--engine vllm: the servers' block size"
+    )
     router.add_argument(
         "--model", default="smollm2", help="tokenizer source: smollm2 | tiny | PATH"
     )
@@ -133,6 +163,7 @@ def _serve_frontdoor(
     urls: list[str],
     api_key: str | None,
     curve_secret_file: Path | None = None,
+    source: WorkerSource | None = None,
 ) -> None:
     """Attach to the workers and serve the front door; ``api_key``: the fleet key."""
     import uvicorn
@@ -155,8 +186,9 @@ def _serve_frontdoor(
         tls_ca_file=security.tls_ca_file,
         curve_client_secret_file=curve_secret_file or getattr(args, "curve_secret_file", None),
         tombstone_ttl_s=security.tombstone_ttl_s,
+        engine=args.engine,
     )
-    fleet = Fleet(FleetTokenizer(model_dir), config)
+    fleet = Fleet(FleetTokenizer(model_dir), config, source=source)
     for url in urls:
         fleet.attach(url)
     with AuditLog(security.audit_path, component="frontdoor") as audit:
@@ -219,6 +251,10 @@ def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     _check(args)
+    if args.engine == "vllm":
+        from kvstrata.cli.vllm_fleet import run_vllm_up
+
+        return run_vllm_up(args, _serve_frontdoor)
     if args.workers < 1:
         raise InvalidInput("--workers must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
@@ -363,5 +399,17 @@ def run_router(args: argparse.Namespace) -> int:
     api_key = None
     if args.api_key_file is not None:
         api_key = security_args.read_key_file(args.api_key_file, "fleet key file")
+    if args.engine == "vllm":
+        from kvstrata.fleet.vllm_workers import VllmSource, VllmWorker
+
+        try:
+            workers = [
+                VllmWorker.parse(text, i, args.block_size) for i, text in enumerate(args.worker)
+            ]
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        source = VllmSource(workers, tenant_secret=worker_config(args).tenant_secret)
+        _serve_frontdoor(args, [w.base_url for w in workers], api_key, source=source)
+        return 0
     _serve_frontdoor(args, [url.rstrip("/") for url in args.worker], api_key)
     return 0

@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from blake3 import blake3
-
 from kvstrata.identity import (
     DEFAULT_TENANT,
     ModelFacts,
@@ -32,10 +30,10 @@ from kvstrata.identity import (
     TenantNamespace,
     build_fingerprint,
 )
+from kvstrata.identity.salts import salt_tenant
 
 KV_LAYOUT = "vllm.kv.v1[block]"
 SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
-_SALT_TAG = b"kvstrata.vllm.cache_salt.v1\x00"
 
 
 def vllm_attention_impl(vllm_version: str, device: str, backend: str = "auto") -> str:
@@ -81,6 +79,4 @@ def tenant_for_salt(cache_salt: str | None, secret: bytes = b"") -> TenantNamesp
     """The tenant namespace of a request's ``cache_salt`` (``None``/empty: the default)."""
     if not cache_salt:
         return TenantNamespace.for_tenant(DEFAULT_TENANT, secret)
-    # surrogatepass: a JSON "\ud800" reaches here as a lone surrogate; valid text is unchanged
-    digest = blake3(_SALT_TAG + cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return TenantNamespace.for_tenant(f"salt-{digest}", secret)
+    return TenantNamespace.for_tenant(salt_tenant(cache_salt), secret)

@@ -242,6 +242,8 @@ class ZmqEventSubscriber:
                 if not dealer.poll(int(remaining * 1000) + 1):
                     break
                 frames = dealer.recv_multipart()
+                if len(frames) == 4:  # vLLM's replies carry the topic: ["", topic, seq, data]
+                    frames = [frames[0], frames[2], frames[3]]
                 if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
                     self.stats.malformed_messages += 1
                     continue

@@ -34,10 +34,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import httpx
+from msgspec.structs import replace
 
 from kvstrata.events.curve import KeyPair
-from kvstrata.events.subscriber import EventPlaneStats, ZmqEventSubscriber
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, fetch_dump
+from kvstrata.events.schema import KVEventBatch
+from kvstrata.events.subscriber import EventPlaneStats, PollResult, ZmqEventSubscriber
+from kvstrata.fleet.source import KvstrataSource, WorkerSource
+from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
 from kvstrata.index.core import GlobalIndex
 
 _log = logging.getLogger(__name__)
@@ -47,6 +50,19 @@ _log = logging.getLogger(__name__)
 class _Stream:
     info: WorkerInfo
     subscriber: ZmqEventSubscriber
+    lower: ZmqEventSubscriber | None = None
+    """The connector's stream of a vLLM worker (``WorkerInfo.lower_events_endpoint``)."""
+
+    def close(self) -> None:
+        self.subscriber.close()
+        if self.lower is not None:
+            self.lower.close()
+
+
+def _without_epoch(batch: KVEventBatch) -> KVEventBatch:
+    """A lower stream shares its worker's slot with the main stream, whose epoch rules: the
+    connector's own epoch would otherwise read as a restart and drop the device entries."""
+    return batch if batch.epoch is None else replace(batch, epoch=None)
 
 
 class EventPlane:
@@ -63,6 +79,8 @@ class EventPlane:
         curve_keys: KeyPair | None = None,
         api_key: str | None = None,
         verify: ssl.SSLContext | bool = True,
+        source: WorkerSource | None = None,
+        transform: Callable[[KVEventBatch], KVEventBatch] | None = None,
     ) -> None:
         self.index = index
         self.lock = lock
@@ -80,6 +98,9 @@ class EventPlane:
         self._api_key = api_key
         """The router's fleet key, presented to read a worker's ``/kv/dump``."""
         self._http = httpx.Client(timeout=30.0, verify=verify)
+        self._source: WorkerSource = source or KvstrataSource()
+        self._transform = transform
+        """Applied to every main-stream batch (vLLM: ``cache_salt`` → tenant namespace)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -93,7 +114,7 @@ class EventPlane:
             self._thread.join(timeout=5)
             self._thread = None
         for stream in self._streams.values():
-            stream.subscriber.close()
+            stream.close()
         self._streams.clear()
         self._http.close()
 
@@ -162,12 +183,22 @@ class EventPlane:
             stats=self.stats,
             curve=curve,
         ).start()
+        lower = None
+        if info.lower_events_endpoint is not None:
+            # No dump of its own: from seq 0, so its replay socket brings the history.
+            lower = ZmqEventSubscriber(
+                info.lower_events_endpoint,
+                info.lower_replay_endpoint,
+                expected_seq=0,
+                replay_timeout_s=self._replay_timeout_s,
+                stats=self.stats,
+            ).start()
         time.sleep(self._settle_s)  # let the subscription reach the publisher
-        stream = _Stream(info, subscriber)
+        stream = _Stream(info, subscriber, lower)
         try:
             self._load_dump(info.worker_id, stream)
         except Exception:
-            subscriber.close()
+            stream.close()
             raise
         self._streams = {**self._streams, info.worker_id: stream}
 
@@ -175,12 +206,12 @@ class EventPlane:
         stream = self._streams.get(worker_id)
         if stream is not None:
             self._streams = {k: v for k, v in self._streams.items() if k != worker_id}
-            stream.subscriber.close()
+            stream.close()
         with self.lock:
             self.index.remove_worker(worker_id)
 
     def _load_dump(self, worker_id: str, stream: _Stream) -> None:
-        dump = fetch_dump(self._http, stream.info.base_url, self._api_key)
+        dump = self._source.dump(self._http, stream.info, self._api_key)
         with self.lock:
             self.index.replace_worker(
                 worker_id, dump.epoch, dump.events, ts=dump.ts, next_seq=dump.next_seq
@@ -188,12 +219,35 @@ class EventPlane:
         stream.subscriber.resume_from(dump.next_seq)
 
     def _poll(self, worker_id: str, stream: _Stream) -> bool:
-        result = stream.subscriber.poll(0)
+        busy = self._apply(worker_id, stream, stream.subscriber.poll(0), self._transform)
+        if stream.lower is not None:
+            busy |= self._apply(worker_id, stream, stream.lower.poll(0), _without_epoch, lower=True)
+        return busy
+
+    def _apply(
+        self,
+        worker_id: str,
+        stream: _Stream,
+        result: PollResult,
+        transform: Callable[[KVEventBatch], KVEventBatch] | None,
+        *,
+        lower: bool = False,
+    ) -> bool:
+        """A gap replay cannot fill resyncs the worker from its dump — except on a lower
+        stream, which has no dump of its own (and the kvstrata connector serves no replay
+        today): its lost blocks stay unknown (routing misses, never wrong KV), counted in
+        ``resyncs["lower_lost"]``, and the device entries are kept."""
         if result.batches:
             with self.lock:
                 for received in result.batches:
-                    self.index.apply_batch(worker_id, received.batch, seq=received.seq)
-        if result.resync_needed:
+                    batch = received.batch if transform is None else transform(received.batch)
+                    self.index.apply_batch(worker_id, batch, seq=received.seq)
+        if result.resync_needed and lower:
+            self.resyncs["lower_lost"] = self.resyncs.get("lower_lost", 0) + 1
+            _log.warning(
+                "lost connector events of %s (no replay): lower tiers partly unknown", worker_id
+            )
+        elif result.resync_needed:
             self._resync(worker_id, stream, "gap")
         return bool(result.batches) or result.resync_needed
 

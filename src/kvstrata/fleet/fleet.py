@@ -46,12 +46,13 @@ from kvstrata.events.curve import CurveKeyError, KeyPair
 from kvstrata.fleet.curve_keys import curve_refusal
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
+from kvstrata.fleet.source import KvstrataSource, WorkerSource
+from kvstrata.fleet.vllm_workers import salted_batch
 from kvstrata.fleet.workers import (
     WorkerInfo,
     WorkerProtocolError,
     WorkerState,
     default_profile,
-    fetch_info,
     worker_tls,
 )
 from kvstrata.identity import secret_digest
@@ -103,6 +104,9 @@ class FleetConfig:
     """The router's fleet key: presented to workers' ``/kv/info`` and ``/kv/dump``."""
     tls_ca_file: Path | None = None
     """The CA bundle that verifies workers' HTTPS (None: the system CAs)."""
+    engine: str = "kvstrata"
+    """``kvstrata`` (``kvstrata serve`` workers) or ``vllm`` (vLLM OpenAI servers: a request's
+    ``cache_salt`` is its tenant, vLLM's events are read through ``source``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +161,12 @@ class Fleet:
     """
 
     def __init__(
-        self, tokenizer: FleetTokenizer, config: FleetConfig, *, http: httpx.Client | None = None
+        self,
+        tokenizer: FleetTokenizer,
+        config: FleetConfig,
+        *,
+        http: httpx.Client | None = None,
+        source: WorkerSource | None = None,
     ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}; known: {', '.join(POLICIES)}")
@@ -177,6 +186,7 @@ class Fleet:
         self._router: Router | None = None
         self._events: EventPlane | None = None
         self._http = http or httpx.Client(timeout=10.0, verify=worker_tls(config.tls_ca_file))
+        self._source: WorkerSource = source or KvstrataSource()
 
     # ------------------------------------------------------------------ workers
     def _profile(self, worker_id: str) -> CostProfile:
@@ -214,6 +224,8 @@ class Fleet:
                 curve_keys=self._curve_keys,
                 api_key=self.config.api_key,
                 verify=worker_tls(self.config.tls_ca_file),
+                source=self._source,
+                transform=salted_batch if self.config.engine == "vllm" else None,
             )
             # Registering may run the collector, which takes the lock: do it outside.
             self.metrics.export_index(index, events.stats, self._lock)
@@ -234,7 +246,7 @@ class Fleet:
         Lifecycle: one caller at a time (startup, then the health round). No lock is held
         while it talks to the worker or waits on the event plane.
         """
-        info = fetch_info(self._http, base_url, self.config.api_key)
+        info = self._source.info(self._http, base_url, self.config.api_key)
         if info.secret_digest != self._secret_digest:
             self.metrics.worker_events.labels(info.worker_id, "refused_secret").inc()
             raise WorkerProtocolError(
@@ -248,6 +260,7 @@ class Fleet:
             events.attach(info)
         state = WorkerState(info, default_profile(info.block_size))
         state.measured_fetch = info.fetch_s_per_block
+        state.observe_scrape(info.scraped, time.time())
         with self._lock:
             assert self._index is not None
             self._index.set_shared_access(info.worker_id, info.reaches_shared_tier)
@@ -299,7 +312,7 @@ class Fleet:
             worker_id = table.by_url.get(url)
             state = table.by_id.get(worker_id) if worker_id else None
             try:
-                info = fetch_info(self._http, url, self.config.api_key)
+                info = self._source.info(self._http, url, self.config.api_key)
             except (httpx.HTTPError, WorkerProtocolError):
                 if state is not None:
                     with self._lock:
@@ -324,6 +337,7 @@ class Fleet:
                     current.failures = 0
                     if current.info.epoch == info.epoch:
                         current.measured_fetch = info.fetch_s_per_block
+                        current.observe_scrape(info.scraped, time.time())
 
     def worker_views(self) -> list[WorkerView]:
         """A consistent snapshot of every worker and what the index holds of it."""
@@ -393,7 +407,7 @@ class Fleet:
             raise NoWorkerAvailable("no worker attached")
         index = self._index
         loads = [
-            replace(state.load(), cached_blocks=sum(index.blocks_held(state.worker_id)))
+            replace(state.load(now), cached_blocks=sum(index.blocks_held(state.worker_id)))
             for state in self._table.by_id.values()
         ]
         request = RouteRequest(

@@ -52,7 +52,9 @@ from pydantic import ValidationError
 from kvstrata.errors import ApiError, NoWorkerAvailable
 from kvstrata.fleet.deletion import register_deletion
 from kvstrata.fleet.fleet import Fleet, Reservation
+from kvstrata.fleet.vllm_workers import tenant_of_body
 from kvstrata.fleet.workers import worker_tls
+from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.protocol import (
@@ -98,6 +100,15 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
     return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
 
 
+def _engine_tenant(fleet: Fleet, tenant: str, payload: dict[str, Any]) -> str:
+    """The namespace the worker will key the request in. A vLLM worker (and its kvstrata
+    connector) knows only ``cache_salt``: its tenant, else the default one — whatever the
+    client's key says (the key still decides whether the request is allowed at all)."""
+    if fleet.config.engine != "vllm":
+        return tenant
+    return tenant_of_body(payload) or DEFAULT_TENANT
+
+
 def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
     """``auth``: the front door's guard (None: single-tenant, nothing privileged)."""
     guard = auth if auth is not None else HttpAuth(Authenticator())
@@ -127,7 +138,9 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         try:
             principal = guard.check(request, {Role.TENANT}, "run completions")
             body, payload = _parse(endpoint, await request.body())
-            tenant = guard.namespace(request, principal, body.kvstrata_tenant)
+            tenant = _engine_tenant(
+                fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload
+            )
             tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
         except ApiError as exc:
             fleet.metrics.requests.labels(endpoint, str(exc.status)).inc()
@@ -160,8 +173,10 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             principal = observer(request)
             raw = await request.body()
             endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
-            body, _ = _parse(endpoint, raw)
-            tenant = guard.namespace(request, principal, body.kvstrata_tenant)
+            body, payload = _parse(endpoint, raw)
+            tenant = _engine_tenant(
+                fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload
+            )
             tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
             decision = fleet.route("debug", tenant, tokens, body.requested_max_tokens(), False)
         except ApiError as exc:

@@ -23,6 +23,7 @@ from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.errors import InvalidInput
 from kvstrata.events.curve import CurveKeyError, decode_public_key
 from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
+from kvstrata.fleet.engine_load import ScrapedLoad, UnseenWork
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.model import Medium, parse_medium
 from kvstrata.router.costs import CostProfile
@@ -59,6 +60,12 @@ class WorkerInfo:
     measured yet), from the worker's store: the router prices fetches with these."""
     curve_public_key: bytes | None = None
     """The event sockets' CURVE server key (None: plaintext sockets)."""
+    lower_events_endpoint: str | None = None
+    """A second stream into the same worker slot: the kvstrata connector's events (host,
+    disk, remote) beside vLLM's own (device)."""
+    lower_replay_endpoint: str | None = None
+    scraped: ScrapedLoad | None = None
+    """The engine's own load figures when it reports them (None: the router's count only)."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -206,6 +213,10 @@ class WorkerState:
     )
     """The worker's own fetch figures per medium (``WorkerInfo.fetch_s_per_block``), updated
     by every health round."""
+    scraped: ScrapedLoad | None = None
+    """The engine's own load figures from the last health round (``WorkerInfo.scraped``);
+    set through :meth:`observe_scrape`, which also fixes the unseen work they imply."""
+    _unseen: UnseenWork | None = None
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
 
@@ -280,7 +291,41 @@ class WorkerState:
     def running_alone(self) -> bool:
         return len(self._inflight) <= 1
 
-    def load(self) -> WorkerLoad:
+    def observe_scrape(self, scraped: ScrapedLoad | None, now: float) -> None:
+        """The engine's own figures, read at ``now`` (a health round).
+
+        They count the router's own requests too, as they were at that instant: what exceeds
+        them is other clients' work, fixed here — the router's own requests that finish
+        later must not reappear as unseen ones until the next scrape. That work then drains
+        with time (:class:`UnseenWork`): a gauge read before a burst ended must not keep a
+        worker looking busy for a whole health interval after it went idle.
+        """
+        self.scraped = scraped
+        if scraped is None:
+            self._unseen = None
+            return
+        flights = list(self._inflight.values())
+        queued = [f for f in flights if not f.first_token]
+        # vLLM counts a request still in prefill as running: compare totals first.
+        total = max(0, scraped.waiting + scraped.running - len(flights))
+        waiting = min(total, max(0, scraped.waiting - len(queued)))
+        running = total - waiting
+        typical = (
+            sum(f.predicted_prefill_s for f in queued) / len(queued)
+            if queued
+            else self._typical_prefill_s()
+        )
+        self._unseen = UnseenWork(
+            since=now,
+            waiting=waiting,
+            backlog_s=waiting * typical,
+            running=running,
+            decode_s=self.mean_output_tokens * self.decode_step_s if running else 0.0,
+            kv_usage=min(1.0, max(0.0, scraped.kv_usage)),
+        )
+
+    def load(self, now: float | None = None) -> WorkerLoad:
+        """What the policies read; ``now`` ages the engine's scraped figures (None: as read)."""
         flights = list(self._inflight.values())
         queued = [f for f in flights if not f.first_token]
         decoding = [f for f in flights if f.first_token]
@@ -292,16 +337,29 @@ class WorkerState:
         active_blocks = sum(f.prompt_tokens + f.expected_output for f in flights)
         active_blocks //= self.info.block_size
         capacity = self.kv_blocks_capacity
+        utilisation = min(1.0, active_blocks / capacity) if capacity else 0.0
+        queued_requests, decodes = len(queued), len(decoding)
+        if self._unseen is not None:
+            unseen = self._unseen.at(now)
+            queued_s += unseen.backlog_s
+            queued_requests += unseen.waiting
+            decodes += unseen.running
+            utilisation = max(utilisation, unseen.kv_usage)
         return WorkerLoad(
             worker_id=self.worker_id,
-            queued_requests=len(queued),
+            queued_requests=queued_requests,
             queued_prefill_tokens=sum(f.new_tokens for f in queued),
             queued_s=queued_s,
-            active_decodes=len(decoding),
+            active_decodes=decodes,
             active_kv_blocks=active_blocks,
-            kv_utilisation=min(1.0, active_blocks / capacity) if capacity else 0.0,
+            kv_utilisation=utilisation,
             healthy=self.healthy,
         )
+
+    def _typical_prefill_s(self) -> float:
+        """One fresh prefill of a typical prompt (the recent mean output length stands in
+        for nothing: prompts are not remembered, so a 512-token prompt is assumed)."""
+        return self.prefill_fit.model().seconds(512, 0)
 
     def inflight(self) -> int:
         return len(self._inflight)

@@ -121,6 +121,11 @@ class _Popularity:
         self._counts: dict[int, tuple[float, float]] = {}
         self._max = max_entries
 
+    def peek(self, key: int, now: float) -> float:
+        """The decayed count at ``now``, changing nothing."""
+        count, last = self._counts.get(key, (0.0, now))
+        return count * math.exp(-self._rate * max(0.0, now - last))
+
     def hit(self, key: int, now: float) -> float:
         count, last = self._counts.get(key, (0.0, now))
         count = count * math.exp(-self._rate * max(0.0, now - last)) + 1.0
@@ -189,7 +194,8 @@ class KvstrataPolicy:
         self.risk_z = risk_z
         self.load_adaptive = load_adaptive
         self._popularity = _Popularity(self.hot.half_life_s)
-        self._turn = itertools.count()
+        self._turns = 0
+        """Committed decisions so far: exact ties rotate by it."""
 
     def choose(
         self,
@@ -214,7 +220,7 @@ class KvstrataPolicy:
             key=lambda e: (e.score, -e.matched_blocks, e.queue_s, utilisation[e.worker_id]),
         )
         tied = [e for e in ranked if _same_rank(e, ranked[0], utilisation)]
-        best, reason = tied[next(self._turn) % len(tied)], "lowest_ttft_plus_work"
+        best, reason = tied[self._turns % len(tied)], "lowest_ttft_plus_work"
         # The work charge may keep a request behind a holder's queue to save recompute, but
         # never once the wait alone (at its upper quantile) exceeds a whole TTFT elsewhere:
         # then the holder's queue is the bottleneck, and recomputing elsewhere is faster for
@@ -225,8 +231,8 @@ class KvstrataPolicy:
         fastest = min(ranked, key=lambda e: upper[e.worker_id][1])
         if best.matched_blocks > 0 and upper[best.worker_id][0] > upper[fastest.worker_id][1]:
             best, reason = fastest, f"wait_exceeds_ttft_elsewhere:{best.worker_id}"
-        holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
-        if holder.matched_blocks > 0 and len(estimates) > 1:
+        holder = _holder(estimates)
+        if holder is not None:
             spill = self._spill_target(request, holder, estimates, ranked)
             if spill is not None:
                 best, reason = spill, f"hot_prefix_spill:{holder.worker_id}"
@@ -239,6 +245,34 @@ class KvstrataPolicy:
             matched_blocks=best.matched_blocks,
             estimates=tuple(estimates),
         )
+
+    def _probe_key(self, request: RouteRequest, holder: WorkerEstimate) -> int | None:
+        """The hash popularity is counted on: the holder's matched prefix, up to
+        ``probe_tokens`` of it (a shared system prompt followed by different user turns is
+        one popular prefix, not many rare ones)."""
+        blocks = len(request.hashes)
+        if not blocks:
+            return None
+        block_size = self.estimator.profiles(holder.worker_id).block_size
+        probe_blocks = max(1, self.hot.probe_tokens // block_size)
+        probe = min(blocks, holder.matched_blocks, probe_blocks) - 1
+        return int(request.hashes[probe])
+
+    # RequestLifecycle: the Router tells committed decisions only.
+    def routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """A committed decision: the tie rotation advances and the prefix's popularity counts
+        it (both untouched by explanations)."""
+        self._turns += 1
+        holder = _holder(list(decision.estimates))
+        key = None if holder is None else self._probe_key(request, holder)
+        if key is not None:
+            self._popularity.hit(key, request.arrival_s)
+
+    def first_token(self, request_id: str) -> None:
+        """Nothing to learn: the policy reads loads, not its own record."""
+
+    def finished(self, request_id: str) -> None:
+        """Nothing to forget (see :meth:`first_token`)."""
 
     def _upper(self, estimate: WorkerEstimate) -> tuple[float, float]:
         """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``.
@@ -275,15 +309,12 @@ class KvstrataPolicy:
         ranked: list[WorkerEstimate],
     ) -> WorkerEstimate | None:
         """The best non-holder if the prefix is popular and its holder overloaded, else None."""
-        blocks = len(request.hashes)
-        if not blocks:
+        key = self._probe_key(request, holder)
+        if key is None:
             return None
-        block_size = self.estimator.profiles(holder.worker_id).block_size
-        # Popularity of the prefix the holder has (up to probe_tokens of it): a shared system
-        # prompt followed by different user turns is one popular prefix, not many rare ones.
-        probe_blocks = max(1, self.hot.probe_tokens // block_size)
-        probe = min(blocks, holder.matched_blocks, probe_blocks) - 1
-        popularity = self._popularity.hit(int(request.hashes[probe]), request.arrival_s)
+        # This request counts as one more: it is committed in ``routed``, not here, so an
+        # explanation (``record=False``, ``/debug/route``) changes nothing.
+        popularity = self._popularity.peek(key, request.arrival_s) + 1.0
         if popularity < self.hot.min_requests or ranked[0].worker_id != holder.worker_id:
             return None
         mean_queue = sum(e.queue_s for e in estimates) / len(estimates)
@@ -291,6 +322,13 @@ class KvstrataPolicy:
             return None
         others = [e for e in ranked if e.matched_blocks < holder.matched_blocks]
         return others[0] if others else None
+
+
+def _holder(estimates: Sequence[WorkerEstimate]) -> WorkerEstimate | None:
+    """The worker with the longest cached prefix (the shorter queue among equals), if any
+    holds one and there is an alternative to spill to."""
+    holder = max(estimates, key=lambda e: (e.matched_blocks, -e.queue_s))
+    return holder if holder.matched_blocks > 0 and len(estimates) > 1 else None
 
 
 def _same_rank(

@@ -1,0 +1,241 @@
+"""The vLLM worker adapter's pure parts: metrics, --worker syntax, salts, load estimate."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from kvstrata.connectors.vllm_identity import tenant_for_salt
+from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvstrata.events.subscriber import ZmqEventSubscriber
+from kvstrata.fleet.engine_load import ScrapedLoad
+from kvstrata.fleet.vllm_servers import VllmServerSpec
+from kvstrata.fleet.vllm_workers import (
+    VllmSource,
+    VllmWorker,
+    parse_metrics,
+    router_fingerprint,
+    salted_batch,
+    tenant_of_body,
+)
+from kvstrata.fleet.workers import WorkerInfo, WorkerState, default_profile
+from kvstrata.index import GlobalIndex, PrefixMatch
+from kvstrata.router import KvstrataPolicy, RouteRequest
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+process_start_time_seconds 1.7646e+09
+vllm:prompt_tokens_total{engine="0",model_name="m"} 99.0
+"""
+
+
+def test_metrics_give_load_and_start_time() -> None:
+    load, started = parse_metrics(METRICS)
+    assert load == ScrapedLoad(waiting=4, running=2, kv_usage=0.25)
+    assert started == pytest.approx(1.7646e9)
+    assert parse_metrics("garbage line\n")[1] is None
+
+
+def test_worker_argument() -> None:
+    worker = VllmWorker.parse(
+        "http://h:1/,events=tcp://h:2,replay=tcp://h:3,lower=tcp://h:4,id=a", 5, 32
+    )
+    assert worker == VllmWorker("a", "http://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4", None, 32)
+    assert VllmWorker.parse("http://h:1,events=tcp://h:2", 7, 32).worker_id == "v7"
+    with pytest.raises(ValueError, match="events="):
+        VllmWorker.parse("http://h:1", 0, 32)
+    with pytest.raises(ValueError, match="unknown part"):
+        VllmWorker.parse("http://h:1,events=tcp://h:2,bogus=1", 0, 32)
+
+
+def _stored(parent: int | None, extra: list[tuple[object, ...] | None] | None) -> BlockStored:
+    return BlockStored([1], parent, [0] * 4, 4, None, None, None, extra_keys=extra)
+
+
+def test_salt_becomes_the_connectors_tenant() -> None:
+    salted, child, plain = _stored(None, [("s1",)]), _stored(1, [None]), _stored(None, None)
+    batch = salted_batch(KVEventBatch(0.0, [salted, child, plain, BlockRemoved([1], None)]))
+    events = batch.events
+    assert isinstance(events[0], BlockStored)
+    assert events[0].namespace == tenant_for_salt("s1").name
+    assert events[1] is child and events[2] is plain  # only a chain's first block is salted
+    unsalted = KVEventBatch(0.0, [plain])
+    assert salted_batch(unsalted) is unsalted
+    assert tenant_of_body({"cache_salt": "s1"}) == tenant_for_salt("s1").name
+    assert tenant_of_body({"cache_salt": ""}) is None and tenant_of_body({}) is None
+
+
+def test_fingerprint_is_per_model_and_block_size() -> None:
+    assert router_fingerprint("m", 32) == router_fingerprint("m", 32)
+    assert router_fingerprint("m", 32) != router_fingerprint("m", 64)
+    assert router_fingerprint("m", 32) != router_fingerprint("n", 32)
+
+
+def _state(scraped: ScrapedLoad | None) -> WorkerState:
+    info = WorkerInfo(
+        "v0", "http://h", 1, "m", router_fingerprint("m", 32), 32, "tcp://h:1", None, 0,
+        scraped=scraped,
+    )  # fmt: skip
+    return WorkerState(info, default_profile(32))
+
+
+def test_scraped_load_raises_the_ttft_estimate() -> None:
+    idle, busy = _state(ScrapedLoad(0, 0, 0.0)), _state(ScrapedLoad(3, 2, 0.9))
+    for state in (idle, busy):
+        state.begin("r1", 256, 0, 0.5, 16, now=0.0)
+        state.observe_scrape(state.info.scraped, now=0.0)  # r1 is one of the 3 waiting
+    quiet, loaded = idle.load(0.0), busy.load(0.0)
+    assert quiet.queued_requests == 1 and quiet.queued_s == pytest.approx(0.5)
+    # two unseen waiting requests priced like the router's own queued one, plus decodes
+    assert loaded.queued_requests == 3
+    assert loaded.queued_s == pytest.approx(quiet.queued_s + 2 * 0.5)
+    assert loaded.active_decodes == 2
+    assert loaded.kv_utilisation == pytest.approx(0.9)
+    assert _state(None).load(0.0).queued_requests == 0
+
+
+def test_unseen_work_drains_with_time() -> None:
+    state = _state(None)
+    state.begin("mine", 256, 0, 0.5, 16, now=0.0)
+    state.observe_scrape(ScrapedLoad(waiting=3, running=1, kv_usage=0.5), now=10.0)
+    # mine is one of the 3 waiting: 2 unseen waiting (0.5 s each) and 1 unseen running.
+    assert state.load(10.0).queued_s == pytest.approx(0.5 + 1.0)
+    half = state.load(10.6)  # 0.6 s of the 1.0 s backlog worked off
+    assert half.queued_requests == 1 + 1 and half.queued_s == pytest.approx(0.5 + 0.4)
+    decode_s = state.mean_output_tokens * state.decode_step_s
+    later = state.load(10.0 + max(1.0, decode_s) + 0.01)
+    assert later.queued_requests == 1 and later.queued_s == pytest.approx(0.5)
+    assert later.active_decodes == 0 and later.kv_utilisation == 0.0
+
+
+def test_own_requests_that_finish_do_not_reappear_as_unseen() -> None:
+    state = _state(None)
+    state.begin("mine", 256, 0, 0.5, 16, now=0.0)
+    state.observe_scrape(ScrapedLoad(waiting=0, running=1, kv_usage=0.2), now=0.1)
+    state.first_token("mine", 0.3, alone=True)
+    state.finish("mine", 0.4, completion_tokens=8, ttft_s=0.3)
+    load = state.load(0.4)
+    assert load.queued_requests == 0 and load.active_decodes == 0 and load.queued_s == 0.0
+
+
+def test_a_holder_seen_busy_by_another_client_keeps_its_prefix() -> None:
+    """The live failure (``tests_vllm/test_vllm_fleet.py``): v0 held 10 of the prompt's 14
+    blocks, but the health round had read v0's /metrics while a client that bypasses the
+    router ran one request there (running=1, 17% KV), and the router priced that as a
+    1.28 s queue until the next scrape, so the request went to the empty v1. A running
+    decode delays a new prefill only by interference, and its work drains with time."""
+    tokens = 14 * 32 + 20
+    v0, v1 = _state(None), _state(None)
+    v1 = WorkerState(replace(v1.info, worker_id="v1"), default_profile(32))
+    v0.observe_scrape(ScrapedLoad(waiting=0, running=1, kv_usage=0.1746), now=100.0)
+    v1.observe_scrape(ScrapedLoad(waiting=0, running=0, kv_usage=0.0), now=100.0)
+    states = {"v0": v0, "v1": v1}
+    policy = KvstrataPolicy(lambda w: states[w].profile())
+    found = {"v0": PrefixMatch("v0", 10, (10, 0, 0, 0)), "v1": PrefixMatch("v1", 0, (0, 0, 0, 0))}
+    request = RouteRequest("early", "t", tokens, list(range(tokens // 32)), 8, 100.2)
+    for now in (100.0, 100.2, 102.0):
+        decision = policy.choose(request, found, [v0.load(now), v1.load(now)])
+        assert decision.worker_id == "v0", decision.to_dict()
+    # A real backlog of waiting prefills there still sends it elsewhere.
+    v0.observe_scrape(ScrapedLoad(waiting=6, running=1, kv_usage=0.9), now=100.0)
+    decision = policy.choose(request, found, [v0.load(100.2), v1.load(100.2)])
+    assert decision.worker_id == "v1", decision.to_dict()
+
+
+def test_server_command_configures_both_event_streams(tmp_path: Path) -> None:
+    spec = VllmServerSpec("v3", tmp_path / "model", Path("python"), tmp_path / "run")
+    argv = spec.command()
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    # vLLM binds only an endpoint with "*" in it; the router connects to the host's port
+    assert events["endpoint"] == f"tcp://*:{spec.events_port}"
+    assert events["replay_endpoint"] == f"tcp://*:{spec.replay_port}"
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    extra = transfer["kv_connector_extra_config"]
+    worker = spec.worker()
+    assert worker.events_endpoint == f"tcp://127.0.0.1:{spec.events_port}"
+    assert extra["events_endpoint"] == worker.lower_events_endpoint
+    assert extra["events_replay_endpoint"] == worker.lower_replay_endpoint
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert "--enable-prefix-caching" in argv
+    assert len({spec.port, spec.events_port, spec.replay_port, spec.lower_events_port}) == 4
+    bare = VllmServerSpec("v4", tmp_path, Path("python"), tmp_path, connector=False)
+    assert "--kv-transfer-config" not in bare.command()
+    assert bare.worker().lower_events_endpoint is None
+
+
+def test_subscriber_reads_vllms_replay_frames() -> None:
+    """vLLM's ROUTER answers ``[id, "", topic, seq, payload]`` and ends with ``[id, "", "",
+    -1, ""]`` (``vllm/distributed/kv_events.py``, ``_service_replay``): one frame more than
+    kvstrata's publisher. The subscriber takes both."""
+    context = zmq.Context.instance()
+    pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    payloads = [encode_batch(KVEventBatch(float(i), [_stored(None, None)])) for i in range(3)]
+
+    def serve() -> None:
+        client, _, start = router.recv_multipart()
+        for seq in range(int.from_bytes(start, "big"), 2):
+            router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payloads[seq]))
+        router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sub = ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", replay_timeout_s=5.0
+    ).start()
+    try:
+        received: list[int] = []
+        deadline = time.monotonic() + 10
+        while not received and time.monotonic() < deadline:
+            pub.send_multipart((b"", (2).to_bytes(8, "big"), payloads[2]))
+            result = sub.poll(100)
+            received = [b.seq for b in result.batches]
+        assert received == [0, 1, 2]
+        assert not result.resync_needed
+    finally:
+        sub.close()
+        pub.close(linger=0)
+        thread.join(timeout=5)
+        router.close(linger=0)
+
+
+def test_a_restarted_server_is_a_new_epoch_and_drops_its_old_entries() -> None:
+    """``process_start_time_seconds`` is the epoch; a restart re-attaches the worker (the
+    fleet's health round compares epochs) and its empty snapshot clears the old entries,
+    which the new process's replay then rebuilds."""
+    started = [1_764_600_000.25]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=f"process_start_time_seconds {started[0]}\n")
+        return httpx.Response(200, json={"data": [{"id": "smol"}]})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    source = VllmSource([VllmWorker("v0", "http://v0", "tcp://127.0.0.1:1", None)])
+    first = source.info(http, "http://v0", None)
+    assert first.epoch == 1_764_600_000_250 and first.model == "smol"
+    index = GlobalIndex(first.fingerprint, 4)
+    dump = source.dump(http, first, None)
+    index.replace_worker("v0", dump.epoch, dump.events, next_seq=dump.next_seq)
+    index.apply_batch("v0", KVEventBatch(0.0, [_stored(None, None)]), seq=1)
+    assert sum(index.blocks_held("v0")) == 1
+    assert source.info(http, "http://v0", None).epoch == first.epoch  # same process
+    started[0] += 30.0  # the server restarted
+    second = source.info(http, "http://v0", None)
+    assert second.epoch != first.epoch
+    dump = source.dump(http, second, None)
+    index.replace_worker("v0", dump.epoch, dump.events, next_seq=dump.next_seq)
+    assert index.blocks_held("v0") == (0, 0, 0, 0)
