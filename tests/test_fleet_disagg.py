@@ -196,9 +196,7 @@ def test_disaggregated_fleet_answers_as_colocated_and_chooses_by_load(clusters: 
     assert text == expected[tuple(long_prompt)]
     assert disagg.decisions("local") == local + 2 and disagg.decisions("disagg") == sent
     metrics = httpx.get(f"{disagg.url}/metrics", timeout=10, headers=bearer(ADMIN_KEY)).text
-    assert any(
-        r in metrics for r in ('reason="prefill_unreachable"', 'reason="no_prefill_worker"')
-    )
+    assert any(r in metrics for r in ('reason="prefill_unreachable"', 'reason="no_prefill_worker"'))
     assert disagg.route(long_prompt)["disagg"]["reason"] == "no_prefill_worker"
     assert explained["candidates"][0]["worker_id"] == "p0"
     del threads  # daemon streams: the fixture's SIGTERM ends them with the fleet

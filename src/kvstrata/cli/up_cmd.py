@@ -271,7 +271,9 @@ def run_up(args: argparse.Namespace) -> int:
     if (args.prefill_workers > 0) != (args.decode_workers > 0) or min(
         args.prefill_workers, args.decode_workers
     ) < 0:
-        raise InvalidInput("a disaggregated fleet needs both --prefill-workers and --decode-workers")
+        raise InvalidInput(
+            "a disaggregated fleet needs both --prefill-workers and --decode-workers"
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
     # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found:
     # this one, so the workers and the remote server are stopped before the process ends.
@@ -339,7 +341,9 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
         )
 
     specs = [spec(worker_id, role) for worker_id, role in roles]
-    prefill_urls = frozenset(s.url for s, (_, role) in zip(specs, roles) if role == "prefill")
+    prefill_urls = frozenset(
+        s.url for s, (_, role) in zip(specs, roles, strict=True) if role == "prefill"
+    )
     supervisor = Supervisor(specs, restart=args.restart_workers)
     started = time.monotonic()
     cleanup.callback(supervisor.stop)
