@@ -97,3 +97,13 @@ def test_quick_entry_prints_one_json_object_with_the_named_figures() -> None:
     )
     assert 0.0 <= result["overlap"] <= 1.0
     assert result["link_source"] == "measured"
+
+
+def test_overhead_estimate_learns_the_unpriced_gap_clipped_at_zero() -> None:
+    estimate = OverheadEstimate()
+    estimate.observe(0.09, 0.03)
+    assert estimate.value_s == pytest.approx(0.06) and estimate.samples == 1
+    estimate.observe(0.01, 0.03)  # faster than predicted: a gap of 0, smoothed
+    assert estimate.value_s == pytest.approx(0.03)
+    estimate.observe(float("nan"), 0.03)
+    assert estimate.samples == 2

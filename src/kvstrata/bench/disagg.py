@@ -13,7 +13,8 @@ side):
 ``chosen`` is what ``router.disagg.choose`` picks for that point from the figures a fleet
 has *before* the point is measured (``router.disagg_inputs.disagg_cost``): each worker's
 prefill model refitted online (``OnlinePrefillFit``) from the TTFTs of requests that ran
-alone, the interference of running decodes learned from earlier loaded TTFTs
+alone, the interference of running decodes learned from earlier loaded TTFTs, the disaggregated
+path's fixed overhead learned from earlier points (``OverheadEstimate``, as link latency)
 (``InterferenceEstimate``, under the workers' default chunked-prefill token budget), the
 decode step, the decode worker's advertised layout, and the link measured once at start with
 ``transfer.tcp.raw_socket_gbps``. ``best`` is the path with
@@ -35,7 +36,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -44,7 +45,12 @@ from kvstrata.bench.disagg_workers import WorkerPair
 from kvstrata.costs import OnlinePrefillFit
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg import choose
-from kvstrata.router.disagg_inputs import InterferenceEstimate, Link, disagg_cost
+from kvstrata.router.disagg_inputs import (
+    InterferenceEstimate,
+    Link,
+    OverheadEstimate,
+    disagg_cost,
+)
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.transfer.layout import KVLayout
 from kvstrata.transfer.tcp import raw_socket_gbps
@@ -71,6 +77,7 @@ class _Learned:
     prefill_fit: OnlinePrefillFit
     prior: CostProfile
     interference: InterferenceEstimate
+    overhead: OverheadEstimate
     decode_step_s: float = 0.02
 
     def profile(self, fit: OnlinePrefillFit) -> CostProfile:
@@ -185,7 +192,7 @@ def _point(
         decode_profile=learned.profile(learned.decode_fit),
         prefill_profile=learned.profile(learned.prefill_fit),
         layout=pair.layout,
-        link=link,
+        link=replace(link, latency_s=learned.overhead.value_s),
         decode_step_s=learned.decode_step_s,
     )
     choice = choose(cost)
@@ -208,6 +215,7 @@ def _point(
         else:
             learned.interference.observe(seconds, predicted_alone, length, load)
     ttft_local, ttft_disagg = _median(local), _median(remote)
+    learned.overhead.observe(ttft_disagg, choice.ttft_disagg_s - learned.overhead.value_s)
     best = "disagg" if ttft_disagg < ttft_local else "local"
     return {
         "prompt_tokens": length,
@@ -218,6 +226,7 @@ def _point(
         "spread_disagg_s": max(remote) - min(remote),
         "predicted_local_s": choice.ttft_local_s,
         "predicted_disagg_s": choice.ttft_disagg_s,
+        "overhead_s": learned.overhead.value_s,
         "chosen": choice.path,
         "best": best,
         "decode_hit_tokens": min(hits),
@@ -237,6 +246,7 @@ def run_disagg_bench(
             OnlinePrefillFit(prior.prefill),
             prior,
             InterferenceEstimate(SchedulerConfig().max_num_batched_tokens),
+            OverheadEstimate(),
         )
         _calibrate(client, pair, learned, config.lengths)
         points: list[dict[str, Any]] = []

@@ -120,3 +120,24 @@ class InterferenceEstimate:
             prefill_chunk_tokens=self.chunk_tokens,
             decode_step_base_s=0.0,
         )
+
+
+class OverheadEstimate:
+    """The disaggregated path's fixed cost the formula does not see (HTTP, handshake, commit,
+    the received blocks' promotion on the decode worker): measured TTFT minus the prediction
+    made with no latency, smoothed and clipped at 0; used as ``Link.latency_s``. Not
+    thread-safe (one owner)."""
+
+    def __init__(self, weight: float = 0.5) -> None:
+        self.value_s = 0.0
+        self.samples = 0
+        self._weight = weight
+
+    def observe(self, measured_s: float, predicted_without_latency_s: float) -> None:
+        if not (math.isfinite(measured_s) and math.isfinite(predicted_without_latency_s)):
+            return
+        gap = max(0.0, measured_s - predicted_without_latency_s)
+        self.value_s = (
+            gap if self.samples == 0 else self.value_s + self._weight * (gap - self.value_s)
+        )
+        self.samples += 1
