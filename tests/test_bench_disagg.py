@@ -17,6 +17,7 @@ from kvstrata.router.disagg import choose
 from kvstrata.router.disagg_inputs import (
     InterferenceEstimate,
     Link,
+    OverheadEstimate,
     disagg_cost,
     kv_bytes_per_token,
 )
