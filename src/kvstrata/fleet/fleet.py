@@ -44,6 +44,7 @@ import httpx
 from kvstrata.errors import ConfigError, NoWorkerAvailable
 from kvstrata.events.curve import CurveKeyError, KeyPair
 from kvstrata.fleet.curve_keys import curve_refusal
+from kvstrata.fleet.disagg import DisaggPlan, DisaggSettings, plan
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
 from kvstrata.fleet.source import KvstrataSource, WorkerSource
@@ -107,6 +108,11 @@ class FleetConfig:
     engine: str = "kvstrata"
     """``kvstrata`` (``kvstrata serve`` workers) or ``vllm`` (vLLM OpenAI servers: a request's
     ``cache_salt`` is its tenant, vLLM's events are read through ``source``)."""
+    prefill_urls: frozenset[str] = frozenset()
+    """Workers (also in ``worker_urls``) that only prefill for others: attached, indexed and
+    watched like any worker, never a routing candidate (``docs/disaggregation.md``)."""
+    disagg: DisaggSettings | None = None
+    """How to choose local or remote prefill (None: no prefill workers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,9 +412,11 @@ class Fleet:
         if self._router is None or self._index is None:
             raise NoWorkerAvailable("no worker attached")
         index = self._index
+        prefill_only = self.config.prefill_urls
         loads = [
             replace(state.load(now), cached_blocks=sum(index.blocks_held(state.worker_id)))
             for state in self._table.by_id.values()
+            if state.info.base_url not in prefill_only
         ]
         request = RouteRequest(
             request_id=request_id,
@@ -456,6 +464,61 @@ class Fleet:
                 started=now,
                 alone=state.running_alone(),
             )
+
+    def plan_disagg(
+        self, worker_id: str, request_id: str, tenant: str, tokens: list[int], *, record: bool
+    ) -> DisaggPlan:
+        """Local or remote prefill for a request placed on a decode worker (``fleet.disagg``);
+        ``record``: a disaggregated plan is counted in flight on its prefill worker."""
+        settings = self.config.disagg
+        with self._lock:
+            decode = self._table.by_id.get(worker_id)
+            if settings is None or decode is None or self._index is None:
+                return DisaggPlan("local", "no_prefill_worker")
+            prefill = [
+                s for s in self._table.by_id.values() if s.info.base_url in self.config.prefill_urls
+            ]
+            hashes = self._index.request_hashes(tenant, tokens)
+            matches = self._index.match(hashes, now=time.time())
+            chosen = plan(
+                request_id=request_id,
+                prompt_tokens=len(tokens),
+                decode=decode,
+                prefill_workers=prefill,
+                matches=matches,
+                settings=settings,
+            )
+            if record and chosen.path == "disagg" and chosen.prefill_worker_id is not None:
+                remote = self._table.by_id[chosen.prefill_worker_id]
+                assert chosen.choice is not None
+                predicted = chosen.choice.ttft_disagg_s
+                remote.begin(
+                    request_id, len(tokens), chosen.prefill_cached_tokens,
+                    predicted, 1, time.time(),
+                )  # fmt: skip
+            return chosen
+
+    def finish_prefill(
+        self,
+        request_id: str,
+        chosen: DisaggPlan,
+        *,
+        reachable: bool,
+        prompt_tokens: int = 0,
+        seconds: float | None = None,
+    ) -> None:
+        """A remote prefill ended (``seconds``: its reply's, learned when it ran alone); an
+        unreachable prefill worker gets no more traffic."""
+        with self._lock:
+            state = self._table.by_id.get(chosen.prefill_worker_id or "")
+            if state is None or state.info.epoch != chosen.prefill_epoch:
+                return
+            if seconds is not None and state.running_alone():
+                cached = chosen.prefill_cached_tokens
+                state.prefill_fit.observe(prompt_tokens - cached, cached, seconds)
+            state.finish(request_id, time.time(), None, None)
+            if not reachable:
+                self._stop_traffic(state)
 
     def _state_of(self, reservation: Reservation) -> WorkerState | None:
         """Under the lock: the incarnation the reservation was made on, if still current."""

@@ -50,6 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
+from kvstrata.fleet import disagg_proxy
 from kvstrata.fleet.deletion import register_deletion
 from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.fleet.vllm_workers import tenant_of_body
@@ -183,7 +184,13 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             return error_response(exc)
         except NoWorkerAvailable as exc:
             return error_response(ApiError(503, str(exc), type="server_error"))
-        return JSONResponse({"prompt_tokens": len(tokens), "decision": decision.to_dict()})
+        answer: dict[str, Any] = {"prompt_tokens": len(tokens), "decision": decision.to_dict()}
+        if fleet.config.disagg is not None:
+            chosen = await asyncio.to_thread(
+                fleet.plan_disagg, decision.worker_id, "debug", tenant, tokens, record=False
+            )
+            answer["disagg"] = chosen.to_dict()
+        return JSONResponse(answer)
 
     @app.get("/fleet/workers")
     async def workers(request: Request) -> dict[str, Any]:
@@ -270,8 +277,11 @@ async def _forward(
         fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
         fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
         url = f"{reservation.base_url}{endpoint}"
+        sent, _plan = await disagg_proxy.prepare(
+            fleet, client, reservation, tenant, tokens, payload, headers
+        )
         try:
-            upstream_request = client.build_request("POST", url, json=payload, headers=headers)
+            upstream_request = client.build_request("POST", url, json=sent, headers=headers)
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError as exc:
             fleet.unreachable(reservation)

@@ -33,6 +33,12 @@ class FleetMetrics:
             ["worker", "policy", "reason"],
             registry=r,
         )
+        self.disagg_decisions = Counter(
+            "kvstrata_disagg_decisions",
+            "Prefill path per request of a disaggregated fleet (local or disagg) and why",
+            ["path", "reason"],
+            registry=r,
+        )
         self.requests = Counter(
             "kvstrata_router_requests",
             "Front-door requests by endpoint and HTTP status",

@@ -27,7 +27,10 @@ from kvstrata.fleet.engine_load import ScrapedLoad, UnseenWork
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.model import Medium, parse_medium
 from kvstrata.router.costs import CostProfile
+from kvstrata.router.disagg_inputs import InterferenceEstimate
 from kvstrata.router.model import WorkerLoad
+from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.transfer.layout import KVLayout
 
 NEXT_SEQ_HEADER = "X-Kvstrata-Next-Seq"
 EPOCH_HEADER = "X-Kvstrata-Epoch"
@@ -35,6 +38,24 @@ EPOCH_HEADER = "X-Kvstrata-Epoch"
 
 class WorkerProtocolError(InvalidInput):
     """A worker's ``/kv/info`` or ``/kv/dump`` answer is not what the protocol says."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTarget:
+    """A decode worker's transfer listener (``/kv/info`` ``transfer``): where a prefill worker
+    streams KV to, and the pool layout it is priced with."""
+
+    host: str
+    port: int
+    layout: KVLayout
+
+    @classmethod
+    def from_json(cls, body: Any) -> TransferTarget:
+        layout = KVLayout(**body["layout"])
+        port = int(body["port"])
+        if layout.problem() is not None or not 0 < port < 65536:
+            raise ValueError(f"bad transfer entry {body!r:.200}")
+        return cls(str(body["host"]), port, layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +87,8 @@ class WorkerInfo:
     lower_replay_endpoint: str | None = None
     scraped: ScrapedLoad | None = None
     """The engine's own load figures when it reports them (None: the router's count only)."""
+    transfer: TransferTarget | None = None
+    """A decode worker's transfer listener (None: it receives no KV transfers)."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -97,6 +120,11 @@ class WorkerInfo:
                     None
                     if body.get("curve_public_key") is None
                     else decode_public_key(str(body["curve_public_key"]))
+                ),
+                transfer=(
+                    None
+                    if body.get("transfer") is None
+                    else TransferTarget.from_json(body["transfer"])
                 ),
             )
         except (
@@ -179,6 +207,7 @@ class _InFlight:
     predicted_prefill_s: float
     expected_output: int
     started: float
+    active_at_start: int = 0
     first_token: bool = False
 
 
@@ -202,6 +231,8 @@ class WorkerState:
     attached: bool = True
     failures: int = 0
     prefill_fit: OnlinePrefillFit = field(init=False)
+    interference: InterferenceEstimate = field(init=False)
+    """What each running decode adds to a prefill step here, learned from loaded TTFTs."""
     decode_step_s: float = 0.02
     mean_output_tokens: float = 64.0
     kv_blocks_capacity: int = 0
@@ -222,6 +253,7 @@ class WorkerState:
 
     def __post_init__(self) -> None:
         self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
+        self.interference = InterferenceEstimate(SchedulerConfig().max_num_batched_tokens)
 
     @property
     def worker_id(self) -> str:
@@ -258,6 +290,7 @@ class WorkerState:
             predicted_prefill_s,
             expected,
             now,
+            active_at_start=self.active_decodes(),
         )
 
     def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
@@ -269,6 +302,9 @@ class WorkerState:
         ttft = now - flight.started
         if alone:
             self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)
+        elif flight.active_at_start > 0:
+            alone_s = self.prefill_fit.model().seconds(flight.new_tokens, flight.cached_tokens)
+            self.interference.observe(ttft, alone_s, flight.new_tokens, flight.active_at_start)
         return ttft
 
     def finish(
@@ -287,6 +323,18 @@ class WorkerState:
             step = (now - flight.started - ttft_s) / (completion_tokens - 1)
             if step > 0:
                 self.decode_step_s = 0.8 * self.decode_step_s + 0.2 * step
+
+    def active_decodes(self) -> int:
+        return sum(1 for f in self._inflight.values() if f.first_token)
+
+    def queued_prefill_s(self, exclude: str | None = None) -> float:
+        """Predicted prefill seconds queued here ahead of ``exclude`` (not yet first token):
+        the wait before a new prefill starts (running decodes share its steps instead)."""
+        return sum(
+            f.predicted_prefill_s
+            for rid, f in self._inflight.items()
+            if not f.first_token and rid != exclude
+        )
 
     def running_alone(self) -> bool:
         return len(self._inflight) <= 1

@@ -1,0 +1,302 @@
+"""``kvstrata bench disagg``: local prefill against remote prefill + KV transfer, measured.
+
+Two real ``kvstrata serve`` processes on this machine: a **decode worker** (transfer port
+open, a host tier to receive into) and a **prefill worker**. For each load (``A`` concurrent
+decode streams kept running on the decode worker) and each prompt length, both paths run in
+the same run, alternating, ``repeats`` times, each on a fresh prompt (no cache hit on either
+side):
+
+- **local**: ``/v1/completions`` (``max_tokens`` 1) on the decode worker: its TTFT;
+- **disagg**: ``POST /kv/prefill`` to the prefill worker and the completion with
+  ``kvstrata_transfer`` to the decode worker, concurrently: the decode answer's TTFT.
+
+``chosen`` is what ``router.disagg.choose`` picks for that point from the figures a fleet
+has *before* the point is measured (``router.disagg_inputs.disagg_cost``): each worker's
+prefill model refitted online (``OnlinePrefillFit``) from the TTFTs of requests that ran
+alone, the interference of running decodes learned from earlier loaded TTFTs, the disaggregated
+path's fixed overhead learned from earlier points (``OverheadEstimate``, as link latency)
+(``InterferenceEstimate``, under the workers' default chunked-prefill token budget), the
+decode step, the decode worker's advertised layout, and the link measured once at start with
+``transfer.tcp.raw_socket_gbps``. ``best`` is the path with
+the lower measured median; ``choice_accuracy`` the share of points where they agree.
+``transfer_gbps`` is the transfers' bytes over their seconds (``/kv/prefill`` replies),
+against ``raw_socket_gbps`` measured in the same run; ``overlap`` the median share of
+transfer time hidden behind the prefill.
+
+Both workers share this machine's cores: a remote prefill competes with the decode streams
+for CPU, which a real deployment (two machines) would not; the figures say what this box does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+from kvstrata.bench.disagg_workers import WorkerPair
+from kvstrata.costs import OnlinePrefillFit
+from kvstrata.router.costs import CostProfile
+from kvstrata.router.disagg import choose
+from kvstrata.router.disagg_inputs import (
+    InterferenceEstimate,
+    Link,
+    OverheadEstimate,
+    disagg_cost,
+)
+from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.transfer.layout import KVLayout
+from kvstrata.transfer.tcp import raw_socket_gbps
+
+RAW_SOCKET_BYTES = 256 * 1024 * 1024
+STREAM_PROMPT_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggBenchConfig:
+    model: str = "smollm2"
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048)
+    loads: tuple[int, ...] = (0, 2, 4)
+    repeats: int = 3
+    stream_tokens: int = 256  # each background decode stream's length (restarted when done)
+    timeout_s: float = 300.0
+
+
+@dataclass
+class _Learned:
+    """The fleet's figures for both workers, learned from this run's own requests."""
+
+    decode_fit: OnlinePrefillFit
+    prefill_fit: OnlinePrefillFit
+    prior: CostProfile
+    interference: InterferenceEstimate
+    overhead: OverheadEstimate
+    decode_step_s: float = 0.02
+
+    def profile(self, fit: OnlinePrefillFit) -> CostProfile:
+        return self.interference.apply(self.prior.with_prefill(fit.model()))
+
+
+def _prompt(length: int) -> list[int]:
+    """A fresh prompt (no block shared with any other): random-looking ids in 3..20002."""
+    seed = uuid.uuid4().int
+    return [3 + (seed >> (i % 64) ^ i * 2654435761) % 20000 for i in range(length)]
+
+
+def _complete(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, int]:
+    start = time.perf_counter()
+    response = client.post(f"{url}/v1/completions", json=body)
+    response.raise_for_status()
+    return time.perf_counter() - start, int(response.headers.get("x-kvstrata-matched-tokens", 0))
+
+
+class _Streams:
+    """``count`` decode streams kept running on a worker until :meth:`stop`."""
+
+    def __init__(self, url: str, count: int, tokens: int, timeout_s: float) -> None:
+        self._url, self._count, self._tokens = url, count, tokens
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.step_samples: list[float] = []
+        self.errors: list[str] = []
+
+    def start(self) -> None:
+        for _ in range(self._count):
+            thread = threading.Thread(target=self._loop, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=self._timeout_s) as client:
+            while not self._stop.is_set():
+                body = {"prompt": _prompt(STREAM_PROMPT_TOKENS), "max_tokens": self._tokens}
+                body |= {"temperature": 0, "ignore_eos": True}
+                try:
+                    seconds, _ = _complete(client, self._url, body)
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    return
+                self.step_samples.append(seconds / self._tokens)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self._timeout_s)
+
+
+def _calibrate(
+    client: httpx.Client, pair: WorkerPair, learned: _Learned, lengths: Sequence[int]
+) -> None:
+    """Alone prefills on each worker (what a fleet learns its fits from) and a decode step."""
+    shapes = sorted({min(lengths), max(lengths), max(1, min(lengths) // 2)})
+    for url, fit in ((pair.decode, learned.decode_fit), (pair.prefill, learned.prefill_fit)):
+        for length in shapes * 2:
+            body = {"prompt": _prompt(length), "max_tokens": 1, "temperature": 0}
+            seconds, _ = _complete(client, url, body)
+            fit.observe(length, 0, seconds)
+    steps = 16
+    base = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    one, _ = _complete(client, pair.decode, {**base, "prompt": _prompt(STREAM_PROMPT_TOKENS)})
+    many, _ = _complete(
+        client, pair.decode, {**base, "prompt": _prompt(STREAM_PROMPT_TOKENS), "max_tokens": steps}
+    )
+    learned.decode_step_s = max(1e-4, (many - one) / (steps - 1))
+
+
+def _disagg_once(
+    client: httpx.Client, pool: ThreadPoolExecutor, pair: WorkerPair, tokens: list[int]
+) -> tuple[float, dict[str, Any], int]:
+    request_id = f"bench-{uuid.uuid4().hex}"
+    target = {"host": pair.transfer_host, "port": pair.transfer_port}
+    prefill_body = {"request_id": request_id, "prompt_token_ids": tokens, "target": target}
+    wait = {"request_id": request_id, "timeout_s": 60}
+    body = {"prompt": tokens, "max_tokens": 1, "temperature": 0, "kvstrata_transfer": wait}
+    sent = pool.submit(client.post, f"{pair.prefill}/kv/prefill", json=prefill_body)
+    seconds, matched = _complete(client, pair.decode, body)
+    reply = sent.result()
+    reply.raise_for_status()
+    outcome: dict[str, Any] = reply.json()
+    return seconds, outcome, matched
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _point(
+    client: httpx.Client,
+    pool: ThreadPoolExecutor,
+    pair: WorkerPair,
+    learned: _Learned,
+    link: Link,
+    length: int,
+    load: int,
+    repeats: int,
+    transfers: list[dict[str, Any]],
+) -> dict[str, Any]:
+    cost = disagg_cost(
+        prompt_tokens=length,
+        decode_cached_tokens=0,
+        prefill_cached_tokens=0,
+        decode_queue_s=0.0,  # nothing queued ahead: the streams are decoding
+        prefill_queue_s=0.0,
+        active_decodes=load,
+        decode_profile=learned.profile(learned.decode_fit),
+        prefill_profile=learned.profile(learned.prefill_fit),
+        layout=pair.layout,
+        link=replace(link, latency_s=learned.overhead.value_s),
+        decode_step_s=learned.decode_step_s,
+    )
+    choice = choose(cost)
+    local: list[float] = []
+    remote: list[float] = []
+    hits: list[int] = []
+    for _ in range(repeats):  # alternating, fresh prompts
+        seconds, _ = _complete(
+            client, pair.decode, {"prompt": _prompt(length), "max_tokens": 1, "temperature": 0}
+        )
+        local.append(seconds)
+        seconds, outcome, matched = _disagg_once(client, pool, pair, _prompt(length))
+        remote.append(seconds)
+        hits.append(matched)
+        transfers.append(outcome)
+    predicted_alone = learned.decode_fit.model().seconds(length, 0)
+    for seconds in local:  # what a fleet learns from these (after the choice was made)
+        if load == 0:
+            learned.decode_fit.observe(length, 0, seconds)
+        else:
+            learned.interference.observe(seconds, predicted_alone, length, load)
+    ttft_local, ttft_disagg = _median(local), _median(remote)
+    learned.overhead.observe(ttft_disagg, choice.ttft_disagg_s - learned.overhead.value_s)
+    best = "disagg" if ttft_disagg < ttft_local else "local"
+    return {
+        "prompt_tokens": length,
+        "load": load,
+        "ttft_local_s": ttft_local,
+        "ttft_disagg_s": ttft_disagg,
+        "spread_local_s": max(local) - min(local),
+        "spread_disagg_s": max(remote) - min(remote),
+        "predicted_local_s": choice.ttft_local_s,
+        "predicted_disagg_s": choice.ttft_disagg_s,
+        "overhead_s": learned.overhead.value_s,
+        "chosen": choice.path,
+        "best": best,
+        "decode_hit_tokens": min(hits),
+    }
+
+
+def run_disagg_bench(
+    config: DisaggBenchConfig, start_pair: Callable[[], AbstractContextManager[WorkerPair]]
+) -> dict[str, Any]:
+    """The sweep (module docstring); ``start_pair`` starts the two workers (a context)."""
+    raw_before = raw_socket_gbps(RAW_SOCKET_BYTES)
+    link = Link(bytes_per_s=raw_before * 1e9, latency_s=0.0, source="measured")
+    with start_pair() as pair, httpx.Client(timeout=config.timeout_s) as client:
+        prior = CostProfile(block_size=pair.layout.block_size)  # refitted by _calibrate
+        learned = _Learned(
+            OnlinePrefillFit(prior.prefill),
+            OnlinePrefillFit(prior.prefill),
+            prior,
+            InterferenceEstimate(SchedulerConfig().max_num_batched_tokens),
+            OverheadEstimate(),
+        )
+        _calibrate(client, pair, learned, config.lengths)
+        points: list[dict[str, Any]] = []
+        transfers: list[dict[str, Any]] = []
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for load in config.loads:
+                streams = _Streams(pair.decode, load, config.stream_tokens, config.timeout_s)
+                streams.start()
+                try:
+                    for length in config.lengths:
+                        points.append(
+                            _point(client, pool, pair, learned, link, length, load,
+                                   config.repeats, transfers)
+                        )  # fmt: skip
+                finally:
+                    streams.stop()
+                if streams.step_samples:
+                    learned.decode_step_s = _median(streams.step_samples)
+    raw_after = raw_socket_gbps(RAW_SOCKET_BYTES)
+    return _summary(config, pair.layout, points, transfers, (raw_before, raw_after), link)
+
+
+def _summary(
+    config: DisaggBenchConfig,
+    layout: KVLayout,
+    points: list[dict[str, Any]],
+    transfers: list[dict[str, Any]],
+    raw: tuple[float, float],
+    link: Link,
+) -> dict[str, Any]:
+    sent = [t for t in transfers if t.get("outcome") == "sent"]
+    total_bytes = sum(int(t["bytes"]) for t in sent)
+    total_s = sum(float(t["seconds"]) for t in sent)
+    transfer_gbps = total_bytes / total_s / 1e9 if total_s > 0 else 0.0
+    raw_gbps = max(raw)
+    agree = sum(1 for p in points if p["chosen"] == p["best"])
+    return {
+        "model": config.model,
+        "repeats": config.repeats,
+        "lengths": list(config.lengths),
+        "loads": list(config.loads),
+        "points": points,
+        "choice_accuracy": agree / len(points) if points else 0.0,
+        "transfer_gbps": transfer_gbps,
+        "raw_socket_gbps": raw_gbps,
+        "raw_socket_gbps_runs": list(raw),
+        "transfer_vs_raw": transfer_gbps / raw_gbps if raw_gbps > 0 else 0.0,
+        "overlap": _median([float(t["overlap"]) for t in sent]),
+        "transfers": len(transfers),
+        "transfers_sent": len(sent),
+        "link_source": link.source,
+        "kv_bytes_per_token": layout.block_bytes() // layout.block_size,
+    }
