@@ -21,7 +21,7 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,12 +141,17 @@ class VllmServerSpec:
         return env
 
 
+class _PortClash(RuntimeError):
+    """The server exited because a port picked for it was taken meanwhile."""
+
+
 class VllmServer:
     """One vLLM server process (its own process group, so a kill reaches its engine core)."""
 
     def __init__(self, spec: VllmServerSpec) -> None:
         self.spec = spec
         self.process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0  # where this start's lines begin in the (appended) log
 
     @property
     def log_path(self) -> Path:
@@ -154,6 +159,7 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         self.spec.run_dir.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.spec.command(),
@@ -168,14 +174,42 @@ class VllmServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until ``/health`` answers 200; raises if the process exits or time runs out."""
+    def wait_ready(self, timeout_s: float = 300.0, *, port_retries: int = 2) -> None:
+        """Until ``/health`` answers 200; raises if the process exits or time runs out.
+
+        The ports are picked free before the server starts, so another process (another
+        server's engine core binding its own ephemeral ports) can take one first: a server
+        that exits with "Address already in use" is restarted on fresh ports (``self.spec``
+        changes), up to ``port_retries`` times."""
+        for attempt in range(port_retries + 1):
+            try:
+                self._wait_ready(timeout_s)
+                return
+            except _PortClash:
+                if attempt == port_retries:
+                    raise
+                self.spec = replace(
+                    self.spec,
+                    port=free_port(),
+                    events_port=free_port(),
+                    replay_port=free_port(),
+                    lower_events_port=free_port(),
+                    lower_replay_port=free_port(),
+                )
+                self.start()
+
+    def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
-                    tail = self.log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"vLLM {self.spec.worker_id} exited:\n{tail}")
+                    log = self.log_path.read_text(errors="replace")
+                    error = (
+                        _PortClash
+                        if "Address already in use" in log[self._log_start :]
+                        else RuntimeError
+                    )
+                    raise error(f"vLLM {self.spec.worker_id} exited:\n{log[-3000:]}")
                 try:
                     if client.get(f"{self.spec.url}/health").status_code == 200:
                         return
