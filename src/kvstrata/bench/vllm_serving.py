@@ -47,6 +47,7 @@ from kvstrata.bench.servers import (
     tail,
 )
 from kvstrata.errors import InvalidInput
+from kvstrata.telemetry.prom_text import samples
 
 BLOCK_SIZE = 32
 MODES = ("plain", "kvstrata")
@@ -247,15 +248,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         "vllm:num_preemptions_total": "preemptions",
     }
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        try:
-            number = float(value)
-        except ValueError:
-            continue
+    for name, name_labels, number in samples(text):
         if name in wanted:
             key = wanted[name]
             out[key] = out.get(key, 0.0) + number

@@ -40,6 +40,7 @@ from kvstrata.fleet.engine_load import ScrapedLoad
 from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest, secret_digest
 from kvstrata.identity.salts import salt_tenant
+from kvstrata.telemetry.prom_text import samples
 
 _LOAD_METRICS = {
     "vllm:num_requests_waiting": "waiting",
@@ -89,15 +90,7 @@ def parse_metrics(text: str) -> tuple[ScrapedLoad, float | None]:
     """vLLM's load figures (summed over label sets) and the process start time, if shown."""
     sums = {"waiting": 0.0, "running": 0.0, "kv_usage": 0.0}
     started: float | None = None
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        try:
-            number = float(value)
-        except ValueError:
-            continue
+    for name, _, number in samples(text):
         if name in _LOAD_METRICS:
             sums[_LOAD_METRICS[name]] += number
         elif name == _START:
