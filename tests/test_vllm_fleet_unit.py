@@ -12,7 +12,9 @@ import httpx
 import pytest
 import zmq
 
+from kvstrata.cli.vllm_fleet import _secret_file
 from kvstrata.connectors.vllm_identity import tenant_for_salt
+from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from kvstrata.events.subscriber import ZmqEventSubscriber
 from kvstrata.fleet.engine_load import ScrapedLoad
@@ -173,6 +175,25 @@ def test_server_command_configures_both_event_streams(tmp_path: Path) -> None:
     bare = VllmServerSpec("v4", tmp_path, Path("python"), tmp_path, connector=False)
     assert "--kv-transfer-config" not in bare.command()
     assert bare.worker().lower_events_endpoint is None
+
+
+def test_up_hands_the_tenant_secret_to_every_connector(tmp_path: Path) -> None:
+    """The router and the servers' connectors salt tenants with the same secret, whether it
+    came as ``--tenant-secret-file`` or from ``--config`` (a private copy in the run dir)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret-for-tenants")
+    spec = VllmServerSpec("v0", tmp_path, Path("python"), tmp_path, tenant_secret_file=secret)
+    argv = spec.command()
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert connector_config(extra).tenant_secret == b"s3cret-for-tenants"
+    assert _secret_file(secret, b"s3cret-for-tenants", tmp_path) == secret
+    copy = _secret_file(None, b"from-config", tmp_path / "")
+    assert copy is not None and copy.read_bytes() == b"from-config"
+    assert copy.stat().st_mode & 0o077 == 0
+    assert _secret_file(None, b"", tmp_path) is None
+    bare = VllmServerSpec("v1", tmp_path, Path("python"), tmp_path).command()
+    bare_extra = json.loads(bare[bare.index("--kv-transfer-config") + 1])
+    assert "tenant_secret_file" not in bare_extra["kv_connector_extra_config"]
 
 
 def test_subscriber_reads_vllms_replay_frames() -> None:

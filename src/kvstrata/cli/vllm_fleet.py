@@ -34,8 +34,10 @@ def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
         raise InvalidInput(f"{python} is missing: run `make vllm-venv` or pass --vllm-python")
     model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)
     src = str(Path(kvstrata.__file__).resolve().parent.parent)
+    settings = load_worker_config(args.config, _overrides(args))
     with contextlib.ExitStack() as cleanup:
         run_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvstrata-vllm-")))
+        secret_file = _secret_file(args.tenant_secret_file, settings.tenant_secret, run_dir)
         specs = [
             VllmServerSpec(
                 worker_id=f"v{i}",
@@ -45,7 +47,7 @@ def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
                 host_gib=args.host_gib if args.host_gib is not None else 0.25,
                 kv_cache_blocks=args.vllm_kv_blocks,
                 pythonpath=src,
-                extra_args=_secret_args(args),
+                tenant_secret_file=secret_file,
             )
             for i in range(args.workers)
         ]
@@ -59,16 +61,20 @@ def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
         print(
             f"{len(servers)} vLLM servers ready in {time.monotonic() - started:.1f} s", flush=True
         )
-        settings = load_worker_config(args.config, _overrides(args))
         source = VllmSource([spec.worker() for spec in specs], tenant_secret=settings.tenant_secret)
         serve(args, [spec.url for spec in specs], None, source=source)
     return 0
 
 
-def _secret_args(args: argparse.Namespace) -> list[str]:
-    if args.tenant_secret_file is None:
-        return []
-    raise InvalidInput("--engine vllm: --tenant-secret-file is not passed to vLLM servers yet")
+def _secret_file(given: Path | None, secret: bytes, run_dir: Path) -> Path | None:
+    """The file the servers' connectors read the tenant secret from: the one given, or (a secret
+    from ``--config``) a private copy in the run directory, removed with it."""
+    if given is not None or not secret:
+        return given
+    copy = run_dir / "tenant-secret"
+    copy.touch(mode=0o600)
+    copy.write_bytes(secret)
+    return copy
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -157,6 +157,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         emitter = None
         if events is not None:
             emitter = KVEventEmitter.from_config(events, block_size=self.block_size).start()
+            emitter.start_replay()  # a router fills a gap in the lower-tier stream by replay
         wire(pool=None, store=store, emitter=emitter)
         self._worker = ConnectorWorker(
             store,

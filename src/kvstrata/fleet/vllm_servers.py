@@ -57,6 +57,8 @@ class VllmServerSpec:
     multiprocess: bool = True
     """False: scheduler and engine core in one process (starts in seconds; tests)."""
     extra_args: list[str] = field(default_factory=list)
+    tenant_secret_file: Path | None = None
+    """The connector salts tenant namespaces with this secret (the router must use the same)."""
 
     @property
     def url(self) -> str:
@@ -84,6 +86,8 @@ class VllmServerSpec:
             "events_endpoint": f"tcp://{self.host}:{self.lower_events_port}",
             "events_replay_endpoint": f"tcp://{self.host}:{self.lower_replay_port}",
         }
+        if self.tenant_secret_file is not None:
+            extra["tenant_secret_file"] = str(self.tenant_secret_file.resolve())
         if self.disk_gib is not None:
             extra.update(disk_dir=str(self.run_dir / "disk"), disk_gib=self.disk_gib, durable=False)
         return {

@@ -54,6 +54,10 @@ DEVICE_MEDIUM = "device"
 T = TypeVar("T")
 
 
+REPLAY_POLL_MS = 100
+"""How long the replay thread waits for a request before checking whether to stop."""
+
+
 def new_epoch() -> int:
     """A random 63-bit incarnation id: a restarted worker never reuses its predecessor's."""
     return secrets.randbits(63)
@@ -175,6 +179,11 @@ class KVEventEmitter:
     Lifecycle: build (``from_config`` or with a publisher), ``start()`` (binds the sockets),
     hand it to the engine (which calls ``attach``), ``close()`` after the engine is closed.
     Implements ``PoolListener``; drains the store's change feed.
+
+    ``start_replay()`` starts the one thread that answers replay requests (it touches only the
+    publisher's ROUTER socket and its locked buffer); ``stop_replay()`` and ``close()`` stop and
+    join it before the sockets close. Every owner of an emitter — ``kvstrata serve`` and the
+    vLLM connector — uses this thread, so a subscriber can fill a gap from either.
     """
 
     def __init__(self, publisher: ZmqEventPublisher, *, block_size: int) -> None:
@@ -191,6 +200,8 @@ class KVEventEmitter:
         self._attached = False
         self._store: TieredStore | None = None
         self._started = False
+        self._replay_stop = threading.Event()
+        self._replay_thread: threading.Thread | None = None
 
     @classmethod
     def from_config(cls, config: KVEventsConfig, *, block_size: int) -> KVEventEmitter:
@@ -238,9 +249,43 @@ class KVEventEmitter:
         self._started = True
         return self
 
+    def start_replay(self) -> KVEventEmitter:
+        """Answer replay requests on a thread (no-op without a replay endpoint or if running)."""
+        if not self._started:
+            raise RuntimeError("start() the emitter before its replay thread")
+        if self.publisher.replay_endpoint is None or self.serving_replay:
+            return self
+        self._replay_stop.clear()
+        self._replay_thread = threading.Thread(
+            target=self._serve_replay, name="kvstrata-kv-replay", daemon=True
+        )
+        self._replay_thread.start()
+        return self
+
+    def stop_replay(self) -> None:
+        if self._replay_thread is not None:
+            self._replay_stop.set()
+            self._replay_thread.join()
+            self._replay_thread = None
+
+    def _serve_replay(self) -> None:
+        while not self._replay_stop.is_set():
+            try:
+                self.publisher.serve_replay(timeout_ms=REPLAY_POLL_MS)
+            except zmq.ZMQError:
+                if self._replay_stop.is_set():
+                    return
+                raise
+
+    @property
+    def serving_replay(self) -> bool:
+        return self._replay_thread is not None and self._replay_thread.is_alive()
+
     def close(self) -> None:
-        """Close the sockets; later ``flush`` calls discard (nobody can hear them any more)."""
+        """Stop the replay thread, close the sockets; later ``flush`` calls discard (nobody
+        can hear them any more)."""
         self._started = False
+        self.stop_replay()
         self.publisher.close()
 
     def attach(self, pool: PoolView | None, store: TieredStore | None) -> None:

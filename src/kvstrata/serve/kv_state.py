@@ -25,9 +25,10 @@ Access (``HttpAuth``): ``/kv/info`` needs an observer, fleet or admin key (open 
 single-tenant server); ``/kv/dump`` carries every tenant's token ids, so it needs a fleet or
 admin key and is off without one; the debug endpoint needs an admin key.
 
-``KvStateRuntime`` runs beside the engine loop: a thread answering replay requests (it only
-touches the publisher's ROUTER socket) and an idle flush that publishes events the store made
-off the engine thread (write-back) when no request comes to flush them. Both stop on shutdown.
+``KvStateRuntime`` runs beside the engine loop: the emitter's replay thread
+(``KVEventEmitter.start_replay``: it only touches the publisher's ROUTER socket) and an idle
+flush that publishes events the store made off the engine thread (write-back) when no request
+comes to flush them. Both stop on shutdown.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ NEXT_SEQ_HEADER: Final = "X-Kvstrata-Next-Seq"
 EPOCH_HEADER: Final = "X-Kvstrata-Epoch"
 SKIPPED_HEADER: Final = "X-Kvstrata-Skipped-Without-Tokens"
 MSGPACK: Final = "application/msgpack"
-_REPLAY_POLL_MS: Final = 100
 _IDLE_FLUSH_S: Final = 0.1
 logger = logging.getLogger("kvstrata.serve")
 
@@ -73,16 +73,12 @@ class KvStateRuntime:
         self.emitter = emitter
         self.engine = engine
         self._stop = threading.Event()
-        self._replay: threading.Thread | None = None
         self._flusher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Start both; call from the running event loop (the app's lifespan)."""
         self._stop.clear()
-        self._replay = threading.Thread(
-            target=self._serve_replay, name="kvstrata-kv-replay", daemon=True
-        )
-        self._replay.start()
+        self.emitter.start_replay()
         self._flusher = asyncio.get_running_loop().create_task(self._flush_idle())
 
     async def close(self) -> None:
@@ -92,13 +88,7 @@ class KvStateRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
             self._flusher = None
-        if self._replay is not None:
-            await asyncio.to_thread(self._replay.join)
-            self._replay = None
-
-    def _serve_replay(self) -> None:
-        while not self._stop.is_set():
-            self.emitter.publisher.serve_replay(timeout_ms=_REPLAY_POLL_MS)
+        await asyncio.to_thread(self.emitter.stop_replay)
 
     async def _flush_idle(self) -> None:
         while not self._stop.is_set():
