@@ -294,6 +294,28 @@ def test_refused_handshake_falls_back_to_local_prefill_counted_with_reason(
     assert _metric(decode, "kvstrata_disagg_requests_total", outcome="refused_model_mismatch") == 1
 
 
+def test_prefill_to_a_target_outside_the_allow_list_is_refused_before_any_work(
+    workers: Workers,
+) -> None:
+    """Default ``[transfer] allowed_targets`` is loopback: a worker told to stream KV to
+    another address (a request forgery) answers 403, counts and computes nothing."""
+    prefill = workers.prefill.url
+    before = _metric(prefill, "kvstrata_disagg_requests_total", role="prefill")
+    body = {
+        "request_id": "req-ssrf",
+        "prompt_token_ids": _prompt(5, 2 * BLOCK),
+        "target": {"host": "169.254.169.254", "port": 80},
+    }
+    response = httpx.post(f"{prefill}/kv/prefill", json=body, timeout=30)
+    assert response.status_code == 403, response.text
+    error = response.json()["error"]
+    assert error["code"] == "target_forbidden" and "allowed_targets" in error["message"]
+    assert _metric(prefill, "kvstrata_transfer_refusals_total", reason="target_forbidden") == 1
+    assert _metric(prefill, "kvstrata_disagg_requests_total", role="prefill") == before
+    named = {**body, "target": {"host": "metadata.internal", "port": 80}}
+    assert httpx.post(f"{prefill}/kv/prefill", json=named, timeout=30).status_code == 403
+
+
 @pytest.mark.slow
 def test_smollm2_disaggregated_greedy_output_is_exact(tmp_path: Path) -> None:
     from transformers import AutoTokenizer

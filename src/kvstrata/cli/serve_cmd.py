@@ -150,7 +150,14 @@ def register(sub: Any) -> None:
         "advertised in /kv/info); off by default",
     )
     disagg.add_argument(
-        "--transfer-host", default="127.0.0.1", help="transfer listener address (127.0.0.1)"
+        "--transfer-host", default=None, help="transfer listener address (127.0.0.1)"
+    )
+    disagg.add_argument(
+        "--allowed-transfer-targets",
+        default=None,
+        metavar="LIST",
+        help="where POST /kv/prefill may stream KV, comma-separated (IPs, CIDRs, host names, "
+        "each optionally :PORT; default loopback only; `*`: any)",
     )
     disagg.add_argument(
         "--transfer-layer-delay-s",
@@ -236,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             name = config.served_model_name or config.model
             _banner(name, args.host, args.port, engine.device, blocks, config.block_size, tls)
-            disagg = _disaggregation(engine, args, config.tenant_secret, metrics, audit)
+            disagg = _disaggregation(engine, args, config, metrics, audit)
             app = create_app(
                 engine,
                 model_name=name,
@@ -278,21 +285,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _disaggregation(
-    engine: Any, args: argparse.Namespace, secret: bytes, metrics: Any, audit: AuditLog
+    engine: Any, args: argparse.Namespace, config: WorkerConfig, metrics: Any, audit: AuditLog
 ) -> Any:
-    """Both roles of ``serve.disagg``: ``/kv/prefill`` always, the receiver with a port."""
+    """Both roles of ``serve.disagg``: ``/kv/prefill`` always (to the allowed targets), the
+    receiver with a port (``[transfer]``, the flags override it)."""
     from kvstrata.serve.disagg import DisaggMetrics, Disaggregation
     from kvstrata.serve.transfer_receiver import DecodeTransfers
     from kvstrata.telemetry.transfer_metrics import TransferMetrics
 
+    transfer, secret = config.transfer, config.tenant_secret
     receiver = None
-    if args.transfer_port is not None:
-        if not 0 <= args.transfer_port < 65536:
-            raise InvalidInput("--transfer-port must lie in 0..65535")
+    if transfer.port is not None:
         receiver = DecodeTransfers(
             engine,
-            host=args.transfer_host,
-            port=args.transfer_port,
+            host=transfer.host,
+            port=transfer.port,
             metrics=TransferMetrics(metrics.registry),
             audit=audit,
             tenant_secret=secret,
@@ -301,6 +308,7 @@ def _disaggregation(
         engine,
         DisaggMetrics(metrics.registry),
         receiver=receiver,
+        targets=transfer,
         tenant_secret=secret,
         layer_delay_s=max(0.0, float(args.transfer_layer_delay_s)),
         audit=audit,

@@ -44,6 +44,7 @@ from kvstrata.runtime.config_schema import (
 from kvstrata.runtime.events import KVEventsConfig
 from kvstrata.runtime.read_layouts import READ_LAYOUTS, ReadLayout, parse_read_layout
 from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.runtime.transfer_config import TransferConfig
 from kvstrata.security.config import SecurityConfig
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 from kvstrata.tiers.remote_client import RemoteConfig
@@ -94,6 +95,7 @@ class WorkerConfig:
     lookup_curve_secret_file: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def tier(self, name: str) -> TierSpec | None:
         return next((spec for spec in self.tiers if spec.name == name), None)
@@ -341,7 +343,20 @@ def _build(
         lookup_curve_secret_file=lookup_curve,
         scheduler=scheduler,
         security=_security(_Reader(data.get("security", {}), "security.", where, base)),
+        transfer=_transfer(_Reader(data.get("transfer", {}), "transfer.", where, base)),
     )
+
+
+def _transfer(table: _Reader) -> TransferConfig:
+    port = table.get("port")
+    if port is not None and not 0 <= port <= 65535:
+        raise table.fail("port", "must lie in 0..65535")
+    try:
+        return TransferConfig(
+            host=table.get("host"), port=port, allowed_targets=tuple(table.get("allowed_targets"))
+        )
+    except InvalidInput as exc:
+        raise table.fail("allowed_targets", str(exc)) from None
 
 
 def _security(table: _Reader) -> SecurityConfig:

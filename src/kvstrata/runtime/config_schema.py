@@ -192,6 +192,21 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("security.tls_cert_file", "path", None, "serve HTTPS with this certificate (PEM)"),
     Key("security.tls_key_file", "path", None, "the certificate's private key (PEM)"),
     Key("security.tls_ca_file", "path", None, "CA bundle a router trusts for workers' HTTPS"),
+    Key("transfer.host", "str", "127.0.0.1", "`serve`: the KV transfer listener's address"),
+    Key(
+        "transfer.port",
+        "int",
+        None,
+        "`serve`: receive KV transfers (decode role) on this TCP port (0: any free one, "
+        "advertised in `/kv/info`); unset: none",
+    ),
+    Key(
+        "transfer.allowed_targets",
+        "list[str]",
+        ["127.0.0.0/8", "[::1]", "localhost"],
+        "`serve`: where `POST /kv/prefill` may stream KV: IPs or CIDR networks (IPv6 in "
+        "brackets), host names matched literally, each optionally `:PORT`; `*` admits any",
+    ),
     Key("connector.lookup_timeout_ms", "int", 2000, "vLLM: scheduler → worker lookup timeout"),
     Key(
         "connector.load_timeout_ms",
@@ -215,7 +230,9 @@ KEYS: Final[tuple[Key, ...]] = (
     ),
 )
 BY_PATH: Final = {key.path: key for key in KEYS}
-TABLES: Final = ("pool", "scheduler", "tiers", "events", "connector", "limits", "security")
+TABLES: Final = (
+    "pool", "scheduler", "tiers", "events", "transfer", "connector", "limits", "security"
+)  # fmt: skip
 
 
 # ---- overrides ----------------------------------------------------------------------------------
@@ -341,6 +358,11 @@ _OVERRIDE_LIST: Final = (
         "lookup_curve_secret_file",
         "connector.lookup_curve_secret_file",
         _set("connector.lookup_curve_secret_file"),
+    ),
+    Override("transfer_host", "transfer.host", _set("transfer.host")),
+    Override("transfer_port", "transfer.port", _set("transfer.port")),
+    Override(
+        "allowed_transfer_targets", "transfer.allowed_targets", _set("transfer.allowed_targets")
     ),
     Override("keys_file", "security.keys_file", _set("security.keys_file")),
     Override("fleet_key_file", "security.fleet_key_file", _set("security.fleet_key_file")),

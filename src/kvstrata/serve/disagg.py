@@ -4,6 +4,8 @@
   {host, port}}`` → prefill here and stream the KV to the decode worker at ``target``
   (``transfer_sender.prefill_and_send``) → ``{outcome, blocks, bytes, seconds, overlap,
   reason}``. The caller needs a tenant key, as for completions; ``tenant`` may only narrow it.
+  ``target`` must be one the worker's ``[transfer] allowed_targets`` admit (default loopback;
+  ``runtime.transfer_config``), else 403 ``target_forbidden``: nothing is computed or sent.
 - ``kvstrata_transfer: {request_id, timeout_s}`` on a completion (decode worker): the request
   waits until that transfer committed, failed or timed out (``Disaggregation.await_transfer``)
   and then generates normally: a hit on the received blocks when it committed, a local
@@ -18,7 +20,7 @@ receiver's own ``TransferMetrics`` count the transfers themselves.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -26,6 +28,7 @@ from pydantic import Field
 
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.errors import ApiError
+from kvstrata.runtime.transfer_config import TransferConfig
 from kvstrata.security import Principal, Role
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
 from kvstrata.serve.auth import HttpAuth
@@ -91,11 +94,13 @@ class DisaggMetrics:
 @dataclass
 class Disaggregation:
     """A worker's disaggregation roles: ``receiver`` (decode; None: this worker takes no
-    transfers) and the prefill side's settings (``layer_delay_s``: tests only)."""
+    transfers) and the prefill side's settings (``targets``: where it may send; ``layer_delay_s``:
+    tests only)."""
 
     engine: ReferenceEngine
     metrics: DisaggMetrics
     receiver: DecodeTransfers | None = None
+    targets: TransferConfig = field(default_factory=TransferConfig)
     tenant_secret: bytes = b""
     layer_delay_s: float = 0.0
     audit: AuditLog = NULL_AUDIT
@@ -147,6 +152,23 @@ def register_disagg(app: FastAPI, disagg: Disaggregation, guard: HttpAuth) -> No
             raise ApiError(400, f"token ids must lie in 0..{vocab - 1}", param="prompt_token_ids")
         if len(tokens) >= engine.max_model_len:
             raise ApiError(400, "the prompt is longer than the model's context", param="prompt")
+        target = body.target
+        if not disagg.targets.permits(target.host, target.port):
+            disagg.metrics.refusals.labels("target_forbidden").inc()
+            disagg.audit.record(
+                Action.TRANSFER,
+                "prefill_target_forbidden",
+                tenant=tenant,
+                request_id=body.request_id,
+                counts={"port": target.port},
+            )
+            raise ApiError(
+                403,
+                f"transfer target {target.host}:{target.port} is not in this worker's "
+                "[transfer] allowed_targets",
+                param="target",
+                code="target_forbidden",
+            )
         result: SendOutcome = await asyncio.to_thread(
             prefill_and_send,
             engine,
