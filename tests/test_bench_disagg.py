@@ -93,9 +93,13 @@ def test_quick_entry_prints_one_json_object_with_the_named_figures() -> None:
     assert 0.0 <= result["choice_accuracy"] <= 1.0
     assert result["transfers_sent"] == result["transfers"] == 2 * 3
     assert result["transfer_gbps"] > 0 and result["raw_socket_gbps"] > 0
-    assert math.isclose(
-        result["transfer_vs_raw"], result["transfer_gbps"] / result["raw_socket_gbps"]
-    )
+    probes = result["link_probes"]
+    assert len(probes) == 3 and all(p["bytes"] > 0 for p in probes)
+    for probe in probes:
+        assert math.isclose(probe["ratio"], probe["transfer_gbps"] / probe["raw_socket_gbps"])
+    assert result["transfer_vs_raw"] == sorted(p["ratio"] for p in probes)[1]
+    assert result["transfer_gbps"] == sorted(p["transfer_gbps"] for p in probes)[1]
+    assert result["prefill_send_gbps"] > 0
     assert 0.0 <= result["overlap"] <= 1.0
     assert result["link_source"] == "measured"
 

@@ -231,7 +231,9 @@ def test_audit_record_names_objects_and_outcome(tmp_path: Path, tier: HostTier) 
     assert metas(1)[0].key.hex() in line and '"request_id":"req-a"' in line
 
 
-def _receive_raw(tier: HostTier, raw_frames: list[bytes], *, max_frame: int) -> TransferResult:
+def _receive_raw(
+    tier: HostTier, raw_frames: list[bytes], *, max_frame: int, blocks: int = 1
+) -> TransferResult:
     a, b = socket.socketpair()
 
     def write() -> None:
@@ -242,7 +244,7 @@ def _receive_raw(tier: HostTier, raw_frames: list[bytes], *, max_frame: int) -> 
     writer.start()
     conn = TcpConnection(b, max_frame=max_frame)
     try:
-        return TransferReceiver(tier).receive(conn, metas(1), timeout_s=10)
+        return TransferReceiver(tier).receive(conn, metas(blocks), timeout_s=10)
     finally:
         writer.join()
         conn.close()
@@ -260,6 +262,10 @@ def _framed(body: bytes) -> bytes:
         st.binary(max_size=64),
         st.binary(max_size=48).map(lambda b: frames.encode_begin("r", 1, 1, BLOCK_BYTES)[:6] + b),
         st.binary(max_size=48).map(lambda b: frames.layer_header("r", 0, 0, bytes(16)) + b),
+        st.binary(max_size=64).map(lambda b: frames.layers_header("r", 0, 0, [bytes(16)]) + b),
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.binary(max_size=40)).map(
+            lambda t: frames.layers_header("r", t[0], t[1], [bytes(16)] * 2) + t[2]
+        ),
         st.integers(0, 30).map(lambda n: frames.encode_begin("r", 1, 1, BLOCK_BYTES)[:n]),
     )
 )
@@ -291,6 +297,37 @@ def test_oversized_and_truncated_frames(tier: HostTier, extra: int, cut: int) ->
     truncated = _framed(layer)[: -min(cut, len(layer))]
     result = _receive_raw(tier, [begin, truncated], max_frame=1 << 16)
     assert result.outcome == "peer_lost" and "mid-frame" in result.detail
+    assert_nothing_visible(tier)
+
+
+def test_a_layer_goes_as_runs_of_blocks_within_the_frame_limit(tier: HostTier) -> None:
+    """LAYERS frames carry one layer of consecutive blocks, never past ``max_frame``; a slice
+    of a run that fails its digest refuses the whole transfer."""
+    sent: list[bytes] = []
+
+    class Recording:
+        path, max_frame = "tcp", 2 * LAYER_BYTES + 200  # two slices per frame fit, three not
+
+        def send_frame(self, *parts: object, timeout_s: float | None = None) -> None:
+            sent.append(b"".join(bytes(memoryview(p)) for p in parts))  # type: ignore[arg-type]
+
+    sender = TransferSender(Recording(), "r", blocks=BLOCKS, layers=LAYERS, layer_bytes=LAYER_BYTES)  # type: ignore[arg-type]
+    for layer in range(LAYERS):
+        sender.send_layer(layer, [payload(7, b, layer, LAYER_BYTES) for b in range(BLOCKS)])
+    sender.finish()
+    decoded = [frames.decode(f) for f in sent]
+    runs = [(f.first, len(f.digests)) for f in decoded if isinstance(f, frames.Layers)]
+    assert runs == [(0, 2), (2, 1)] * LAYERS
+    assert all(len(f) <= Recording.max_frame for f in sent)
+    result = _receive_raw(tier, [_framed(f) for f in sent], max_frame=1 << 16, blocks=BLOCKS)
+    assert result.ok and len(result.committed) == BLOCKS
+    for key in list(result.committed):
+        tier.remove(key)
+    spoilt = bytearray(sent[1])
+    spoilt[-1] ^= 0xFF  # the last slice of the first run of layer 0
+    frames_in = [_framed(bytes(spoilt) if i == 1 else f) for i, f in enumerate(sent)]
+    result = _receive_raw(tier, frames_in, max_frame=1 << 16, blocks=BLOCKS)
+    assert result.outcome == "digest_mismatch" and "block 1 layer 0" in result.detail
     assert_nothing_visible(tier)
 
 

@@ -40,12 +40,12 @@ class _Tamper:
 
     def send_frame(self, *parts: Buffer, timeout_s: float | None = None) -> None:
         kind = bytes(memoryview(parts[0])[3:4])[0]
-        if kind == frames.Kind.LAYER:
+        if kind in (frames.Kind.LAYER, frames.Kind.LAYERS):  # the sender ships LAYERS frames
             self.layer_frames += 1
             if self.mode == "corrupt" and self.layer_frames == 2:
                 spoilt = bytearray(parts[1])
                 spoilt[0] ^= 0xFF
-                parts = (parts[0], spoilt)
+                parts = (parts[0], spoilt, *parts[2:])
             if self.mode == "skip" and self.layer_frames == 3:
                 return
         if kind == frames.Kind.COMPLETE and self.mode == "bad_complete":

@@ -19,9 +19,13 @@ path's fixed overhead learned from earlier points (``OverheadEstimate``, as link
 decode step, the decode worker's advertised layout, and the link measured once at start with
 ``transfer.tcp.raw_socket_gbps``. ``best`` is the path with
 the lower measured median; ``choice_accuracy`` the share of points where they agree.
-``transfer_gbps`` is the transfers' bytes over their seconds (``/kv/prefill`` replies),
-against ``raw_socket_gbps`` measured in the same run; ``overlap`` the median share of
-transfer time hidden behind the prefill.
+``transfer_gbps`` is the transfer stack alone (``bench.transfer_link``: LAYERS frames with
+digests, received into PENDING host-tier slots, verified and committed; this model's layer
+size; no compute), the median of ``LINK_PROBES`` probes each paired with a ``raw_socket_gbps``
+of the same size, ``transfer_vs_raw`` the median of the per-probe ratios. The replies' own
+bytes over their seconds — which span the whole layer-wise prefill, so on a compute-bound
+model they measure the prefill's pace, not the link's — are ``prefill_send_gbps``.
+``overlap`` is the median share of transfer time hidden behind the prefill.
 
 Both workers share this machine's cores: a remote prefill competes with the decode streams
 for CPU, which a real deployment (two machines) would not; the figures say what this box does.
@@ -42,6 +46,7 @@ from typing import Any
 import httpx
 
 from kvstrata.bench.disagg_workers import WorkerPair
+from kvstrata.bench.transfer_link import LinkProbe, transfer_stack_gbps
 from kvstrata.costs import OnlinePrefillFit
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg import choose
@@ -56,6 +61,9 @@ from kvstrata.transfer.layout import KVLayout
 from kvstrata.transfer.tcp import raw_socket_gbps
 
 RAW_SOCKET_BYTES = 256 * 1024 * 1024
+LINK_PROBES = 3
+LINK_PROBE_BYTES = 128 * 1024 * 1024
+LINK_PROBE_MAX_BLOCKS = 4096
 STREAM_PROMPT_TOKENS = 32
 
 
@@ -67,6 +75,7 @@ class DisaggBenchConfig:
     repeats: int = 3
     stream_tokens: int = 256  # each background decode stream's length (restarted when done)
     timeout_s: float = 300.0
+    link_probe_bytes: int = LINK_PROBE_BYTES  # KV payload of each transfer-stack probe
 
 
 @dataclass
@@ -266,7 +275,14 @@ def run_disagg_bench(
                 if streams.step_samples:
                     learned.decode_step_s = _median(streams.step_samples)
     raw_after = raw_socket_gbps(RAW_SOCKET_BYTES)
-    return _summary(config, pair.layout, points, transfers, (raw_before, raw_after), link)
+    probes = [_link_probe(pair.layout, config.link_probe_bytes) for _ in range(LINK_PROBES)]
+    return _summary(config, pair.layout, points, transfers, (raw_before, raw_after), link, probes)
+
+
+def _link_probe(layout: KVLayout, total_bytes: int) -> LinkProbe:
+    layer_bytes = layout.block_bytes() // layout.num_layers
+    blocks = min(LINK_PROBE_MAX_BLOCKS, max(1, total_bytes // layout.block_bytes()))
+    return transfer_stack_gbps(blocks=blocks, layers=layout.num_layers, layer_bytes=layer_bytes)
 
 
 def _summary(
@@ -276,12 +292,12 @@ def _summary(
     transfers: list[dict[str, Any]],
     raw: tuple[float, float],
     link: Link,
+    probes: Sequence[LinkProbe],
 ) -> dict[str, Any]:
     sent = [t for t in transfers if t.get("outcome") == "sent"]
     total_bytes = sum(int(t["bytes"]) for t in sent)
     total_s = sum(float(t["seconds"]) for t in sent)
-    transfer_gbps = total_bytes / total_s / 1e9 if total_s > 0 else 0.0
-    raw_gbps = max(raw)
+    prefill_send_gbps = total_bytes / total_s / 1e9 if total_s > 0 else 0.0
     agree = sum(1 for p in points if p["chosen"] == p["best"])
     return {
         "model": config.model,
@@ -290,10 +306,21 @@ def _summary(
         "loads": list(config.loads),
         "points": points,
         "choice_accuracy": agree / len(points) if points else 0.0,
-        "transfer_gbps": transfer_gbps,
-        "raw_socket_gbps": raw_gbps,
-        "raw_socket_gbps_runs": list(raw),
-        "transfer_vs_raw": transfer_gbps / raw_gbps if raw_gbps > 0 else 0.0,
+        "transfer_gbps": _median([p.stack_gbps for p in probes]),
+        "raw_socket_gbps": _median([p.raw_socket_gbps for p in probes]),
+        "transfer_vs_raw": _median([p.stack_vs_raw for p in probes]),
+        "link_probes": [
+            {
+                "transfer_gbps": p.stack_gbps,
+                "raw_socket_gbps": p.raw_socket_gbps,
+                "ratio": p.stack_vs_raw,
+                "bytes": p.payload_bytes,
+            }
+            for p in probes
+        ],
+        "prefill_send_gbps": prefill_send_gbps,
+        "prefill_send_vs_raw": prefill_send_gbps / max(raw) if max(raw) > 0 else 0.0,
+        "raw_socket_gbps_runs": list(raw),  # before and after the sweep (the router's link)
         "overlap": _median([float(t["overlap"]) for t in sent]),
         "transfers": len(transfers),
         "transfers_sent": len(sent),

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     summary = (
         f"choice_accuracy {result['choice_accuracy']:.2f}  transfer {result['transfer_gbps']:.3f}"
         f" GB/s vs raw socket {result['raw_socket_gbps']:.3f} GB/s"
-        f" ({result['transfer_vs_raw']:.2f})  overlap {result['overlap']:.2f}"
+        f" ({result['transfer_vs_raw']:.2f})  prefill+send {result['prefill_send_gbps']:.3f}"
+        f" GB/s  overlap {result['overlap']:.2f}"
     )
     emit(
         result,

@@ -5,6 +5,8 @@ length + UTF-8, at most ``MAX_REQUEST_ID`` bytes); integers are big-endian:
 
     BEGIN     u32 blocks, u32 layers, u32 layer_bytes (one layer of one block)
     LAYER     u32 block, u32 layer, 16-byte xxh3-128 digest of the payload, payload (the rest)
+    LAYERS    u32 first block, u32 count, u32 layer, count 16-byte digests (one per block's
+              slice), payload: count slices of ``layer_bytes``, block ``first`` first
     COMPLETE  u32 blocks, then that many 16-byte digests of each block's whole payload
     CANCEL    nothing more
 
@@ -30,6 +32,7 @@ MAX_LAYERS = 4096
 _PREFIX = struct.Struct(">2sBBH")
 _BEGIN = struct.Struct(">III")
 _LAYER = struct.Struct(">II16s")
+_LAYERS = struct.Struct(">III")
 _COUNT = struct.Struct(">I")
 
 
@@ -42,6 +45,7 @@ class Kind(IntEnum):
     LAYER = 2
     COMPLETE = 3
     CANCEL = 4
+    LAYERS = 5
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,22 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Layers:
+    """One layer of a run of consecutive blocks: what a sender ships per frame, so a frame
+    carries up to megabytes instead of one block's slice (a few KB on small models)."""
+
+    request_id: str
+    first: int
+    layer: int
+    digests: tuple[bytes, ...]
+    payload: memoryview
+
+    def slice(self, index: int) -> memoryview:
+        size = len(self.payload) // len(self.digests)
+        return self.payload[index * size : (index + 1) * size]
+
+
+@dataclass(frozen=True)
 class Complete:
     request_id: str
     digests: tuple[bytes, ...]
@@ -72,7 +92,7 @@ class Cancel:
     request_id: str
 
 
-Frame = Begin | Layer | Complete | Cancel
+Frame = Begin | Layer | Layers | Complete | Cancel
 
 
 def _prefix(kind: Kind, request_id: str) -> bytes:
@@ -89,6 +109,17 @@ def encode_begin(request_id: str, blocks: int, layers: int, layer_bytes: int) ->
 def layer_header(request_id: str, block: int, layer: int, digest: bytes) -> bytes:
     """The LAYER frame without its payload (sent as a second part: no copy of the payload)."""
     return _prefix(Kind.LAYER, request_id) + _LAYER.pack(block, layer, digest)
+
+
+def layers_header(request_id: str, first: int, layer: int, digests: list[bytes]) -> bytes:
+    """The LAYERS frame without its payload (the slices follow as further parts)."""
+    head = _prefix(Kind.LAYERS, request_id) + _LAYERS.pack(first, len(digests), layer)
+    return head + b"".join(digests)
+
+
+def layers_overhead(request_id: str, count: int) -> int:
+    """Bytes of a LAYERS frame besides its payload."""
+    return _PREFIX.size + len(request_id.encode("utf-8")) + _LAYERS.size + count * DIGEST_BYTES
 
 
 def encode_complete(request_id: str, digests: list[bytes]) -> bytes:
@@ -124,6 +155,24 @@ def decode(frame: bytes | bytearray | memoryview) -> Frame:
             raise MalformedFrame("LAYER header truncated")
         block, layer, digest = _LAYER.unpack_from(body)
         return Layer(request_id, block, layer, digest, body[_LAYER.size :])
+    if kind == Kind.LAYERS:
+        if len(body) < _LAYERS.size:
+            raise MalformedFrame("LAYERS header truncated")
+        first, count, layer = _LAYERS.unpack_from(body)
+        digests_end = _LAYERS.size + count * DIGEST_BYTES
+        if not 0 < count <= MAX_BLOCKS or len(body) < digests_end:
+            raise MalformedFrame(f"LAYERS of {count} blocks truncated or out of range")
+        payload = body[digests_end:]
+        if len(payload) % count:
+            raise MalformedFrame(f"LAYERS payload of {len(payload)} bytes for {count} blocks")
+        digests = body[_LAYERS.size : digests_end]
+        return Layers(
+            request_id,
+            first,
+            layer,
+            tuple(bytes(digests[i : i + DIGEST_BYTES]) for i in range(0, len(digests), 16)),
+            payload,
+        )
     if kind == Kind.COMPLETE:
         if len(body) < _COUNT.size:
             raise MalformedFrame("COMPLETE header truncated")

@@ -2,8 +2,10 @@
 commits only what verified whole.
 
 ``TransferSender`` is fed one layer at a time (``send_layer(layer, blocks)``: that layer's
-bytes for every block of the request, as soon as the layer's KV exists) and sends one LAYER
-frame per (block, layer) with the slice's xxh3-128 digest, then ``finish()`` sends COMPLETE
+bytes for every block of the request, as soon as the layer's KV exists) and sends LAYERS
+frames — one layer of a run of consecutive blocks, up to ``DEFAULT_RUN_BYTES``, each slice
+with its xxh3-128 digest (a lone LAYER frame per slice is still accepted) — then ``finish()``
+sends COMPLETE
 with each block's whole-payload digest (``objects.payload_digest`` of the layers in order:
 the sender hashes incrementally, never re-reading the payload). Wire format: ``frames``.
 
@@ -47,6 +49,11 @@ from kvstrata.transfer.transport import (
 )
 
 Converter = Callable[[Sequence[bytes]], Sequence[Buffer]]
+DEFAULT_RUN_BYTES = 4 * 1024 * 1024
+"""A LAYERS frame's payload at most: one layer of many blocks per frame, not one per block —
+per-frame costs (headers, a syscall, a digest check, a Python round) dominated small slices."""
+MAX_RUN_SLICES = 512
+"""Slices per frame at most: the frame goes out as one gathered send (IOV_MAX is 1024)."""
 
 
 class PendingSink(Protocol):
@@ -75,11 +82,13 @@ class TransferSender:
         layers: int,
         layer_bytes: int,
         timeout_s: float | None = 30.0,
+        run_bytes: int = DEFAULT_RUN_BYTES,
     ) -> None:
         self.conn = conn
         self.request_id = request_id
         self.blocks, self.layers, self.layer_bytes = blocks, layers, layer_bytes
         self.timeout_s = timeout_s
+        self.run_bytes = run_bytes
         self._hashers = [xxhash.xxh3_128() for _ in range(blocks)]
         self._next_layer = 0
         self._begun = False
@@ -90,7 +99,10 @@ class TransferSender:
         self._begun = True
 
     def send_layer(self, layer: int, blocks: Sequence[Buffer]) -> None:
-        """``blocks[i]``: layer ``layer`` of block ``i`` (``layer_bytes`` each); layers in order."""
+        """``blocks[i]``: layer ``layer`` of block ``i`` (``layer_bytes`` each); layers in order.
+
+        Sent as LAYERS frames of consecutive blocks, each at most ``run_bytes`` (and the
+        connection's ``max_frame``; at most ``MAX_RUN_SLICES`` slices: one gathered send)."""
         if not self._begun:
             self.begin()
         if layer != self._next_layer or len(blocks) != self.blocks:
@@ -98,14 +110,32 @@ class TransferSender:
                 f"expected layer {self._next_layer} of {self.blocks} blocks, "
                 f"got layer {layer} of {len(blocks)}"
             )
-        for index, data in enumerate(blocks):
-            view = memoryview(data).cast("B")
+        views = [memoryview(data).cast("B") for data in blocks]
+        for index, view in enumerate(views):
             if view.nbytes != self.layer_bytes:
                 raise InvalidInput(f"block {index}: {view.nbytes} bytes, not {self.layer_bytes}")
-            self._hashers[index].update(view)
-            header = frames.layer_header(self.request_id, index, layer, payload_digest(view))
-            self.conn.send_frame(header, view, timeout_s=self.timeout_s)
+        per_frame = self._run_slices()
+        for first in range(0, len(views), per_frame):
+            run = views[first : first + per_frame]
+            digests = []
+            for index, view in enumerate(run, start=first):
+                self._hashers[index].update(view)
+                digests.append(payload_digest(view))
+            header = frames.layers_header(self.request_id, first, layer, digests)
+            self.conn.send_frame(header, *run, timeout_s=self.timeout_s)
         self._next_layer += 1
+
+    def _run_slices(self) -> int:
+        """Slices per LAYERS frame: as many as ``run_bytes`` and the frame limit allow."""
+        limit = min(self.run_bytes, self.conn.max_frame)
+        fits = 1
+        while (
+            fits < min(self.blocks, MAX_RUN_SLICES)
+            and (fits + 1) * self.layer_bytes + frames.layers_overhead(self.request_id, fits + 1)
+            <= limit
+        ):
+            fits += 1
+        return fits
 
     def finish(self) -> list[bytes]:
         """Send COMPLETE; returns the per-block digests it announced."""
@@ -242,8 +272,12 @@ class _Session:
                 self._on_begin(frame)
             elif self.begin is None:
                 raise _End("refused", "first frame is not BEGIN")
+            elif isinstance(frame, frames.Layers):
+                for index, digest in enumerate(frame.digests):
+                    block = frame.first + index
+                    self._on_slice(self.begin, block, frame.layer, digest, frame.slice(index))
             elif isinstance(frame, frames.Layer):
-                self._on_layer(self.begin, frame)
+                self._on_slice(self.begin, frame.block, frame.layer, frame.digest, frame.payload)
             else:
                 self._on_complete(self.begin, frame)
                 return
@@ -296,20 +330,23 @@ class _Session:
             raise _End("refused", "no room in the tier (or the object exists)")
         return slot
 
-    def _on_layer(self, begin: frames.Begin, frame: frames.Layer) -> None:
-        if not (0 <= frame.block < begin.blocks and 0 <= frame.layer < begin.layers):
-            raise _End("refused", f"block {frame.block} layer {frame.layer} out of range")
-        if len(frame.payload) != begin.layer_bytes:
-            raise _End("refused", f"layer payload of {len(frame.payload)} bytes")
-        if self.seen[frame.block][frame.layer]:
-            raise _End("refused", f"block {frame.block} layer {frame.layer} sent twice")
-        self.payload_bytes += len(frame.payload)
-        if payload_digest(frame.payload) != frame.digest:
-            raise _End("digest_mismatch", f"block {frame.block} layer {frame.layer}")
-        start = frame.layer * begin.layer_bytes
-        target = self.staged[frame.block] if self.staged else self.pending[frame.block].buffer
-        target[start : start + begin.layer_bytes] = frame.payload
-        self.seen[frame.block][frame.layer] = 1
+    def _on_slice(
+        self, begin: frames.Begin, block: int, layer: int, digest: bytes, payload: memoryview
+    ) -> None:
+        """One layer of one block (a LAYER frame, or one slice of a LAYERS frame)."""
+        if not (0 <= block < begin.blocks and 0 <= layer < begin.layers):
+            raise _End("refused", f"block {block} layer {layer} out of range")
+        if len(payload) != begin.layer_bytes:
+            raise _End("refused", f"layer payload of {len(payload)} bytes")
+        if self.seen[block][layer]:
+            raise _End("refused", f"block {block} layer {layer} sent twice")
+        self.payload_bytes += len(payload)
+        if payload_digest(payload) != digest:
+            raise _End("digest_mismatch", f"block {block} layer {layer}")
+        start = layer * begin.layer_bytes
+        target = self.staged[block] if self.staged else self.pending[block].buffer
+        target[start : start + begin.layer_bytes] = payload
+        self.seen[block][layer] = 1
 
     def _on_complete(self, begin: frames.Begin, frame: frames.Complete) -> None:
         if len(frame.digests) != begin.blocks:
