@@ -77,19 +77,19 @@ SERVERS = 2
 
 @dataclass(frozen=True)
 class FleetWorkload:
-    num_prefixes: int = 8
+    num_prefixes: int = 6
     prefix_len: int = 512
     suffix_len: int = 32
     output_len: int = 16
-    num_prompts: int = 32
-    request_rate: float = 0.5
-    kv_cache_blocks: int = 64
+    num_prompts: int = 24
+    request_rate: float = 0.8
+    kv_cache_blocks: int = 48  # 6 × 512 prefix tokens = both servers' 2 × 48 × 32 together
     host_gib: float = 0.25  # `kvstrata up --engine vllm`'s default
     repeats: int = 2
     seed: int = 0
     policies: tuple[str, ...] = POLICY_NAMES
     multiprocess: bool = False
-    """vLLM's engine core in its own process (as users run it) or in the API server's."""
+    """``VllmServerSpec.multiprocess`` (as ``tests_vllm/test_vllm_fleet.py`` starts them)."""
 
     def __post_init__(self) -> None:
         if self.num_prefixes < 1 or self.num_prompts < self.num_prefixes:

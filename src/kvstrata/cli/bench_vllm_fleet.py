@@ -53,11 +53,6 @@ def register_fleet(sub: Any) -> None:
         default=",".join(w.policies),
         help="comma-separated `kvstrata router --policy` names (default: all four)",
     )
-    parser.add_argument(
-        "--multiprocess",
-        action="store_true",
-        help="vLLM's engine core in its own process (default: in the API server's; faster start)",
-    )
     parser.add_argument("--vllm-python", type=Path, default=None, help="python of a vLLM venv")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run_fleet)
@@ -82,7 +77,6 @@ def workload_from_args(args: argparse.Namespace) -> FleetWorkload:
         repeats=args.repeats,
         seed=args.seed,
         policies=policies,
-        multiprocess=args.multiprocess,
     )
 
 
