@@ -155,3 +155,20 @@ def test_workload_validation() -> None:
         FleetWorkload(kv_cache_blocks=8)  # cannot hold one request
     with pytest.raises(InvalidInput):
         FleetWorkload(num_prompts=2, num_prefixes=4)
+
+
+def test_table_has_one_row_per_policy_and_unknown_policies_fail_early() -> None:
+    import argparse
+
+    from kvstrata.cli.bench_vllm_fleet import COLUMNS, fleet_rows, register_fleet
+
+    runs = [_run("kvstrata", 1, 50.0, ["x"]), _run("round-robin", 1, 90.0, ["y"])]
+    rows = fleet_rows(summarize(runs))
+    assert [r[0] for r in rows] == ["kvstrata", "round-robin"]
+    assert all(len(r) == len(COLUMNS) for r in rows)
+    assert rows[0][1] == "50" and rows[0][5] == "2/1" and rows[1][6] == 1  # "y" ≠ "x"
+    parser = argparse.ArgumentParser()
+    register_fleet(parser.add_subparsers())
+    args = parser.parse_args(["vllm-fleet", "--policies", "kvstrata,nope"])
+    with pytest.raises(InvalidInput, match="nope"):
+        args.func(args)
