@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from kvstrata.bench.vllm_fleet import FleetWorkload, worker_arg
 from kvstrata.bench.vllm_fleet_report import (
     FleetRun,
     counter_delta,
@@ -19,6 +18,7 @@ from kvstrata.bench.vllm_fleet_report import (
     summarize,
 )
 from kvstrata.errors import InvalidInput
+from kvstrata.fleet.vllm_bench import FleetWorkload, worker_arg
 from kvstrata.fleet.vllm_workers import VllmWorker
 
 METRICS = """\

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.vllm_fleet import FleetWorkload, run
+from kvstrata.fleet.vllm_bench import FleetWorkload, run
 
 pytestmark = pytest.mark.slow
 

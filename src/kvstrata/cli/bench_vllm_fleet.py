@@ -11,10 +11,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.vllm_fleet import FleetWorkload
 from kvstrata.cli.output import emit
 from kvstrata.cli.vllm_venv import reexec_unless_vllm, smollm2_dir
 from kvstrata.errors import InvalidInput
+from kvstrata.fleet.vllm_bench import FleetWorkload
 
 COLUMNS = (
     "policy",
@@ -118,7 +118,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     code = reexec_unless_vllm(args)
     if code is not None:
         return code
-    from kvstrata.bench.vllm_fleet import run as run_bench
+    from kvstrata.fleet.vllm_bench import run as run_bench
 
     model_dir = smollm2_dir()
     if model_dir is None:
