@@ -339,3 +339,49 @@ def test_smollm2_disaggregated_greedy_output_is_exact(tmp_path: Path) -> None:
     finally:
         decode.stop()
         prefill.stop()
+
+
+@pytest.mark.slow
+def test_nixl_carries_the_transfer_between_two_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[transfer] transport = "nixl"``: the decode worker's listener speaks NIXL (UCX writes
+    into its registered ring, loopback here), ``/kv/info`` says so, the prefill worker connects
+    with it; the answer equals the single worker's, and a TCP offer to it is refused."""
+    from kvstrata.transfer.nixl_transport import available
+
+    reason = available()
+    if reason is not None:
+        print(f"SKIP nixl: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    decode = _Worker(
+        tmp_path, "decode-nixl", "--transfer-port", "0", "--transfer-transport", "nixl"
+    )
+    prefill = _Worker(tmp_path, "prefill-nixl")
+    try:
+        decode.wait_ready()
+        prefill.wait_ready()
+        info = _transfer_info(decode.url)
+        assert info["transport"] == "nixl"
+        tokens = _prompt(6, 4 * BLOCK + 3)
+        body = {
+            "request_id": "req-n",
+            "prompt_token_ids": tokens,
+            "target": {"host": info["host"], "port": info["port"], "transport": "nixl"},
+        }
+        sent = httpx.post(f"{prefill.url}/kv/prefill", json=body, timeout=120).json()
+        assert sent["outcome"] == "sent", sent
+        text, matched = _complete(decode.url, tokens, {"request_id": "req-n", "timeout_s": 30})
+        assert matched == 4 * BLOCK and text == _complete(prefill.url, tokens)[0]
+        assert (
+            _metric(decode.url, "kvstrata_transfers_total", path="nixl", outcome="committed") == 1
+        )
+        tcp_body = {**body, "request_id": "req-t", "target": {**body["target"], "transport": "tcp"}}
+        wrong = httpx.post(f"{prefill.url}/kv/prefill", json=tcp_body, timeout=120).json()
+        assert wrong["outcome"] in ("failed", "unreachable", "refused"), wrong
+        text, matched = _complete(decode.url, [*tokens[:-3], 7, 8, 9])
+        assert text and matched == 4 * BLOCK  # the decode worker is unharmed, still serving hits
+    finally:
+        decode.stop()
+        prefill.stop()

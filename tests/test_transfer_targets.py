@@ -70,3 +70,22 @@ def test_worker_config_reads_the_table_and_flags_override_it() -> None:
         load_worker_config(raw={"transfer": {"allowed_targets": ["10.0.0.1:99999"]}})
     with pytest.raises(ConfigError, match=r"transfer\.nope"):
         load_worker_config(raw={"transfer": {"nope": 1}})
+
+
+def test_transport_is_tcp_or_nixl_everywhere_it_is_named() -> None:
+    from kvstrata.fleet.workers import TransferTarget
+    from kvstrata.transfer.transport import TransportError, make_transport
+
+    assert load_worker_config(raw={"transfer": {"transport": "nixl"}}).transfer.transport == "nixl"
+    assert load_worker_config(overrides={"transfer_transport": "tcp"}).transfer.transport == "tcp"
+    with pytest.raises(ConfigError, match=r"transfer\.transport"):
+        load_worker_config(raw={"transfer": {"transport": "rdma"}})
+    layout = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "block_size": 16}
+    layout["dtype"] = "float32"
+    entry = {"host": "127.0.0.1", "port": 7000, "layout": layout}
+    assert TransferTarget.from_json(entry).transport == "tcp"  # an older worker says nothing
+    assert TransferTarget.from_json({**entry, "transport": "nixl"}).transport == "nixl"
+    with pytest.raises(ValueError, match="bad transfer entry"):
+        TransferTarget.from_json({**entry, "transport": "carrier-pigeon"})
+    with pytest.raises(TransportError, match="unknown transport"):
+        make_transport("rdma")

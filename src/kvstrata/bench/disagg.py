@@ -164,7 +164,11 @@ def _disagg_once(
     client: httpx.Client, pool: ThreadPoolExecutor, pair: WorkerPair, tokens: list[int]
 ) -> tuple[float, dict[str, Any], int]:
     request_id = f"bench-{uuid.uuid4().hex}"
-    target = {"host": pair.transfer_host, "port": pair.transfer_port}
+    target = {
+        "host": pair.transfer_host,
+        "port": pair.transfer_port,
+        "transport": pair.transfer_transport,
+    }
     prefill_body = {"request_id": request_id, "prompt_token_ids": tokens, "target": target}
     wait = {"request_id": request_id, "timeout_s": 60}
     body = {"prompt": tokens, "max_tokens": 1, "temperature": 0, "kvstrata_transfer": wait}
@@ -275,14 +279,21 @@ def run_disagg_bench(
                 if streams.step_samples:
                     learned.decode_step_s = _median(streams.step_samples)
     raw_after = raw_socket_gbps(RAW_SOCKET_BYTES)
-    probes = [_link_probe(pair.layout, config.link_probe_bytes) for _ in range(LINK_PROBES)]
-    return _summary(config, pair.layout, points, transfers, (raw_before, raw_after), link, probes)
+    probes = [
+        _link_probe(pair.layout, config.link_probe_bytes, pair.transfer_transport)
+        for _ in range(LINK_PROBES)
+    ]
+    raw = (raw_before, raw_after)
+    summary = _summary(config, pair.layout, points, transfers, raw, link, probes)
+    return summary | {"transport": pair.transfer_transport}
 
 
-def _link_probe(layout: KVLayout, total_bytes: int) -> LinkProbe:
+def _link_probe(layout: KVLayout, total_bytes: int, transport: str) -> LinkProbe:
     layer_bytes = layout.block_bytes() // layout.num_layers
     blocks = min(LINK_PROBE_MAX_BLOCKS, max(1, total_bytes // layout.block_bytes()))
-    return transfer_stack_gbps(blocks=blocks, layers=layout.num_layers, layer_bytes=layer_bytes)
+    return transfer_stack_gbps(
+        blocks=blocks, layers=layout.num_layers, layer_bytes=layer_bytes, transport_name=transport
+    )
 
 
 def _summary(

@@ -32,6 +32,7 @@ class WorkerPair:
     transfer_host: str
     transfer_port: int
     layout: KVLayout
+    transfer_transport: str = "tcp"
 
 
 def _command(model: str, port: int, secret: Path, pool_gib: float, *extra: str) -> list[str]:
@@ -55,8 +56,11 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, name: str)
 
 
 @contextlib.contextmanager
-def worker_pair(model: str, scratch: Path, *, pool_gib: float = 0.5) -> Iterator[WorkerPair]:
-    """Start both workers, wait until both answer, yield their addresses, kill both."""
+def worker_pair(
+    model: str, scratch: Path, *, pool_gib: float = 0.5, transport: str = "tcp"
+) -> Iterator[WorkerPair]:
+    """Start both workers, wait until both answer, yield their addresses, kill both.
+    ``transport``: what the decode worker's transfer listener speaks (``tcp``, ``nixl``)."""
     secret = scratch / "tenant-secret"
     secret.write_bytes(b"kvstrata-bench-disagg")
     env = server_env(scratch)
@@ -64,7 +68,10 @@ def worker_pair(model: str, scratch: Path, *, pool_gib: float = 0.5) -> Iterator
     procs: list[subprocess.Popen[bytes]] = []
     try:
         urls: list[str] = []
-        for name, extra in (("decode", ("--transfer-port", "0")), ("prefill", ())):
+        decode_flags = ("--transfer-port", "0", "--transfer-transport", transport)
+        if transport == "nixl":
+            env.setdefault("UCX_NET_DEVICES", "lo")  # one machine: loopback only
+        for name, extra in (("decode", decode_flags), ("prefill", ())):
             port = free_port()
             log = scratch / f"{name}.log"
             with log.open("wb") as out:
@@ -87,6 +94,7 @@ def worker_pair(model: str, scratch: Path, *, pool_gib: float = 0.5) -> Iterator
             transfer_host=str(info["host"]),
             transfer_port=int(info["port"]),
             layout=KVLayout(**info["layout"]),
+            transfer_transport=str(info.get("transport", "tcp")),
         )
     finally:
         for proc in procs:

@@ -24,8 +24,8 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.tiers.host import HostTier
 from kvstrata.transfer.stream import TransferReceiver, TransferSender
-from kvstrata.transfer.tcp import TcpTransport, raw_socket_gbps
-from kvstrata.transfer.transport import TransportError
+from kvstrata.transfer.tcp import raw_socket_gbps
+from kvstrata.transfer.transport import TransportError, make_transport
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,14 @@ def _metas(blocks: int, block_bytes: int) -> list[KVObjectMeta]:
     ]
 
 
-def transfer_stack_gbps(*, blocks: int, layers: int, layer_bytes: int) -> LinkProbe:
-    """Stream ``blocks`` × ``layers`` slices through the stack once (module docstring)."""
+def transfer_stack_gbps(
+    *, blocks: int, layers: int, layer_bytes: int, transport_name: str = "tcp"
+) -> LinkProbe:
+    """Stream ``blocks`` × ``layers`` slices through the stack once (module docstring) over
+    ``transport_name`` (``tcp``; ``nixl``: UCX confined by the caller's environment)."""
     block_bytes = layers * layer_bytes
     slices = [os.urandom(layer_bytes) for _ in range(blocks)]  # one layer, reused per layer
-    transport = TcpTransport()
+    transport = make_transport(transport_name)
     with HostTier(blocks * block_bytes, block_bytes, pin_memory=False) as tier:
         receiver = TransferReceiver(tier)
         listener = transport.listen()

@@ -27,6 +27,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each path")
     parser.add_argument("--stream-tokens", type=int, default=256, help="tokens per decode stream")
     parser.add_argument("--pool-gib", type=float, default=0.5, help="each worker's pool and host")
+    parser.add_argument(
+        "--transport", choices=("tcp", "nixl"), default="tcp", help="the transfer's transport"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -47,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="kvstrata-disagg-") as scratch, sigterm_unwinds():
         result = run_disagg_bench(
-            config, lambda: worker_pair(args.model, Path(scratch), pool_gib=args.pool_gib)
+            config,
+            lambda: worker_pair(
+                args.model, Path(scratch), pool_gib=args.pool_gib, transport=args.transport
+            ),
         )
     rows = [
         (

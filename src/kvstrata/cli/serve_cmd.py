@@ -153,6 +153,12 @@ def register(sub: Any) -> None:
         "--transfer-host", default=None, help="transfer listener address (127.0.0.1)"
     )
     disagg.add_argument(
+        "--transfer-transport",
+        default=None,
+        choices=("tcp", "nixl"),
+        help="what the transfer listener speaks (tcp; nixl needs the optional extra)",
+    )
+    disagg.add_argument(
         "--allowed-transfer-targets",
         default=None,
         metavar="LIST",
@@ -300,6 +306,7 @@ def _disaggregation(
             engine,
             host=transfer.host,
             port=transfer.port,
+            transport=transfer.transport,
             metrics=TransferMetrics(metrics.registry),
             audit=audit,
             tenant_secret=secret,

@@ -53,6 +53,7 @@ class DisaggPlan:
     prefill_cached_tokens: int = 0
     target_host: str = ""
     target_port: int = 0
+    target_transport: str = "tcp"
     timeout_s: float = 0.0
     candidates: tuple[tuple[str, float], ...] = ()
     """(prefill worker, predicted disaggregated TTFT) of every healthy prefill worker."""
@@ -125,6 +126,7 @@ def plan(
         prefill_cached_tokens=remote_cached,
         target_host=target.host,
         target_port=target.port,
+        target_transport=target.transport,
         timeout_s=timeout,
         candidates=candidates,
     )

@@ -54,7 +54,11 @@ async def prepare(
     body: dict[str, Any] = {
         "request_id": transfer_id,
         "prompt_token_ids": tokens,
-        "target": {"host": chosen.target_host, "port": chosen.target_port},
+        "target": {
+            "host": chosen.target_host,
+            "port": chosen.target_port,
+            "transport": chosen.target_transport,
+        },
     }
     if isinstance(payload.get("kvstrata_tenant"), str):
         body["tenant"] = payload["kvstrata_tenant"]

@@ -30,6 +30,7 @@ from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg_inputs import InterferenceEstimate
 from kvstrata.router.model import WorkerLoad
 from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.runtime.transfer_config import TRANSPORTS
 from kvstrata.transfer.layout import KVLayout
 
 NEXT_SEQ_HEADER = "X-Kvstrata-Next-Seq"
@@ -48,14 +49,16 @@ class TransferTarget:
     host: str
     port: int
     layout: KVLayout
+    transport: str = "tcp"
 
     @classmethod
     def from_json(cls, body: Any) -> TransferTarget:
         layout = KVLayout(**body["layout"])
         port = int(body["port"])
-        if layout.problem() is not None or not 0 < port < 65536:
+        transport = str(body.get("transport", "tcp"))  # older workers: tcp only
+        if layout.problem() is not None or not 0 < port < 65536 or transport not in TRANSPORTS:
             raise ValueError(f"bad transfer entry {body!r:.200}")
-        return cls(str(body["host"]), port, layout)
+        return cls(str(body["host"]), port, layout, transport)
 
 
 @dataclass(frozen=True, slots=True)

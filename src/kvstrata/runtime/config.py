@@ -353,10 +353,14 @@ def _transfer(table: _Reader) -> TransferConfig:
         raise table.fail("port", "must lie in 0..65535")
     try:
         return TransferConfig(
-            host=table.get("host"), port=port, allowed_targets=tuple(table.get("allowed_targets"))
+            host=table.get("host"),
+            port=port,
+            transport=table.get("transport"),
+            allowed_targets=tuple(table.get("allowed_targets")),
         )
     except InvalidInput as exc:
-        raise table.fail("allowed_targets", str(exc)) from None
+        key = "transport" if "transport" in str(exc) else "allowed_targets"
+        raise table.fail(key, str(exc)) from None
 
 
 def _security(table: _Reader) -> SecurityConfig:

@@ -201,6 +201,12 @@ KEYS: Final[tuple[Key, ...]] = (
         "advertised in `/kv/info`); unset: none",
     ),
     Key(
+        "transfer.transport",
+        "str",
+        "tcp",
+        "`serve`: what the transfer listener speaks: `tcp` (built in) or `nixl` (optional extra)",
+    ),
+    Key(
         "transfer.allowed_targets",
         "list[str]",
         ["127.0.0.0/8", "[::1]", "localhost"],
@@ -361,6 +367,7 @@ _OVERRIDE_LIST: Final = (
     ),
     Override("transfer_host", "transfer.host", _set("transfer.host")),
     Override("transfer_port", "transfer.port", _set("transfer.port")),
+    Override("transfer_transport", "transfer.transport", _set("transfer.transport")),
     Override(
         "allowed_transfer_targets", "transfer.allowed_targets", _set("transfer.allowed_targets")
     ),

@@ -2,6 +2,9 @@
 
 - ``port``: receive KV transfers (the decode role) on this TCP port; ``None`` (the default)
   takes none, ``0`` any free port (advertised in ``/kv/info``). ``host``: the listener address.
+- ``transport``: what that listener speaks — ``tcp`` (built in) or ``nixl`` (UCX writes into
+  registered memory, a TCP control channel on the same port; the optional ``nixl`` extra).
+  Advertised in ``/kv/info``; a prefill worker connects with the transport the target names.
 - ``allowed_targets``: where the prefill role may send KV. ``POST /kv/prefill`` names its
   target (``{host, port}``) and the worker opens a TCP connection there and streams the
   prompt's KV: without a list, anyone holding a tenant key could make a worker connect to any
@@ -29,6 +32,7 @@ from kvstrata.errors import InvalidInput
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+TRANSPORTS: Final = ("tcp", "nixl")  # transfer.transport.TRANSPORT_NAMES (the layer above)
 DEFAULT_ALLOWED_TARGETS: Final = ("127.0.0.0/8", "[::1]", "localhost")
 ANY: Final = "*"
 
@@ -102,11 +106,14 @@ class TransferConfig:
 
     host: str = "127.0.0.1"
     port: int | None = None
+    transport: str = "tcp"
     allowed_targets: tuple[str, ...] = DEFAULT_ALLOWED_TARGETS
 
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise InvalidInput("transfer port must lie in 0..65535")
+        if self.transport not in TRANSPORTS:
+            raise InvalidInput(f"transfer transport must be one of {', '.join(TRANSPORTS)}")
         _ = self.rules  # a malformed entry fails here, at start-up
 
     @cached_property

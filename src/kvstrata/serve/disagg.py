@@ -1,8 +1,9 @@
 """A worker's HTTP side of disaggregated prefill (issue 14; ``docs/disaggregation.md``).
 
 - ``POST /kv/prefill`` (prefill worker): ``{request_id, prompt_token_ids, tenant, target:
-  {host, port}}`` → prefill here and stream the KV to the decode worker at ``target``
-  (``transfer_sender.prefill_and_send``) → ``{outcome, blocks, bytes, seconds, overlap,
+  {host, port, transport}}`` (``transport``: ``tcp``, the default, or ``nixl``, as the decode
+  worker's ``/kv/info`` advertises) → prefill here and stream the KV to the decode worker at
+  ``target`` (``transfer_sender.prefill_and_send``) → ``{outcome, blocks, bytes, seconds, overlap,
   reason}``. The caller needs a tenant key, as for completions; ``tenant`` may only narrow it.
   ``target`` must be one the worker's ``[transfer] allowed_targets`` admit (default loopback;
   ``runtime.transfer_config``), else 403 ``target_forbidden``: nothing is computed or sent.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -43,6 +45,7 @@ MAX_PREFILL_TOKENS = 1 << 17
 class TransferTarget(_Strict):
     host: str = Field(min_length=1, max_length=255)
     port: int = Field(ge=1, le=65535)
+    transport: Literal["tcp", "nixl"] = "tcp"  # what the decode worker's listener speaks
 
 
 class PrefillRequest(_Strict):
@@ -178,6 +181,7 @@ def register_disagg(app: FastAPI, disagg: Disaggregation, guard: HttpAuth) -> No
             (body.target.host, body.target.port),
             tenant_secret=disagg.tenant_secret,
             layer_delay_s=disagg.layer_delay_s,
+            transport=body.target.transport,
         )
         disagg.metrics.observe(
             "prefill", "transfer", result.outcome, result.payload_bytes, result.seconds

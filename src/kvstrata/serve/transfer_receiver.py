@@ -51,6 +51,7 @@ from kvstrata.transfer.handshake import (
     Refuse,
     TransferAnswer,
     TransferOffer,
+    Transport,
     answer_offer,
     decode_offer,
     encode,
@@ -60,8 +61,13 @@ from kvstrata.transfer.ingress import StoreIngress
 from kvstrata.transfer.intro import TransferIntro, decode_intro, intro_authentic
 from kvstrata.transfer.layout import ConversionPlan, RefuseReason, plan_conversion
 from kvstrata.transfer.stream import Converter, TransferReceiver
-from kvstrata.transfer.tcp import TcpListener, TcpTransport
-from kvstrata.transfer.transport import Buffer, Connection, TransportError
+from kvstrata.transfer.transport import (
+    Buffer,
+    Connection,
+    Listener,
+    TransportError,
+    make_transport,
+)
 
 logger = logging.getLogger("kvstrata.serve.transfer")
 
@@ -105,6 +111,7 @@ class DecodeTransfers:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        transport: str = "tcp",
         metrics: TransferMetrics | None = None,
         audit: AuditLog = NULL_AUDIT,
         receive_timeout_s: float = 60.0,
@@ -116,6 +123,8 @@ class DecodeTransfers:
             raise ConfigError(f"reuse is disabled ({engine.fingerprint.reason}): no transfers")
         self.engine = engine
         self.host, self.port = host, port
+        self.transport_name = transport
+        self._transport = make_transport(transport)  # NIXL missing: TransportError, at start-up
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.audit = audit
         self.receive_timeout_s = receive_timeout_s
@@ -126,19 +135,20 @@ class DecodeTransfers:
             model_digest=self.model_digest,
             layout=self.layout,
             tenant_allowed=valid_namespace,
+            transports=(Transport(transport),),
             allow_lossy=False,
         )
         self._ingress = StoreIngress(engine.bridge.store)
         self._lock = threading.Lock()
         self._waiters: OrderedDict[str, _Waiter] = OrderedDict()
         self._active = 0
-        self._listener: TcpListener | None = None
+        self._listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> DecodeTransfers:
-        self._listener = TcpTransport().listen(self.host, self.port)
+        self._listener = self._transport.listen(self.host, self.port)
         self.host, self.port = self._listener.address
         self._thread = threading.Thread(target=self._accept_loop, name="kv-transfers", daemon=True)
         self._thread.start()
@@ -158,6 +168,7 @@ class DecodeTransfers:
         return {
             "host": self.host,
             "port": self.port,
+            "transport": self.transport_name,
             "layout": asdict(self.layout),
             "model_digest": self.model_digest.hex(),
             "active": active,

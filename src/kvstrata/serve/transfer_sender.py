@@ -50,8 +50,7 @@ from kvstrata.transfer.handshake import (
 )
 from kvstrata.transfer.intro import TransferIntro, encode_intro, intro_mac
 from kvstrata.transfer.stream import TransferSender
-from kvstrata.transfer.tcp import TcpTransport
-from kvstrata.transfer.transport import Address, Connection, TransportError
+from kvstrata.transfer.transport import Address, Connection, TransportError, make_transport
 
 _CONNECT_TIMEOUT_S = 10.0
 _DONE = -1
@@ -139,7 +138,12 @@ class _LayerFeed:
 
 
 def _offer(
-    engine: ReferenceEngine, tokens: list[int], tenant: str, request_id: str, blocks: int
+    engine: ReferenceEngine,
+    tokens: list[int],
+    tenant: str,
+    request_id: str,
+    blocks: int,
+    transport: str,
 ) -> TransferOffer:
     assert isinstance(engine.fingerprint, ModelFingerprint)
     keys = engine.call(lambda: engine.block_keys(tokens, tenant)).result()[:blocks]
@@ -152,7 +156,7 @@ def _offer(
         tenant=tenant,
         blocks=tuple(BlockEntry(i, size, bytes(key)) for i, key in enumerate(keys)),
         operations=(Operation.WRITE,),
-        transports=(Transport.TCP,),
+        transports=(Transport(transport),),
     )
 
 
@@ -166,6 +170,7 @@ def prefill_and_send(
     tenant_secret: bytes = b"",
     layer_delay_s: float = 0.0,
     timeout_s: float = 60.0,
+    transport: str = "tcp",
 ) -> SendOutcome:
     """Prefill ``tokens`` here and stream their KV to ``target`` (module docstring).
     ``layer_delay_s``: a pause before each layer is sent (tests: a transfer slow enough to
@@ -174,13 +179,14 @@ def prefill_and_send(
     if not isinstance(engine.fingerprint, ModelFingerprint):
         return SendOutcome("refused", reason="reuse_disabled")
     try:
-        conn = TcpTransport().connect(target, timeout_s=_CONNECT_TIMEOUT_S)
+        conn = make_transport(transport).connect(target, timeout_s=_CONNECT_TIMEOUT_S)
     except TransportError as exc:
         return SendOutcome("unreachable", reason=str(exc)[:200])
     try:
         return _run(
-            engine, conn, tokens, tenant, request_id, tenant_secret, layer_delay_s, timeout_s, start
-        )
+            engine, conn, tokens, tenant, request_id, tenant_secret, layer_delay_s, timeout_s,
+            start, transport,
+        )  # fmt: skip
     finally:
         conn.close()
 
@@ -195,10 +201,11 @@ def _run(
     layer_delay_s: float,
     timeout_s: float,
     start: float,
+    transport: str,
 ) -> SendOutcome:
     size = engine.pool.config.block_size
     blocks = len(tokens) // size
-    offer = _offer(engine, tokens, tenant, request_id, blocks)
+    offer = _offer(engine, tokens, tenant, request_id, blocks, transport)
     mac = intro_mac(secret, request_id, tenant, tokens)
     try:
         intro = TransferIntro(PROTOCOL_VERSION, request_id, tuple(tokens), tenant, mac)

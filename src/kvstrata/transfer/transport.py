@@ -81,3 +81,20 @@ class Transport(Protocol):
 
 def frame_length(parts: tuple[Buffer, ...]) -> int:
     return sum(memoryview(part).nbytes for part in parts)
+
+
+TRANSPORT_NAMES: tuple[str, ...] = ("tcp", "nixl")
+
+
+def make_transport(name: str) -> Transport:
+    """The transport a ``[transfer] transport`` name selects; NIXL missing → ``TransportError``
+    (with the reason it does not import)."""
+    if name == "tcp":
+        from kvstrata.transfer.tcp import TcpTransport
+
+        return TcpTransport()
+    if name == "nixl":
+        from kvstrata.transfer.nixl_transport import NixlTransport
+
+        return NixlTransport()
+    raise TransportError(f"unknown transport {name!r} (known: {', '.join(TRANSPORT_NAMES)})")
