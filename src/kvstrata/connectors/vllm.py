@@ -30,6 +30,11 @@ vLLM instance with the same url and ``remote_namespace`` shares.)
   tier) go out on kvstrata's own ZMQ publisher (``[events]``), not vLLM's connector event
   path, so they carry kvstrata's keys, tenant and epoch.
 
+``kv_role="kv_producer"`` / ``"kv_consumer"`` add P/D disaggregation through a shared tier
+(``vllm_pd``: the producer returns a kvstrata offer in ``kv_transfer_params``, the consumer
+checks it with the transfer handshake and waits for the offered blocks before loading them);
+``kv_both`` is the ordinary behaviour.
+
 A model kvstrata cannot identify (``ReuseDisabled``), and requests with LoRA, multimodal inputs
 or prompt embeddings, get 0 external tokens and are never stored.
 With ``vllm_stats``, the only kvstrata module that imports vLLM (an optional extra:
@@ -119,7 +124,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Without a store (no tier opened) it still tracks requests: their blocks were kept.
         self._saver = BackgroundSaver(_no_save, max_blocks=0)
         self._deltas = StatsDelta()
-        self.role = Role.of(transfer.kv_role)
+        self.pd_role = Role.of(transfer.kv_role)
         self._side: RoleSide | None = None  # kv_producer / kv_consumer
         if role == KVConnectorRole.SCHEDULER:
             fingerprint = model_fingerprint(vllm_config, kv_cache_config)
@@ -144,7 +149,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _start_role(self, vllm_config: Any, fingerprint: ModelFingerprint | ReuseDisabled) -> None:
         """kv_producer / kv_consumer (``vllm_pd``): this side's model digest and layout."""
-        if self.role is Role.BOTH:
+        if self.pd_role is Role.BOTH:
             return
         identity: tuple[bytes, KVLayout] | None = None
         if isinstance(fingerprint, ModelFingerprint):
@@ -156,7 +161,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._planner is not None and self._lookup is not None
         wait_s = self.settings.pd_wait_ms / 1000
         self._side = RoleSide(
-            self.role, self._planner, self._lookup, identity, wait_s=wait_s, clock=time.monotonic
+            self.pd_role, self._planner, self._lookup, identity, wait_s=wait_s, clock=time.monotonic
         )
 
     # ==== worker side ==========================================================================
