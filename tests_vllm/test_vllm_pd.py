@@ -6,8 +6,8 @@ tier) and nothing else. ``vllm_pd_proxy.pd_request`` sends the completion to the
 ``kv_transfer_params``), then the whole request with those params to the consumer: its greedy
 output is the producer's own for the same request, and its ``/metrics`` show the prompt's full
 blocks as external hits (it loaded them, it did not recompute). An offer the consumer refuses
-(another block size: kvstrata does not convert stored objects on this path) means a local
-prefill — same output, no external hit, the refusal counted by reason.
+(another model digest) means a local prefill — same output, no external hit, the refusal
+counted by reason.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from kvstrata.fleet.vllm_pd_proxy import pd_request, prefill_body
 from kvstrata.fleet.vllm_servers import VllmServer, VllmServerSpec
 from kvstrata.runtime.valkey_server import ValkeyServer
 from kvstrata.telemetry.prom_text import samples
-from kvstrata.transfer.messages import WireLayout
 
 pytestmark = pytest.mark.timeout(900)
 SRC = str(Path(kvstrata.__file__).resolve().parent.parent)
@@ -116,15 +115,13 @@ def test_a_refused_offer_means_a_local_prefill_with_the_same_output(
         first = client.post(f"{producer.spec.url}/v1/completions", json=prefill_body(body))
         offer = decode_params(first.json()["kv_transfer_params"])
         assert offer is not None and offer.blocks
-        layout = msgspec.structs.replace(offer.layout, block_size=2 * BLOCK)
-        other = msgspec.structs.replace(offer, layout=layout)
-        assert isinstance(other.layout, WireLayout)
+        other = msgspec.structs.replace(offer, model_digest=bytes(32))  # another model
         tampered = dict(body, kv_transfer_params=encode_params(other))
         local = _tokens(client.post(f"{consumer.spec.url}/v1/completions", json=tampered))
         single = _tokens(client.post(f"{producer.spec.url}/v1/completions", json=body))
     assert local == single
     # The producer's blocks are in the shared tier, but the refused offer is not used.
     assert _metric(consumer, "vllm:external_prefix_cache_hits_total") == hits_before
-    reason = 'reason="conversion_unavailable"'
+    reason = 'reason="model_mismatch"'
     assert _metric(consumer, "vllm:kvstrata_pd_refusals_total", reason) == 1
     assert _metric(consumer, "vllm:kvstrata_pd_refused_total") == 1
