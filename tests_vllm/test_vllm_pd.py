@@ -49,7 +49,9 @@ def pair(
                 kv_cache_blocks=64,
                 host_gib=None,  # the shared remote tier only: nothing else connects the two
                 pythonpath=SRC,
-                multiprocess=False,
+                # The producer in vLLM's default multiprocess mode: its saver is in another
+                # process, so the offer goes out before the saves end (the consumer waits).
+                multiprocess=role == "producer",
                 kv_role=f"kv_{role}",
                 connector_extra={
                     "remote_url": remote_server.url,
