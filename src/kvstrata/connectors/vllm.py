@@ -30,6 +30,11 @@ vLLM instance with the same url and ``remote_namespace`` shares.)
   tier) go out on kvstrata's own ZMQ publisher (``[events]``), not vLLM's connector event
   path, so they carry kvstrata's keys, tenant and epoch.
 
+``kv_role="kv_producer"`` / ``"kv_consumer"`` add P/D disaggregation through a shared tier
+(``vllm_pd``: the producer returns a kvstrata offer in ``kv_transfer_params``, the consumer
+checks it with the transfer handshake and waits for the offered blocks before loading them);
+``kv_both`` is the ordinary behaviour.
+
 A model kvstrata cannot identify (``ReuseDisabled``), and requests with LoRA, multimodal inputs
 or prompt embeddings, get 0 external tokens and are never stored.
 With ``vllm_stats``, the only kvstrata module that imports vLLM (an optional extra:
@@ -39,6 +44,7 @@ With ``vllm_stats``, the only kvstrata module that imports vLLM (an optional ext
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +73,7 @@ from kvstrata.connectors.vllm_lookup import (
     register_local,
     unregister_local,
 )
+from kvstrata.connectors.vllm_pd import Gate, Role, RoleSide, vllm_kv_layout
 from kvstrata.connectors.vllm_plan import RequestSave, ScheduledRequest, SchedulerPlanner, StepPlan
 from kvstrata.connectors.vllm_saver import BackgroundSaver, local_saver, register_saver
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config, lookup_keys
@@ -83,6 +90,7 @@ from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.runtime.wiring import wire
+from kvstrata.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +124,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Without a store (no tier opened) it still tracks requests: their blocks were kept.
         self._saver = BackgroundSaver(_no_save, max_blocks=0)
         self._deltas = StatsDelta()
+        self.pd_role = Role.of(transfer.kv_role)
+        self._side: RoleSide | None = None  # kv_producer / kv_consumer
         if role == KVConnectorRole.SCHEDULER:
             fingerprint = model_fingerprint(vllm_config, kv_cache_config)
             if isinstance(fingerprint, ReuseDisabled):
@@ -135,6 +145,24 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._lookup,
                 tenant_of=lambda salt: tenant_for_salt(salt, secret),
             )
+            self._start_role(vllm_config, fingerprint)
+
+    def _start_role(self, vllm_config: Any, fingerprint: ModelFingerprint | ReuseDisabled) -> None:
+        """kv_producer / kv_consumer (``vllm_pd``): this side's model digest and layout."""
+        if self.pd_role is Role.BOTH:
+            return
+        identity: tuple[bytes, KVLayout] | None = None
+        if isinstance(fingerprint, ModelFingerprint):
+            layout = vllm_kv_layout(
+                vllm_config, kv_dtype=fingerprint.kv_dtype, order=_kv_order(), codec_id=KV_LAYOUT
+            )
+            if layout.problem() is None:
+                identity = (bytes(fingerprint.model_digest()), layout)
+        assert self._planner is not None and self._lookup is not None
+        wait_s = self.settings.pd_wait_ms / 1000
+        self._side = RoleSide(
+            self.pd_role, self._planner, self._lookup, identity, wait_s=wait_s, clock=time.monotonic
+        )
 
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -211,6 +239,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         plan = self._plan()
+        if plan.pd_counts and self._worker is not None:
+            self._worker.pd_counts(plan.pd_counts)
         if self._worker is None:
             self._saver.submit(plan.saves)  # tracked only: reported finished at once
             return
@@ -246,6 +276,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._copy_saver_counts()
         gauges = {"save_queued_blocks": float(self._saver.queued_blocks)}
         delta = self._deltas.take(self._worker.snapshot_stats(), gauges)
+        delta.update(self._worker.take_pd_reasons())
         return KvstrataConnectorStats(data=delta)
 
     @classmethod
@@ -301,6 +332,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             and not request.mm_features
             and getattr(request, "prompt_embeds", None) is None
         )
+        if eligible and self._side is not None:
+            gate = self._side.admit(request)
+            if gate is Gate.WAIT:
+                return None, False  # the producer's blocks are not all stored yet: ask again
+            eligible = gate is not Gate.LOCAL
         tokens = self._planner.matched_tokens(
             request.request_id,
             request.all_token_ids,
@@ -343,6 +379,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
             )
         plan = self._planner.build(scheduled)
+        if self._side is not None:
+            plan.pd_counts = self._side.take_counts()
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if preempted:
             plan.preempted = tuple(sorted(preempted))
@@ -355,14 +393,16 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._planner is None:
             return False, None
+        params = self._side.offer_params(request) if self._side is not None else None
         if not self._planner.finished(request.request_id):
-            return False, None
+            return False, params
         saver = local_saver(self.engine_id)
         if saver is not None:  # the worker is in this process: finish its saves, free now
             saver.release_now(request.request_id)
-            return False, None
-        # Saves run in another process: the blocks stay until get_finished reports them done.
-        return True, None
+            return False, params
+        # Saves run in another process: the blocks stay until get_finished reports them done
+        # (a consumer of the offer waits until the store holds them).
+        return True, params
 
 
 def _no_hits(tenant: str, keys: Sequence[BlockKey]) -> int:
@@ -373,11 +413,19 @@ def _no_save(request: RequestSave) -> None:
     return
 
 
+def _kv_order() -> str:
+    """Axis order of a stored block's payload (``vllm_layout``: each layer's block in logical
+    order): CPU ``[heads, tokens, K|V · head_dim]``; GPU ``[K|V, tokens, heads, head_dim]``."""
+    from vllm.platforms import current_platform  # type: ignore[import-not-found]
+
+    return "LHTKD" if str(current_platform.device_type) == "cpu" else "LKTHD"
+
+
 def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprint | ReuseDisabled:
     """Observe vLLM's model config and let the pure builder decide."""
     import vllm  # type: ignore[import-not-found]
     from transformers import AutoTokenizer
-    from vllm.platforms import current_platform  # type: ignore[import-not-found]
+    from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
     model_dir = Path(str(model_config.model))

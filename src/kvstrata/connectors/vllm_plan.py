@@ -67,6 +67,9 @@ class StepPlan:
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
+    pd_counts: dict[str, int] = field(default_factory=dict)
+    """The scheduler side's producer/consumer counters since the last plan (``vllm_pd``): the
+    worker side adds them to its stats (the plan is how they cross processes)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,26 @@ class SchedulerPlanner:
             state.saving = True
             plan.saves.append(RequestSave(item.req_id, state.tenant.name, tuple(blocks)))
         return plan
+
+    def request_keys(
+        self, token_ids: Sequence[int], cache_salt: str | None, blocks: int
+    ) -> tuple[str, list[bytes]]:
+        """The tenant and first ``blocks`` keys a request with these tokens and salt gets here
+        (a consumer compares them with a producer's offer); no keys when reuse is disabled."""
+        tenant = self.tenant_of(cache_salt)
+        if self._digest is None:
+            return tenant.name, []
+        root = namespace_root(self._digest, tenant)
+        tokens = list(token_ids[: blocks * self.block_size])
+        return tenant.name, [bytes(k) for k in chain_keys(root, tokens, self.block_size)]
+
+    def saved_keys(self, req_id: str) -> tuple[str, list[bytes]] | None:
+        """The tenant and keys of the blocks planned for storing so far (a producer's offer)."""
+        state = self._requests.get(req_id)
+        if state is None or not state.enabled:
+            return None
+        keys = self._keys(state, state.planned_saves)
+        return state.tenant.name, [bytes(k) for k in keys]
 
     def finished(self, req_id: str) -> bool:
         """Forget the request; True when saves were planned for it (vLLM must then keep its

@@ -32,7 +32,12 @@ _HELP = {
     "save_rejected": "KV blocks the store refused (quota, space) or failed to store",
     "save_skipped_present": "KV blocks not saved again: kvstrata already held them",
     "lookups": "scheduler lookups answered by the worker's store",
+    "pd_offers_sent": "kv_producer: kvstrata offers returned in kv_transfer_params",
+    "pd_offers_accepted": "kv_consumer: producer offers the handshake accepted",
+    "pd_refused": "kv_consumer: producer offers refused (the request prefilled locally)",
+    "pd_wait_timeouts": "kv_consumer: accepted offers whose blocks did not all arrive in time",
 }
+PD_REASON_PREFIX = "pd_refused:"
 
 
 @dataclass
@@ -96,11 +101,19 @@ class KvstrataPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 labelnames=labelnames,
                 multiprocess_mode="mostrecent",
             )
+        self._refusals = self._counter_cls(
+            name="vllm:kvstrata_pd_refusals_total",
+            documentation="kv_consumer: producer offers refused, by reason",
+            labelnames=[*labelnames, "reason"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for name, value in transfer_stats_data.items():
-            if name in self._gauges:
+            if name.startswith(PD_REASON_PREFIX) and value > 0:
+                reason = name.removeprefix(PD_REASON_PREFIX)
+                self._refusals.labels(*labels, reason).inc(value)
+            elif name in self._gauges:
                 self._gauges[name].labels(*labels).set(value)
             elif name in self._counters and value > 0:
                 self._counters[name].labels(*labels).inc(value)

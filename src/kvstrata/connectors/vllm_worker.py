@@ -82,6 +82,10 @@ class ConnectorStats:
     save_failed: int = 0  # background save jobs that raised
     load_timeouts: int = 0  # step loads given up at connector.load_timeout_ms
     requests_released: int = 0  # finished requests whose saves were done (get_finished)
+    pd_offers_sent: int = 0  # kv_producer: offers returned in kv_transfer_params
+    pd_offers_accepted: int = 0  # kv_consumer: offers the handshake accepted
+    pd_refused: int = 0  # kv_consumer: offers refused (local prefill); by reason: pd_refusals
+    pd_wait_timeouts: int = 0  # kv_consumer: accepted offers whose blocks did not all arrive
     steps: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
@@ -109,6 +113,8 @@ class ConnectorWorker:
         self.cost_model = cost_model
         self.representation = codec.representation
         self.stats = ConnectorStats()
+        self.pd_refusals: dict[str, int] = {}
+        self._pd_reasons: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._dirty = True
         self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
@@ -264,6 +270,26 @@ class ConnectorWorker:
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
             self._dirty = True
 
+    def pd_counts(self, counts: dict[str, int]) -> None:
+        """The scheduler side's producer/consumer counters (``vllm_pd``, via the step plan):
+        ``pd_refused:<reason>`` keys go to ``pd_refusals`` (stats file) and are kept for the
+        next report to vLLM (``take_pd_reasons``)."""
+        plain = {k: v for k, v in counts.items() if ":" not in k and hasattr(self.stats, k)}
+        if plain:
+            self._count(**plain)
+        with self._stats_lock:
+            for key, value in counts.items():
+                if key.startswith("pd_refused:"):
+                    reason = key.partition(":")[2]
+                    self.pd_refusals[reason] = self.pd_refusals.get(reason, 0) + value
+                    self._pd_reasons[key] = self._pd_reasons.get(key, 0) + value
+                    self._dirty = True
+
+    def take_pd_reasons(self) -> dict[str, float]:
+        with self._stats_lock:
+            reasons, self._pd_reasons = self._pd_reasons, {}
+        return {k: float(v) for k, v in reasons.items()}
+
     def saver_counts(self, *, dropped: int, failed: int, released: int) -> None:
         """The background saver's own counters (it owns them; copied here once a step)."""
         with self._stats_lock:
@@ -297,6 +323,7 @@ class ConnectorWorker:
         body = asdict(current) | {
             "tiers": {level.name: _tier_stats(level.tier) for level in self.store.levels},
             "block_bytes": self.codec.block_bytes,
+            "pd_refusals": dict(self.pd_refusals),
             "pid": os.getpid(),
         }
         tmp = self.stats_path.with_name(f".{self.stats_path.name}.{os.getpid()}.tmp")

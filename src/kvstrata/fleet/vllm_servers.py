@@ -50,9 +50,13 @@ class VllmServerSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int = 1024
     kv_cache_blocks: int | None = 64
-    host_gib: float = 0.25
+    host_gib: float | None = 0.25
     disk_gib: float | None = None
     connector: bool = True
+    kv_role: str = "kv_both"
+    """``kv_producer`` / ``kv_consumer``: P/D roles over a shared tier (``connector_extra``)."""
+    connector_extra: dict[str, Any] = field(default_factory=dict)
+    """More ``kv_connector_extra_config`` keys (e.g. ``remote_url``, ``remote_gib``)."""
     pythonpath: str | None = None
     multiprocess: bool = True
     """False: scheduler and engine core in one process (starts in seconds; tests)."""
@@ -81,19 +85,21 @@ class VllmServerSpec:
 
     def transfer_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
-            "host_gib": self.host_gib,
             "worker_id": self.worker_id,
             "events_endpoint": f"tcp://{self.host}:{self.lower_events_port}",
             "events_replay_endpoint": f"tcp://{self.host}:{self.lower_replay_port}",
         }
         if self.tenant_secret_file is not None:
             extra["tenant_secret_file"] = str(self.tenant_secret_file.resolve())
+        if self.host_gib is not None:
+            extra["host_gib"] = self.host_gib
+        extra.update(self.connector_extra)
         if self.disk_gib is not None:
             extra.update(disk_dir=str(self.run_dir / "disk"), disk_gib=self.disk_gib, durable=False)
         return {
             "kv_connector": "KvstrataConnector",
             "kv_connector_module_path": "kvstrata.connectors.vllm",
-            "kv_role": "kv_both",
+            "kv_role": self.kv_role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }

@@ -91,6 +91,7 @@ class WorkerConfig:
     lookup_timeout_ms: int = 2000
     load_timeout_ms: int = 5000
     save_queue_blocks: int = 1024
+    pd_wait_ms: int = 30000
     stats_path: Path | None = None
     lookup_curve_secret_file: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -321,6 +322,9 @@ def _build(
     save_queue = connector.get("save_queue_blocks")
     if save_queue <= 0:
         raise connector.fail("save_queue_blocks", "must be positive")
+    pd_wait = connector.get("pd_wait_ms")
+    if pd_wait <= 0:
+        raise connector.fail("pd_wait_ms", "must be positive")
     lookup_curve = connector.get("lookup_curve_secret_file")
     if lookup_curve is not None and not lookup_curve.is_file():
         raise connector.fail("lookup_curve_secret_file", f"no such file: {lookup_curve}")
@@ -339,6 +343,7 @@ def _build(
         lookup_timeout_ms=timeout,
         load_timeout_ms=load_timeout,
         save_queue_blocks=save_queue,
+        pd_wait_ms=pd_wait,
         stats_path=connector.get("stats_path"),
         lookup_curve_secret_file=lookup_curve,
         scheduler=scheduler,

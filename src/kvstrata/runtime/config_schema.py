@@ -226,6 +226,12 @@ KEYS: Final[tuple[Key, ...]] = (
         1024,
         "vLLM: blocks queued for the background saver at most (beyond: not saved, counted)",
     ),
+    Key(
+        "connector.pd_wait_ms",
+        "int",
+        30000,
+        "vLLM kv_consumer: how long a request waits for a producer's offered blocks",
+    ),
     Key("connector.stats_path", "path", None, "vLLM: the worker writes its counters here"),
     Key(
         "connector.lookup_curve_secret_file",
@@ -359,6 +365,7 @@ _OVERRIDE_LIST: Final = (
     Override(
         "save_queue_blocks", "connector.save_queue_blocks", _set("connector.save_queue_blocks")
     ),
+    Override("pd_wait_ms", "connector.pd_wait_ms", _set("connector.pd_wait_ms")),
     Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
     Override(
         "lookup_curve_secret_file",

@@ -57,6 +57,9 @@ class Operation(Enum):
 class Transport(Enum):
     TCP = "tcp"
     NIXL = "nixl"
+    SHARED_TIER = "shared_tier"
+    """No wire between the two: the sender stores, the receiver reads a tier both reach (the
+    vLLM connector's producer/consumer roles, ``connectors/vllm_pd.py``)."""
 
 
 class _Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
