@@ -19,7 +19,7 @@ TINY = {
     "suffix-len": 16,
     "output-len": 4,
     "requests-per-prefix": 2,
-    "small-cache-blocks": 5,
+    "small-cache-blocks": 6,
     "host-blocks": 8,
     "request-rate": 4,
 }

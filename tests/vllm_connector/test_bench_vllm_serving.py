@@ -56,7 +56,7 @@ def test_smollm2_kv_bytes_per_token() -> None:
     [
         ServingSizes(),
         ServingSizes(
-            prefix_len=64, suffix_len=16, output_len=4, small_cache_blocks=5, host_blocks=8
+            prefix_len=64, suffix_len=16, output_len=4, small_cache_blocks=6, host_blocks=8
         ),
         ServingSizes(prefix_len=256, small_cache_blocks=16, host_blocks=32),
     ],
@@ -71,7 +71,10 @@ def test_fits_is_inside_the_host_budget_and_exceeds_is_three_times_it(sizes: Ser
         assert w.working_set_tokens == w.num_prefixes * w.prefix_len + w.num_requests * (
             w.suffix_len + w.output_len
         )
-        assert w.small_cache_tokens >= w.max_model_len and w.max_model_len % BLOCK_SIZE == 0
+        assert (
+            w.small_cache_tokens - BLOCK_SIZE >= w.max_model_len
+            and w.max_model_len % BLOCK_SIZE == 0
+        )
         assert w.requests_per_prefix >= 2  # each prefix recurs
 
 
@@ -85,6 +88,10 @@ def test_default_sizes_keep_a_default_run_short() -> None:
 def test_sizes_reject_what_cannot_measure_anything() -> None:
     with pytest.raises(InvalidInput):
         ServingSizes(prefix_len=2048, small_cache_blocks=8)  # one request does not fit
+    with pytest.raises(InvalidInput):  # 160 tokens fit 5 blocks, but one is vLLM's null block
+        ServingSizes(
+            prefix_len=64, suffix_len=16, output_len=4, small_cache_blocks=5, host_blocks=8
+        )
     with pytest.raises(InvalidInput):
         ServingSizes(host_blocks=2)  # no prefix fits in the host budget
     with pytest.raises(InvalidInput):

@@ -156,10 +156,11 @@ class ServingSizes:
         if self.host_blocks < 1 or self.exceeds_factor <= 1:
             raise InvalidInput("host_blocks must be ≥ 1 and exceeds_factor > 1")
         fits = self.workload("fits")
-        if fits.small_cache_tokens < fits.max_model_len:
+        # vLLM keeps one block of its cache as the null block: the rest must hold a request
+        if fits.small_cache_tokens - BLOCK_SIZE < fits.max_model_len:
             raise InvalidInput(
-                f"small cache ({fits.small_cache_tokens} tokens) must hold one request "
-                f"(max_model_len {fits.max_model_len})"
+                f"small cache ({fits.small_cache_tokens} tokens, one block of them vLLM's null "
+                f"block) must hold one request (max_model_len {fits.max_model_len})"
             )
         if fits.num_prefixes < 1 or fits.working_set_tokens <= fits.small_cache_tokens:
             raise InvalidInput(
