@@ -430,6 +430,15 @@ def run(
                         disk_gib=disk_gib,
                     )  # fmt: skip
                 runs.append({"workload": name, "mode": mode, "rep": rep, "order": len(runs)} | out)
+                f = out["figures"]
+                print(  # progress on stderr (stdout is the JSON): a long run shows as it goes
+                    f"vllm-serving rep {rep} {name} {mode}: TTFT p50 {f['ttft_p50_ms']} ms, "
+                    f"p99 {f['ttft_p99_ms']} ms, TPOT p50 {f['tpot_p50_ms']} ms, "
+                    f"{f['request_throughput']} req/s, ready {f['server_ready_s']} s, "
+                    f"client {f['client_s']} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return summarize(
         {name: w.describe() for name, w in chosen.items()},
         runs,
