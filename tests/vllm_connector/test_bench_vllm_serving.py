@@ -18,16 +18,16 @@ from kvstrata.bench.vllm_serving import (
     MODES,
     ServingSizes,
     client_argv,
-    client_figures,
     host_gib,
     kv_bytes_per_token,
-    parse_metrics,
     server_argv,
     transfer_config,
 )
 from kvstrata.bench.vllm_serving_report import (
+    client_figures,
     compare_outputs,
     goals,
+    parse_metrics,
     rotated,
     summarize,
     table_rows,

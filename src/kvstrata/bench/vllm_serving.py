@@ -60,9 +60,14 @@ from typing import Any
 
 from kvstrata.bench.servers import free_port, http, run_serve_client, running_server, server_env
 from kvstrata.bench.servers import tail as log_tail
-from kvstrata.bench.vllm_serving_report import prompt_digest, rotated, summarize
+from kvstrata.bench.vllm_serving_report import (
+    client_figures,
+    parse_metrics,
+    prompt_digest,
+    rotated,
+    summarize,
+)
 from kvstrata.errors import InvalidInput
-from kvstrata.telemetry.prom_text import samples
 
 BLOCK_SIZE = 32
 GIB = 1 << 30
@@ -289,47 +294,6 @@ def transfer_config(
             "stats_path": str(tmp / "kvstrata-stats.json"),
         },
     }
-
-
-def client_figures(result: dict[str, Any]) -> dict[str, Any]:
-    """The fields kept from ``vllm.benchmarks.serve.main``'s result."""
-    return {
-        "completed": result.get("completed"),
-        "failed": result.get("failed"),
-        "duration_s": result.get("duration"),
-        "ttft_p50_ms": result.get("median_ttft_ms"),
-        "ttft_p90_ms": result.get("p90_ttft_ms"),
-        "ttft_p99_ms": result.get("p99_ttft_ms"),
-        "ttft_mean_ms": result.get("mean_ttft_ms"),
-        "tpot_p50_ms": result.get("median_tpot_ms"),
-        "e2el_p50_ms": result.get("median_e2el_ms"),
-        "request_throughput": result.get("request_throughput"),
-        "output_throughput": result.get("output_throughput"),
-        "total_input_tokens": result.get("total_input_tokens"),
-        "total_output_tokens": result.get("total_output_tokens"),
-    }
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum the Prometheus samples we report (labels other than ``source`` folded)."""
-    wanted = {
-        "vllm:prompt_tokens_total": "prompt_tokens",
-        "vllm:prefix_cache_hits_total": "vllm_prefix_cache_hit_tokens",
-        "vllm:external_prefix_cache_hits_total": "external_hit_tokens",
-        "vllm:request_prefill_time_seconds_sum": "prefill_seconds_sum",
-        "vllm:request_prefill_time_seconds_count": "prefill_count",
-        "vllm:num_preemptions_total": "preemptions",
-    }
-    out: dict[str, float] = {}
-    for name, name_labels, number in samples(text):
-        if name in wanted:
-            key = wanted[name]
-            out[key] = out.get(key, 0.0) + number
-        elif name == "vllm:prompt_tokens_by_source_total" and 'source="' in name_labels:
-            source = name_labels.split('source="', 1)[1].split('"', 1)[0]
-            key = f"prompt_tokens_{source}"
-            out[key] = out.get(key, 0.0) + number
-    return out
 
 
 def _run_client(

@@ -9,6 +9,8 @@
   faster) and kvstrata's median TPOT p50 ÷ ``plain_small``'s;
 - ``goals``: issue 13's goals for this benchmark (items 3 and 2), each with its figure and
   ``met`` (``None`` when a mode it needs did not run);
+- ``client_figures``, ``parse_metrics``: what is kept of the client's result and the server's
+  ``/metrics``;
 - ``summarize``: the JSON (raw figures per run beside the medians) and ``table_rows``.
 """
 
@@ -19,6 +21,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvstrata.telemetry.prom_text import samples
+
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "request_throughput")
 PEERS = {
     "p50_vs_plain_small": "plain_small",
@@ -26,6 +30,47 @@ PEERS = {
     "p50_vs_example_connector": "example_connector",
 }
 MAX_EXAMPLES = 5
+
+
+def client_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The fields kept from ``vllm.benchmarks.serve.main``'s result."""
+    return {
+        "completed": result.get("completed"),
+        "failed": result.get("failed"),
+        "duration_s": result.get("duration"),
+        "ttft_p50_ms": result.get("median_ttft_ms"),
+        "ttft_p90_ms": result.get("p90_ttft_ms"),
+        "ttft_p99_ms": result.get("p99_ttft_ms"),
+        "ttft_mean_ms": result.get("mean_ttft_ms"),
+        "tpot_p50_ms": result.get("median_tpot_ms"),
+        "e2el_p50_ms": result.get("median_e2el_ms"),
+        "request_throughput": result.get("request_throughput"),
+        "output_throughput": result.get("output_throughput"),
+        "total_input_tokens": result.get("total_input_tokens"),
+        "total_output_tokens": result.get("total_output_tokens"),
+    }
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum the Prometheus samples we report (labels other than ``source`` folded)."""
+    wanted = {
+        "vllm:prompt_tokens_total": "prompt_tokens",
+        "vllm:prefix_cache_hits_total": "vllm_prefix_cache_hit_tokens",
+        "vllm:external_prefix_cache_hits_total": "external_hit_tokens",
+        "vllm:request_prefill_time_seconds_sum": "prefill_seconds_sum",
+        "vllm:request_prefill_time_seconds_count": "prefill_count",
+        "vllm:num_preemptions_total": "preemptions",
+    }
+    out: dict[str, float] = {}
+    for name, name_labels, number in samples(text):
+        if name in wanted:
+            key = wanted[name]
+            out[key] = out.get(key, 0.0) + number
+        elif name == "vllm:prompt_tokens_by_source_total" and 'source="' in name_labels:
+            source = name_labels.split('source="', 1)[1].split('"', 1)[0]
+            key = f"prompt_tokens_{source}"
+            out[key] = out.get(key, 0.0) + number
+    return out
 
 
 def prompt_digest(prompt: str) -> str:
