@@ -124,15 +124,17 @@ def run_serving(args: argparse.Namespace) -> int:
     code = reexec_unless_vllm(args)
     if code is not None:
         return code
+    from kvstrata.bench.servers import sigterm_unwinds
     from kvstrata.bench.vllm_serving import run as run_bench
 
     model_dir = smollm2_dir()
     if model_dir is None:
         return 2
-    data = run_bench(
-        model_dir, sizes, workloads=workloads, modes=modes, repeats=args.repeats,
-        disk_gib=args.disk_gib,
-    )  # fmt: skip
+    with sigterm_unwinds():  # a killed bench still kills its server (finally blocks run)
+        data = run_bench(
+            model_dir, sizes, workloads=workloads, modes=modes, repeats=args.repeats,
+            disk_gib=args.disk_gib,
+        )  # fmt: skip
     emit(
         data,
         as_json=args.json,
