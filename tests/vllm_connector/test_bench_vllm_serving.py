@@ -1,24 +1,36 @@
-"""``kvstrata bench vllm-serving`` plumbing that needs no vLLM: workload sizes, the client's and
-server's argument lists, request order, metrics parsing, the JSON summary and the table."""
+"""``kvstrata bench vllm-serving`` plumbing that needs no vLLM: workload sizes, the four modes'
+server and client arguments, mode rotation, ratios and goals from raw figures, output compare,
+the JSON summary and the table."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvstrata.bench.vllm_serving import (
-    ServingWorkload,
+    BLOCK_SIZE,
+    GIB,
+    MODES,
+    ServingSizes,
     client_argv,
-    client_figures,
+    host_gib,
     kv_bytes_per_token,
-    kvstrata_transfer,
-    parse_metrics,
-    round_robin,
     server_argv,
+    transfer_config,
+)
+from kvstrata.bench.vllm_serving_report import (
+    client_figures,
+    compare_outputs,
+    goals,
+    parse_metrics,
+    rotated,
     summarize,
+    table_rows,
 )
 from kvstrata.cli import bench_vllm
 from kvstrata.errors import InvalidInput
@@ -30,6 +42,7 @@ SMOLLM2 = {
     "head_dim": 64,
     "hidden_size": 576,
 }
+BLOCK_BYTES = 32 * 23_040
 
 
 def test_smollm2_kv_bytes_per_token() -> None:
@@ -38,112 +51,260 @@ def test_smollm2_kv_bytes_per_token() -> None:
     assert kv_bytes_per_token(no_head_dim) == 23_040
 
 
-def test_default_workload_overflows_vllm_cache_four_times() -> None:
-    w = ServingWorkload()
-    assert w.working_set_tokens == w.num_prefixes * w.prefix_len + w.num_requests * (
-        w.suffix_len + w.output_len
-    )
-    assert w.working_set_ratio >= 4
-    assert w.kv_cache_tokens >= w.max_model_len
-    assert w.max_model_len % 32 == 0
-    assert w.requests_per_prefix >= 3  # each prefix recurs
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ServingSizes(),
+        ServingSizes(
+            prefix_len=64, suffix_len=16, output_len=4, small_cache_blocks=6, host_blocks=8
+        ),
+        ServingSizes(prefix_len=256, small_cache_blocks=16, host_blocks=32),
+    ],
+)
+def test_fits_is_inside_the_host_budget_and_exceeds_is_three_times_it(sizes: ServingSizes) -> None:
+    fits, exceeds = sizes.workload("fits"), sizes.workload("exceeds")
+    assert fits.small_cache_tokens < fits.working_set_tokens <= fits.host_tokens
+    # one more prefix would not fit any more: the workload uses the budget
+    assert fits.working_set_tokens + sizes.tokens_per_prefix > fits.host_tokens
+    assert abs(exceeds.working_set_tokens - 3 * exceeds.host_tokens) <= sizes.tokens_per_prefix / 2
+    for w in (fits, exceeds):
+        assert w.working_set_tokens == w.num_prefixes * w.prefix_len + w.num_requests * (
+            w.suffix_len + w.output_len
+        )
+        assert (
+            w.small_cache_tokens - BLOCK_SIZE >= w.max_model_len
+            and w.max_model_len % BLOCK_SIZE == 0
+        )
+        assert w.requests_per_prefix >= 2  # each prefix recurs
 
 
-def test_workload_rejects_a_cache_smaller_than_one_request() -> None:
+def test_default_sizes_keep_a_default_run_short() -> None:
+    s = ServingSizes()
+    requests = sum(s.workload(n).num_requests for n in ("fits", "exceeds"))
+    # 4 modes × 3 repeats of both workloads' arrivals stay under ~20 min of client time
+    assert 4 * 3 * requests / s.request_rate < 20 * 60
+
+
+def test_sizes_reject_what_cannot_measure_anything() -> None:
     with pytest.raises(InvalidInput):
-        ServingWorkload(prefix_len=2048, kv_cache_blocks=8)
+        ServingSizes(prefix_len=2048, small_cache_blocks=8)  # one request does not fit
+    with pytest.raises(InvalidInput):  # 160 tokens fit 5 blocks, but one is vLLM's null block
+        ServingSizes(
+            prefix_len=64, suffix_len=16, output_len=4, small_cache_blocks=5, host_blocks=8
+        )
     with pytest.raises(InvalidInput):
-        ServingWorkload(request_rate=0)
+        ServingSizes(host_blocks=2)  # no prefix fits in the host budget
+    with pytest.raises(InvalidInput):
+        ServingSizes(host_blocks=33)  # 'fits' would be no larger than the small cache
+    with pytest.raises(InvalidInput):
+        ServingSizes(request_rate=0)
+    with pytest.raises(InvalidInput):
+        ServingSizes().workload("huge")
 
 
-def test_round_robin_cycles_through_prefix_groups() -> None:
-    grouped = [f"p{g}s{i}" for g in range(3) for i in range(2)]
-    assert round_robin(grouped, 3) == ["p0s0", "p1s0", "p2s0", "p0s1", "p1s1", "p2s1"]
-    assert round_robin([1, 2, 3, 4, 5], 2) == [1, 3, 2, 4, 5]
+def test_host_gib_makes_exactly_the_budgets_blocks() -> None:
+    for blocks in (1, 7, 32, 96, 1000):
+        capacity = int(host_gib(blocks, BLOCK_BYTES) * GIB)  # what the connector makes of it
+        assert capacity // BLOCK_BYTES == blocks  # the host tier floors to whole blocks
 
 
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_client_and_server_arguments() -> None:
-    w = ServingWorkload(num_prefixes=5, requests_per_prefix=3, kv_cache_blocks=40)
+def test_the_four_modes_differ_only_in_cache_size_and_connector(tmp_path: Path) -> None:
+    w = ServingSizes().workload("fits")
+    argvs = {}
+    for mode in MODES:
+        transfer = transfer_config(
+            mode, tmp_path, host_blocks=w.host_blocks, block_bytes=BLOCK_BYTES, disk_gib=2
+        )
+        argvs[mode] = server_argv(
+            w, mode, model="/m", port=1, bytes_per_token=23_040, transfer=transfer
+        )
+    blocks = {m: int(_flag(a, "--num-gpu-blocks-override")) for m, a in argvs.items()}
+    assert blocks == {
+        "plain_small": w.small_cache_blocks,
+        "plain_equal_memory": w.small_cache_blocks + w.host_blocks,
+        "example_connector": w.small_cache_blocks,
+        "kvstrata": w.small_cache_blocks,
+    }
+    for mode, argv in argvs.items():
+        assert _flag(argv, "--kv-cache-memory-bytes") == str(blocks[mode] * BLOCK_BYTES)
+        assert "--enable-prefix-caching" in argv
+    assert "--kv-transfer-config" not in argvs["plain_small"] + argvs["plain_equal_memory"]
+    example = json.loads(_flag(argvs["example_connector"], "--kv-transfer-config"))
+    assert example["kv_connector"] == "ExampleConnector" and example["kv_role"] == "kv_both"
+    ours = json.loads(_flag(argvs["kvstrata"], "--kv-transfer-config"))
+    assert ours["kv_connector"] == "KvstrataConnector" and ours["kv_role"] == "kv_both"
+    extra = ours["kv_connector_extra_config"]
+    # same filesystem: both stores live in the run's temp dir
+    assert Path(example["kv_connector_extra_config"]["shared_storage_path"]).parent == tmp_path
+    assert Path(extra["disk_dir"]).parent == tmp_path
+    assert int(extra["host_gib"] * GIB) // BLOCK_BYTES == w.host_blocks
+    strip = {"--num-gpu-blocks-override", "--kv-cache-memory-bytes", "--kv-transfer-config"}
+
+    def rest(argv: list[str]) -> list[str]:
+        return [a for i, a in enumerate(argv) if a not in strip and argv[i - 1] not in strip]
+
+    assert len({tuple(rest(a)) for a in argvs.values()}) == 1  # otherwise identical flags
+
+
+def test_client_uses_the_datasets_own_order_and_keeps_outputs() -> None:
+    w = ServingSizes().workload("exceeds")
     client = client_argv(w, model="/m", port=1234)
     assert _flag(client, "--dataset-name") == "prefix_repetition"
-    assert _flag(client, "--num-prompts") == "15"
-    assert _flag(client, "--prefix-repetition-num-prefixes") == "5"
-    assert _flag(client, "--port") == "1234"
-    assert "--disable-shuffle" in client  # order comes from round_robin
-    plain = server_argv(w, model="/m", port=1234, bytes_per_token=100, transfer=None)
-    assert "--kv-transfer-config" not in plain
-    assert _flag(plain, "--kv-cache-memory-bytes") == str(40 * 32 * 100)
-    assert _flag(plain, "--num-gpu-blocks-override") == "40"
-    assert "--enable-prefix-caching" in plain
-    transfer = kvstrata_transfer(Path("/t"), host_gib=1, disk_gib=2)
-    ours = server_argv(w, model="/m", port=1, bytes_per_token=100, transfer=transfer)
-    config = json.loads(_flag(ours, "--kv-transfer-config"))
-    assert config["kv_connector"] == "KvstrataConnector"
-    assert config["kv_connector_module_path"] == "kvstrata.connectors.vllm"
-    assert config["kv_role"] == "kv_both"
-    extra = config["kv_connector_extra_config"]
-    assert extra["host_gib"] == 1 and extra["disk_gib"] == 2 and extra["disk_dir"]
+    assert _flag(client, "--num-prompts") == str(w.num_requests)
+    assert _flag(client, "--prefix-repetition-num-prefixes") == str(w.num_prefixes)
+    assert "--disable-shuffle" not in client  # vLLM's sampler shuffles with --seed
+    assert "--save-detailed" in client and _flag(client, "--temperature") == "0"
+
+
+def test_rotation_puts_every_mode_first_once() -> None:
+    orders = [rotated(MODES, r) for r in range(4)]
+    assert [o[0] for o in orders] == list(MODES)
+    assert all(sorted(o) == sorted(MODES) for o in orders)
+    assert rotated(MODES, 4) == list(MODES) and rotated([], 3) == []
 
 
 def test_parse_metrics_sums_engines_and_splits_sources() -> None:
     text = "\n".join(
         [
-            "# HELP vllm:prompt_tokens_total x",
             'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0',
             'vllm:prompt_tokens_total{engine="1",model_name="m"} 20.0',
             'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 64.0',
             'vllm:external_prefix_cache_hits_total{engine="0"} 64.0',
-            'vllm:request_prefill_time_seconds_sum{engine="0"} 3.0',
-            'vllm:request_prefill_time_seconds_count{engine="0"} 4.0',
             "unrelated_metric 5",
         ]
     )
     got = parse_metrics(text)
-    assert got["prompt_tokens"] == 120
+    assert got["prompt_tokens"] == 120 and got["external_hit_tokens"] == 64
     assert got["prompt_tokens_external_kv_transfer"] == 64
-    assert got["external_hit_tokens"] == 64
-    assert got["prefill_seconds_sum"] == 3 and got["prefill_count"] == 4
 
 
-def _client_result(ttft_p50: float, ttft_p99: float, rps: float) -> dict[str, float]:
-    return {
-        "median_ttft_ms": ttft_p50,
-        "p99_ttft_ms": ttft_p99,
-        "request_throughput": rps,
-        "output_throughput": rps * 16,
-        "completed": 32,
+def _run(workload: str, mode: str, rep: int, ttft: float, tpot: float, texts: list[str]) -> Any:
+    result = {"median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": tpot}
+    result |= {"request_throughput": 0.5, "completed": len(texts)}
+    prompts = ["p0", "p1", "p2"]  # a run may lose texts, never prompts
+    return {"workload": workload, "mode": mode, "rep": rep, "order": 0} | {
+        "figures": client_figures(result),
+        "prompts": prompts,
+        "texts": texts,
     }
 
 
-def test_summary_ratios_and_table() -> None:
-    w = ServingWorkload()
-    runs = {
-        "plain": client_figures(_client_result(900.0, 3000.0, 0.4)),
-        "kvstrata": client_figures(_client_result(300.0, 1500.0, 0.5)),
-    }
-    data = summarize(w, 23_040, runs)
-    assert data["ttft_p50_ratio"] == pytest.approx(3.0)
-    assert data["ttft_p99_ratio"] == pytest.approx(2.0)
-    assert data["throughput_ratio"] == pytest.approx(1.25)
-    assert data["working_set_tokens"] == w.working_set_tokens
-    assert data["kv_cache_tokens"] == w.kv_cache_tokens
-    assert data["working_set_ratio"] == pytest.approx(w.working_set_ratio)
+TTFT = {"plain_small": 900.0, "plain_equal_memory": 330.0, "example_connector": 600.0}
+
+
+def _runs(texts_of: dict[tuple[str, int], list[str]] | None = None) -> list[Any]:
+    runs = []
+    for rep in range(3):
+        for w in ("fits", "exceeds"):
+            for mode in rotated(MODES, rep):
+                ttft = TTFT.get(mode, 300.0) * (1 + 0.1 * rep) * (2 if w == "exceeds" else 1)
+                tpot = 40.0 if mode == "kvstrata" else 35.0 + rep
+                texts = (texts_of or {}).get((mode, rep), ["a", "b", "c"])
+                runs.append(_run(w, mode, rep, ttft, tpot, texts))
+    return runs
+
+
+def _summary(runs: list[Any]) -> dict[str, Any]:
+    return summarize(
+        {"fits": {}, "exceeds": {}}, runs, modes=list(MODES), repeats=3,
+        bytes_per_token=23_040, block_bytes=BLOCK_BYTES, wall_s=1.0,
+    )  # fmt: skip
+
+
+def test_ratios_are_medians_of_the_raw_figures_and_goals_follow() -> None:
+    data = _summary(_runs())
     json.dumps(data)  # --json prints it as one object
-    rows = bench_vllm.serving_rows(data)
-    assert rows[0][0] == "TTFT p50 (ms)" and rows[0][3] == data["ttft_p50_ratio"]
+    assert set(data["ratios"]) == {"fits", "exceeds"}
+    for w, ratios in data["ratios"].items():
+        assert set(ratios) == {
+            "p50_vs_plain_small", "p50_vs_equal_memory", "p50_vs_example_connector",
+            "tpot_vs_plain_small",
+        }  # fmt: skip
+
+        def med(mode: str, figure: str, w: str = w) -> float:
+            raw = [
+                r["figures"][figure]
+                for r in data["runs"]
+                if (r["workload"], r["mode"]) == (w, mode)
+            ]
+            return statistics.median(raw)
+
+        ours = med("kvstrata", "ttft_p50_ms")
+        assert ratios["p50_vs_plain_small"] == pytest.approx(
+            med("plain_small", "ttft_p50_ms") / ours
+        )
+        assert ratios["p50_vs_equal_memory"] == pytest.approx(1.1)
+        assert ratios["p50_vs_example_connector"] == pytest.approx(2.0)
+        assert ratios["tpot_vs_plain_small"] == pytest.approx(40.0 / 36.0)
+        s = data["summary"][w]["kvstrata"]["ttft_p50_ms"]
+        assert (s["min"], s["median"], s["max"]) == (min(s["values"]), ours, max(s["values"]))
+    g = data["goals"]
+    assert g["fits.p50_vs_plain_small"]["met"] is True  # 3.0 ≥ 3
+    assert g["fits.p50_vs_equal_memory"]["met"] is True  # 1.1 ≥ 1/1.2
+    assert g["exceeds.p50_vs_equal_memory"]["met"] is False  # 1.1 < 2: reported, not hidden
+    assert g["fits.tpot_vs_plain_small"]["met"] is False  # 1.11 > 1.1
+    assert g["outputs_equal"]["met"] is True and data["output_mismatches"] == 0
+    assert data["order"][:4] == [[0, "fits", m] for m in MODES]
+    rows = table_rows(data)
+    assert len([r for r in rows if r[0] in ("fits", "exceeds") and r[1] in MODES]) == 8
+    assert rows[0][2].count("[") == 1 and "–" in rows[0][2]  # median [min–max]
+
+
+def test_a_missing_mode_gives_no_ratio_and_no_verdict() -> None:
+    runs = [r for r in _runs() if r["mode"] in ("plain_small", "kvstrata")]
+    data = summarize(
+        {"fits": {}}, [r for r in runs if r["workload"] == "fits"],
+        modes=["plain_small", "kvstrata"], repeats=3, bytes_per_token=1, block_bytes=32,
+        wall_s=0.0,
+    )  # fmt: skip
+    assert data["ratios"]["fits"]["p50_vs_equal_memory"] is None
+    assert data["goals"]["fits.p50_vs_equal_memory"]["met"] is None
+    assert "exceeds.p50_vs_plain_small" not in data["goals"]
+
+
+def test_output_mismatches_are_counted_per_mode() -> None:
+    data = _summary(_runs({("kvstrata", 1): ["a", "X", "c"], ("example_connector", 2): ["a"]}))
+    out = data["outputs"]
+    assert data["outputs_equal"] is False and out["mismatches"] == data["output_mismatches"]
+    # kvstrata rep 1 differs on one request of each workload; a run that lost texts counts whole
+    assert out["mismatches_by_mode"]["kvstrata"] == 2
+    assert out["mismatches_by_mode"]["example_connector"] == 2 * 3
+    assert out["mismatches_by_mode"]["plain_small"] == 0
+    assert {"workload": "fits", "mode": "kvstrata", "rep": 1, "request": 1} in out[
+        "mismatch_examples"
+    ]
+    assert data["goals"]["outputs_equal"]["met"] is False
+
+
+def test_outputs_compare_by_prompt_not_position() -> None:
+    a = {
+        "workload": "w",
+        "mode": "plain_small",
+        "rep": 0,
+        "prompts": ["x", "y"],
+        "texts": ["1", "2"],
+    }
+    b = {"workload": "w", "mode": "kvstrata", "rep": 0, "prompts": ["y", "x"], "texts": ["2", "1"]}
+    assert compare_outputs([a, b])["outputs_equal"] is True
+    assert compare_outputs([a])["outputs_equal"] is False  # nothing compared proves nothing
+    assert goals({}, True)["outputs_equal"]["met"] is True
 
 
 def test_cli_parses_the_serving_subcommand() -> None:
     parser = argparse.ArgumentParser()
     bench_vllm.register(parser.add_subparsers())
     args = parser.parse_args(
-        ["vllm-serving", "--num-prefixes", "6", "--request-rate", "0.25", "--json"]
-    )
-    assert args.func is bench_vllm.run_serving and args.json
-    w = bench_vllm.workload_from_args(args)
-    assert w.num_prefixes == 6 and w.request_rate == 0.25
-    assert w.prefix_len == ServingWorkload().prefix_len
+        ["vllm-serving", "--modes", "plain_small,kvstrata", "--repeats", "2", "--host-blocks",
+         "64", "--request-rate", "0.25", "--json"]
+    )  # fmt: skip
+    assert args.func is bench_vllm.run_serving and args.json and args.repeats == 2
+    sizes = bench_vllm.sizes_from_args(args)
+    assert sizes.host_blocks == 64 and sizes.request_rate == 0.25
+    assert sizes.prefix_len == ServingSizes().prefix_len
+    bad = parser.parse_args(["vllm-serving", "--modes", "plain_small,turbo"])
+    with pytest.raises(InvalidInput):
+        bench_vllm.run_serving(bad)

@@ -4,9 +4,11 @@ load (only the forward thread writes vLLM's KV; a late or failing fetch writes n
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
@@ -144,3 +146,26 @@ def test_a_fetch_that_raises_fails_every_block() -> None:
     result = load.finish()
     assert result.failed == {3} and isinstance(load.error, OSError)
     assert not target["l0"].any()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 CPUs"
+)
+def test_saver_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
+    """vLLM pins its CPU worker to its OpenMP core; the saver must not inherit that pin."""
+    seen: list[set[int]] = []
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("this process may use one CPU only")
+
+    def pinned_creator() -> None:
+        os.sched_setaffinity(0, {min(allowed)})  # this thread only, like vLLM's worker
+        saver = BackgroundSaver(lambda r: seen.append(os.sched_getaffinity(0)), max_blocks=4)
+        saver.start()
+        saver.submit([_save("r", 1)])
+        saver.close()
+
+    creator = threading.Thread(target=pinned_creator)
+    creator.start()
+    creator.join()
+    assert seen and seen[0] == allowed

