@@ -141,6 +141,54 @@ def tail(log: Path, chars: int = 4000) -> str:
         return ""
 
 
+def prefix_repetition_argv(
+    *,
+    port: int,
+    model: str,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    num_prompts: int,
+    request_rate: float,
+    seed: int,
+    percentiles: str = "50,99",
+    tokenizer: str | None = None,
+    served_model_name: str | None = None,
+    endpoint: str | None = None,
+) -> list[str]:
+    """Arguments for ``vllm.benchmarks.serve``'s parser (its ``add_cli_args``): the
+    ``prefix_repetition`` dataset, greedy, EOS ignored, TTFT/TPOT/E2EL percentiles, no ready
+    check (the caller warms the server), generated texts kept (``--save-detailed``: in the
+    returned result; nothing is written without ``--save-result``). One builder for every
+    serving benchmark, so their clients differ only where their arguments do."""
+    argv = ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", model]
+    if endpoint is not None:
+        argv += ["--endpoint", endpoint]
+    if tokenizer is not None:
+        argv += ["--tokenizer", tokenizer]
+    if served_model_name is not None:
+        argv += ["--served-model-name", served_model_name]
+    return [
+        *argv,
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(prefix_len),
+        "--prefix-repetition-suffix-len", str(suffix_len),
+        "--prefix-repetition-num-prefixes", str(num_prefixes),
+        "--prefix-repetition-output-len", str(output_len),
+        "--num-prompts", str(num_prompts),
+        "--request-rate", str(request_rate),
+        "--seed", str(seed),
+        "--ignore-eos",
+        "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,e2el",
+        "--metric-percentiles", percentiles,
+        "--ready-check-timeout-sec", "0",
+        "--save-detailed",
+        "--disable-tqdm",
+    ]  # fmt: skip
+
+
 def run_serve_client(argv: Sequence[str], replacements: Mapping[str, Any]) -> dict[str, Any]:
     """``vllm.benchmarks.serve``: parse ``argv`` with its ``add_cli_args``, run its ``main``
     with ``replacements`` (module attribute → value) in place, restore them afterwards."""

@@ -63,6 +63,7 @@ from typing import Any
 from kvstrata.bench.servers import (
     free_port,
     http,
+    prefix_repetition_argv,
     run_serve_client,
     running_server,
     server_env,
@@ -152,32 +153,14 @@ class KvBudget:
 def client_argv(
     settings: ServingSettings, *, model_dir: str, port: int, request_rate: float
 ) -> list[str]:
-    """Arguments for ``vllm.benchmarks.serve``'s parser (its ``add_cli_args``)."""
+    """The client's arguments (``servers.prefix_repetition_argv``) for one side."""
     s = settings
-    return [
-        "--backend", "vllm",
-        "--endpoint", "/v1/completions",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--model", model_dir,
-        "--tokenizer", model_dir,
-        "--served-model-name", s.served_model_name,
-        "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(s.prefix_len),
-        "--prefix-repetition-suffix-len", str(s.suffix_len),
-        "--prefix-repetition-num-prefixes", str(s.num_prefixes),
-        "--prefix-repetition-output-len", str(s.output_len),
-        "--num-prompts", str(s.num_prompts),
-        "--request-rate", str(request_rate),
-        "--seed", str(s.seed),
-        "--ignore-eos",
-        "--temperature", "0",
-        "--percentile-metrics", "ttft,tpot,e2el",
-        "--metric-percentiles", "50,99",
-        "--ready-check-timeout-sec", "0",
-        "--save-detailed",  # generated_texts in the returned result (no file: no --save-result)
-        "--disable-tqdm",
-    ]  # fmt: skip
+    return prefix_repetition_argv(
+        port=port, model=model_dir, tokenizer=model_dir, served_model_name=s.served_model_name,
+        endpoint="/v1/completions", prefix_len=s.prefix_len, suffix_len=s.suffix_len,
+        num_prefixes=s.num_prefixes, output_len=s.output_len, num_prompts=s.num_prompts,
+        request_rate=request_rate, seed=s.seed,
+    )  # fmt: skip
 
 
 def vllm_command(

@@ -58,7 +58,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.servers import free_port, http, run_serve_client, running_server, server_env
+from kvstrata.bench.servers import (
+    free_port,
+    http,
+    prefix_repetition_argv,
+    run_serve_client,
+    running_server,
+    server_env,
+)
 from kvstrata.bench.servers import tail as log_tail
 from kvstrata.bench.vllm_serving_report import (
     client_figures,
@@ -215,29 +222,13 @@ def host_gib(blocks: int, block_bytes: int) -> float:
 
 
 def client_argv(workload: ServingWorkload, *, model: str, port: int) -> list[str]:
-    """Arguments for ``vllm.benchmarks.serve``'s parser (its ``add_cli_args``)."""
+    """The client's arguments (``servers.prefix_repetition_argv``) for one workload."""
     w = workload
-    return [
-        "--backend", "vllm",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--model", model,
-        "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(w.prefix_len),
-        "--prefix-repetition-suffix-len", str(w.suffix_len),
-        "--prefix-repetition-num-prefixes", str(w.num_prefixes),
-        "--prefix-repetition-output-len", str(w.output_len),
-        "--num-prompts", str(w.num_requests),
-        "--request-rate", str(w.request_rate),
-        "--seed", str(w.seed),
-        "--ignore-eos",
-        "--temperature", "0",
-        "--percentile-metrics", "ttft,tpot,e2el",
-        "--metric-percentiles", "50,90,99",
-        "--ready-check-timeout-sec", "0",
-        "--save-detailed",  # keeps generated_texts in the returned result (nothing is written)
-        "--disable-tqdm",
-    ]  # fmt: skip
+    return prefix_repetition_argv(
+        port=port, model=model, prefix_len=w.prefix_len, suffix_len=w.suffix_len,
+        num_prefixes=w.num_prefixes, output_len=w.output_len, num_prompts=w.num_requests,
+        request_rate=w.request_rate, seed=w.seed, percentiles="50,90,99",
+    )  # fmt: skip
 
 
 def server_argv(

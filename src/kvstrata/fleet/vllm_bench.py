@@ -53,6 +53,7 @@ import kvstrata
 from kvstrata.bench.servers import (
     free_port,
     http,
+    prefix_repetition_argv,
     run_serve_client,
     running_server,
     server_env,
@@ -119,31 +120,14 @@ class FleetWorkload:
 
 
 def client_argv(workload: FleetWorkload, *, model_dir: str, port: int) -> list[str]:
-    """Arguments for ``vllm.benchmarks.serve``'s parser (its ``add_cli_args``)."""
+    """The client's arguments (``bench.servers.prefix_repetition_argv``), through the router."""
     w = workload
-    return [
-        "--backend", "vllm",
-        "--endpoint", "/v1/completions",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--model", model_dir,
-        "--tokenizer", model_dir,
-        "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(w.prefix_len),
-        "--prefix-repetition-suffix-len", str(w.suffix_len),
-        "--prefix-repetition-num-prefixes", str(w.num_prefixes),
-        "--prefix-repetition-output-len", str(w.output_len),
-        "--num-prompts", str(w.num_prompts),
-        "--request-rate", str(w.request_rate),
-        "--seed", str(w.seed),
-        "--ignore-eos",
-        "--temperature", "0",
-        "--percentile-metrics", "ttft,tpot,e2el",
-        "--metric-percentiles", "50,99",
-        "--ready-check-timeout-sec", "0",
-        "--save-detailed",
-        "--disable-tqdm",
-    ]  # fmt: skip
+    return prefix_repetition_argv(
+        port=port, model=model_dir, tokenizer=model_dir, endpoint="/v1/completions",
+        prefix_len=w.prefix_len, suffix_len=w.suffix_len, num_prefixes=w.num_prefixes,
+        output_len=w.output_len, num_prompts=w.num_prompts, request_rate=w.request_rate,
+        seed=w.seed,
+    )  # fmt: skip
 
 
 def worker_arg(worker: VllmWorker) -> str:
