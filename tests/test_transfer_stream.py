@@ -331,6 +331,37 @@ def test_a_layer_goes_as_runs_of_blocks_within_the_frame_limit(tier: HostTier) -
     assert_nothing_visible(tier)
 
 
+def test_layers_out_of_order_still_commit_with_the_layer_ordered_digest(tier: HostTier) -> None:
+    """A sender may send layers in any order: the receiver's running block hash only follows
+    layers in order; otherwise COMPLETE hashes the assembled payload. Either way the committed
+    object is the layer-ordered payload, and a wrong COMPLETE digest is still refused."""
+    slices = {
+        (b, layer): payload(9, b, layer, LAYER_BYTES) for b in range(2) for layer in range(LAYERS)
+    }
+    order = [(0, 1), (0, 0), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
+    digests = [payload_digest(b"".join(slices[(b, j)] for j in range(LAYERS))) for b in range(2)]
+
+    def transfer(complete: list[bytes]) -> TransferResult:
+        raw = [_framed(frames.encode_begin("r", 2, LAYERS, LAYER_BYTES))]
+        for b, layer in order:
+            data = slices[(b, layer)]
+            raw.append(_framed(frames.layer_header("r", b, layer, payload_digest(data)) + data))
+        raw.append(_framed(frames.encode_complete("r", complete)))
+        return _receive_raw(tier, raw, max_frame=1 << 16, blocks=2)
+
+    result = transfer(digests)
+    assert result.ok and len(result.committed) == 2
+    for b, key in enumerate(result.committed):
+        lease = tier.prepare_load(key)
+        assert lease is not None
+        assert bytes(lease.buffer) == b"".join(slices[(b, j)] for j in range(LAYERS))
+        tier.complete_load(lease)
+        tier.remove(key)
+    result = transfer([digests[0], bytes(16)])
+    assert result.outcome == "digest_mismatch" and "block 1 whole-payload" in result.detail
+    assert_nothing_visible(tier)
+
+
 def test_conversion_hook_runs_after_verification(tier: HostTier) -> None:
     seen: list[int] = []
 

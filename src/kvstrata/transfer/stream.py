@@ -254,7 +254,9 @@ class _Session:
         self.request_id = request_id
         self.pending: list[StoreSlot] = []
         self.staged: list[bytearray] = []
-        self.seen: list[bytearray] = []
+        self.seen: list[bytearray] = []  # per layer: 1 where that block's slice came
+        self.hashers: list[xxhash.xxh3_128] = []  # per block: its layers hashed as they came
+        self.hashed: list[int] = []  # per block: layers fed to its hasher (in order only)
         self.committed: list[BlockKey] = []
         self.payload_bytes = 0
         self.begin: frames.Begin | None = None
@@ -273,11 +275,9 @@ class _Session:
             elif self.begin is None:
                 raise _End("refused", "first frame is not BEGIN")
             elif isinstance(frame, frames.Layers):
-                for index, digest in enumerate(frame.digests):
-                    block = frame.first + index
-                    self._on_slice(self.begin, block, frame.layer, digest, frame.slice(index))
+                self._on_run(self.begin, frame.first, frame.layer, frame.digests, frame.payload)
             elif isinstance(frame, frames.Layer):
-                self._on_slice(self.begin, frame.block, frame.layer, frame.digest, frame.payload)
+                self._on_run(self.begin, frame.block, frame.layer, (frame.digest,), frame.payload)
             else:
                 self._on_complete(self.begin, frame)
                 return
@@ -313,7 +313,9 @@ class _Session:
             if any(m.size != source_size for m in self.metas):
                 raise _End("refused", f"block of {source_size} bytes does not match the metas")
         self.begin = begin
-        self.seen = [bytearray(begin.layers) for _ in range(begin.blocks)]
+        self.seen = [bytearray(begin.blocks) for _ in range(begin.layers)]
+        self.hashers = [xxhash.xxh3_128() for _ in range(begin.blocks)]
+        self.hashed = [0] * begin.blocks
         if self.owner.convert is not None:
             self.staged = [bytearray(source_size) for _ in range(begin.blocks)]
             return
@@ -330,33 +332,54 @@ class _Session:
             raise _End("refused", "no room in the tier (or the object exists)")
         return slot
 
-    def _on_slice(
-        self, begin: frames.Begin, block: int, layer: int, digest: bytes, payload: memoryview
+    def _on_run(
+        self,
+        begin: frames.Begin,
+        first: int,
+        layer: int,
+        digests: Sequence[bytes],
+        payload: memoryview,
     ) -> None:
-        """One layer of one block (a LAYER frame, or one slice of a LAYERS frame)."""
-        if not (0 <= block < begin.blocks and 0 <= layer < begin.layers):
-            raise _End("refused", f"block {block} layer {layer} out of range")
-        if len(payload) != begin.layer_bytes:
-            raise _End("refused", f"layer payload of {len(payload)} bytes")
-        if self.seen[block][layer]:
-            raise _End("refused", f"block {block} layer {layer} sent twice")
-        self.payload_bytes += len(payload)
-        if payload_digest(payload) != digest:
-            raise _End("digest_mismatch", f"block {block} layer {layer}")
-        start = layer * begin.layer_bytes
-        target = self.staged[block] if self.staged else self.pending[block].buffer
-        target[start : start + begin.layer_bytes] = payload
-        self.seen[block][layer] = 1
+        """One layer of blocks ``first`` … ``first + len(digests) - 1`` (a LAYERS frame, or a
+        LAYER frame: a run of one). Checks once per run, then per slice only the digest, the
+        copy into the slot and the block's running hash (fed while the slice is in cache, so
+        COMPLETE need not read the payload again)."""
+        count, size = len(digests), begin.layer_bytes
+        if not (first >= 0 and first + count <= begin.blocks and 0 <= layer < begin.layers):
+            raise _End("refused", f"blocks {first}+{count} layer {layer} out of range")
+        if len(payload) != count * size:
+            raise _End("refused", f"layer payload of {len(payload)} bytes for {count} blocks")
+        seen = self.seen[layer]
+        if any(seen[first : first + count]):
+            raise _End("refused", f"layer {layer} of a block in {first}+{count} sent twice")
+        self.payload_bytes += count * size
+        start, end = layer * size, (layer + 1) * size
+        targets: Sequence[Buffer] = self.staged or [slot.buffer for slot in self.pending]
+        hashers, hashed = self.hashers, self.hashed
+        for index, digest in enumerate(digests):
+            piece = payload[index * size : (index + 1) * size]
+            if payload_digest(piece) != digest:
+                raise _End("digest_mismatch", f"block {first + index} layer {layer}")
+            block = first + index
+            memoryview(targets[block])[start:end] = piece
+            if hashed[block] == layer:  # in layer order: the running hash stays valid
+                hashers[block].update(piece)
+                hashed[block] = layer + 1
+        seen[first : first + count] = b"\x01" * count
 
     def _on_complete(self, begin: frames.Begin, frame: frames.Complete) -> None:
         if len(frame.digests) != begin.blocks:
             raise _End("refused", f"COMPLETE names {len(frame.digests)} of {begin.blocks} blocks")
-        for block, layers in enumerate(self.seen):
-            if not all(layers):
-                raise _End("refused", f"block {block} missing layer {layers.index(0)}")
+        for layer, blocks in enumerate(self.seen):
+            if not all(blocks):
+                raise _End("refused", f"block {blocks.index(0)} missing layer {layer}")
         sources: Sequence[Buffer] = self.staged or [s.buffer for s in self.pending]
         for block, (data, digest) in enumerate(zip(sources, frame.digests, strict=True)):
-            if payload_digest(data) != digest:
+            if self.hashed[block] == begin.layers:
+                got = self.hashers[block].digest()
+            else:  # layers came out of order: hash the assembled payload
+                got = payload_digest(data)
+            if got != digest:
                 raise _End("digest_mismatch", f"block {block} whole-payload digest")
         digests = self._store_converted() if self.staged else list(frame.digests)
         self._commit_all(digests)

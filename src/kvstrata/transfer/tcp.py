@@ -38,7 +38,8 @@ class TcpConnection:
         self.max_frame = max_frame
         self._header = bytearray(_LENGTH.size)
         self._header_got = 0
-        self._body: bytearray | None = None
+        self._buffer = bytearray()  # reused for every frame (grown to the largest one)
+        self._body: memoryview | None = None
         self._body_got = 0
         self._broken: str | None = None
         self._closed = False
@@ -79,10 +80,12 @@ class TcpConnection:
                 if length > self.max_frame:
                     self._broken = f"announced frame of {length} bytes"
                     raise FrameError(f"frame of {length} bytes over the limit {self.max_frame}")
-                self._body = bytearray(length)
+                if len(self._buffer) < length:
+                    self._buffer = bytearray(length)  # a frame still held keeps the old one
+                self._body = memoryview(self._buffer)[:length]
                 self._body_got = 0
             while self._body_got < len(self._body):
-                view = memoryview(self._body)[self._body_got :]
+                view = self._body[self._body_got :]
                 self._body_got += self._recv_into(view, deadline, mid=True)
         except TimeoutError as exc:
             raise TransportTimeout("no whole frame arrived in time") from exc

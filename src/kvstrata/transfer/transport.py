@@ -11,7 +11,8 @@ Primitives and their contracts (checked for every transport by ``tests/test_tran
   into a Python object). It returns once the frame is handed over — the transport's completion
   notification: TCP has it in the kernel's send buffer, NIXL has it written into the peer's
   registered memory (transfer state DONE). Frames arrive whole and in order, or not at all.
-- ``Connection.recv_frame(timeout_s) -> bytes-like``: the next whole frame. A timeout before
+- ``Connection.recv_frame(timeout_s) -> bytes-like``: the next whole frame, valid until the
+  next ``recv_frame`` on that connection (a transport may reuse its buffer). A timeout before
   the frame is complete raises ``TransportTimeout`` and leaves the connection usable (the next
   call resumes the same frame). The peer gone (EOF, reset) raises ``PeerLost``; a frame over
   ``max_frame`` bytes or a broken framing header raises ``FrameError`` (the connection is then
