@@ -267,6 +267,9 @@ def _framed(body: bytes) -> bytes:
             lambda t: frames.layers_header("r", t[0], t[1], [bytes(16)] * 2) + t[2]
         ),
         st.integers(0, 30).map(lambda n: frames.encode_begin("r", 1, 1, BLOCK_BYTES)[:n]),
+        st.tuples(
+            st.integers(0, 3), st.integers(0, 3), st.integers(0, 3), st.binary(max_size=8)
+        ).map(lambda t: frames.encode_run("r", t[0], t[1], t[2]) + t[3]),
     )
 )
 def test_malformed_frames_are_refused_and_receiver_survives(tier: HostTier, body: bytes) -> None:
@@ -301,8 +304,9 @@ def test_oversized_and_truncated_frames(tier: HostTier, extra: int, cut: int) ->
 
 
 def test_a_layer_goes_as_runs_of_blocks_within_the_frame_limit(tier: HostTier) -> None:
-    """LAYERS frames carry one layer of consecutive blocks, never past ``max_frame``; a slice
-    of a run that fails its digest refuses the whole transfer."""
+    """A layer goes as RUN frames of consecutive blocks, each followed by its bytes as a frame
+    of their own, never past ``max_frame``; a spoilt byte in a run is caught by the block's
+    digest at COMPLETE and refuses the whole transfer."""
     sent: list[bytes] = []
 
     class Recording:
@@ -315,18 +319,46 @@ def test_a_layer_goes_as_runs_of_blocks_within_the_frame_limit(tier: HostTier) -
     for layer in range(LAYERS):
         sender.send_layer(layer, [payload(7, b, layer, LAYER_BYTES) for b in range(BLOCKS)])
     sender.finish()
-    decoded = [frames.decode(f) for f in sent]
-    runs = [(f.first, len(f.digests)) for f in decoded if isinstance(f, frames.Layers)]
+    assert isinstance(frames.decode(sent[0]), frames.Begin)
+    body = sent[1:-1]
+    decoded = [frames.decode(f) for f in body[::2]]  # RUN, its bytes, RUN, its bytes, ...
+    runs = [(f.first, f.count) for f in decoded if isinstance(f, frames.Run)]
     assert runs == [(0, 2), (2, 1)] * LAYERS
+    assert [len(f) for f in body[1::2]] == [2 * LAYER_BYTES, LAYER_BYTES] * LAYERS
     assert all(len(f) <= Recording.max_frame for f in sent)
     result = _receive_raw(tier, [_framed(f) for f in sent], max_frame=1 << 16, blocks=BLOCKS)
     assert result.ok and len(result.committed) == BLOCKS
     for key in list(result.committed):
         tier.remove(key)
-    spoilt = bytearray(sent[1])
-    spoilt[-1] ^= 0xFF  # the last slice of the first run of layer 0
-    frames_in = [_framed(bytes(spoilt) if i == 1 else f) for i, f in enumerate(sent)]
+    spoilt = bytearray(sent[2])
+    spoilt[-1] ^= 0xFF  # the last slice of the first run of layer 0: block 1
+    frames_in = [_framed(bytes(spoilt) if i == 2 else f) for i, f in enumerate(sent)]
     result = _receive_raw(tier, frames_in, max_frame=1 << 16, blocks=BLOCKS)
+    assert result.outcome == "digest_mismatch" and "block 1 whole-payload" in result.detail
+    assert_nothing_visible(tier)
+    short = [_framed(f) for f in sent[:2]] + [_framed(sent[2][:-1])]  # a run's bytes cut short
+    result = _receive_raw(tier, short, max_frame=1 << 16, blocks=BLOCKS)
+    assert result.outcome == "refused" and "expected" in result.detail
+    assert_nothing_visible(tier)
+
+
+def test_layers_frames_with_a_spoilt_slice_are_refused_at_that_slice(tier: HostTier) -> None:
+    """LAYERS frames (slices inline, each with its digest) are still accepted: a spoilt slice
+    is refused where it arrives."""
+    slices = [payload(3, b, 0, BLOCK_BYTES) for b in range(2)]
+    raw = [_framed(frames.encode_begin("r", 2, 1, BLOCK_BYTES))]
+    header = frames.layers_header("r", 0, 0, [payload_digest(p) for p in slices])
+    good = header + b"".join(slices)
+    complete = frames.encode_complete("r", [payload_digest(p) for p in slices])
+    result = _receive_raw(
+        tier, [*raw, _framed(good), _framed(complete)], max_frame=1 << 16, blocks=2
+    )
+    assert result.ok and len(result.committed) == 2
+    for key in list(result.committed):
+        tier.remove(key)
+    spoilt = bytearray(good)
+    spoilt[-1] ^= 0xFF
+    result = _receive_raw(tier, [*raw, _framed(bytes(spoilt))], max_frame=1 << 16, blocks=2)
     assert result.outcome == "digest_mismatch" and "block 1 layer 0" in result.detail
     assert_nothing_visible(tier)
 

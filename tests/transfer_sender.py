@@ -3,11 +3,11 @@
 It connects to ``--port`` over ``--transport`` and streams ``--blocks`` × ``--layers`` layer
 slices of deterministic bytes (``payload``), misbehaving as ``--mode`` says:
 
-- ``full``: every layer, then COMPLETE; ``corrupt``: one LAYER frame's payload flipped after
-  its digest was taken; ``bad_complete``: a wrong whole-block digest in COMPLETE;
+- ``full``: every layer, then COMPLETE; ``corrupt``: one RUN's bytes flipped after the
+  sender hashed them; ``bad_complete``: a wrong whole-block digest in COMPLETE;
 - ``cancel``: half the layers, then CANCEL; ``stall``: half the layers, then nothing (the
   receiver times out or is cancelled); ``half``: half the layers, prints ``HALF`` and waits to
-  be SIGKILLed; ``skip``: all but one layer slice, then COMPLETE.
+  be SIGKILLed; ``skip``: all but one RUN (and its bytes), then COMPLETE.
 
 After its part it waits until the receiver closes (or 30 s), so the receiver sees EOF only
 when the test kills it.
@@ -20,6 +20,7 @@ import os
 import random
 import sys
 import threading
+from collections.abc import Sequence
 
 from kvstrata.transfer import frames
 from kvstrata.transfer.stream import TransferSender
@@ -36,26 +37,41 @@ class _Tamper:
     def __init__(self, inner: Connection, mode: str) -> None:
         self.inner, self.mode = inner, mode
         self.path, self.max_frame = inner.path, inner.max_frame
-        self.layer_frames = 0
+        self.runs = 0
+        self.payload_next = False  # the frame after a RUN is that run's bytes
+        self.skipping = False
 
     def send_frame(self, *parts: Buffer, timeout_s: float | None = None) -> None:
-        kind = bytes(memoryview(parts[0])[3:4])[0]
-        if kind in (frames.Kind.LAYER, frames.Kind.LAYERS):  # the sender ships LAYERS frames
-            self.layer_frames += 1
-            if self.mode == "corrupt" and self.layer_frames == 2:
-                spoilt = bytearray(parts[1])
+        if self.payload_next:
+            self.payload_next = False
+            if self.mode == "corrupt" and self.runs == 2:
+                spoilt = bytearray(parts[0])
                 spoilt[0] ^= 0xFF
-                parts = (parts[0], spoilt, *parts[2:])
-            if self.mode == "skip" and self.layer_frames == 3:
+                parts = (spoilt, *parts[1:])
+            if self.skipping:
                 return
-        if kind == frames.Kind.COMPLETE and self.mode == "bad_complete":
-            spoilt = bytearray(parts[0])
-            spoilt[-1] ^= 0xFF
-            parts = (bytes(spoilt),)
+        else:
+            kind = bytes(memoryview(parts[0])[3:4])[0]
+            self.skipping = False
+            if kind == frames.Kind.RUN:  # the sender ships a RUN, then its bytes
+                self.runs += 1
+                self.payload_next = True
+                if self.mode == "skip" and self.runs == 3:
+                    self.skipping = True
+                    return
+            if kind == frames.Kind.COMPLETE and self.mode == "bad_complete":
+                spoilt = bytearray(parts[0])
+                spoilt[-1] ^= 0xFF
+                parts = (bytes(spoilt),)
         self.inner.send_frame(*parts, timeout_s=timeout_s)
 
     def recv_frame(self, *, timeout_s: float | None = None) -> Buffer:
         return self.inner.recv_frame(timeout_s=timeout_s)
+
+    def recv_frame_into(
+        self, buffers: Sequence[memoryview], *, timeout_s: float | None = None
+    ) -> None:
+        self.inner.recv_frame_into(buffers, timeout_s=timeout_s)
 
     def close(self) -> None:
         self.inner.close()

@@ -19,10 +19,12 @@ path's fixed overhead learned from earlier points (``OverheadEstimate``, as link
 decode step, the decode worker's advertised layout, and the link measured once at start with
 ``transfer.tcp.raw_socket_gbps``. ``best`` is the path with
 the lower measured median; ``choice_accuracy`` the share of points where they agree.
-``transfer_gbps`` is the transfer stack alone (``bench.transfer_link``: LAYERS frames with
-digests, received into PENDING host-tier slots, verified and committed; this model's layer
-size; no compute), the median of ``LINK_PROBES`` probes each paired with a ``raw_socket_gbps``
-of the same size, ``transfer_vs_raw`` the median of the per-probe ratios. The replies' own
+``transfer_gbps`` is the transfer stack alone (``bench.transfer_link``: a sender process
+streams RUN frames into this process's PENDING host-tier slots, every block digest verified,
+then committed; this model's layer size; no compute), the median of ``LINK_PROBES`` probes
+each paired with a raw socket between the same two processes and of the same size
+(``raw_link_gbps``, reported as ``raw_socket_gbps``), ``transfer_vs_raw`` the median of the
+per-probe ratios. The replies' own
 bytes over their seconds — which span the whole layer-wise prefill, so on a compute-bound
 model they measure the prefill's pace, not the link's — are ``prefill_send_gbps``.
 ``overlap`` is the median share of transfer time hidden behind the prefill.

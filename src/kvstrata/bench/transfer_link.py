@@ -1,31 +1,40 @@
-"""The transfer stack alone on loopback, measured the way ``transfer.tcp.raw_socket_gbps`` is.
+"""The transfer stack alone on loopback, against a raw socket measured the same way.
 
-``bench disagg``'s ``transfer_gbps`` divides each ``/kv/prefill`` reply's bytes by its
+``bench disagg``'s ``prefill_send_gbps`` divides each ``/kv/prefill`` reply's bytes by its
 seconds, and those seconds span the whole layer-wise prefill: on a compute-bound model it is
-the prefill's pace, not the link's. This probe takes the compute out: one sender thread streams
-``blocks`` × ``layers`` slices of already computed KV through ``TransferSender`` (a LAYER frame
-per slice with its xxh3-128 digest, COMPLETE with each block's digest) over a ``TcpTransport``
-connection; the receiver (``TransferReceiver`` into a real ``HostTier``, this process, as
-``raw_socket_gbps``'s drain thread is) writes them into PENDING slots, checks every digest and
-commits. Bytes are the KV payload; seconds run from the first frame to the committed result.
-``stack_vs_raw`` against ``raw_socket_gbps`` of the same size in the same call is the share of
-the socket's throughput the stack keeps (issue 14's goal: ≥ 0.7).
+the prefill's pace, not the link's. This probe takes the compute out. As in a disaggregated
+fleet, sender and receiver are two processes: a child process (spawned, so it shares no
+interpreter lock and no copy-on-write memory with the receiver) streams ``blocks`` × ``layers``
+slices of already computed KV through ``TransferSender`` (RUN frames, each run's bytes
+gathered from the slices, COMPLETE with each block's digest); this process receives with
+``TransferReceiver`` into a real ``HostTier`` — the bytes scattered from the socket into the
+PENDING slots, every block digest checked, then committed.
+
+The peer is the same pair of processes without the stack (``raw_link_gbps``): the child
+``sendall``s the same number of bytes from one reused buffer, this process ``recv_into`` a
+preallocated one. Both are timed in this process from ``accept`` to the last byte (the stack:
+to the committed result), the child having prepared its bytes before it connects.
+``stack_vs_raw`` is the share of the raw socket's throughput the stack keeps (issue 14's
+goal: ≥ 0.7).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import threading
+import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.tiers.host import HostTier
 from kvstrata.transfer.stream import TransferReceiver, TransferSender
-from kvstrata.transfer.tcp import raw_socket_gbps
-from kvstrata.transfer.transport import TransportError, make_transport
+from kvstrata.transfer.transport import Address, TransportError, make_transport
+
+_CHUNK = 4 * 1024 * 1024
+_ACCEPT_TIMEOUT_S = 60.0  # a spawned child imports kvstrata before it connects
 
 
 @dataclass(frozen=True)
@@ -57,49 +66,101 @@ def _metas(blocks: int, block_bytes: int) -> list[KVObjectMeta]:
     ]
 
 
+def _send_stack(
+    address: Address, transport_name: str, blocks: int, layers: int, layer_bytes: int
+) -> None:
+    """The child's part of the stack probe (module docstring)."""
+    slices = [os.urandom(layer_bytes) for _ in range(blocks)]  # one layer, reused per layer
+    conn = make_transport(transport_name).connect(address, timeout_s=_ACCEPT_TIMEOUT_S)
+    try:
+        sender = TransferSender(
+            conn, "link-probe", blocks=blocks, layers=layers, layer_bytes=layer_bytes
+        )
+        for layer in range(layers):
+            sender.send_layer(layer, slices)
+        sender.finish()
+        # COMPLETE is in the kernel's buffer; closing now could reset the connection before
+        # the receiver read it (NIXL: before its ack): wait for the receiver to close first.
+        conn.recv_frame(timeout_s=_ACCEPT_TIMEOUT_S)
+    except TransportError:
+        pass
+    finally:
+        conn.close()
+
+
+def _send_raw(address: Address, total_bytes: int) -> None:
+    """The child's part of the raw probe."""
+    payload = memoryview(bytearray(_CHUNK))
+    with socket.create_connection(address, timeout=_ACCEPT_TIMEOUT_S) as sock:
+        sock.settimeout(None)
+        left = total_bytes
+        while left > 0:
+            piece = payload[: min(left, _CHUNK)]
+            sock.sendall(piece)
+            left -= len(piece)
+        sock.recv(1)  # until the receiver closes
+
+
+def _child(target: Callable[..., None], *args: object) -> multiprocessing.process.BaseProcess:
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
+
+
+def raw_link_gbps(total_bytes: int) -> float:
+    """Loopback TCP throughput (GB/s, 1e9) from a child process into this one (module
+    docstring): the physical peer of ``transfer_stack_gbps``."""
+    server = socket.create_server(("127.0.0.1", 0))
+    child = _child(_send_raw, server.getsockname()[:2], total_bytes)
+    try:
+        server.settimeout(_ACCEPT_TIMEOUT_S)
+        conn, _ = server.accept()
+        buffer = memoryview(bytearray(_CHUNK))
+        received = 0
+        with conn:
+            conn.settimeout(None)
+            start = time.perf_counter()
+            while received < total_bytes:
+                got = conn.recv_into(buffer)
+                if got == 0:
+                    break
+                received += got
+            elapsed = time.perf_counter() - start
+    finally:
+        server.close()
+        child.join(timeout=30)
+    if received != total_bytes:
+        raise TransportError(f"raw link probe received {received} of {total_bytes} bytes")
+    return total_bytes / elapsed / 1e9
+
+
 def transfer_stack_gbps(
     *, blocks: int, layers: int, layer_bytes: int, transport_name: str = "tcp"
 ) -> LinkProbe:
     """Stream ``blocks`` × ``layers`` slices through the stack once (module docstring) over
-    ``transport_name`` (``tcp``; ``nixl``: UCX confined by the caller's environment)."""
+    ``transport_name`` (``tcp``; ``nixl``: UCX confined by the caller's environment), then
+    the raw peer of the same size."""
     block_bytes = layers * layer_bytes
-    slices = [os.urandom(layer_bytes) for _ in range(blocks)]  # one layer, reused per layer
     transport = make_transport(transport_name)
     with HostTier(blocks * block_bytes, block_bytes, pin_memory=False) as tier:
         receiver = TransferReceiver(tier)
         listener = transport.listen()
-        sent = threading.Event()
-
-        def send() -> None:
-            conn = transport.connect(listener.address, timeout_s=10)
+        child = _child(_send_stack, listener.address, transport_name, blocks, layers, layer_bytes)
+        try:
+            conn = listener.accept(timeout_s=_ACCEPT_TIMEOUT_S)
             try:
-                sender = TransferSender(
-                    conn, "link-probe", blocks=blocks, layers=layers, layer_bytes=layer_bytes
-                )
-                for layer in range(layers):
-                    sender.send_layer(layer, slices)
-                sender.finish()
-                sent.set()
-            finally:
-                conn.close()
-
-        with ThreadPoolExecutor(1) as pool:
-            conn = None
-            try:
-                future = pool.submit(send)
-                conn = listener.accept(timeout_s=10)
                 start = time.perf_counter()
                 result = receiver.receive(
                     conn, _metas(blocks, block_bytes), timeout_s=300, request_id="link-probe"
                 )
                 seconds = time.perf_counter() - start
-                future.result()
             finally:
-                if conn is not None:
-                    conn.close()
-                listener.close()
-        if not result.ok or not sent.is_set():
+                conn.close()
+        finally:
+            listener.close()
+            child.join(timeout=30)
+        if not result.ok:
             raise TransportError(f"link probe ended {result.outcome}: {result.detail}")
     payload = blocks * block_bytes
-    raw = raw_socket_gbps(payload)
+    raw = raw_link_gbps(payload)
     return LinkProbe(payload / seconds / 1e9, raw, payload, seconds)

@@ -7,6 +7,11 @@ length + UTF-8, at most ``MAX_REQUEST_ID`` bytes); integers are big-endian:
     LAYER     u32 block, u32 layer, 16-byte xxh3-128 digest of the payload, payload (the rest)
     LAYERS    u32 first block, u32 count, u32 layer, count 16-byte digests (one per block's
               slice), payload: count slices of ``layer_bytes``, block ``first`` first
+    RUN       u32 first block, u32 count, u32 layer; the payload (count slices of
+              ``layer_bytes``, block ``first`` first) is the *next* transport frame, alone, so
+              the receiver can place it straight into its PENDING objects
+              (``Connection.recv_frame_into``); its bytes are checked by the per-block digests
+              of COMPLETE, before anything commits
     COMPLETE  u32 blocks, then that many 16-byte digests of each block's whole payload
     CANCEL    nothing more
 
@@ -33,6 +38,7 @@ _PREFIX = struct.Struct(">2sBBH")
 _BEGIN = struct.Struct(">III")
 _LAYER = struct.Struct(">II16s")
 _LAYERS = struct.Struct(">III")
+_RUN = struct.Struct(">III")
 _COUNT = struct.Struct(">I")
 
 
@@ -46,6 +52,7 @@ class Kind(IntEnum):
     COMPLETE = 3
     CANCEL = 4
     LAYERS = 5
+    RUN = 6
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,16 @@ class Layers:
 
 
 @dataclass(frozen=True)
+class Run:
+    """One layer of ``count`` consecutive blocks whose bytes come as the next frame."""
+
+    request_id: str
+    first: int
+    count: int
+    layer: int
+
+
+@dataclass(frozen=True)
 class Complete:
     request_id: str
     digests: tuple[bytes, ...]
@@ -92,7 +109,7 @@ class Cancel:
     request_id: str
 
 
-Frame = Begin | Layer | Layers | Complete | Cancel
+Frame = Begin | Layer | Layers | Run | Complete | Cancel
 
 
 def _prefix(kind: Kind, request_id: str) -> bytes:
@@ -120,6 +137,10 @@ def layers_header(request_id: str, first: int, layer: int, digests: list[bytes])
 def layers_overhead(request_id: str, count: int) -> int:
     """Bytes of a LAYERS frame besides its payload."""
     return _PREFIX.size + len(request_id.encode("utf-8")) + _LAYERS.size + count * DIGEST_BYTES
+
+
+def encode_run(request_id: str, first: int, count: int, layer: int) -> bytes:
+    return _prefix(Kind.RUN, request_id) + _RUN.pack(first, count, layer)
 
 
 def encode_complete(request_id: str, digests: list[bytes]) -> bytes:
@@ -173,6 +194,12 @@ def decode(frame: bytes | bytearray | memoryview) -> Frame:
             tuple(bytes(digests[i : i + DIGEST_BYTES]) for i in range(0, len(digests), 16)),
             payload,
         )
+    if kind == Kind.RUN:
+        _exact(body, _RUN.size, "RUN")
+        first, count, layer = _RUN.unpack(body)
+        if not 0 < count <= MAX_BLOCKS:
+            raise MalformedFrame(f"RUN of {count} blocks out of range")
+        return Run(request_id, first, count, layer)
     if kind == Kind.COMPLETE:
         if len(body) < _COUNT.size:
             raise MalformedFrame("COMPLETE header truncated")

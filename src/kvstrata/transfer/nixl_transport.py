@@ -22,6 +22,7 @@ import os
 import struct
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from kvstrata.transfer.transport import (
     PeerLost,
     TransportError,
     TransportTimeout,
+    copy_into,
     frame_length,
 )
 
@@ -138,6 +140,17 @@ class NixlConnection:
             raise FrameError("malformed NIXL control message")
 
     def recv_frame(self, *, timeout_s: float | None = None) -> Buffer:
+        body = bytearray()
+        self._receive(timeout_s, lambda data: body.extend(data))
+        return body
+
+    def recv_frame_into(
+        self, buffers: Sequence[memoryview], *, timeout_s: float | None = None
+    ) -> None:
+        self._receive(timeout_s, lambda data: copy_into(data, buffers))
+
+    def _receive(self, timeout_s: float | None, take: Callable[[memoryview], None]) -> None:
+        """The next frame's bytes in the ring, handed to ``take`` before the slot is acked."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._pending:
             self._take_control(_left(deadline))
@@ -145,11 +158,10 @@ class NixlConnection:
         if slot * self._slot_bytes >= self._ring.size or length > self._slot_bytes:
             raise FrameError(f"NIXL control names slot {slot} / {length} bytes out of range")
         start = slot * self._slot_bytes
-        body = bytearray(self._ring[start : start + length].data)
+        take(memoryview(self._ring[start : start + length].data).cast("B"))
         # The frame arrived whole even if the ack cannot leave; the next receive reports it.
         with contextlib.suppress(PeerLost):
             self._control.send_frame(_ACK.pack(b"A", slot), timeout_s=self._ack_timeout_s)
-        return body
 
     def close(self) -> None:
         if self._closed:

@@ -2,22 +2,26 @@
 commits only what verified whole.
 
 ``TransferSender`` is fed one layer at a time (``send_layer(layer, blocks)``: that layer's
-bytes for every block of the request, as soon as the layer's KV exists) and sends LAYERS
-frames — one layer of a run of consecutive blocks, up to ``DEFAULT_RUN_BYTES``, each slice
-with its xxh3-128 digest (a lone LAYER frame per slice is still accepted) — then ``finish()``
-sends COMPLETE
-with each block's whole-payload digest (``objects.payload_digest`` of the layers in order:
-the sender hashes incrementally, never re-reading the payload). Wire format: ``frames``.
+bytes for every block of the request, as soon as the layer's KV exists) and sends, per run of
+consecutive blocks (up to ``DEFAULT_RUN_BYTES``), a RUN frame followed by the run's bytes as a
+frame of their own, gathered from the caller's buffers without a copy; then ``finish()`` sends
+COMPLETE with each block's whole-payload digest (``objects.payload_digest`` of the layers in
+order: the sender hashes incrementally, never re-reading the payload). Wire format:
+``frames`` (LAYER and LAYERS frames, whose slices carry digests of their own, are accepted
+too).
 
-``TransferReceiver.receive(conn, metas)`` writes layer slices straight into PENDING objects of
+``TransferReceiver.receive(conn, metas)`` places layer slices straight into PENDING objects of
 a destination tier (``prepare_store``: the host tier's slot is writable in place) at offset
-``layer × layer_bytes``, checks every frame's digest, and at COMPLETE checks that every layer of
-every block came and each block's digest; only then does it give each slot its final meta
-(the announced digest) and ``complete_store(ok)``. Any other end — a digest mismatch, a missing
-layer, a malformed or foreign frame, the sender's CANCEL, ``cancel()`` here, the deadline, or
-the sender gone — aborts every pending object (``complete_store(fail)``): nothing half-written
-is ever visible. A non-identity conversion (``convert``: source blocks → target blocks, run
-after verification) stages source blocks in memory instead and stores the converted ones.
+``layer × layer_bytes`` — a RUN's bytes go from the socket into the slots
+(``Connection.recv_frame_into``), with no buffer between —, feeds each block's running hash
+while the slice is in cache (checks a LAYER/LAYERS slice's own digest too), and at COMPLETE
+checks that every layer of every block came and each block's digest; only then does it give
+each slot its final meta (the announced digest) and ``complete_store(ok)``. Any other end — a
+digest mismatch, a missing layer, a malformed or foreign frame, the sender's CANCEL,
+``cancel()`` here, the deadline, or the sender gone — aborts every pending object
+(``complete_store(fail)``): nothing half-written is ever visible. A non-identity conversion
+(``convert``: source blocks → target blocks, run after verification) stages source blocks in
+memory instead and stores the converted ones.
 
 Each transfer is counted once (``TransferMetrics``: path, outcome, bytes, seconds) and audited
 (``Action.TRANSFER``: outcome, object ids, counts — never tokens).
@@ -29,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import xxhash
 
@@ -48,12 +52,13 @@ from kvstrata.transfer.transport import (
     TransportTimeout,
 )
 
+_T = TypeVar("_T")
 Converter = Callable[[Sequence[bytes]], Sequence[Buffer]]
 DEFAULT_RUN_BYTES = 4 * 1024 * 1024
-"""A LAYERS frame's payload at most: one layer of many blocks per frame, not one per block —
-per-frame costs (headers, a syscall, a digest check, a Python round) dominated small slices."""
+"""A RUN's bytes at most: one layer of many blocks per frame, not one per block — per-frame
+costs (headers, a syscall, a Python round) dominated small slices."""
 MAX_RUN_SLICES = 512
-"""Slices per frame at most: the frame goes out as one gathered send (IOV_MAX is 1024)."""
+"""Slices per RUN at most: its bytes go out as one gathered send (IOV_MAX is 1024)."""
 
 
 class PendingSink(Protocol):
@@ -115,27 +120,24 @@ class TransferSender:
             if view.nbytes != self.layer_bytes:
                 raise InvalidInput(f"block {index}: {view.nbytes} bytes, not {self.layer_bytes}")
         per_frame = self._run_slices()
+        hashers = self._hashers
         for first in range(0, len(views), per_frame):
             run = views[first : first + per_frame]
-            digests = []
-            for index, view in enumerate(run, start=first):
-                self._hashers[index].update(view)
-                digests.append(payload_digest(view))
-            header = frames.layers_header(self.request_id, first, layer, digests)
-            self.conn.send_frame(header, *run, timeout_s=self.timeout_s)
+            self.conn.send_frame(
+                frames.encode_run(self.request_id, first, len(run), layer),
+                timeout_s=self.timeout_s,
+            )
+            self.conn.send_frame(*run, timeout_s=self.timeout_s)
+            for index, view in enumerate(run, start=first):  # while the receiver places it
+                hashers[index].update(view)
         self._next_layer += 1
 
     def _run_slices(self) -> int:
-        """Slices per LAYERS frame: as many as ``run_bytes`` and the frame limit allow."""
+        """Slices per RUN: as many as ``run_bytes`` and the frame limit allow."""
         limit = min(self.run_bytes, self.conn.max_frame)
-        fits = 1
-        while (
-            fits < min(self.blocks, MAX_RUN_SLICES)
-            and (fits + 1) * self.layer_bytes + frames.layers_overhead(self.request_id, fits + 1)
-            <= limit
-        ):
-            fits += 1
-        return fits
+        if self.layer_bytes > limit:
+            raise InvalidInput(f"a {self.layer_bytes}-byte layer slice is over {limit} per frame")
+        return max(1, min(self.blocks, MAX_RUN_SLICES, limit // self.layer_bytes))
 
     def finish(self) -> list[bytes]:
         """Send COMPLETE; returns the per-block digests it announced."""
@@ -274,15 +276,27 @@ class _Session:
                 self._on_begin(frame)
             elif self.begin is None:
                 raise _End("refused", "first frame is not BEGIN")
+            elif isinstance(frame, frames.Run):
+                self._on_run(self.begin, frame.first, frame.count, frame.layer, None, deadline)
             elif isinstance(frame, frames.Layers):
-                self._on_run(self.begin, frame.first, frame.layer, frame.digests, frame.payload)
+                digests = frame.digests
+                self._on_run(self.begin, frame.first, len(digests), frame.layer, frame, deadline)
             elif isinstance(frame, frames.Layer):
-                self._on_run(self.begin, frame.block, frame.layer, (frame.digest,), frame.payload)
+                self._on_run(self.begin, frame.block, 1, frame.layer, frame, deadline)
             else:
                 self._on_complete(self.begin, frame)
                 return
 
     def _next(self, deadline: float) -> frames.Frame:
+        raw = self._poll(deadline, lambda left: self.conn.recv_frame(timeout_s=left))
+        try:
+            return frames.decode(raw)
+        except frames.MalformedFrame as exc:
+            raise _End("refused", str(exc)) from exc
+
+    def _poll(self, deadline: float, receive: Callable[[float], _T]) -> _T:
+        """``receive(timeout)`` in short rounds (it resumes where a timeout left it) until it
+        returns, the deadline passes or ``cancel()`` comes; transport errors end the session."""
         owner = self.owner
         while True:
             if owner._cancelled.is_set():
@@ -291,16 +305,12 @@ class _Session:
             if left <= 0:
                 raise _End("timeout", "deadline passed before COMPLETE")
             try:
-                raw = self.conn.recv_frame(timeout_s=min(left, owner.poll_s))
+                return receive(min(left, owner.poll_s))
             except TransportTimeout:
                 continue
             except PeerLost as exc:
                 raise _End("peer_lost", str(exc)) from exc
             except FrameError as exc:
-                raise _End("refused", str(exc)) from exc
-            try:
-                return frames.decode(raw)
-            except frames.MalformedFrame as exc:
                 raise _End("refused", str(exc)) from exc
 
     def _on_begin(self, begin: frames.Begin) -> None:
@@ -336,32 +346,41 @@ class _Session:
         self,
         begin: frames.Begin,
         first: int,
+        count: int,
         layer: int,
-        digests: Sequence[bytes],
-        payload: memoryview,
+        inline: frames.Layers | frames.Layer | None,
+        deadline: float,
     ) -> None:
-        """One layer of blocks ``first`` … ``first + len(digests) - 1`` (a LAYERS frame, or a
-        LAYER frame: a run of one). Checks once per run, then per slice only the digest, the
-        copy into the slot and the block's running hash (fed while the slice is in cache, so
-        COMPLETE need not read the payload again)."""
-        count, size = len(digests), begin.layer_bytes
+        """One layer of blocks ``first`` … ``first + count - 1``: a RUN (``inline`` None: its
+        bytes are the next frame, received straight into the slots) or a LAYERS/LAYER frame
+        (slices inline, each checked against its own digest, then copied). Checks once per
+        run; per slice only the placement and the block's running hash, fed while the slice is
+        in cache so that COMPLETE need not read the payload again."""
+        size = begin.layer_bytes
         if not (first >= 0 and first + count <= begin.blocks and 0 <= layer < begin.layers):
             raise _End("refused", f"blocks {first}+{count} layer {layer} out of range")
-        if len(payload) != count * size:
-            raise _End("refused", f"layer payload of {len(payload)} bytes for {count} blocks")
         seen = self.seen[layer]
         if any(seen[first : first + count]):
             raise _End("refused", f"layer {layer} of a block in {first}+{count} sent twice")
-        self.payload_bytes += count * size
         start, end = layer * size, (layer + 1) * size
         targets: Sequence[Buffer] = self.staged or [slot.buffer for slot in self.pending]
+        places = [memoryview(targets[block])[start:end] for block in range(first, first + count)]
+        if inline is None:
+            self._poll(deadline, lambda left: self.conn.recv_frame_into(places, timeout_s=left))
+            pieces = places
+        else:
+            payload = inline.payload
+            if len(payload) != count * size:
+                raise _End("refused", f"layer payload of {len(payload)} bytes for {count} blocks")
+            digests = inline.digests if isinstance(inline, frames.Layers) else (inline.digest,)
+            pieces = [payload[i * size : (i + 1) * size] for i in range(count)]
+            for index, (piece, digest) in enumerate(zip(pieces, digests, strict=True)):
+                if payload_digest(piece) != digest:
+                    raise _End("digest_mismatch", f"block {first + index} layer {layer}")
+                places[index][:] = piece
+        self.payload_bytes += count * size
         hashers, hashed = self.hashers, self.hashed
-        for index, digest in enumerate(digests):
-            piece = payload[index * size : (index + 1) * size]
-            if payload_digest(piece) != digest:
-                raise _End("digest_mismatch", f"block {first + index} layer {layer}")
-            block = first + index
-            memoryview(targets[block])[start:end] = piece
+        for block, piece in enumerate(pieces, start=first):
             if hashed[block] == layer:  # in layer order: the running hash stays valid
                 hashers[block].update(piece)
                 hashed[block] = layer + 1

@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 from kvstrata.transfer.transport import (
     DEFAULT_MAX_FRAME,
@@ -26,6 +27,7 @@ from kvstrata.transfer.transport import (
 )
 
 _LENGTH = struct.Struct(">I")
+_IOV_MAX = 1024
 
 
 class TcpConnection:
@@ -41,6 +43,8 @@ class TcpConnection:
         self._buffer = bytearray()  # reused for every frame (grown to the largest one)
         self._body: memoryview | None = None
         self._body_got = 0
+        self._scatter: list[memoryview] | None = None  # recv_frame_into's buffers, in progress
+        self._scatter_at = 0
         self._broken: str | None = None
         self._closed = False
 
@@ -68,18 +72,10 @@ class TcpConnection:
             raise PeerLost(f"peer gone while sending: {exc}") from exc
 
     def recv_frame(self, *, timeout_s: float | None = None) -> Buffer:
-        if self._broken is not None:
-            raise FrameError(f"connection unusable: {self._broken}")
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = self._usable(timeout_s)
         try:
-            while self._header_got < len(self._header):
-                view = memoryview(self._header)[self._header_got :]
-                self._header_got += self._recv_into(view, deadline, mid=self._header_got > 0)
+            length = self._length(deadline)
             if self._body is None:
-                (length,) = _LENGTH.unpack(self._header)
-                if length > self.max_frame:
-                    self._broken = f"announced frame of {length} bytes"
-                    raise FrameError(f"frame of {length} bytes over the limit {self.max_frame}")
                 if len(self._buffer) < length:
                     self._buffer = bytearray(length)  # a frame still held keeps the old one
                 self._body = memoryview(self._buffer)[:length]
@@ -95,6 +91,57 @@ class TcpConnection:
         self._body = None
         self._header_got = 0
         return body
+
+    def recv_frame_into(
+        self, buffers: Sequence[memoryview], *, timeout_s: float | None = None
+    ) -> None:
+        """The next frame scattered by the kernel straight into ``buffers`` (``recvmsg_into``,
+        at most ``_IOV_MAX`` buffers a call): no copy through a buffer of ours."""
+        deadline = self._usable(timeout_s)
+        try:
+            length = self._length(deadline)
+            if self._scatter is None:
+                want = frame_length(buffers)
+                if length != want:
+                    self._broken = f"frame of {length} bytes where {want} were expected"
+                    raise FrameError(self._broken)
+                self._scatter = [memoryview(b).cast("B") for b in buffers if b.nbytes]
+                self._scatter_at = 0
+            views, at = self._scatter, self._scatter_at
+            while at < len(views):
+                self._sock.settimeout(_remaining(deadline))
+                got = self._sock.recvmsg_into(views[at : at + _IOV_MAX])[0]
+                if got == 0:
+                    raise PeerLost("peer closed the connection mid-frame")
+                while at < len(views) and got >= views[at].nbytes:
+                    got -= views[at].nbytes
+                    at += 1
+                if got:
+                    views[at] = views[at][got:]
+                self._scatter_at = at
+        except TimeoutError as exc:
+            raise TransportTimeout("no whole frame arrived in time") from exc
+        except OSError as exc:
+            raise PeerLost(f"peer gone: {exc}") from exc
+        self._scatter = None
+        self._header_got = 0
+
+    def _usable(self, timeout_s: float | None) -> float | None:
+        """The deadline of a receive, once the connection is known usable."""
+        if self._broken is not None:
+            raise FrameError(f"connection unusable: {self._broken}")
+        return None if timeout_s is None else time.monotonic() + timeout_s
+
+    def _length(self, deadline: float | None) -> int:
+        """The current frame's length (its header read first, resumably), within the limit."""
+        while self._header_got < len(self._header):
+            view = memoryview(self._header)[self._header_got :]
+            self._header_got += self._recv_into(view, deadline, mid=self._header_got > 0)
+        (length,) = _LENGTH.unpack(self._header)
+        if length > self.max_frame:
+            self._broken = f"announced frame of {length} bytes"
+            raise FrameError(f"frame of {length} bytes over the limit {self.max_frame}")
+        return int(length)
 
     def _recv_into(self, view: memoryview, deadline: float | None, *, mid: bool) -> int:
         self._sock.settimeout(_remaining(deadline))

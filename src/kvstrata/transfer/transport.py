@@ -17,6 +17,11 @@ Primitives and their contracts (checked for every transport by ``tests/test_tran
   call resumes the same frame). The peer gone (EOF, reset) raises ``PeerLost``; a frame over
   ``max_frame`` bytes or a broken framing header raises ``FrameError`` (the connection is then
   unusable: close it).
+- ``Connection.recv_frame_into(buffers, timeout_s)``: the next frame, written into
+  ``buffers`` in order (TCP scatters it there straight from the socket; others may copy). Its
+  length must equal their total, else ``FrameError`` (the connection is then unusable).
+  Resumable like ``recv_frame``: after a ``TransportTimeout`` call it again with the same
+  buffers.
 - ``close()`` on either is idempotent.
 
 Transport errors are ours (``TransportError`` and subclasses): socket and library errors are
@@ -25,6 +30,7 @@ mapped at the transport's edge.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvstrata.errors import KvstrataError
@@ -60,6 +66,10 @@ class Connection(Protocol):
 
     def recv_frame(self, *, timeout_s: float | None = None) -> Buffer: ...
 
+    def recv_frame_into(
+        self, buffers: Sequence[memoryview], *, timeout_s: float | None = None
+    ) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -80,8 +90,21 @@ class Transport(Protocol):
     def connect(self, address: Address, *, timeout_s: float | None = None) -> Connection: ...
 
 
-def frame_length(parts: tuple[Buffer, ...]) -> int:
+def frame_length(parts: Sequence[Buffer]) -> int:
     return sum(memoryview(part).nbytes for part in parts)
+
+
+def copy_into(body: Buffer, buffers: Sequence[memoryview]) -> None:
+    """``recv_frame_into`` for a transport that receives whole frames: split ``body`` over
+    ``buffers`` (``FrameError`` if the sizes differ)."""
+    data = memoryview(body).cast("B")
+    if data.nbytes != frame_length(buffers):
+        raise FrameError(f"frame of {data.nbytes} bytes for {frame_length(buffers)} expected")
+    offset = 0
+    for buffer in buffers:
+        size = buffer.nbytes
+        buffer[:] = data[offset : offset + size]
+        offset += size
 
 
 TRANSPORT_NAMES: tuple[str, ...] = ("tcp", "nixl")
