@@ -3,6 +3,7 @@ goals, policy order, output comparison and the router's ``--worker`` argument.""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -172,3 +173,21 @@ def test_table_has_one_row_per_policy_and_unknown_policies_fail_early() -> None:
     args = parser.parse_args(["vllm-fleet", "--policies", "kvstrata,nope"])
     with pytest.raises(InvalidInput, match="nope"):
         args.func(args)
+
+
+def test_dtype_reaches_every_servers_command(tmp_path: Path) -> None:
+    """``--dtype float32`` (for CPUs without AVX-512 BF16) reaches the workload and each
+    server's ``--dtype``; bf16 stays the default."""
+    import argparse
+
+    from kvstrata.cli.bench_vllm_fleet import register_fleet, workload_from_args
+    from kvstrata.fleet.vllm_servers import VllmServerSpec
+
+    parser = argparse.ArgumentParser()
+    register_fleet(parser.add_subparsers())
+    assert workload_from_args(parser.parse_args(["vllm-fleet"])).dtype == "bfloat16"
+    workload = workload_from_args(parser.parse_args(["vllm-fleet", "--dtype", "float32"]))
+    assert workload.dtype == "float32"
+    spec = VllmServerSpec("v0", tmp_path, Path("python"), tmp_path, dtype=workload.dtype)
+    argv = spec.command()
+    assert argv[argv.index("--dtype") + 1] == "float32"

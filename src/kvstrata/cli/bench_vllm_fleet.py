@@ -49,6 +49,12 @@ def register_fleet(sub: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=w.seed)
     parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=w.dtype,
+        help="model and KV dtype (float32 on CPUs without AVX-512 BF16: bf16 is emulated there)",
+    )
+    parser.add_argument(
         "--policies",
         default=",".join(w.policies),
         help="comma-separated `kvstrata router --policy` names (default: all four)",
@@ -77,6 +83,7 @@ def workload_from_args(args: argparse.Namespace) -> FleetWorkload:
         repeats=args.repeats,
         seed=args.seed,
         policies=policies,
+        dtype=args.dtype,
     )
 
 

@@ -91,6 +91,8 @@ class FleetWorkload:
     policies: tuple[str, ...] = POLICY_NAMES
     multiprocess: bool = False
     """``VllmServerSpec.multiprocess`` (as ``tests_vllm/test_vllm_fleet.py`` starts them)."""
+    dtype: str = "bfloat16"
+    """``VllmServerSpec.dtype``."""
 
     def __post_init__(self) -> None:
         if self.num_prefixes < 1 or self.num_prompts < self.num_prefixes:
@@ -196,6 +198,7 @@ def _fleet(workload: FleetWorkload, model_dir: Path, run_dir: Path) -> Iterator[
             max_model_len=workload.max_model_len,
             kv_cache_blocks=workload.kv_cache_blocks,
             host_gib=workload.host_gib,
+            dtype=workload.dtype,
             pythonpath=src,
             multiprocess=workload.multiprocess,
         )
@@ -272,6 +275,6 @@ def run(
         },
         "dataset": "prefix_repetition (vLLM), its own seeded order, Poisson arrivals",
         "fairness": "fresh servers, host tiers, index and front door for every run",
-        "model": {"dir": str(model_dir), "dtype": "bfloat16"},
+        "model": {"dir": str(model_dir), "dtype": workload.dtype},
         "wall_s": round(wall_s, 1),
     }

