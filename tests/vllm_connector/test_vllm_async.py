@@ -169,3 +169,29 @@ def test_saver_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
     creator.start()
     creator.join()
     assert seen and seen[0] == allowed
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 CPUs"
+)
+def test_fetch_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
+    """The layer-wise load's fetch thread, like the saver, must not take the forward's core."""
+    codec, _, rows = _codec()
+    seen: list[set[int]] = []
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("this process may use one CPU only")
+
+    def fetch(r: RequestLoad) -> Fetched:
+        seen.append(os.sched_getaffinity(0))
+        return Fetched(r, rows[:1], 1)
+
+    def pinned_creator() -> None:
+        os.sched_setaffinity(0, {min(allowed)})  # this thread only, like vLLM's worker
+        request = RequestLoad("a", "default", (3,), (b"k0",))
+        LayerwiseLoad([request], fetch, codec, timeout_s=10).start().finish()
+
+    creator = threading.Thread(target=pinned_creator)
+    creator.start()
+    creator.join()
+    assert seen and seen[0] == allowed

@@ -8,6 +8,8 @@ is untested (no GPU on these machines). Real vLLM runs in ``tests_vllm`` (``make
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from kvstrata.connectors.vllm_identity import (
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
-from kvstrata.connectors.vllm_plan import ScheduledRequest, SchedulerPlanner
+from kvstrata.connectors.vllm_plan import RequestLoad, ScheduledRequest, SchedulerPlanner
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
@@ -217,6 +219,60 @@ def _worker(
     return ConnectorWorker(store, codec, model="m", stats_path=tmp_path / "stats.json", audit=audit)
 
 
+def _stats_file(tmp_path: Path) -> dict[str, object]:
+    try:
+        return dict(json.loads((tmp_path / "stats.json").read_text()))
+    except FileNotFoundError:
+        return {}
+
+
+def test_loads_and_saves_reuse_their_staging_rows(tmp_path: Path) -> None:
+    """A load stages into the worker's kept buffer (no fresh pages per load); a load whose
+    predecessor's fetch thread still runs gets buffers of its own; saves reuse theirs; the
+    counters reach the stats file at close without a step."""
+    layers = {"l0": cpu_layer(0), "l1": cpu_layer(1)}
+    worker = _worker(tmp_path, layers)
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 3 * BS + 2))
+    planner.matched_tokens("a", tokens, None, 0)
+    planner.after_alloc("a", [0, 1, 2, 3], 0)
+    saves = planner.build([ScheduledRequest("a", [0, 1, 2, 3], True, 0, len(tokens))]).saves
+    worker.save(saves)
+    saved_rows = worker._save_staging.rows(3).data_ptr()
+    original = {n: t.clone() for n, t in layers.items()}
+
+    def plan(req: str, blocks: list[int]) -> list[RequestLoad]:
+        assert planner.matched_tokens(req, tokens, None, 0) == 3 * BS
+        planner.after_alloc(req, blocks, 3 * BS)
+        return planner.build([ScheduledRequest(req, blocks, True, 3 * BS, 1)]).loads
+
+    first = worker.begin_load(plan("b", [3, 4, 5, 0]), timeout_s=10)
+    assert first.join(10)
+    assert worker.finish_load(first) == set()
+    staged = first.finish().fetched[0].rows
+    second = worker.begin_load(plan("c", [3, 4, 5, 0]), timeout_s=10)
+    assert second.join(10) and worker.finish_load(second) == set()
+    assert second.finish().fetched[0].rows.data_ptr() == staged.data_ptr()  # the same buffer
+    for name, t in layers.items():
+        assert torch.equal(t[3:6], original[name][0:3])
+    gate = threading.Event()
+    slow = worker.fetch
+    worker.fetch = lambda request, rows=None: (gate.wait(10), slow(request, rows))[1]  # type: ignore[method-assign]
+    late = worker.begin_load(plan("d", [3, 4, 5, 0]), timeout_s=0.05)
+    assert worker.finish_load(late) == {3, 4, 5}  # past its deadline: recomputed
+    worker.fetch = slow  # type: ignore[method-assign]
+    overlapping = worker.begin_load(plan("e", [3, 4, 5, 0]), timeout_s=10)
+    assert overlapping.join(10)
+    rows = overlapping.finish().fetched[0].rows
+    assert rows.data_ptr() != staged.data_ptr()  # the late fetch may still write the kept one
+    gate.set()
+    assert late.join(10)
+    worker.save(saves)  # nothing new to save; the save rows stay the same buffer
+    assert worker._save_staging.rows(3).data_ptr() == saved_rows
+    worker.close()
+    assert _stats_file(tmp_path)["load_timeouts"] == 1
+
+
 def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None:
     layers = {"l0": cpu_layer(0), "l1": cpu_layer(1)}
     worker = _worker(tmp_path, layers, audit_path=str(tmp_path / "audit.jsonl"))
@@ -250,8 +306,11 @@ def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None
     plan = planner.build([ScheduledRequest("d", [1, 2, 3, 0], True, 3 * BS, 1)])
     assert worker.load(plan.loads) == {2, 3}
     assert worker.stats.load_digest_mismatch == 1 and worker.stats.load_errors == 2
-    worker.end_step()
-    assert json.loads((tmp_path / "stats.json").read_text())["load_errors"] == 2
+    worker.end_step()  # the stats thread writes the file within STATS_INTERVAL_S
+    deadline = time.monotonic() + 5
+    while _stats_file(tmp_path).get("load_errors") != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _stats_file(tmp_path)["load_errors"] == 2
     worker.close()  # closes the store, then its audit log (every line written)
     (line,) = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert (line["audit"], line["reason"], line["component"]) == (
@@ -327,6 +386,7 @@ def test_workers_share_a_remote_tier_and_load_it_by_read_ahead(
     for name, tensor in layers_b.items():
         assert torch.equal(tensor[3:6], layers_a[name][0:3])
     reader.end_step()
+    reader.write_stats(force=True)  # the stats thread would within STATS_INTERVAL_S
     remote = json.loads((tmp_path / "stats-b.json").read_text())["tiers"]["remote"]
     # One pipelined batch fetched the whole prefix; the loads took all of it.
     assert remote["read_ahead_bytes"] == 3 * reader.codec.block_bytes

@@ -141,10 +141,14 @@ class BlockCodec:
             if not 0 <= block_id < self.num_blocks:
                 raise InvalidInput(f"block id {block_id} outside [0, {self.num_blocks})")
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: ``[len(block_ids), block_bytes]`` uint8 rows to fill (a reused buffer: fresh
+        pages cost their first touch on every call), else new ones."""
         self._check(block_ids)
         n = len(block_ids)
-        rows = torch.empty((n, self.block_bytes), dtype=torch.uint8)
+        if out is not None and (out.shape != (n, self.block_bytes) or out.dtype != torch.uint8):
+            raise InvalidInput(f"out of shape {tuple(out.shape)} for {n} blocks")
+        rows = out if out is not None else torch.empty((n, self.block_bytes), dtype=torch.uint8)
         if n == 0:
             return rows
         if self.use_numpy:

@@ -5,7 +5,9 @@ attention layer, before it reads that layer's KV. ``LayerwiseLoad``:
 
 - ``start()``: one fetch thread reads every planned block from the store (the tiers' reads,
   the payload digest check, a remote tier's pipelined read-ahead) into a private staging
-  buffer, while the forward runs what precedes the first attention;
+  buffer, while the forward runs what precedes the first attention. The thread leaves the
+  forward's core first (``unpin_current_thread``, as the saver does): it inherits vLLM's pin
+  and would otherwise take its CPU time from the very forward that waits for it;
 - ``layer(name)``: the forward thread waits for the fetch (at most ``timeout_s``, counted from
   ``start``) and copies *that layer's* slice of every loaded block into vLLM's tensor, so the
   copies are spread over the layers instead of all before the forward. Only the forward thread
@@ -32,6 +34,7 @@ import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_plan import RequestLoad
+from kvstrata.connectors.vllm_saver import unpin_current_thread
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class LayerwiseLoad:
         return self
 
     def _run(self) -> None:
+        unpin_current_thread()
         try:
             for request in self.loads:
                 self._results.append(self._fetch(request))
