@@ -146,8 +146,13 @@ class _Streams:
 def _calibrate(
     client: httpx.Client, pair: WorkerPair, learned: _Learned, lengths: Sequence[int]
 ) -> None:
-    """Alone prefills on each worker (what a fleet learns its fits from) and a decode step."""
-    shapes = sorted({min(lengths), max(lengths), max(1, min(lengths) // 2)})
+    """Alone prefills on each worker (what a fleet learns its fits from) and a decode step.
+
+    Every swept length and half the shortest, twice each: enough samples and distinct shapes
+    for ``OnlinePrefillFit`` to leave its prior (8 samples, 4 shapes). With three shapes, as
+    before, the prefill worker's fit stayed the prior for the whole sweep (only the decode
+    worker's kept learning, from the local path's alone TTFTs)."""
+    shapes = sorted({*lengths, max(1, min(lengths) // 2)})
     for url, fit in ((pair.decode, learned.decode_fit), (pair.prefill, learned.prefill_fit)):
         for length in shapes * 2:
             body = {"prompt": _prompt(length), "max_tokens": 1, "temperature": 0}
@@ -223,6 +228,8 @@ def _point(
         remote.append(seconds)
         hits.append(matched)
         transfers.append(outcome)
+        if outcome.get("outcome") == "sent":  # the front door learns the prefill fit so
+            learned.prefill_fit.observe(length, 0, float(outcome["seconds"]))
     predicted_alone = learned.decode_fit.model().seconds(length, 0)
     for seconds in local:  # what a fleet learns from these (after the choice was made)
         if load == 0:
