@@ -256,6 +256,7 @@ class _Session:
         self.request_id = request_id
         self.pending: list[StoreSlot] = []
         self.staged: list[bytearray] = []
+        self.places: list[memoryview] = []  # per source block: where its bytes go (a byte view)
         self.seen: list[bytearray] = []  # per layer: 1 where that block's slice came
         self.hashers: list[xxhash.xxh3_128] = []  # per block: its layers hashed as they came
         self.hashed: list[int] = []  # per block: layers fed to its hasher (in order only)
@@ -328,10 +329,12 @@ class _Session:
         self.hashed = [0] * begin.blocks
         if self.owner.convert is not None:
             self.staged = [bytearray(source_size) for _ in range(begin.blocks)]
+            self.places = [memoryview(b) for b in self.staged]
             return
         for meta in self.metas:
             slot = self._prepare(meta)
             self.pending.append(slot)
+        self.places = [memoryview(slot.buffer).cast("B") for slot in self.pending]
 
     def _prepare(self, meta: KVObjectMeta) -> StoreSlot:
         try:
@@ -363,8 +366,7 @@ class _Session:
         if any(seen[first : first + count]):
             raise _End("refused", f"layer {layer} of a block in {first}+{count} sent twice")
         start, end = layer * size, (layer + 1) * size
-        targets: Sequence[Buffer] = self.staged or [slot.buffer for slot in self.pending]
-        places = [memoryview(targets[block])[start:end] for block in range(first, first + count)]
+        places = [target[start:end] for target in self.places[first : first + count]]
         if inline is None:
             self._poll(deadline, lambda left: self.conn.recv_frame_into(places, timeout_s=left))
             pieces = places

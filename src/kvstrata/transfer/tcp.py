@@ -105,7 +105,7 @@ class TcpConnection:
                 if length != want:
                     self._broken = f"frame of {length} bytes where {want} were expected"
                     raise FrameError(self._broken)
-                self._scatter = [memoryview(b).cast("B") for b in buffers if b.nbytes]
+                self._scatter = [b for b in buffers if b.nbytes]
                 self._scatter_at = 0
             views, at = self._scatter, self._scatter_at
             while at < len(views):

@@ -18,8 +18,9 @@ Primitives and their contracts (checked for every transport by ``tests/test_tran
   ``max_frame`` bytes or a broken framing header raises ``FrameError`` (the connection is then
   unusable: close it).
 - ``Connection.recv_frame_into(buffers, timeout_s)``: the next frame, written into
-  ``buffers`` in order (TCP scatters it there straight from the socket; others may copy). Its
-  length must equal their total, else ``FrameError`` (the connection is then unusable).
+  ``buffers`` (writable, contiguous byte memoryviews: format ``B``) in order (TCP scatters it
+  there straight from the socket; others may copy). Its length must equal their total, else
+  ``FrameError`` (the connection is then unusable).
   Resumable like ``recv_frame``: after a ``TransportTimeout`` call it again with the same
   buffers.
 - ``close()`` on either is idempotent.
