@@ -83,7 +83,10 @@ def test_quick_entry_prints_one_json_object_with_the_named_figures() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
-    assert [(p["prompt_tokens"], p["load"]) for p in result["points"]] == [(64, 0), (64, 2)]
+    shapes = [(p["prompt_tokens"], p["load"], p["queued_tokens"]) for p in result["points"]]
+    assert shapes == [(64, 0, 0), (64, 2, 0), (64, 0, 256)]
+    assert result["queued"] == [256]
+    assert result["shared_compute"] is True  # two unpinned processes on this machine
     for point in result["points"]:
         assert point["chosen"] in {"local", "disagg"} and point["best"] in {"local", "disagg"}
         assert point["ttft_local_s"] > 0 and point["ttft_disagg_s"] > 0
@@ -91,7 +94,7 @@ def test_quick_entry_prints_one_json_object_with_the_named_figures() -> None:
         assert point["best"] == best
         assert point["decode_hit_tokens"] == 63  # the transfer landed: a hit on the decode side
     assert 0.0 <= result["choice_accuracy"] <= 1.0
-    assert result["transfers_sent"] == result["transfers"] == 2 * 3
+    assert result["transfers_sent"] == result["transfers"] == 3 * 3
     assert result["transfer_gbps"] > 0 and result["raw_socket_gbps"] > 0
     probes = result["link_probes"]
     assert len(probes) == 3 and all(p["bytes"] > 0 for p in probes)

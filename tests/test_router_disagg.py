@@ -187,3 +187,35 @@ def test_invalid_inputs_are_refused() -> None:
         scenario(decode_queue_s=float("nan"))
     with pytest.raises(InvalidInput):
         DisaggConfig(min_gain_s=-1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs)
+def test_shared_compute_never_favours_disagg(cost: DisaggCost) -> None:
+    apart, shared = replace(cost, shared_compute=False), replace(cost, shared_compute=True)
+    assert close_or_above(gain(apart), gain(shared))
+    assert choose(shared).ttft_local_s == choose(apart).ttft_local_s
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs)
+def test_on_shared_compute_equal_workers_without_queues_stay_local(cost: DisaggCost) -> None:
+    """The same fit, the same cache, no queue on either side, one machine: the remote prefill
+    takes the same cycles as a local one and adds a transfer and a last-token forward."""
+    same = replace(
+        cost,
+        prefill_profile=cost.decode_profile,
+        prefill_cached_tokens=cost.decode_cached_tokens,
+        decode_queue_s=0.0,
+        prefill_queue_s=0.0,
+        shared_compute=True,
+    )
+    assert choose(same).path == "local"
+
+
+def test_a_loaded_decode_worker_gains_nothing_from_a_prefill_worker_on_its_cores() -> None:
+    loaded = scenario()  # disagg on separate machines (the named case above)
+    assert choose(loaded).path == "disagg"
+    shared = choose(replace(loaded, shared_compute=True))
+    assert shared.path == "local"
+    assert shared.cost_disagg_s > choose(loaded).cost_disagg_s

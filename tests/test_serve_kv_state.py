@@ -7,6 +7,7 @@ real ``ZmqEventSubscriber`` whose replay requests are answered by the server's r
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from kvstrata.events import (
     decode_batch,
 )
 from kvstrata.identity.keys import event_block_hash
+from kvstrata.router.placement import ComputePlace
 from kvstrata.runtime.events import DEVICE_MEDIUM, KVEventEmitter, KVEventsConfig
 from kvstrata.serve.app import create_app
 from kvstrata.serve.kv_state import EPOCH_HEADER, NEXT_SEQ_HEADER
@@ -151,6 +153,9 @@ def test_info_names_the_bound_endpoints(worker: Worker) -> None:
     assert not info["replay_endpoint"].endswith(":*")
     assert info["tiers"] == ["device", "host"]
     assert isinstance(info["next_seq"], int)
+    place = ComputePlace.from_json(info["compute"])  # this process: same host, its CPUs
+    assert place.device == "cpu" and place.cpus == frozenset(os.sched_getaffinity(0))
+    assert place.host.startswith(socket.gethostname() + "/")
 
 
 def test_dump_plus_live_stream_equals_resident_blocks(worker: Worker) -> None:

@@ -29,8 +29,16 @@ bytes over their seconds — which span the whole layer-wise prefill, so on a co
 model they measure the prefill's pace, not the link's — are ``prefill_send_gbps``.
 ``overlap`` is the median share of transfer time hidden behind the prefill.
 
+A second kind of load (``queued``): one prefill of ``N`` fresh tokens sent to the decode
+worker just before each measured request (``QUEUE_LEAD_S`` ahead), no streams: the request
+waits behind it on the local path, while on the disaggregated path the prefill worker computes
+meanwhile. The router's figure for it is what a fleet's queue estimate holds: the blocker's
+predicted prefill seconds (the decode worker's fit) less the lead. Those points teach the
+fits nothing (their TTFTs did not run alone).
+
 Both workers share this machine's cores: a remote prefill competes with the decode streams
 for CPU, which a real deployment (two machines) would not; the figures say what this box does.
+Each worker's ``/kv/info`` ``compute`` entry tells the router so (``shared_compute``).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,6 +75,7 @@ LINK_PROBES = 3
 LINK_PROBE_BYTES = 128 * 1024 * 1024
 LINK_PROBE_MAX_BLOCKS = 4096
 STREAM_PROMPT_TOKENS = 32
+QUEUE_LEAD_S = 0.05  # a queued point's blocker is sent this long before the measured request
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,7 @@ class DisaggBenchConfig:
     model: str = "smollm2"
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)
     loads: tuple[int, ...] = (0, 2, 4)
+    queued: tuple[int, ...] = (2048,)  # blocker lengths of the queued points (module docstring)
     repeats: int = 3
     stream_tokens: int = 256  # each background decode stream's length (restarted when done)
     timeout_s: float = 300.0
@@ -191,6 +201,19 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _blocked(
+    client: httpx.Client, pool: ThreadPoolExecutor, url: str, queued: int
+) -> Future[tuple[float, int]] | None:
+    """Send a ``queued``-token prefill to ``url`` and give it ``QUEUE_LEAD_S`` to be admitted
+    (None and no wait for 0)."""
+    if queued <= 0:
+        return None
+    body = {"prompt": _prompt(queued), "max_tokens": 1, "temperature": 0}
+    blocker = pool.submit(_complete, client, url, body)
+    time.sleep(QUEUE_LEAD_S)
+    return blocker
+
+
 def _point(
     client: httpx.Client,
     pool: ThreadPoolExecutor,
@@ -201,12 +224,16 @@ def _point(
     load: int,
     repeats: int,
     transfers: list[dict[str, Any]],
+    queued: int = 0,
 ) -> dict[str, Any]:
+    queue_s = 0.0
+    if queued:  # what the fleet's queue estimate holds once the blocker is in
+        queue_s = max(0.0, learned.decode_fit.model().seconds(queued, 0) - QUEUE_LEAD_S)
     cost = disagg_cost(
         prompt_tokens=length,
         decode_cached_tokens=0,
         prefill_cached_tokens=0,
-        decode_queue_s=0.0,  # nothing queued ahead: the streams are decoding
+        decode_queue_s=queue_s,  # streams decode, they are not queued prefills
         prefill_queue_s=0.0,
         active_decodes=load,
         decode_profile=learned.profile(learned.decode_fit),
@@ -214,34 +241,43 @@ def _point(
         layout=pair.layout,
         link=replace(link, latency_s=learned.overhead.value_s),
         decode_step_s=learned.decode_step_s,
+        shared_compute=pair.shared_compute,
     )
     choice = choose(cost)
     local: list[float] = []
     remote: list[float] = []
     hits: list[int] = []
     for _ in range(repeats):  # alternating, fresh prompts
+        blocker = _blocked(client, pool, pair.decode, queued)
         seconds, _ = _complete(
             client, pair.decode, {"prompt": _prompt(length), "max_tokens": 1, "temperature": 0}
         )
         local.append(seconds)
+        if blocker is not None:
+            blocker.result()
+        blocker = _blocked(client, pool, pair.decode, queued)
         seconds, outcome, matched = _disagg_once(client, pool, pair, _prompt(length))
         remote.append(seconds)
         hits.append(matched)
         transfers.append(outcome)
+        if blocker is not None:
+            blocker.result()
         if outcome.get("outcome") == "sent":  # the front door learns the prefill fit so
             learned.prefill_fit.observe(length, 0, float(outcome["seconds"]))
-    predicted_alone = learned.decode_fit.model().seconds(length, 0)
-    for seconds in local:  # what a fleet learns from these (after the choice was made)
-        if load == 0:
-            learned.decode_fit.observe(length, 0, seconds)
-        else:
-            learned.interference.observe(seconds, predicted_alone, length, load)
     ttft_local, ttft_disagg = _median(local), _median(remote)
-    learned.overhead.observe(ttft_disagg, choice.ttft_disagg_s - learned.overhead.value_s)
+    if not queued:  # what a fleet learns from these (after the choice was made)
+        predicted_alone = learned.decode_fit.model().seconds(length, 0)
+        for seconds in local:
+            if load == 0:
+                learned.decode_fit.observe(length, 0, seconds)
+            else:
+                learned.interference.observe(seconds, predicted_alone, length, load)
+        learned.overhead.observe(ttft_disagg, choice.ttft_disagg_s - learned.overhead.value_s)
     best = "disagg" if ttft_disagg < ttft_local else "local"
     return {
         "prompt_tokens": length,
         "load": load,
+        "queued_tokens": queued,
         "ttft_local_s": ttft_local,
         "ttft_disagg_s": ttft_disagg,
         "spread_local_s": max(local) - min(local),
@@ -273,7 +309,7 @@ def run_disagg_bench(
         _calibrate(client, pair, learned, config.lengths)
         points: list[dict[str, Any]] = []
         transfers: list[dict[str, Any]] = []
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with ThreadPoolExecutor(max_workers=3) as pool:
             for load in config.loads:
                 streams = _Streams(pair.decode, load, config.stream_tokens, config.timeout_s)
                 streams.start()
@@ -287,6 +323,12 @@ def run_disagg_bench(
                     streams.stop()
                 if streams.step_samples:
                     learned.decode_step_s = _median(streams.step_samples)
+            for queued in config.queued:
+                for length in config.lengths:
+                    points.append(
+                        _point(client, pool, pair, learned, link, length, 0, config.repeats,
+                               transfers, queued)
+                    )  # fmt: skip
     raw_after = raw_socket_gbps(RAW_SOCKET_BYTES)
     probes = [
         _link_probe(pair.layout, config.link_probe_bytes, pair.transfer_transport)
@@ -294,7 +336,7 @@ def run_disagg_bench(
     ]
     raw = (raw_before, raw_after)
     summary = _summary(config, pair.layout, points, transfers, raw, link, probes)
-    return summary | {"transport": pair.transfer_transport}
+    return summary | {"transport": pair.transfer_transport, "shared_compute": pair.shared_compute}
 
 
 def _link_probe(layout: KVLayout, total_bytes: int, transport: str) -> LinkProbe:
@@ -324,6 +366,7 @@ def _summary(
         "repeats": config.repeats,
         "lengths": list(config.lengths),
         "loads": list(config.loads),
+        "queued": list(config.queued),
         "points": points,
         "choice_accuracy": agree / len(points) if points else 0.0,
         "transfer_gbps": _median([p.stack_gbps for p in probes]),

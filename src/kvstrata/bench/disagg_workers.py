@@ -3,7 +3,9 @@
 Both start at once (own process groups, output to a log each), share a tenant secret (their
 block keys must agree) and are always killed on the way out. The decode worker opens its
 transfer port (``--transfer-port 0``) and a host tier to receive into; its ``/kv/info``
-``transfer`` entry gives the address and the layout the bench prices transfers with.
+``transfer`` entry gives the address and the layout the bench prices transfers with. Both
+publish KV events (as under ``kvstrata up``), so both answer ``/kv/info``, whose ``compute``
+entries say whether they share cores (on one machine they do, unless pinned apart).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from kvstrata.bench.servers import free_port, http, kill_group, server_env, tail
 from kvstrata.errors import InvalidInput
+from kvstrata.router.placement import ComputePlace, shares_compute
 from kvstrata.transfer.layout import KVLayout
 
 READY_TIMEOUT_S = 600.0
@@ -33,6 +36,7 @@ class WorkerPair:
     transfer_port: int
     layout: KVLayout
     transfer_transport: str = "tcp"
+    shared_compute: bool = False  # the two /kv/info ``compute`` entries overlap
 
 
 def _command(model: str, port: int, secret: Path, pool_gib: float, *extra: str) -> list[str]:
@@ -68,10 +72,11 @@ def worker_pair(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         urls: list[str] = []
-        decode_flags = ("--transfer-port", "0", "--transfer-transport", transport)
+        events = ("--events-endpoint", "tcp://127.0.0.1:*")
+        decode_flags = (*events, "--transfer-port", "0", "--transfer-transport", transport)
         if transport == "nixl":
             env.setdefault("UCX_NET_DEVICES", "lo")  # one machine: loopback only
-        for name, extra in (("decode", decode_flags), ("prefill", ())):
+        for name, extra in (("decode", decode_flags), ("prefill", events)):
             port = free_port()
             log = scratch / f"{name}.log"
             with log.open("wb") as out:
@@ -87,7 +92,10 @@ def worker_pair(
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url, name in zip(procs, urls, ("decode", "prefill"), strict=True):
             _wait_healthy(proc, url, scratch / f"{name}.log", name)
-        info = json.loads(http(f"{urls[0]}/kv/info", timeout=10))["transfer"]
+        decode_info = json.loads(http(f"{urls[0]}/kv/info", timeout=10))
+        prefill_info = json.loads(http(f"{urls[1]}/kv/info", timeout=10))
+        info = decode_info["transfer"]
+        places = [ComputePlace.from_json(i["compute"]) for i in (decode_info, prefill_info)]
         yield WorkerPair(
             decode=urls[0],
             prefill=urls[1],
@@ -95,6 +103,7 @@ def worker_pair(
             transfer_port=int(info["port"]),
             layout=KVLayout(**info["layout"]),
             transfer_transport=str(info.get("transport", "tcp")),
+            shared_compute=shares_compute(*places),
         )
     finally:
         for proc in procs:

@@ -24,6 +24,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model directory")
     parser.add_argument("--lengths", type=_ints, default=(256, 512, 1024, 2048))
     parser.add_argument("--loads", type=_ints, default=(0, 2, 4), help="decode streams running")
+    parser.add_argument(
+        "--queued",
+        type=_ints,
+        default=(2048,),
+        help="queued points: one prefill of N tokens ahead on the decode worker (0: none)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each path")
     parser.add_argument("--stream-tokens", type=int, default=256, help="tokens per decode stream")
     parser.add_argument("--pool-gib", type=float, default=0.5, help="each worker's pool and host")
@@ -45,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         lengths=args.lengths,
         loads=args.loads,
+        queued=tuple(q for q in args.queued if q > 0),
         repeats=args.repeats,
         stream_tokens=args.stream_tokens,
     )
@@ -57,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         )
     rows = [
         (
-            p["prompt_tokens"], p["load"], f"{p['ttft_local_s']:.4f}", f"{p['ttft_disagg_s']:.4f}",
+            p["prompt_tokens"], p["load"], p["queued_tokens"], f"{p['ttft_local_s']:.4f}",
+            f"{p['ttft_disagg_s']:.4f}",
             p["chosen"], p["best"], p["decode_hit_tokens"],
         )
         for p in result["points"]
@@ -72,7 +80,16 @@ def run(args: argparse.Namespace) -> int:
         result,
         as_json=args.json,
         title=f"kvstrata bench disagg ({args.model}, {args.repeats} repeats) — {summary}",
-        columns=("tokens", "load", "ttft_local_s", "ttft_disagg_s", "chosen", "best", "hit"),
+        columns=(
+            "tokens",
+            "load",
+            "queued",
+            "ttft_local_s",
+            "ttft_disagg_s",
+            "chosen",
+            "best",
+            "hit",
+        ),
         rows=rows,
     )
     return 0

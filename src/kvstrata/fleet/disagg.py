@@ -7,7 +7,8 @@ predicted disaggregated TTFT. The inputs (``router.disagg_inputs.disagg_cost``) 
 fleet's own figures: prompt tokens, each side's cached prefix (the global index), each
 worker's queued prefill seconds and running decodes, its online prefill fit and learned
 interference (``WorkerState``), KV bytes per token from the decode worker's advertised layout
-(``/kv/info`` ``transfer``), and the link (:class:`DisaggSettings`: measured once at start with
+(``/kv/info`` ``transfer``), whether the two share compute (``/kv/info`` ``compute``), and
+the link (:class:`DisaggSettings`: measured once at start with
 ``transfer.tcp.raw_socket_gbps``, or configured).
 
 Pure: called under the fleet lock with the states, no I/O, no clock. The I/O (``POST
@@ -24,6 +25,7 @@ from kvstrata.fleet.workers import WorkerState
 from kvstrata.index.model import PrefixMatch
 from kvstrata.router.disagg import Choice, DisaggConfig, choose
 from kvstrata.router.disagg_inputs import Link, disagg_cost
+from kvstrata.router.placement import shares_compute
 
 MIN_OWN_SAMPLES = 3
 Reason = Literal["cost", "no_prefill_worker", "no_transfer_port", "prefill_unreachable"]
@@ -108,6 +110,7 @@ def plan(
             layout=target.layout,
             link=settings.link,
             decode_step_s=decode.decode_step_s,
+            shared_compute=shares_compute(decode.info.compute, remote.info.compute),
         )
         options.append((choose(cost, settings.choice), remote, remote_cached))
     best, remote, remote_cached = min(options, key=lambda o: o[0].ttft_disagg_s)

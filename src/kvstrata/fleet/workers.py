@@ -29,6 +29,7 @@ from kvstrata.index.model import Medium, parse_medium
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg_inputs import InterferenceEstimate
 from kvstrata.router.model import WorkerLoad
+from kvstrata.router.placement import ComputePlace
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.runtime.transfer_config import TRANSPORTS
 from kvstrata.transfer.layout import KVLayout
@@ -92,6 +93,8 @@ class WorkerInfo:
     """The engine's own load figures when it reports them (None: the router's count only)."""
     transfer: TransferTarget | None = None
     """A decode worker's transfer listener (None: it receives no KV transfers)."""
+    compute: ComputePlace | None = None
+    """Where the worker computes (``router.placement``; None: it does not say)."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -129,6 +132,9 @@ class WorkerInfo:
                     if body.get("transfer") is None
                     else TransferTarget.from_json(body["transfer"])
                 ),
+                compute=(
+                    None if body.get("compute") is None else ComputePlace.from_json(body["compute"])
+                ),
             )
         except (
             KeyError,
@@ -137,6 +143,7 @@ class WorkerInfo:
             AttributeError,
             OverflowError,
             CurveKeyError,
+            InvalidInput,
         ) as exc:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:

@@ -27,11 +27,12 @@ decode worker computes the last prompt token itself, as its admission always doe
     τ            = 1 / link_bytes_per_s + (1 / conversion_bytes_per_s, 0 for identity)
     T_cached     = kv_bytes_per_token · τ · max(0, c_P − c_D)         shipped at once
     T_comp       = kv_bytes_per_token · τ · max(0, P − 1 − max(c_D, c_P))  streamed per layer
-    C_P          = S_P(P − c_P, c_P)
+    n_P          = P − c_P
+    C_P          = S_P(n_P, c_P) + [shared] I_D(n_P)
     pipe         = max(T_cached + T_comp, C_P / L + T_comp, C_P + T_comp / L)
     arrive       = q_P + pipe + transfer_latency_s
     ttft_disagg  = max(arrive, q_D) + S_D(1, P − 1) + I_D(1)
-    cost_disagg  = ttft_disagg + w · A · ι · 1
+    cost_disagg  = ttft_disagg + w · A · ι · (1 + [shared] steps(n_P))
 
 ``pipe`` is when the last byte lands for a FIFO link fed first with the blocks cached on the
 prefill worker, then with layer ``l``'s computed blocks once ``(l + 1) / L`` of the forward has
@@ -39,11 +40,19 @@ run (its maximum over the layers is reached at the first or the last layer). The
 admits the request in its queue order, so the KV's arrival and its own queue overlap:
 ``max(arrive, q_D)``.
 
+``[shared]`` is 1 when the two workers compute on the same hardware (``shared_compute``: one
+host with overlapping CPU sets, or one device — ``router.placement``), else 0. Then the remote
+prefill is no relief for the decode worker: its steps slow the running decodes as a local
+prefill's would, and those decodes slow it as they would slow a local one. Two workers on
+separate machines (the case disaggregation is for) pay neither.
+
 ``choose`` takes the disaggregated path only when ``cost_disagg + min_gain_s < cost_local``;
 equal costs stay local. What follows from the formula (the property tests check each):
 
-* a busier decode worker (``q_D``, ``A`` or ``ι`` larger) never favours local: ``cost_local``
-  grows by the full amount, ``cost_disagg`` by at most as much;
+* a busier decode worker (``q_D``, ``A`` or ``ι`` larger) never favours local on separate
+  hardware: ``cost_local`` grows by the full amount, ``cost_disagg`` by at most as much;
+* shared compute never favours disagg: only ``cost_disagg`` grows; with equal fits and
+  caches, no queues and a shared machine, local always wins;
 * a slower link or conversion, a larger latency, or a busier prefill worker never favours
   disagg: only ``cost_disagg`` grows;
 * a longer uncached prompt (caches fixed) never favours local while the decode worker's
@@ -97,6 +106,7 @@ class DisaggCost:
     conversion_bytes_per_s: float = 0.0  # the conversion plan's throughput; 0: identity
     active_decodes: int = 0  # running decodes on the decode worker
     prefill_step_interference_s: float = 0.0  # ι: what a prefill step adds to a decode step
+    shared_compute: bool = False  # both workers on the same cores/device (docstring: [shared])
 
     def __post_init__(self) -> None:
         counts = (self.prompt_tokens, self.decode_cached_tokens, self.prefill_cached_tokens)
@@ -153,7 +163,12 @@ def choose(cost: DisaggCost, config: DisaggConfig | None = None) -> Choice:
     per_token = cost.kv_bytes_per_token * per_byte
     t_cached = per_token * max(0, c_prefill - c_decode)
     t_comp = per_token * max(0, prompt - 1 - max(c_decode, c_prefill))
-    compute = remote.prefill.seconds(prompt - c_prefill, c_prefill)
+    n_remote = prompt - c_prefill
+    compute = remote.prefill.seconds(n_remote, c_prefill)
+    remote_harm_steps = 0
+    if cost.shared_compute:
+        compute += decode.interference_s(n_remote, cost.active_decodes)
+        remote_harm_steps = _steps(n_remote, remote)
     layers = cost.num_layers
     pipe = max(t_cached + t_comp, compute / layers + t_comp, compute + t_comp / layers)
     arrive = cost.prefill_queue_s + pipe + cost.transfer_latency_s
@@ -161,7 +176,7 @@ def choose(cost: DisaggCost, config: DisaggConfig | None = None) -> Choice:
         1, cost.active_decodes
     )
     ttft_disagg = max(arrive, cost.decode_queue_s) + last_token
-    cost_disagg = ttft_disagg + harm_per_step
+    cost_disagg = ttft_disagg + harm_per_step * (1 + remote_harm_steps)
 
     gain = cost_local - cost_disagg
     if gain > config.min_gain_s:

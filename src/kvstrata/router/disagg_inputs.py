@@ -13,7 +13,9 @@ through :func:`disagg_cost`:
 - the link (bytes/s as measured or configured, a fixed latency) and the conversion plan's
   throughput (0: identity);
 - ``ι``, the seconds one prefill step adds to a running decode's step: the decode worker's
-  learned decode step (a prefill step is at least one step of its batch).
+  learned decode step (a prefill step is at least one step of its batch);
+- whether the two workers share compute (``router.placement.shares_compute`` of their
+  ``/kv/info`` ``compute`` entries).
 
 :class:`InterferenceEstimate` learns what running decodes add to a prefill on a worker
 (``CostProfile.decode_interference_s``, per running decode) from TTFTs measured while decodes
@@ -56,6 +58,7 @@ def disagg_cost(
     link: Link,
     decode_step_s: float,
     conversion_bytes_per_s: float = 0.0,
+    shared_compute: bool = False,
 ) -> DisaggCost:
     """One request's ``DisaggCost`` from the fleet's figures (module docstring)."""
     step = decode_step_s if math.isfinite(decode_step_s) and decode_step_s > 0 else 0.0
@@ -74,6 +77,7 @@ def disagg_cost(
         conversion_bytes_per_s=conversion_bytes_per_s,
         active_decodes=max(0, active_decodes),
         prefill_step_interference_s=step,
+        shared_compute=shared_compute,
     )
 
 

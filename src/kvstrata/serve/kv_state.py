@@ -12,6 +12,8 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   a subscriber needs (with a client certificate the worker lists) to receive anything.
   ``transfer`` (a decode worker only): its transfer listener ``{host, port, layout,
   model_digest, active}`` (``serve.transfer_receiver``; ``docs/disaggregation.md``).
+  ``compute``: where this worker computes (``router.placement``: host and boot, device, CPU
+  affinity), so a router can tell two workers that share cores apart from two machines.
 - ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
   events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
   consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
@@ -36,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any, Final
@@ -46,6 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.events import encode_batch, make_batch
 from kvstrata.identity import secret_digest
+from kvstrata.router.placement import ComputePlace
 from kvstrata.runtime.events import DEVICE_MEDIUM, EventSnapshot, KVEventEmitter
 from kvstrata.security import ADMINISTER, DUMP, OBSERVE
 from kvstrata.serve.auth import HttpAuth
@@ -125,6 +130,7 @@ def register_kv_state(
         body = kv_info_body(engine, emitter, model_name) if emitter is not None else {}
         if transfer_info is not None:
             body["transfer"] = transfer_info()
+        body["compute"] = local_compute_place(str(engine.device)).to_json()
         return JSONResponse(body)
 
     @app.get(KV_PREFIX + "/dump", response_model=None)
@@ -159,6 +165,20 @@ def register_kv_state(
         # the publishing (step) thread owns the drop counter
         next_seq = await asyncio.wrap_future(engine.call(arm))
         return JSONResponse({"dropping": count, "evict_replay": evict_replay, "next_seq": next_seq})
+
+
+def local_compute_place(device: str) -> ComputePlace:
+    """This process's place: hostname + kernel boot id, ``device`` (``cpu`` for any CPU
+    engine), the CPUs it may run on."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux: the hostname alone
+        boot = ""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    cpus = getaffinity(0) if getaffinity is not None else range(os.cpu_count() or 1)
+    kind = "cpu" if device.startswith("cpu") else device
+    return ComputePlace(host=f"{socket.gethostname()}/{boot}", device=kind, cpus=frozenset(cpus))
 
 
 def kv_info_body(
