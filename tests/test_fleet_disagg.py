@@ -26,7 +26,13 @@ import pytest
 from kvstrata.runtime.processes import free_port
 from security_helpers import ADMIN_KEY, bearer, write_keys_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin d0 and p0 apart"
+    ),
+]
 
 LONG, SHORT = 2048, 24
 WEIGHT = "50"  # a second of delay to a running decode weighs 50 s of TTFT: load decides
@@ -109,8 +115,10 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
     ensure_checkpoint("tiny")
     tmp = tmp_path_factory.mktemp("fleet-disagg")
     write_keys_file(tmp / "keys.toml")
+    # --pin-cpus: d0 and p0 on disjoint CPUs, so the router prices them as two machines (on
+    # shared cores a remote prefill is no relief for d0's decodes, and it would stay local)
     disagg = _up(tmp, "disagg", "--prefill-workers", "1", "--decode-workers", "1",
-                 "--disagg-interference-weight", WEIGHT)  # fmt: skip
+                 "--disagg-interference-weight", WEIGHT, "--pin-cpus")  # fmt: skip
     colocated = _up(tmp, "colocated", "--workers", "1")
     try:
         _wait(lambda: _ready(disagg, 2), 240, "the disaggregated fleet")
@@ -147,6 +155,17 @@ def _streams(cluster: Cluster, count: int) -> list[threading.Thread]:
     return threads
 
 
+def _infos(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    """Each worker's ``/kv/info``, by worker id."""
+    listing = httpx.get(f"{cluster.url}/fleet/workers", timeout=5, headers=bearer(ADMIN_KEY))
+    infos = {}
+    for worker in listing.json()["workers"]:
+        info = httpx.get(f"{worker['url']}/kv/info", timeout=5, headers=bearer(ADMIN_KEY))
+        assert info.status_code == 200, info.text
+        infos[worker["worker_id"]] = info.json()
+    return infos
+
+
 def _pid_of_worker(worker_id: str, parent: int) -> int:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -176,6 +195,8 @@ def test_disaggregated_fleet_answers_as_colocated_and_chooses_by_load(clusters: 
     _wait(lambda: disagg.route(long_prompt)["disagg"]["path"] == "disagg", 60, "a busy decoder")
     explained = disagg.route(long_prompt)["disagg"]
     assert explained["prefill_worker_id"] == "p0" and explained["reason"] == "cost"
+    cpus = {w: set(info["compute"]["cpus"]) for w, info in _infos(disagg).items()}
+    assert cpus["d0"] and cpus["p0"] and not cpus["d0"] & cpus["p0"]
     assert disagg.route(short)["disagg"]["path"] == "local"  # one step either way
     sent = disagg.decisions("disagg")
     text, cached = disagg.complete(long_prompt)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvstrata.errors import InvalidInput
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
 from kvstrata.router.placement import ComputePlace, shares_compute
+from kvstrata.runtime.processes import split_cpus
 
 
 def place(
@@ -84,3 +85,12 @@ def test_a_worker_info_with_a_bad_compute_entry_is_a_protocol_error(compute: Any
     assert WorkerInfo.from_json("http://w", body).compute == place()
     del body["compute"]
     assert WorkerInfo.from_json("http://w", body).compute is None
+
+
+def test_split_cpus_gives_disjoint_shares_and_wraps_when_short() -> None:
+    assert split_cpus(2, [0, 1]) == [frozenset({0}), frozenset({1})]
+    assert split_cpus(2, [3, 0, 1, 2, 4]) == [frozenset({0, 1, 2}), frozenset({3, 4})]
+    assert split_cpus(3, [0, 1]) == [frozenset({0}), frozenset({1}), frozenset({0})]
+    assert split_cpus(1, [1, 0]) == [frozenset({0, 1})]
+    with pytest.raises(ValueError):
+        split_cpus(0, [0])

@@ -202,8 +202,8 @@ PLAN: Final[tuple[Entry, ...]] = (
         _cmd("bench disagg --json"),
         "Disaggregated prefill between two reference workers (SmolLM2): TTFT of a local "
         "prefill against a remote prefill + layer-wise KV transfer, prompt lengths x running "
-        "decodes or a prefill queued ahead, alternating; choose()'s picks against the measured best; transfer GB/s "
-        "against a raw loopback socket in the same run.",
+        "decodes or a prefill queued ahead, alternating; choose()'s picks against the measured "
+        "best; transfer GB/s against a raw loopback socket in the same run.",
         quick=_cmd(
             "bench disagg --model tiny --lengths 64,256 --loads 0,2 --queued 256 --repeats 3 "
             "--stream-tokens 32 --pool-gib 0.05 --json"

@@ -147,6 +147,13 @@ def register(sub: Any) -> None:
         help="disaggregated: weight of a second of delay to a running decode against a second "
         "of the new request's TTFT (router.disagg, default 1)",
     )
+    up.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="give each worker its own share of this machine's CPUs (sched_setaffinity); "
+        "workers on disjoint CPUs are priced as separate machines by the disaggregation "
+        "choice (/kv/info compute), workers sharing CPUs as no relief for each other",
+    )
     up.add_argument("--restart-workers", action="store_true", help="restart workers that exit")
     up.add_argument("--log-dir", type=Path, default=None, help="write each worker's log here")
     up.set_defaults(func=run_up)
@@ -333,7 +340,7 @@ def run_up(args: argparse.Namespace) -> int:
 def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
     from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
-    from kvstrata.runtime.processes import free_port
+    from kvstrata.runtime.processes import free_port, split_cpus
 
     worker_config(args)  # a bad --config or flag fails here, before anything starts
     if args.model in MODEL_NAMES:
@@ -354,8 +361,9 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     )
     common += curve.worker_args() + _security_worker_args(args, fleet_key_file)
     roles = _roles(args)
+    shares = split_cpus(len(roles), sorted(os.sched_getaffinity(0))) if args.pin_cpus else None
 
-    def spec(worker_id: str, role: str) -> WorkerSpec:
+    def spec(worker_id: str, role: str, cpus: frozenset[int] | None) -> WorkerSpec:
         decode = role == "decode"
         host_gib = args.host_gib
         if decode and host_gib is None and config.tier("host") is None and not config.tiers:
@@ -374,9 +382,13 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
             api_key=fleet_key,
             disk_dir=disk.path / worker_id if disk is not None and disk.path is not None else None,
             log_path=None if args.log_dir is None else args.log_dir / f"{worker_id}.log",
+            cpus=cpus,
         )
 
-    specs = [spec(worker_id, role) for worker_id, role in roles]
+    specs = [
+        spec(worker_id, role, None if shares is None else shares[i])
+        for i, (worker_id, role) in enumerate(roles)
+    ]
     prefill_urls = frozenset(
         s.url for s, (_, role) in zip(specs, roles, strict=True) if role == "prefill"
     )

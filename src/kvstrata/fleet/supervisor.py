@@ -46,6 +46,8 @@ class WorkerSpec:
     log_path: Path | None = None
     api_key: str | None = field(default=None, repr=False)
     """A key that may read ``/kv/info`` (the fleet key), to see that the worker is ready."""
+    cpus: frozenset[int] | None = None
+    """The CPUs the worker may run on (``sched_setaffinity`` before it starts; None: all)."""
 
     @property
     def url(self) -> str:
@@ -101,9 +103,15 @@ class WorkerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=die_with_parent,
+            preexec_fn=self._in_child,
         )
         self.starts += 1
+
+    def _in_child(self) -> None:
+        """``preexec_fn``: pin to the spec's CPUs, die with this process."""
+        if self.spec.cpus is not None:
+            os.sched_setaffinity(0, self.spec.cpus)
+        die_with_parent()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
