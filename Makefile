@@ -35,7 +35,7 @@ lint: venv
 	$(VENV)/bin/mypy --strict src/kvstrata
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test-fast: lint
 	$(VENV)/bin/pytest -q -m "not slow"
