@@ -76,6 +76,23 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _disagg_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="disaggregated: the prefill→decode link's GB/s (default: a loopback socket "
+        "measured once at start)",
+    )
+    parser.add_argument(
+        "--disagg-interference-weight",
+        type=float,
+        default=1.0,
+        help="disaggregated: weight of a second of delay to a running decode against a second "
+        "of the new request's TTFT (router.disagg, default 1)",
+    )
+
+
 def register(sub: Any) -> None:
     up = sub.add_parser(
         "up",
@@ -97,13 +114,7 @@ def register(sub: Any) -> None:
         default=0,
         help="disaggregated: decode workers, the router's candidates (they open a transfer port)",
     )
-    up.add_argument(
-        "--link-gbps",
-        type=float,
-        default=None,
-        help="disaggregated: the prefill→decode link's GB/s (default: a loopback socket "
-        "measured once at start)",
-    )
+    _disagg_arguments(up)
     up.add_argument("--model", default="smollm2", help="smollm2 | tiny | PATH (default: smollm2)")
     up.add_argument(
         "--config",
@@ -141,13 +152,6 @@ def register(sub: Any) -> None:
         help="--engine vllm: each server's device KV cache in blocks (default: vLLM's)",
     )
     up.add_argument(
-        "--disagg-interference-weight",
-        type=float,
-        default=1.0,
-        help="disaggregated: weight of a second of delay to a running decode against a second "
-        "of the new request's TTFT (router.disagg, default 1)",
-    )
-    up.add_argument(
         "--pin-cpus",
         action="store_true",
         help="give each worker its own share of this machine's CPUs (sched_setaffinity); "
@@ -173,6 +177,15 @@ def register(sub: Any) -> None:
         "URL,events=tcp://H:P[,replay=tcp://H:P][,lower=tcp://H:P][,lower_replay=tcp://H:P]"
         "[,id=NAME]",
     )
+    router.add_argument(
+        "--prefill-worker",
+        action="append",
+        default=[],
+        help="disaggregated: a running prefill worker's base URL (`kvstrata serve`; never a "
+        "routing candidate); the --worker URLs are then its decode workers and need "
+        "--transfer-port",
+    )
+    _disagg_arguments(router)
     router.add_argument(
         "--block-size", type=int, default=32, help="--engine vllm: the servers' block size"
     )
@@ -484,8 +497,15 @@ def run_router(args: argparse.Namespace) -> int:
     api_key = None
     if args.api_key_file is not None:
         api_key = security_args.read_key_file(args.api_key_file, "fleet key file")
+    prefill = frozenset(url.rstrip("/") for url in args.prefill_worker)
     if args.engine == "vllm":
         from kvstrata.fleet.vllm_workers import VllmSource, VllmWorker
+
+        if prefill:
+            raise InvalidInput(
+                "--prefill-worker is for `kvstrata serve` workers; vLLM disaggregates through "
+                "its kv_producer/kv_consumer roles and kvstrata.fleet.vllm_pd_proxy"
+            )
 
         try:
             workers = [
@@ -496,5 +516,8 @@ def run_router(args: argparse.Namespace) -> int:
         source = VllmSource(workers, tenant_secret=worker_config(args).tenant_secret)
         _serve_frontdoor(args, [w.base_url for w in workers], api_key, source=source)
         return 0
-    _serve_frontdoor(args, [url.rstrip("/") for url in args.worker], api_key)
+    urls = [url.rstrip("/") for url in args.worker]
+    if prefill & set(urls):
+        raise InvalidInput("a URL cannot be both --worker and --prefill-worker")
+    _serve_frontdoor(args, [*urls, *sorted(prefill)], api_key, prefill_urls=prefill)
     return 0
