@@ -110,6 +110,30 @@ def test_digest_mismatch_leaves_nothing(case: Case) -> None:
     assert case.tier.counters.invalidated == 1
 
 
+def test_a_written_digest_replaces_the_commit_pass_and_reads_still_verify(case: Case) -> None:
+    meta, payload = make_object(1)
+    slot = case.tier.prepare_store(meta)
+    assert slot is not None
+    slot.buffer[:] = payload
+    slot.written_digest = bytes(16)  # not the meta's digest: refused, nothing left
+    assert not case.tier.complete_store(slot, True)
+    assert not case.tier.contains(meta.key) and case.tier.used_bytes == 0
+    assert store(case.tier, meta, payload, written_digest=meta.digest)
+    assert load_bytes(case.tier, meta.key) == payload
+    # A writer whose digest lied commits (the tier trusts it at commit) but is never served:
+    # the first read checks the bytes, finds them wrong and drops the object.
+    other, other_payload = make_object(2)
+    slot = case.tier.prepare_store(other)
+    assert slot is not None
+    slot.buffer[:] = other_payload
+    slot.buffer[0] ^= 0xFF
+    slot.written_digest = other.digest
+    assert case.tier.complete_store(slot, True)
+    assert case.tier.prepare_load(other.key) is None
+    assert not case.tier.contains(other.key)
+    assert case.tier.counters.invalidated == 2  # the refused write, the read that caught one
+
+
 def test_slot_completes_once(case: Case) -> None:
     meta, payload = make_object(1)
     slot = case.tier.prepare_store(meta)

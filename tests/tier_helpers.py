@@ -46,10 +46,13 @@ def make_object(
     return meta, payload
 
 
-def store(tier: Tier, meta: KVObjectMeta, payload: bytes) -> bool:
+def store(
+    tier: Tier, meta: KVObjectMeta, payload: bytes, *, written_digest: bytes | None = None
+) -> bool:
     slot = tier.prepare_store(meta)
     assert slot is not None
     slot.buffer[:] = payload
+    slot.written_digest = written_digest
     return tier.complete_store(slot, True)
 
 

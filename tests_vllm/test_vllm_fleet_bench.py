@@ -27,6 +27,7 @@ def test_two_policies_report_figures_from_the_run(smol: Path) -> None:
         host_gib=0.0625,
         repeats=1,
         policies=("kvstrata", "round-robin"),
+        dtype="float32",  # outputs are compared equal below (bf16 need not be: see the fleet test)
     )
     data = run(smol, workload, progress=lambda line: None)
     assert set(data["policies"]) == {"kvstrata", "round-robin"}
@@ -50,7 +51,7 @@ def test_two_policies_report_figures_from_the_run(smol: Path) -> None:
         "ttft_p50_ms_vs_best_other",
         "ttft_p99_ms_vs_best_other",
     }
-    for goal in data["goals"].values():
-        assert goal["met"] == (goal["ratio"] <= (0.8 if "round_robin" in goal["goal"] else 1.0))
+    for name, goal in data["goals"].items():
+        assert goal["met"] == (goal["ratio"] <= (0.8 if name.endswith("_vs_round_robin") else 1.0))
     assert data["outputs"]["compared"] == workload.num_prompts
     assert data["outputs"]["mismatched"] == 0  # temperature 0: the same text on any server

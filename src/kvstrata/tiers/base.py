@@ -13,7 +13,13 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   left behind (returns False). A writer that learns the digest only once the payload is
   whole (a layer-wise transfer) prepares with a provisional digest and, before completing,
   sets ``slot.meta`` to the final meta — same key, size and tenant (``final_meta``); the
-  host and disk tiers verify against and keep the slot's meta (``adopt_meta``).
+  host and disk tiers verify against and keep the slot's meta (``adopt_meta``). A writer
+  that hashed the payload where it lies, after its last write to ``slot.buffer`` (a
+  layer-wise receiver feeds each slice to a running hash as it lands), may hand that digest
+  over as ``slot.written_digest``: the tier compares it with the meta's digest instead of
+  reading every byte again (``slot_digest``, the one rule every medium uses). Reads still
+  verify (``verify_reads``): a writer whose digest lied gets an object that its first read
+  finds INVALID and removes — never served.
 - ``prepare_load(key) -> LoadLease | None``: a COMMITTED, unexpired, *verified* object, pinned
   until ``complete_load(lease)``; ``None`` on a miss. Every tier re-checks the payload digest
   on every read unless built with ``verify_reads=False`` (one policy for every medium). A
@@ -53,7 +59,7 @@ from typing import Protocol
 
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
-from kvstrata.objects import KVObjectMeta, ObjectState
+from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
 from kvstrata.objects.tombstone import ObjectRef, Tombstone
 
@@ -69,6 +75,15 @@ class StoreSlot:
     meta: KVObjectMeta
     buffer: memoryview
     token: object = None  # tier-private (slab slot index, temp file path …)
+    written_digest: bytes | None = None
+    """The writer's own digest of ``buffer`` after its last write (module docstring)."""
+
+
+def slot_digest(slot: StoreSlot) -> bytes:
+    """What ``complete_store`` compares with ``slot.meta.digest``: the writer's digest of the
+    bytes it wrote in place, else one pass over the buffer."""
+    written = slot.written_digest
+    return written if written is not None else payload_digest(slot.buffer)
 
 
 @dataclass

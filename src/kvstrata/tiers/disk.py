@@ -60,6 +60,7 @@ from kvstrata.tiers.base import (
     TierError,
     TierIndex,
     adopt_meta,
+    slot_digest,
 )
 from kvstrata.tiers.disk_format import (
     OBJECT_SUFFIX,
@@ -171,7 +172,7 @@ class DiskTier(IndexedTierViews):
         handle = self._claim(slot.token)
         meta = slot.meta
         try:
-            if not success or payload_digest(slot.buffer) != meta.digest:
+            if not success or slot_digest(slot) != meta.digest:
                 self._abort(handle, corrupt=success)
                 return False
             try:

@@ -46,6 +46,7 @@ from kvstrata.tiers.base import (
     TierError,
     TierIndex,
     adopt_meta,
+    slot_digest,
 )
 
 
@@ -149,7 +150,7 @@ class HostTier(IndexedTierViews):
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
         handle = self._claim(slot.token)
-        verified = success and payload_digest(slot.buffer) == slot.meta.digest
+        verified = success and slot_digest(slot) == slot.meta.digest
         with self._lock:
             key = slot.meta.key
             if self._index.records.get(key) is not handle.record:

@@ -22,8 +22,8 @@ from typing import Any
 
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
-from kvstrata.objects import KVObjectMeta, payload_digest
-from kvstrata.tiers.base import StoreSlot, TierError
+from kvstrata.objects import KVObjectMeta
+from kvstrata.tiers.base import StoreSlot, TierError, slot_digest
 from kvstrata.tiers.remote_client import RemoteUnavailable
 from kvstrata.tiers.remote_format import encode_meta
 from kvstrata.tiers.remote_state import RemoteState
@@ -85,7 +85,7 @@ class RemoteWrites(RemoteState):
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
         self._claim_slot(slot.token)
         meta = slot.meta
-        if not success or payload_digest(slot.buffer) != meta.digest:
+        if not success or slot_digest(slot) != meta.digest:
             with self._lock:
                 self._counters.store_failures += 1
                 if success:
