@@ -51,20 +51,26 @@ class TcpConnection:
     def send_frame(self, *parts: Buffer, timeout_s: float | None = None) -> None:
         if self._broken is not None:
             raise FrameError(f"connection unusable: {self._broken}")
-        length = frame_length(parts)
+        views = [_byte_view(part) for part in parts]
+        length = sum(view.nbytes for view in views)
         if length > self.max_frame:
             raise FrameError(f"frame of {length} bytes over the limit of {self.max_frame}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = [memoryview(_LENGTH.pack(length))]
-        pending += [memoryview(part).cast("B") for part in parts if memoryview(part).nbytes]
+        pending = [memoryview(_LENGTH.pack(length)), *(view for view in views if view.nbytes)]
+        left = _LENGTH.size + length
         try:
-            while pending:  # one sendmsg per frame (gathered), resumed after a partial send
+            while True:  # one sendmsg per frame (gathered), resumed after a partial send
                 self._sock.settimeout(_remaining(deadline))
                 sent = self._sock.sendmsg(pending)
-                while pending and sent >= pending[0].nbytes:
-                    sent -= pending.pop(0).nbytes
-                if pending:
-                    pending[0] = pending[0][sent:]
+                left -= sent
+                if not left:
+                    break
+                done = 0  # a partial send: drop what went out, resume mid-buffer
+                while sent >= pending[done].nbytes:
+                    sent -= pending[done].nbytes
+                    done += 1
+                pending = pending[done:]
+                pending[0] = pending[0][sent:]
         except TimeoutError as exc:
             self._broken = "send timed out mid-frame"
             raise TransportTimeout(f"sending a {length}-byte frame timed out") from exc
@@ -154,6 +160,13 @@ class TcpConnection:
         if not self._closed:
             self._closed = True
             self._sock.close()
+
+
+def _byte_view(part: Buffer) -> memoryview:
+    """``part`` as a flat byte view (a byte view as given: the sender's slices already are)."""
+    if isinstance(part, memoryview) and part.format == "B" and part.ndim == 1 and part.c_contiguous:
+        return part
+    return memoryview(part).cast("B")
 
 
 def _remaining(deadline: float | None) -> float | None:
