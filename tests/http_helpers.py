@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,18 @@ def serving(
         thread.join(timeout=30)
         sock.close()
     assert not thread.is_alive(), "server did not shut down"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; HTTP and socket errors count as "not yet" (a server
+    still starting, a worker restarting). ``AssertionError`` naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -280,8 +280,9 @@ def test_delete_a_prefix_under_traffic_leaves_nothing_anywhere(fleet: FleetUnder
 def test_late_and_stale_events_do_not_resurrect_index_entries(fleet: FleetUnderTest) -> None:
     tokens = fleet.workers[0].engine.encode_prompt(PROMPT)
     answer = fleet.complete(PROMPT)
+    # the index learns from the worker's events, after the answer: wait, then read the holder
+    _wait(lambda: max(fleet.matched(tokens).values()) > 0, "the index to hold the prompt")
     worker_id = next(w for w, n in fleet.matched(tokens).items() if n > 0)
-    _wait(lambda: fleet.matched(tokens)[worker_id] > 0, "the index to hold the prompt")
     worker = fleet.workers[int(worker_id[1:])]
     # a dump taken before the deletion (with the router's fleet key)
     before = worker.client.get("/kv/dump", headers={"Authorization": f"Bearer {fleet.keys.fleet}"})

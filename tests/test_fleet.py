@@ -15,9 +15,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from http_helpers import wait_until
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
 from kvstrata.runtime.processes import free_port
@@ -38,18 +38,6 @@ PROMPTS = [
     "The recipe for bread needs flour, water, salt and yeast, mixed and kneaded well " * 3,
     "In distributed storage systems, caches sit between fast and slow tiers of memory " * 3,
 ]
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass
@@ -81,7 +69,9 @@ class FleetUnderTest:
                 self.router = subprocess.Popen(
                     command, env=env, stdout=log, stderr=subprocess.STDOUT
                 )
-        _wait(lambda: self.workers_view()["healthy"] == len(self.supervisor.workers), 120, "router")
+        wait_until(
+            lambda: self.workers_view()["healthy"] == len(self.supervisor.workers), 120, "router"
+        )
 
     def workers_view(self) -> dict[str, Any]:
         body = self.client.get(f"{self.url}/fleet/workers").json()
@@ -301,7 +291,9 @@ def test_up_serves_across_workers_and_routes_repeats_to_the_cache(fleet: FleetUn
         assert cached == 0
         used.add(worker)
         # The router now knows (from the worker's events) where the prefix lives.
-        _wait(lambda p=prompt, w=worker: fleet.matched(p)[w] > 0, 10, "index to learn the prefix")
+        wait_until(
+            lambda p=prompt, w=worker: fleet.matched(p)[w] > 0, 10, "index to learn the prefix"
+        )
         decision = fleet.explain(prompt)
         assert decision["worker_id"] == worker
         _, again, cached = fleet.complete(prompt, stream=True)
@@ -330,9 +322,11 @@ def test_up_serves_across_workers_and_routes_repeats_to_the_cache(fleet: FleetUn
 def test_sigkilled_worker_loses_traffic_and_index_entries(fleet: FleetUnderTest) -> None:
     prompt = PROMPTS[0]
     _, holder, _ = fleet.complete(prompt)
-    _wait(lambda: fleet.matched(prompt)[holder] > 0, 10, "index to learn the prefix")
+    wait_until(lambda: fleet.matched(prompt)[holder] > 0, 10, "index to learn the prefix")
     fleet.worker(holder).kill(signal.SIGKILL)
-    _wait(lambda: not fleet.workers_view()["by_id"][holder]["healthy"], 15, "worker marked dead")
+    wait_until(
+        lambda: not fleet.workers_view()["by_id"][holder]["healthy"], 15, "worker marked dead"
+    )
     view = fleet.workers_view()["by_id"][holder]
     assert view["blocks"] == {"device": 0, "host": 0, "disk": 0, "remote": 0}
     decision = fleet.explain(prompt)
@@ -348,13 +342,13 @@ def test_restarted_worker_comes_back_with_a_new_epoch_and_clean_state(
 ) -> None:
     prompt = PROMPTS[1]
     _, holder, _ = fleet.complete(prompt)
-    _wait(lambda: fleet.matched(prompt)[holder] > 0, 10, "index to learn the prefix")
+    wait_until(lambda: fleet.matched(prompt)[holder] > 0, 10, "index to learn the prefix")
     old_epoch = fleet.workers_view()["by_id"][holder]["epoch"]
     process = fleet.worker(holder)
     process.kill(signal.SIGKILL)
     process.start()
     process.wait_ready(120)
-    _wait(
+    wait_until(
         lambda: (w := fleet.workers_view()["by_id"][holder])["healthy"] and w["epoch"] != old_epoch,
         30,
         "re-attachment with a new epoch",
@@ -397,12 +391,12 @@ def test_event_gap_is_repaired_without_stale_routing(
     fleet.client.post(
         f"{url}/v1/completions", json={"prompt": "reveal the gap " * 8, "max_tokens": 2}
     )
-    _wait(lambda: fleet.metric("kvstrata_events_gaps_total") > before, 15, "gap detection")
+    wait_until(lambda: fleet.metric("kvstrata_events_gaps_total") > before, 15, "gap detection")
     name = (
         "kvstrata_index_resyncs_total" if evict_replay else "kvstrata_events_replayed_batches_total"
     )
-    _wait(lambda: fleet.metric(name) > 0, 15, "repair")
-    _wait(
+    wait_until(lambda: fleet.metric(name) > 0, 15, "repair")
+    wait_until(
         lambda: _router_blocks(fleet, holder) == _worker_blocks(fleet, holder),
         15,
         "router view equal to the worker's",

@@ -14,8 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from http_helpers import wait_until
 from kvstrata.runtime.processes import free_port
 from security_helpers import ADMIN_KEY, bearer, write_keys_file
 
@@ -36,18 +36,6 @@ pytestmark = [
 
 LONG, SHORT = 2048, 24
 WEIGHT = "50"  # a second of delay to a running decode weighs 50 s of TTFT: load decides
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass
@@ -121,8 +109,8 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
                  "--disagg-interference-weight", WEIGHT, "--pin-cpus")  # fmt: skip
     colocated = _up(tmp, "colocated", "--workers", "1")
     try:
-        _wait(lambda: _ready(disagg, 2), 240, "the disaggregated fleet")
-        _wait(lambda: _ready(colocated, 1), 240, "the colocated fleet")
+        wait_until(lambda: _ready(disagg, 2), 240, "the disaggregated fleet")
+        wait_until(lambda: _ready(colocated, 1), 240, "the colocated fleet")
         yield Clusters(disagg, colocated)
     finally:
         for cluster in (disagg, colocated):
@@ -192,7 +180,9 @@ def test_disaggregated_fleet_answers_as_colocated_and_chooses_by_load(clusters: 
     assert disagg.decisions("local") == local + 1
 
     threads = _streams(disagg, 4)
-    _wait(lambda: disagg.route(long_prompt)["disagg"]["path"] == "disagg", 60, "a busy decoder")
+    wait_until(
+        lambda: disagg.route(long_prompt)["disagg"]["path"] == "disagg", 60, "a busy decoder"
+    )
     explained = disagg.route(long_prompt)["disagg"]
     assert explained["prefill_worker_id"] == "p0" and explained["reason"] == "cost"
     cpus = {w: set(info["compute"]["cpus"]) for w, info in _infos(disagg).items()}
@@ -210,7 +200,7 @@ def test_disaggregated_fleet_answers_as_colocated_and_chooses_by_load(clusters: 
     before = disagg.decisions("local") + disagg.decisions("disagg")
     assert disagg.complete(after_kill)[0] == expected[tuple(after_kill)]
     assert disagg.decisions("local") + disagg.decisions("disagg") == before + 1
-    _wait(lambda: not _ready(disagg, 2), 30, "the front door to see the prefill worker gone")
+    wait_until(lambda: not _ready(disagg, 2), 30, "the front door to see the prefill worker gone")
     local, sent = disagg.decisions("local"), disagg.decisions("disagg")
     assert disagg.complete(short)[0] == expected[tuple(short)]
     text, _ = disagg.complete(long_prompt)  # a hit from the transfer before: local anyway

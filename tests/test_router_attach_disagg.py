@@ -11,31 +11,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from http_helpers import wait_until
 from kvstrata.cli.main import build_parser
 from kvstrata.cli.up_cmd import run_router
 from kvstrata.errors import InvalidInput
 from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
 from kvstrata.runtime.processes import free_port, split_cpus
 from security_helpers import ADMIN_KEY, bearer, fleet_security
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.parametrize(
@@ -95,7 +83,7 @@ def attached(tmp_path: Path) -> Iterator[str]:
             body = httpx.get(f"{url}/fleet/workers", headers=bearer(ADMIN_KEY), timeout=2).json()
             return sum(w["healthy"] for w in body["workers"]) == 2
 
-        _wait(ready, 120, "the router to attach both workers")
+        wait_until(ready, 120, "the router to attach both workers")
         yield url
     finally:
         router.terminate()

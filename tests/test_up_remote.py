@@ -14,8 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +21,12 @@ import httpx
 import pytest
 import redis
 
+from http_helpers import wait_until
 from kvstrata.runtime.processes import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
 PROMPT = "The keeper of the lighthouse on Gull Rock wrote down every ship she saw pass by " * 3
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (httpx.HTTPError, OSError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _complete(client: httpx.Client, base: str) -> dict[str, Any]:
@@ -83,7 +70,7 @@ def test_up_remote_embedded_shares_one_remote_tier_between_workers(tmp_path: Pat
             workers = client.get(f"{front}/fleet/workers").json()["workers"]
             return sum(w["healthy"] for w in workers) == 2
 
-        _wait(lambda: up.poll() is None and healthy(), 180, "up's front door and 2 workers")
+        wait_until(lambda: up.poll() is None and healthy(), 180, "up's front door and 2 workers")
         said = re.search(r"remote tier: (redis://127\.0\.0\.1:(\d+)/0) \(embedded", out.read_text())
         assert said is not None, out.read_text()
         server = redis.Redis(port=int(said.group(2)), socket_timeout=2)
