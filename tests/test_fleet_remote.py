@@ -14,11 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
+from http_helpers import wait_until
 from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
 from kvstrata.runtime.processes import free_port
 from kvstrata.runtime.valkey_server import ValkeyServer
 from security_helpers import ADMIN_KEY, FLEET_KEY, bearer, fleet_security
-from test_fleet import PROMPTS, FleetUnderTest, _wait
+from test_fleet import PROMPTS, FleetUnderTest
 
 AUTH = bearer(ADMIN_KEY)
 
@@ -79,7 +80,7 @@ def test_remote_blocks_count_for_every_worker_priced_with_its_measured_fetch(
     _, writer, _ = fleet.complete(first)
     reader = next(w for w in ("w0", "w1") if w != writer)
     # The writer's blocks reach the shared tier; the reader never saw the prompt.
-    _wait(lambda: _estimates(fleet, first)[reader]["matched_blocks"] > 0, 30, "remote blocks")
+    wait_until(lambda: _estimates(fleet, first)[reader]["matched_blocks"] > 0, 30, "remote blocks")
     est = _estimates(fleet, first)[reader]
     assert est["tier_blocks"][3] == est["matched_blocks"]  # all remote for the reader
     assert _estimates(fleet, first)[writer]["tier_blocks"][0] == est["matched_blocks"]
@@ -115,4 +116,4 @@ def test_remote_blocks_count_for_every_worker_priced_with_its_measured_fetch(
             and est["fetch_s"] == pytest.approx(blocks * per_block, rel=1e-6)
         )
 
-    _wait(priced, 30, "the router to price with the measured remote figure")
+    wait_until(priced, 30, "the router to price with the measured remote figure")
