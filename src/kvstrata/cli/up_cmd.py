@@ -34,13 +34,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.cli import security_args
+from kvstrata.cli.disagg_args import disagg_arguments, disagg_settings
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB
 
 if TYPE_CHECKING:
     from kvstrata.fleet.curve_keys import FleetKeys
-    from kvstrata.fleet.disagg import DisaggSettings
     from kvstrata.fleet.source import WorkerSource
 
 _log = logging.getLogger(__name__)
@@ -76,23 +76,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _disagg_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--link-gbps",
-        type=float,
-        default=None,
-        help="disaggregated: the prefill→decode link's GB/s (default: a loopback socket "
-        "measured once at start)",
-    )
-    parser.add_argument(
-        "--disagg-interference-weight",
-        type=float,
-        default=1.0,
-        help="disaggregated: weight of a second of delay to a running decode against a second "
-        "of the new request's TTFT (router.disagg, default 1)",
-    )
-
-
 def register(sub: Any) -> None:
     up = sub.add_parser(
         "up",
@@ -114,7 +97,7 @@ def register(sub: Any) -> None:
         default=0,
         help="disaggregated: decode workers, the router's candidates (they open a transfer port)",
     )
-    _disagg_arguments(up)
+    disagg_arguments(up)
     up.add_argument("--model", default="smollm2", help="smollm2 | tiny | PATH (default: smollm2)")
     up.add_argument(
         "--config",
@@ -185,7 +168,7 @@ def register(sub: Any) -> None:
         "routing candidate); the --worker URLs are then its decode workers and need "
         "--transfer-port",
     )
-    _disagg_arguments(router)
+    disagg_arguments(router)
     router.add_argument(
         "--block-size", type=int, default=32, help="--engine vllm: the servers' block size"
     )
@@ -203,23 +186,6 @@ def register(sub: Any) -> None:
         "are encrypted (its public half must be in their curve_clients_dir)",
     )
     router.set_defaults(func=run_router)
-
-
-def _disagg_settings(args: argparse.Namespace) -> DisaggSettings:
-    """The link the front door prices transfers with: ``--link-gbps``, else measured now."""
-    from kvstrata.fleet.disagg import DisaggSettings
-    from kvstrata.router.disagg import DisaggConfig
-    from kvstrata.router.disagg_inputs import Link
-    from kvstrata.transfer.tcp import raw_socket_gbps
-
-    if args.link_gbps is not None:
-        link = Link(bytes_per_s=args.link_gbps * 1e9, source="configured")
-    else:
-        link = Link(bytes_per_s=raw_socket_gbps(64 * 1024 * 1024) * 1e9, source="measured")
-    print(f"disaggregated: link {link.bytes_per_s / 1e9:.2f} GB/s ({link.source})", flush=True)
-    return DisaggSettings(
-        link=link, choice=DisaggConfig(interference_weight=args.disagg_interference_weight)
-    )
 
 
 def _serve_frontdoor(
@@ -253,7 +219,7 @@ def _serve_frontdoor(
         tombstone_ttl_s=security.tombstone_ttl_s,
         engine=args.engine,
         prefill_urls=prefill_urls,
-        disagg=_disagg_settings(args) if prefill_urls else None,
+        disagg=disagg_settings(args) if prefill_urls else None,
     )
     fleet = Fleet(FleetTokenizer(model_dir), config, source=source)
     for url in urls:

@@ -13,7 +13,8 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   ``transfer`` (a decode worker only): its transfer listener ``{host, port, layout,
   model_digest, active}`` (``serve.transfer_receiver``; ``docs/disaggregation.md``).
   ``compute``: where this worker computes (``router.placement``: host and boot, device, CPU
-  affinity), so a router can tell two workers that share cores apart from two machines.
+  affinity, read once at start), so a router can tell two workers that share cores apart
+  from two machines.
 - ``GET /kv/dump``: a msgpack ``KVEventBatch`` (worker id and epoch set) of ``BlockStored``
   events for every resident block; headers ``X-Kvstrata-Next-Seq`` (the live seq the dump is
   consistent with: apply the dump, then live batches from that seq on), ``X-Kvstrata-Epoch``
@@ -117,6 +118,7 @@ def register_kv_state(
     """Add the ``/kv`` endpoints (404 with a clear message when the engine has no emitter).
     ``transfer_info``: the decode worker's transfer listener, advertised as ``"transfer"``."""
     emitter = engine.events
+    compute = local_compute_place(str(engine.device)).to_json()  # host, boot, CPUs: at start
 
     def no_events() -> JSONResponse:
         message = "this worker publishes no KV events (start it with --events-endpoint)"
@@ -130,7 +132,7 @@ def register_kv_state(
         body = kv_info_body(engine, emitter, model_name) if emitter is not None else {}
         if transfer_info is not None:
             body["transfer"] = transfer_info()
-        body["compute"] = local_compute_place(str(engine.device)).to_json()
+        body["compute"] = compute
         return JSONResponse(body)
 
     @app.get(KV_PREFIX + "/dump", response_model=None)
