@@ -48,6 +48,27 @@ def test_table_mirrors_a_dict_through_inserts_updates_deletes_and_growth() -> No
     assert table.usable and not table.pending
 
 
+def test_the_hash_zero_is_held_beside_the_table_through_every_path() -> None:
+    """0 marks an empty row, so the key 0 lives out of band: inserted, updated and removed by
+    an incremental sync and by a rebuild, it reads like any other key."""
+    table = ProbeTable()
+    entries = {0: 5, 7: 9}
+    table.sync(entries)  # first sync: a rebuild
+    assert _values(table, [0, 7, 8]) == [5, 9, 0]
+    for value in (6, None, 3):
+        if value is None:
+            del entries[0]
+        else:
+            entries[0] = value
+        table.mark(0)
+        table.sync(entries)  # incremental
+        assert _values(table, [7, 0, 0]) == [9, entries.get(0, 0), entries.get(0, 0)]
+    many = {k: k + 1 for k in range(1, 100_000)} | {0: 11}
+    table.mark_many(many)
+    table.sync(many)  # past the load limit: a rebuild with the key 0 in the dict
+    assert _values(table, [0, 1, 99_999, 100_000]) == [11, 2, 100_000, 0]
+
+
 def test_table_prefix_values_stop_at_the_first_block_nobody_holds() -> None:
     entries = {k: k + 1 for k in range(5000)}
     table = ProbeTable()

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from kvstrata.errors import IdentityError
 from kvstrata.identity.keys import FingerprintDigest, TenantNamespace, namespace_root
 from kvstrata.identity.router_hash import (
-    C1,
     GAMMA,
     MASK64,
     P,
@@ -38,13 +37,8 @@ def reference_hashes(seed: int, block_size: int, tokens: list[int]) -> list[int]
     multipliers = [_ref_mix(s + GAMMA * (c + 1)) | 1 for c in range(block_size)]
     state, out = s, []
     for j in range(len(tokens) // block_size):
-        content = 0
-        for c in range(block_size):
-            x = (tokens[j * block_size + c] * multipliers[c]) & MASK64
-            x ^= x >> 29
-            x = (x * C1) & MASK64
-            x ^= x >> 32
-            content = (content + x) & MASK64
+        linear = sum(tokens[j * block_size + c] * multipliers[c] for c in range(block_size))
+        content = _ref_mix(linear)
         state = (state * P + content) & MASK64
         out.append(_ref_mix(state))
     return out

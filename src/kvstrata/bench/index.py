@@ -14,8 +14,9 @@ Figures:
 - ``events_blocks_per_s``: blocks of ``BlockStored`` events applied per second of
   ``apply_batch`` (router hashing of the event tokens included; building the events is not).
 - ``hash_ms`` / ``hash_p99_ms``: router hashes of the request (a Python list of token ids, as a
-  router receives it); ``blake3_hash_ms``: BLAKE3 storage keys of the same tokens, what hashing
-  with the workers' own keys would cost instead.
+  router receives it, built afresh before each lookup as a router's body decoding builds it);
+  ``blake3_hash_ms``: BLAKE3 storage keys of the same tokens, what hashing with the workers'
+  own keys would cost instead.
 - ``lookup_p50_ms`` / ``lookup_p99_ms``: ``match`` over the request's hashes (every worker's
   longest prefix and its split by tier); ``lookup_with_hash_*``: hashing and match together.
 - The peers, in the same run on the same events, their lookups alternating with kvstrata's
@@ -328,7 +329,7 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
         set_apply_s, *_ = _fill(peer_set.apply_batch, _Workload(config), workers, batches.__le__)
         figures["peer_set_events_blocks_per_s"] = blocks / max(set_apply_s, 1e-9)
 
-    requests = [doc.tolist() for doc in workload.documents]
+    requests = workload.documents
     rounds: list[dict[str, list[float]]] = []
     agrees: bool | None = None
     for _ in range(config.rounds):  # each round alternates kvstrata and the peers per lookup

@@ -15,10 +15,15 @@ Math (all arithmetic wrapping mod 2**64, ``mix`` = the splitmix64 finaliser, a b
 
     s        = mix(seed + GAMMA * block_size)                      per (namespace, block size)
     K_c      = mix(s + GAMMA * (c + 1)) | 1                        odd multiplier of column c
-    x_{j,c}  = t_{j,c} * K_c;  x ^= x >> 29;  x *= C1;  x ^= x >> 32
-    b_j      = sum_c x_{j,c}                                       content hash of block j
+    b_j      = mix(sum_c t_{j,c} * K_c)                            content hash of block j
     r_{-1}   = s;  r_j = r_{j-1} * P + b_j                         chained prefix state
     hash_j   = mix(r_j)
+
+Within a block the content is a keyed linear form, mixed once per block: one multiply-add per
+token (``einsum``, a single pass over the tokens) where a per-token mix took six. Two blocks
+collide when ``sum_c (t_c - t'_c) * K_c = 0``; for secret random odd ``K_c`` and any fixed pair
+of distinct blocks that is a ~2**-64 event, though someone who learned ``K`` (the seed) can
+solve for colliding blocks, which, as above, costs only a routing mistake.
 
 The recurrence is evaluated for all blocks at once as
 ``r_j = P^j * cumsum_i(b_i * P^-i) + s * P^(j+1)``: P is odd, hence invertible mod 2**64.
@@ -46,14 +51,11 @@ GAMMA = 0x9E3779B97F4A7C15
 P = 0xC2B2AE3D27D4EB4F
 """Odd base of the polynomial prefix hash."""
 P_INV = pow(P, -1, 1 << 64)
-C1 = 0xFF51AFD7ED558CCD
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _MIX1_INV = pow(_MIX1, -1, 1 << 64)
 _MIX2_INV = pow(_MIX2, -1, 1 << 64)
 _MAX_TOKEN = 2**32 - 1
-_CHUNK_TOKENS = 16384
-"""Tokens per chunk of the content hash: 128 KiB of uint64 scratch stays in L2 cache."""
 
 RouterHashes = npt.NDArray[np.uint64]
 
@@ -144,8 +146,8 @@ def _as_u32(tokens: Sequence[int] | np.ndarray) -> npt.NDArray[np.uint32]:
 class RouterHasher:
     """Chained 64-bit router hashes of full blocks for one namespace seed and block size.
 
-    Power tables grow on demand and, with the scratch buffers, are kept: a hasher should live
-    as long as its router. Not thread-safe (shared scratch); give each thread its own hasher.
+    Power tables grow on demand and are kept: a hasher should live as long as its router.
+    Not thread-safe (tables grow in place); give each thread its own hasher.
     """
 
     def __init__(self, seed: int, block_size: int) -> None:
@@ -160,8 +162,6 @@ class RouterHasher:
         self._pow = np.ones(0, dtype=np.uint64)  # P^j
         self._inv_pow = np.ones(0, dtype=np.uint64)  # P^-j
         self._offset = np.ones(0, dtype=np.uint64)  # s * P^(j+1)
-        self._chunk_blocks = max(1, _CHUNK_TOKENS // block_size)
-        self._scratch_buffers: tuple[RouterHashes, RouterHashes] | None = None
 
     @classmethod
     def for_root(cls, root: NamespaceRoot, block_size: int) -> RouterHasher:
@@ -179,39 +179,14 @@ class RouterHasher:
         self._inv_pow = np.cumprod(steps, dtype=np.uint64)
         self._offset = self._pow * np.uint64((self._s * P) & MASK64)
 
-    def _scratch(self) -> tuple[RouterHashes, RouterHashes]:
-        if self._scratch_buffers is None:
-            shape = (self._chunk_blocks, self.block_size)
-            self._scratch_buffers = (
-                np.empty(shape, dtype=np.uint64),
-                np.empty(shape, dtype=np.uint64),
-            )
-        return self._scratch_buffers
-
     def block_content_hashes(self, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
-        """``b_j`` of every full block: keyed and position-in-block aware, but not chained.
-
-        Works in chunks through scratch buffers kept on the hasher: fresh megabyte-sized
-        temporaries per request cost more in page faults than the arithmetic itself.
-        """
+        """``b_j`` of every full block: keyed and position-in-block aware, but not chained."""
         ids = _as_u32(tokens)
         n_blocks = len(ids) // self.block_size
         blocks = ids[: n_blocks * self.block_size].reshape(n_blocks, self.block_size)
-        content: RouterHashes = np.empty(n_blocks, dtype=np.uint64)
-        chunk = self._chunk_blocks
-        x_buf, tmp_buf = self._scratch()
-        for start in range(0, n_blocks, chunk):
-            stop = min(start + chunk, n_blocks)
-            x = x_buf[: stop - start]
-            tmp = tmp_buf[: stop - start]
-            np.multiply(blocks[start:stop], self._k, out=x)
-            np.right_shift(x, 29, out=tmp)
-            x ^= tmp
-            x *= np.uint64(C1)
-            np.right_shift(x, 32, out=tmp)
-            x ^= tmp
-            np.add.reduce(x, axis=1, dtype=np.uint64, out=content[start:stop])
-        return content
+        # uint32 tokens times uint64 multipliers: einsum sums in uint64, wrapping mod 2**64
+        content: RouterHashes = np.einsum("jc,c->j", blocks, self._k, dtype=np.uint64)
+        return _mix64_inplace(content)
 
     def hashes(self, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
         """Chained hash of every full block (one per block, a trailing partial block has none)."""

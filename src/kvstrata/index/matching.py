@@ -27,7 +27,8 @@ _MASK64: Final = (1 << 64) - 1
 _LOW_INT: Final = 0x1111_1111_1111_1111
 _LOW_BITS: Final = np.uint64(_LOW_INT)
 """Bit 0 of every nibble: one presence bit per slot."""
-_LANE_MASK: Final = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
+_BYTE_LOW: Final = np.uint64(0x0101_0101_0101_0101)
+"""Bit 0 of every byte: eight one-bit lanes that sum without carrying for up to 255 rows."""
 _ONE: Final = np.uint64(1)
 _TWO: Final = np.uint64(2)
 _THREE: Final = np.uint64(3)
@@ -93,26 +94,26 @@ def slot_prefixes(
         device = v & alive
         host = (v >> _ONE) & ~v & alive
         disk = (v >> _TWO) & ~(v >> _ONE) & ~v & alive
+        # one flag per bit: nibble s holds slot s's alive, device, host, disk (bits 0..3)
+        flags = alive | (device << _ONE) | (host << _TWO) | (disk << _THREE)
         columns = slice(word * _NUMPY_SLOTS, (word + 1) * _NUMPY_SLOTS)
-        for row, bits in enumerate((alive, device, host, disk)):
-            counts[row, columns] = _nibble_bit_counts(bits)
+        counts[:, columns] = _bit_counts(flags).reshape(_NUMPY_SLOTS, BITS_PER_SLOT).T
     return counts[:, :slots]
 
 
-def _nibble_bit_counts(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-    """How many values have bit ``4·s`` set, for each of the 16 nibbles ``s``.
+def _bit_counts(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    """How many values have bit ``b`` set, for each of the 64 bits ``b``.
 
-    Even and odd nibbles are moved into separate byte lanes; up to 255 one-bit values then sum
-    without carrying across lanes, and the lanes are read back as bytes.
+    Bit ``k`` of every byte is moved to bit 0 of its byte lane; up to 255 one-bit values then
+    sum without carrying across lanes, and the lanes are read back as bytes.
     """
     n = len(bits)
     pad = (-n) % 255
     if pad:
         bits = np.concatenate([bits, np.zeros(pad, dtype=np.uint64)])
     rows = bits.reshape(-1, 255)
-    counts = np.empty(_NUMPY_SLOTS, dtype=np.int64)
-    for parity in (0, 1):
-        lanes = ((rows >> np.uint64(4 * parity)) & _LANE_MASK).sum(axis=1, dtype=np.uint64)
-        per_byte = lanes.astype("<u8").view(np.uint8).reshape(-1, 8).sum(axis=0, dtype=np.int64)
-        counts[parity::2] = per_byte
+    counts = np.empty(64, dtype=np.int64)
+    for k in range(8):
+        lanes = ((rows >> np.uint64(k)) & _BYTE_LOW).sum(axis=1, dtype=np.uint64)
+        counts[k::8] = lanes.astype("<u8").view(np.uint8).reshape(-1, 8).sum(axis=0, dtype=np.int64)
     return counts

@@ -3,9 +3,12 @@
 Why: a 128k-token request is 8,192 blocks; probing a Python dict of a million entries once per
 block costs about half a microsecond each (cache misses on the dict's table, the entry and the
 key object, plus the interpreter), which is most of a lookup. This table holds the same
-mapping, router hash → packed value (uint64: up to 16 worker slots), in two flat arrays
-with open addressing and linear probing, so a request's blocks are probed by a few vectorised
-passes (one gather per probe round).
+mapping, router hash → packed value (uint64: up to 16 worker slots), in one array of
+``[key, value]`` rows with open addressing and linear probing, so a request's blocks are
+probed by a few vectorised passes (one row gather per probe round: key and value share a cache
+line, so a probe costs one cache miss, not one per array; a lookup runs right after other work
+has evicted the table from the caches). Key 0 marks an empty row; the hash 0 itself, possible
+but rare, is held beside the table (``_zero``).
 
 The dict (``IndexEntries._entries``) stays the source of truth: every write to it marks the
 router hash dirty (``mark`` / ``mark_many``, C-level set updates on the event path), and the
@@ -50,7 +53,8 @@ class ProbeTable:
 
     def __init__(self) -> None:
         self._allocate(_MIN_BITS)
-        """Used positions: live keys and tombstones (a probe stops only at an unused one)."""
+        self._zero = 0
+        """The value of the key 0, which cannot live in the table (0 marks an empty row)."""
         self.dirty: set[int] = set()
         self.stale = True
         """The table must be rebuilt from the dict (at first, and after a wide fleet)."""
@@ -59,9 +63,9 @@ class ProbeTable:
 
     def _allocate(self, bits: int) -> None:
         capacity = 1 << bits
-        self._keys: U64 = np.zeros(capacity, dtype=np.uint64)
-        self._values: U64 = np.zeros(capacity, dtype=np.uint64)
-        self._used = np.zeros(capacity, dtype=np.bool_)
+        self._rows: U64 = np.zeros((capacity, 2), dtype=np.uint64)
+        """``[key, value]``; key 0: empty. A key whose value went to 0 stays (a tombstone: a
+        probe stops only at an empty row)."""
         self._mask = np.uint64(capacity - 1)
         self._shift = np.uint64(64 - bits)
         self._filled = 0
@@ -102,13 +106,17 @@ class ProbeTable:
             self.dirty.clear()
             return
         self.dirty.clear()
+        zero = keys == 0
+        if zero.any():
+            self._zero = int(values[zero][0])
+            keys, values = keys[~zero], values[~zero]
         positions = self._find(keys)
         found = positions >= 0
-        self._values[positions[found]] = values[found]
+        self._rows[positions[found], 1] = values[found]
         new = ~found & (values != 0)
         if not new.any():
             return
-        if self._filled + int(new.sum()) > _MAX_LOAD * len(self._keys):
+        if self._filled + int(new.sum()) > _MAX_LOAD * len(self._rows):
             self._rebuild(entries)
             return
         self._insert(keys[new], values[new])
@@ -119,71 +127,77 @@ class ProbeTable:
         self._allocate(bits)
         self.dirty.clear()
         self.stale = False
+        self._zero = entries.get(0, 0)
         if not n:
             return
         keys = np.frombuffer(array.array("Q", entries.keys()), dtype=np.uint64)
         values = np.frombuffer(array.array("Q", entries.values()), dtype=np.uint64)
+        if self._zero:
+            kept = keys != 0
+            keys, values = keys[kept], values[kept]
+            n = len(keys)
         # Linear probing into an empty table, all at once: in order of home position, each
         # key goes to the first position at or after its home past the previous key's.
         home = self._home(keys).astype(np.int64)
         order = np.argsort(home, kind="stable")
         steps = np.arange(n, dtype=np.int64)
         at = np.maximum.accumulate(home[order] - steps) + steps
-        fits = at < len(self._keys)
+        fits = at < len(self._rows)
         placed = order[fits]
-        self._keys[at[fits]] = keys[placed]
-        self._values[at[fits]] = values[placed]
-        self._used[at[fits]] = True
+        self._rows[at[fits], 0] = keys[placed]
+        self._rows[at[fits], 1] = values[placed]
         self._filled = len(placed)
         wrapped = order[~fits]  # past the end: they wrap around to the start
         if len(wrapped):
             self._insert(keys[wrapped], values[wrapped])
 
     def _insert(self, keys: U64, values: U64) -> None:
-        """Place keys known to be absent; keys competing for one free position take turns."""
+        """Place non-zero keys known to be absent; keys competing for one free position take
+        turns."""
         positions = self._home(keys)
         order = np.arange(len(keys))
+        rows = self._rows
         while len(order) > _SCALAR_TAIL:
-            free = ~self._used[positions]
+            free = rows[positions, 0] == 0
             if free.any():
                 at = positions[free]
                 _, first = np.unique(at, return_index=True)
                 winners = np.flatnonzero(free)[first]
                 won = positions[winners]
-                self._keys[won] = keys[order[winners]]
-                self._values[won] = values[order[winners]]
-                self._used[won] = True
+                rows[won, 0] = keys[order[winners]]
+                rows[won, 1] = values[order[winners]]
                 self._filled += len(winners)
                 left = np.ones(len(order), dtype=np.bool_)
                 left[winners] = False
                 order, positions = order[left], positions[left]
             positions = (positions + _ONE) & self._mask
-        used_at, mask = self._used, int(self._mask)
+        mask = int(self._mask)
         for i, at in zip(order.tolist(), positions.tolist(), strict=True):
-            while used_at[at]:
+            while rows[at, 0]:
                 at = (at + 1) & mask
-            self._keys[at], self._values[at], used_at[at] = keys[i], values[i], True
+            rows[at, 0], rows[at, 1] = keys[i], values[i]
             self._filled += 1
 
     # ---------------------------------------------------------------- lookup
     def _find(self, keys: U64) -> npt.NDArray[np.int64]:
-        """Each key's position in the table, -1 where absent."""
+        """Each non-zero key's position in the table, -1 where absent (key 0 is never in it)."""
         result = np.full(len(keys), -1, dtype=np.int64)
         positions = self._home(keys)
         order = np.arange(len(keys))
+        rows = self._rows
         while len(order) > _SCALAR_TAIL:
-            used = self._used[positions]
-            hit = used & (self._keys[positions] == keys[order])
+            found = np.take(rows, positions, axis=0)  # one gather: key and value together
+            hit = found[:, 0] == keys[order]
             result[order[hit]] = positions[hit]
-            more = used & ~hit
+            more = (found[:, 0] != 0) & ~hit
             order = order[more]
             positions = (positions[more] + _ONE) & self._mask
         if len(order):  # the few long probe sequences: one at a time beats a round per step
-            table_keys, used_at, mask = self._keys, self._used, int(self._mask)
+            mask = int(self._mask)
             for i, at in zip(order.tolist(), positions.tolist(), strict=True):
                 key = keys[i]
-                while used_at[at]:
-                    if table_keys[at] == key:
+                while rows[at, 0]:
+                    if rows[at, 0] == key:
                         result[i] = at
                         break
                     at = (at + 1) & mask
@@ -191,10 +205,30 @@ class ProbeTable:
 
     def values(self, keys: U64) -> U64:
         """The packed value of each key (0 where nobody holds it); call after ``sync``."""
-        positions = self._find(keys)
-        out = np.zeros(len(keys), dtype=np.uint64)
-        found = positions >= 0
-        out[found] = self._values[positions[found]]
+        rows = self._rows
+        positions = self._home(keys)
+        found = np.take(rows, positions, axis=0)  # the first round, for all keys at once
+        hit = found[:, 0] == keys
+        out: U64 = np.where(hit, found[:, 1], np.uint64(0))
+        order = np.flatnonzero((found[:, 0] != 0) & ~hit)
+        positions = (positions[order] + _ONE) & self._mask
+        while len(order) > _SCALAR_TAIL:
+            found = np.take(rows, positions, axis=0)
+            hit = found[:, 0] == keys[order]
+            out[order[hit]] = found[hit, 1]
+            more = (found[:, 0] != 0) & ~hit
+            order = order[more]
+            positions = (positions[more] + _ONE) & self._mask
+        mask = int(self._mask)
+        for i, at in zip(order.tolist(), positions.tolist(), strict=True):
+            key = keys[i]
+            while rows[at, 0]:
+                if rows[at, 0] == key:
+                    out[i] = rows[at, 1]
+                    break
+                at = (at + 1) & mask
+        if self._zero:
+            out[keys == 0] = self._zero
         return out
 
     def prefix_values(self, keys: U64, first: int = 1024) -> U64:
@@ -216,4 +250,4 @@ class ProbeTable:
 
     @property
     def nbytes(self) -> int:
-        return int(self._keys.nbytes + self._values.nbytes + self._used.nbytes)
+        return int(self._rows.nbytes)
