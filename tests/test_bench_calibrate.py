@@ -146,6 +146,8 @@ def _args(**overrides: object) -> argparse.Namespace:
         "limit": 3,
         "repeats": 2,
         "utilisation": 0.5,
+        "pin_cpus": True,
+        "omp_threads": 1,
         "json": True,
     }
     return argparse.Namespace(**(values | overrides))
@@ -199,6 +201,7 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert isinstance(data["goal_met"], bool) and data["ratio_p50"] > 0
     assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
+    assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes
 
 
 def test_probe_lengths_cover_the_replayed_prompts() -> None:

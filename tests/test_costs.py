@@ -23,6 +23,7 @@ from kvstrata.costs import (
     llama3_8b_h100,
     per_token,
     smollm2_cpu,
+    smollm2_cpu_worker,
 )
 from kvstrata.errors import InvalidInput
 
@@ -62,7 +63,13 @@ def test_default_model_reproduces_the_reference_timings() -> None:
     assert model == DEFAULT_PREFILL_MODEL
     deep = model.marginal_s(512, 50_000)
     assert deep > model.marginal_s(512, 0) > model.marginal_s(256, 0) > 0
-    assert set(PROFILES) == {"smollm2-cpu", "per-token", "llama3-8b-h100"}
+    assert set(PROFILES) == {"smollm2-cpu", "smollm2-cpu-worker", "per-token", "llama3-8b-h100"}
+    worker = smollm2_cpu_worker()  # one pinned core: its own two timings, the same b / a
+    assert worker.seconds(2048, 0) == pytest.approx(5.17)
+    assert worker.seconds(1, 2047) == pytest.approx(0.084)
+    assert worker.per_token_ctx_s / worker.per_token_s == pytest.approx(
+        model.per_token_ctx_s / model.per_token_s
+    )
 
 
 def test_named_profiles() -> None:

@@ -107,7 +107,7 @@ def test_index_modes_and_event_lag_run_the_same_trace() -> None:
 def test_reference_cpu_profile_is_slower_than_the_gpu_one() -> None:
     cpu, gpu = reference_cpu().cost.prefill, gpu_a100_8b().cost.prefill
     assert cpu.seconds(2048) > 10 * gpu.seconds(2048)
-    assert cpu.seconds(2048) == pytest.approx(3.9, rel=0.01)  # the measured reference point
+    assert cpu.seconds(2048) == pytest.approx(5.17, rel=0.01)  # one worker's measured point
 
 
 def test_chunked_interference() -> None:

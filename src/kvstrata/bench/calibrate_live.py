@@ -61,8 +61,10 @@ class LiveResult:
 
 
 def fleet_command(
-    python: str, *, workers: int, port: int, policy: str, pool_gib: float
+    python: str, *, workers: int, port: int, policy: str, pool_gib: float, pin_cpus: bool = True
 ) -> list[str]:
+    """``kvstrata up``'s command line; ``pin_cpus``: each worker owns its share of the CPUs
+    (``--pin-cpus``), as the ``reference-cpu`` profile assumes (one core per worker)."""
     return [
         python, "-m", "kvstrata.cli.main", "up",
         "--workers", str(workers),
@@ -72,6 +74,7 @@ def fleet_command(
         "--pool-gib", repr(pool_gib),
         "--host-gib", "0",
         "--log-level", "warning",
+        *(["--pin-cpus"] if pin_cpus else []),
     ]  # fmt: skip
 
 
@@ -270,6 +273,7 @@ def live_fleet(
     policy: str,
     pool_gib: float,
     omp_threads: int = 1,
+    pin_cpus: bool = True,
     python: str | None = None,
     say: Callable[[str], None] | None = None,
 ) -> Iterator[LiveFleet]:
@@ -281,7 +285,12 @@ def live_fleet(
         tmp = Path(raw)
         log = tmp / "fleet.log"
         command = fleet_command(
-            python or sys.executable, workers=workers, port=port, policy=policy, pool_gib=pool_gib
+            python or sys.executable,
+            workers=workers,
+            port=port,
+            policy=policy,
+            pool_gib=pool_gib,
+            pin_cpus=pin_cpus,
         )
         started = time.perf_counter()
         with running_server(command, _env(tmp, omp_threads), log, port, name="fleet") as base:

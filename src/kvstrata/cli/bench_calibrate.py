@@ -3,7 +3,9 @@
 1. A slice of the Mooncake conversation trace (``--start-s``, ``--limit``) is scaled to the
    SmolLM2 reference engine (:mod:`kvstrata.bench.calibrate`: ``--block-tokens`` live tokens
    per trace block, prompts cut at ``--max-prompt-tokens``, outputs at ``--max-output-tokens``).
-2. A live ``kvstrata up --workers N`` fleet is started and probed one request at a time
+2. A live ``kvstrata up --workers N --pin-cpus`` fleet (each worker owns its share of the
+   CPUs, one core each on the 2-core reference machine, as ``reference-cpu`` assumes;
+   ``--no-pin-cpus`` lets them float) is started and probed one request at a time
    (:mod:`kvstrata.bench.calibrate_live`); the probes' fit is the ``measured`` prefill model.
    Arrivals are spread so the workers run at ``--utilisation`` by that model
    (``--scale-with measured``, the default: the machine's real speed sets the rate) or by
@@ -81,6 +83,12 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--repeats", type=int, default=1, help="live runs (fresh fleet each)")
     parser.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS of the fleet")
+    parser.add_argument(
+        "--pin-cpus",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each worker owns its share of the CPUs (`up --pin-cpus`), as reference-cpu assumes",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the simulator's seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
@@ -126,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         pool_gib=args.pool_gib,
         omp_threads=args.omp_threads,
+        pin_cpus=args.pin_cpus,
     )
     lives: list[LiveResult] = []
     with start() as fleet:
@@ -201,6 +210,8 @@ def _report(
         "scaling": record,
         "policy": args.policy,
         "workers": args.workers,
+        "pin_cpus": args.pin_cpus,
+        "omp_threads": args.omp_threads,
         "cache": {
             "pool_gib": args.pool_gib,
             "device_blocks": blocks,

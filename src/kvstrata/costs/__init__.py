@@ -20,6 +20,7 @@ from kvstrata.costs.profiles import (
     llama3_8b_h100,
     per_token,
     smollm2_cpu,
+    smollm2_cpu_worker,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "llama3_8b_h100",
     "per_token",
     "smollm2_cpu",
+    "smollm2_cpu_worker",
 ]

@@ -13,6 +13,14 @@ cannot pin three unknowns, so the ratio b / a is fixed from the architecture and
   cached tokens, 0.14 s. Without ``t0`` these give a negative ``a`` (16 tokens cost 8.8 ms
   each, 2,048 tokens 1.9 ms each: the short forward is dominated by fixed cost).
 
+``smollm2_cpu_worker`` — the same engine as one fleet worker that owns one core: one torch
+thread pinned to it, as ``kvstrata up --workers 2 --pin-cpus`` runs two workers on two cores
+(the ``reference-cpu`` simulator profile). Same ratio and solution; its timings, measured on
+2026-12-02 on a 2-core Intel Xeon (Sapphire Rapids) with ``OMP_NUM_THREADS=1 taskset -c 0
+kvstrata bench ttft --tokens 2048 --repeat 3``: a fresh 2,048-token prefill 5.17 s and a
+1-token forward over 2,047 cached tokens 0.084 s (the hit that bench times). Other machines
+differ: ``kvstrata bench calibrate`` reports the live fleet's own fit beside it.
+
 ``per_token`` — a base model without its attention term or overhead: every prompt token
 costs the same, so maximising saved seconds maximises saved tokens (what ``bench eviction``
 counts); also the regime of large models at moderate context.
@@ -37,21 +45,46 @@ SMOLLM2_ATTENTION_TO_LINEAR: Final = (4 * 576 * 30) / (2 * (106_168_320 + 49_152
 
 _REF_FRESH_TOKENS, _REF_FRESH_S = 2048, 3.9
 _REF_STEP_TOKENS, _REF_STEP_CONTEXT, _REF_STEP_S = 16, 2032, 0.14
+_WORKER_FRESH_TOKENS, _WORKER_FRESH_S = 2048, 5.17
+_WORKER_STEP_TOKENS, _WORKER_STEP_CONTEXT, _WORKER_STEP_S = 1, 2047, 0.084
+
+
+def _from_two_timings(
+    name: str,
+    fresh: tuple[int, float],
+    step: tuple[int, int, float],
+) -> PrefillModel:
+    """A SmolLM2 model from a fresh prefill ``(tokens, s)`` and a short forward over a cached
+    prefix ``(tokens, context, s)``, with b / a fixed from the architecture (docstring)."""
+    ratio = SMOLLM2_ATTENTION_TO_LINEAR
+    (fresh_tokens, fresh_s), (step_tokens, step_context, step_s) = fresh, step
+    fresh_units = fresh_tokens * (1.0 + ratio * fresh_tokens / 2.0)
+    step_units = step_tokens * (1.0 + ratio * (step_context + step_tokens / 2.0))
+    per_token_s = (fresh_s - step_s) / (fresh_units - step_units)
+    return PrefillModel(
+        overhead_s=step_s - per_token_s * step_units,
+        per_token_s=per_token_s,
+        per_token_ctx_s=per_token_s * ratio,
+        kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN,
+        name=name,
+    )
 
 
 def smollm2_cpu() -> PrefillModel:
     """SmolLM2-135M fp32 on this machine's 2-core CPU, from the two reference timings."""
-    ratio = SMOLLM2_ATTENTION_TO_LINEAR
-    fresh_units = _REF_FRESH_TOKENS * (1.0 + ratio * _REF_FRESH_TOKENS / 2.0)
-    step_units = _REF_STEP_TOKENS * (1.0 + ratio * (_REF_STEP_CONTEXT + _REF_STEP_TOKENS / 2.0))
-    per_token_s = (_REF_FRESH_S - _REF_STEP_S) / (fresh_units - step_units)
-    overhead_s = _REF_STEP_S - per_token_s * step_units
-    return PrefillModel(
-        overhead_s=overhead_s,
-        per_token_s=per_token_s,
-        per_token_ctx_s=per_token_s * ratio,
-        kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN,
-        name="smollm2-cpu",
+    return _from_two_timings(
+        "smollm2-cpu",
+        (_REF_FRESH_TOKENS, _REF_FRESH_S),
+        (_REF_STEP_TOKENS, _REF_STEP_CONTEXT, _REF_STEP_S),
+    )
+
+
+def smollm2_cpu_worker() -> PrefillModel:
+    """SmolLM2-135M fp32 as a fleet worker owning one core (see the module docstring)."""
+    return _from_two_timings(
+        "smollm2-cpu-worker",
+        (_WORKER_FRESH_TOKENS, _WORKER_FRESH_S),
+        (_WORKER_STEP_TOKENS, _WORKER_STEP_CONTEXT, _WORKER_STEP_S),
     )
 
 
@@ -78,6 +111,7 @@ def llama3_8b_h100(mfu: float = 0.5) -> PrefillModel:
 
 PROFILES: Final[dict[str, Callable[[], PrefillModel]]] = {
     "smollm2-cpu": smollm2_cpu,
+    "smollm2-cpu-worker": smollm2_cpu_worker,
     "per-token": per_token,
     "llama3-8b-h100": llama3_8b_h100,
 }

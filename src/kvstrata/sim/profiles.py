@@ -33,15 +33,18 @@ efficiency assumptions named:
   weights and ~4 GB of activations / CUDA graphs ≈ 52 GB of KV pool = 768 blocks (393k
   tokens); host DRAM tier 4× that, 3,072 blocks = 201 GiB per GPU (1.6 TiB per 8-GPU node).
 
-``reference-cpu``: this project's reference engine (SmolLM2-135M, fp32, torch on the 2-core
-CPU), from the measurements in ``docs/results-history.md`` and ``kvstrata.costs.profiles``:
+``reference-cpu``: this project's reference engine (SmolLM2-135M, fp32, torch) as a fleet
+worker that owns one CPU core (``kvstrata up --workers 2 --pin-cpus`` on the 2-core machine:
+each worker one core, one torch thread), from the measurements in ``kvstrata.costs.profiles``:
 
-* Prefill: ``kvstrata.costs.smollm2_cpu()`` — fitted to ``kvstrata bench ttft``'s fresh
-  2,048-token prefill (3.9 s) and a 16-token forward over 2,032 cached tokens (0.14 s), with
-  the attention/linear ratio from the architecture's FLOP counts: 104 ms fixed, 1.47 ms per
-  token, 0.377 µs per token².
-* Decode step: ``a`` = that fit's fixed 104 ms per forward, ``b`` = one more token in the
-  batch = 1.47 ms + attention over ~1k context tokens ≈ 1.86 ms (same fit; the reference
+* Prefill: ``kvstrata.costs.smollm2_cpu_worker()`` — fitted to ``kvstrata bench ttft``'s fresh
+  2,048-token prefill (5.17 s) and a 1-token forward over 2,047 cached tokens (0.084 s), both
+  pinned to one core, with the attention/linear ratio from the architecture's FLOP counts:
+  81 ms fixed, 1.97 ms per token, 0.51 µs per token². (Until 2026-12-02 this profile used
+  ``smollm2_cpu()``, one engine owning both cores: a 2-worker fleet runs each prefill about
+  3× slower than that, and ``bench calibrate`` found the simulator 0.3× the live fleet.)
+* Decode step: ``a`` = that fit's fixed cost per forward, ``b`` = one more token in the
+  batch = the per-token cost + attention over ~1k context tokens (same fit; the reference
   engine itself does not batch decodes, so this describes a batched engine at its speed).
 * KV bytes per token 46,080 (fp32, 30 layers, 3 KV heads of 64): 23.6 MB per block;
   host → device at 12.15 GB/s (``kvstrata bench tiers`` host get): 1.94 ms per block;
@@ -86,7 +89,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, smollm2_cpu
+from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, smollm2_cpu_worker
 from kvstrata.errors import InvalidInput
 from kvstrata.router.costs import CostProfile
 
@@ -178,8 +181,8 @@ def gpu_a100_8b() -> SimProfile:
 
 
 def reference_cpu() -> SimProfile:
-    """SmolLM2-135M fp32 on this 2-core CPU, from this project's measurements."""
-    prefill = smollm2_cpu()
+    """SmolLM2-135M fp32, one fleet worker owning one core, from this project's measurements."""
+    prefill = smollm2_cpu_worker()
     block_bytes = SMOLLM2_KV_BYTES_PER_TOKEN * BLOCK_TOKENS
     cost = CostProfile(
         prefill=prefill,
