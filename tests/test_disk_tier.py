@@ -22,6 +22,7 @@ from kvstrata.runtime.config import WorkerConfig, disk_tier
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.disk_format import READ_CHUNK_BYTES
 from tier_helpers import CAPACITY, OBJ, FakeClock, load_bytes, make_object, store
 
 
@@ -58,6 +59,25 @@ def test_disk_bit_flip_invalidates(tmp_path: Path) -> None:
         assert tier.take_dropped() == [meta.key]
         assert store(tier, meta, payload)  # a fresh store works
         assert load_bytes(tier, meta.key) == payload
+
+
+@pytest.mark.parametrize("flip_at", [0, READ_CHUNK_BYTES - 1, READ_CHUNK_BYTES, -1])
+def test_disk_reads_hash_in_chunks_and_catch_a_flip_in_any_chunk(
+    tmp_path: Path, flip_at: int
+) -> None:
+    """A payload of several read chunks (hashed chunk by chunk as read) loads intact, and one
+    flipped bit in the first, a middle or the last chunk is caught."""
+    size = 2 * READ_CHUNK_BYTES + 123
+    meta, payload = make_object(3, size=size)
+    with DiskTier(tmp_path, 4 * size) as tier:
+        assert store(tier, meta, payload)
+        assert load_bytes(tier, meta.key) == payload
+        path = tier.path_of(meta.key)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) - size + flip_at if flip_at >= 0 else flip_at] ^= 0x10
+        path.write_bytes(raw)
+        assert tier.prepare_load(meta.key) is None
+        assert tier.counters.invalidated == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "meta_flip", "renamed", "payload_flip"])

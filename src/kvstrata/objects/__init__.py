@@ -11,6 +11,7 @@ from kvstrata.objects.model import (
     ObjectState,
     Representation,
     payload_digest,
+    payload_hasher,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "ObjectState",
     "Representation",
     "payload_digest",
+    "payload_hasher",
 ]

@@ -105,6 +105,12 @@ def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
+def payload_hasher() -> xxhash.xxh3_128:
+    """A running :func:`payload_digest`: ``update`` it with the payload's parts in order and
+    ``digest()`` equals the digest of the whole (for bytes that arrive or are read in parts)."""
+    return xxhash.xxh3_128()
+
+
 @dataclass(frozen=True)
 class KVObjectMeta:
     """Everything a tier and a policy need to know about one object, without its bytes.

@@ -39,7 +39,7 @@ import xxhash
 
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
-from kvstrata.objects import KVObjectMeta, payload_digest
+from kvstrata.objects import KVObjectMeta, payload_digest, payload_hasher
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
 from kvstrata.telemetry.transfer_metrics import TransferMetrics
 from kvstrata.tiers.base import StoreSlot, TierError
@@ -97,7 +97,7 @@ class TransferSender:
         self.blocks, self.layers, self.layer_bytes = blocks, layers, layer_bytes
         self.timeout_s = timeout_s
         self.run_bytes = run_bytes
-        self._hashers = [xxhash.xxh3_128() for _ in range(blocks)]
+        self._hashers = [payload_hasher() for _ in range(blocks)]
         self._next_layer = 0
         self._begun = False
 
@@ -328,7 +328,7 @@ class _Session:
                 raise _End("refused", f"block of {source_size} bytes does not match the metas")
         self.begin = begin
         self.seen = [bytearray(begin.blocks) for _ in range(begin.layers)]
-        self.hashers = [xxhash.xxh3_128() for _ in range(begin.blocks)]
+        self.hashers = [payload_hasher() for _ in range(begin.blocks)]
         self.hashed = [0] * begin.blocks
         if self.owner.convert is not None:
             self.staged = [bytearray(source_size) for _ in range(begin.blocks)]
