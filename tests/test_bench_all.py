@@ -151,3 +151,16 @@ def test_bundles_merge_later_runs_replace_earlier_ones() -> None:
     assert merged["meta"] == {"cores": 4}
     names = [(b["name"], b.get("v")) for b in merged["benches"]]
     assert names == [("hash", None), ("index", 2), ("zz", None)]  # plan order, unknown last
+
+
+def test_merged_benchmarks_keep_the_cpu_of_their_own_run() -> None:
+    amd = {"meta": {"cpu": "AMD EPYC"}, "benches": [{"name": "eviction-chat"}, {"name": "hash"}]}
+    xeon = {"meta": {"cpu": "Intel Xeon"}, "benches": [{"name": "hash"}]}
+    merged = merge_bundles([amd, xeon])
+    assert {b["name"]: b["cpu"] for b in merged["benches"]} == {
+        "hash": "Intel Xeon",
+        "eviction-chat": "AMD EPYC",
+    }
+    page = render_page(merged)
+    assert "| eviction-chat | ok |" not in page  # no status given: shown as "?"
+    assert "| AMD EPYC |" in page and "| Intel Xeon |" in page

@@ -44,13 +44,14 @@ def render_page(bundle: Mapping[str, Any], plan: Sequence[str] = ()) -> str:
         "",
         "Generated from `kvstrata bench all --json` bundles (this page's are kept in "
         "`docs/bench/`) by `kvstrata bench render BUNDLE… --out docs/results.md`; do not edit "
-        "by hand. Each benchmark's own commit and date are in the table below; the narrative "
+        "by hand. Each benchmark's own commit, date and CPU are in the table below (the machine "
+        "table describes the last run; timings compare only within one CPU's runs); the narrative "
         "history of earlier measurements is in `docs/results-history.md`.",
         "",
         _meta_table(meta),
         "",
-        "| benchmark | status | seconds | commit | date |",
-        "|---|---|---|---|---|",
+        "| benchmark | status | seconds | commit | date | cpu |",
+        "|---|---|---|---|---|---|",
     ]
     for bench in benches:
         status = bench.get("status", "?")
@@ -58,9 +59,10 @@ def render_page(bundle: Mapping[str, Any], plan: Sequence[str] = ()) -> str:
             status = f"{status}: {bench.get('reason', '')}"
         lines.append(
             f"| {bench['name']} | {_cell(status)} | {_seconds(bench.get('seconds'))} "
-            f"| {bench.get('commit', '-')} | {bench.get('date', '-')} |"
+            f"| {bench.get('commit', '-')} | {bench.get('date', '-')} "
+            f"| {bench.get('cpu', meta.get('cpu', '-'))} |"
         )
-    lines.extend(f"| {name} | not run in this bundle | - | - | - |" for name in missing)
+    lines.extend(f"| {name} | not run in this bundle | - | - | - | - |" for name in missing)
     for bench in benches:
         lines.extend(["", *render_bench(bench)])
     return "\n".join(lines) + "\n"

@@ -360,12 +360,13 @@ def run_render(args: argparse.Namespace) -> int:
 def merge_bundles(bundles: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several ``bench all`` runs as one page: benchmarks in plan order (a later run of the
     same name replaces an earlier one), the machine of the last run; each benchmark keeps the
-    date and commit of its own run."""
+    date, commit and CPU of its own run (runs from several machines can share a page)."""
     benches: dict[str, dict[str, Any]] = {}
     for bundle in bundles:
+        cpu = bundle.get("meta", {}).get("cpu")
         for bench in bundle.get("benches", []):
             benches.pop(bench["name"], None)
-            benches[bench["name"]] = bench
+            benches[bench["name"]] = {"cpu": cpu, **bench} if cpu else bench
     meta = dict(bundles[-1].get("meta", {})) if bundles else {}
     meta.pop("date", None)
     meta.pop("commit", None)
