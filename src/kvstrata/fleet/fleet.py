@@ -26,6 +26,12 @@ Who owns what (the same rules are in ``docs/architecture.md``, section "Fleet"):
   :meth:`Fleet.observe_prefill`, :meth:`Fleet.unreachable`); none of these does I/O.
 - Outside the lock callers only see immutable values: :class:`Reservation`,
   :class:`WorkerView`, :class:`RouteDecision`, :class:`WorkerInfo`.
+
+This module owns the fleet's state and the worker lifecycle; the request side (routing,
+reservations, remote prefill plans) is :class:`~kvstrata.fleet.routing.FleetRouting`, its
+base. Beside it, re-exported here: :class:`FleetConfig` (``fleet_config``),
+:class:`FleetTokenizer` (``tokenizer``), :class:`Reservation` and :class:`WorkerView`
+(``views``), the copy-on-write worker table (``table``).
 """
 
 from __future__ import annotations
@@ -34,20 +40,21 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import httpx
 
-from kvstrata.errors import ConfigError, NoWorkerAvailable
+from kvstrata.errors import ConfigError
 from kvstrata.events.curve import CurveKeyError, KeyPair
 from kvstrata.fleet.curve_keys import curve_refusal
-from kvstrata.fleet.disagg import DisaggPlan, DisaggSettings, plan
 from kvstrata.fleet.eventplane import EventPlane
+from kvstrata.fleet.fleet_config import FleetConfig
 from kvstrata.fleet.metrics import FleetMetrics
+from kvstrata.fleet.routing import FleetRouting
 from kvstrata.fleet.source import KvstrataSource, WorkerSource
+from kvstrata.fleet.table import Table
+from kvstrata.fleet.tokenizer import FleetTokenizer
+from kvstrata.fleet.views import Reservation, WorkerView
 from kvstrata.fleet.vllm_workers import salted_batch
 from kvstrata.fleet.workers import (
     WorkerInfo,
@@ -61,105 +68,12 @@ from kvstrata.index.core import ConsistencyMode, GlobalIndex, IndexDeletion, Med
 from kvstrata.index.tombstones import StreamPosition
 from kvstrata.router.core import Router
 from kvstrata.router.costs import CostProfile
-from kvstrata.router.model import RouteDecision, RouteRequest
 from kvstrata.router.registry import POLICIES
-from kvstrata.runtime import tokenization
-from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 _log = logging.getLogger(__name__)
 
 
-class FleetTokenizer:
-    """Tokenizes as ``ReferenceEngine.encode_prompt`` / ``encode_chat`` do (tested equal)."""
-
-    def __init__(self, model_dir: Path, chat_template: str | None = None) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.chat_template = chat_template
-
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return tokenization.encode_prompt(self.tokenizer, prompt)
-
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return tokenization.encode_chat(self.tokenizer, messages, self.chat_template)
-
-
-@dataclass
-class FleetConfig:
-    policy: str = "kvstrata"
-    mode: ConsistencyMode = ConsistencyMode.EXACT
-    health_interval_s: float = 0.5
-    health_failures: int = 2
-    max_attempts: int = 3
-    request_timeout_s: float = 600.0
-    tenant_secret: bytes = b""
-    worker_urls: list[str] = field(default_factory=list)
-    curve_client_secret_file: Path | None = None
-    """The router's CURVE certificate (secret): with it, the fleet subscribes to CURVE workers
-    (whose public keys ``/kv/info`` advertises) and refuses plaintext ones; without it, it
-    refuses CURVE workers. No silent downgrade either way."""
-    tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
-    """How long the index refuses late events of deleted blocks (``security.tombstone_ttl_s``)."""
-    api_key: str | None = field(default=None, repr=False)
-    """The router's fleet key: presented to workers' ``/kv/info`` and ``/kv/dump``."""
-    tls_ca_file: Path | None = None
-    """The CA bundle that verifies workers' HTTPS (None: the system CAs)."""
-    engine: str = "kvstrata"
-    """``kvstrata`` (``kvstrata serve`` workers) or ``vllm`` (vLLM OpenAI servers: a request's
-    ``cache_salt`` is its tenant, vLLM's events are read through ``source``)."""
-    prefill_urls: frozenset[str] = frozenset()
-    """Workers (also in ``worker_urls``) that only prefill for others: attached, indexed and
-    watched like any worker, never a routing candidate (``docs/disaggregation.md``)."""
-    disagg: DisaggSettings | None = None
-    """How to choose local or remote prefill (None: no prefill workers)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """A request placed on one incarnation of a worker, in its load until :meth:`Fleet.finish`."""
-
-    request_id: str
-    worker_id: str
-    epoch: int
-    base_url: str
-    decision: RouteDecision
-    prompt_tokens: int
-    cached_tokens: int
-    """Prompt tokens the index says the worker holds (the last one is always computed)."""
-    started: float
-    alone: bool
-    """Nothing else was in flight on the worker: its TTFT is its prefill time alone."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """One worker as ``/fleet/workers``, ``/health`` and ``/metrics`` show it (a snapshot)."""
-
-    worker_id: str
-    url: str
-    healthy: bool
-    epoch: int
-    inflight: int
-    consistent: bool
-    blocks: tuple[int, int, int, int]
-    prefill_samples: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Table:
-    """The worker table; replaced whole (copy-on-write), never changed in place."""
-
-    by_id: Mapping[str, WorkerState]
-    by_url: Mapping[str, str]
-
-    def with_worker(self, state: WorkerState) -> _Table:
-        by_id = {**self.by_id, state.worker_id: state}
-        by_url = {**self.by_url, state.info.base_url: state.worker_id}
-        return _Table(MappingProxyType(by_id), MappingProxyType(by_url))
-
-
-class Fleet:
+class Fleet(FleetRouting):
     """The router process's state: workers, index, event plane, router, metrics.
 
     Starts no thread in its constructor: the event plane starts with the first :meth:`attach`
@@ -187,7 +101,7 @@ class Fleet:
                 self._curve_keys = KeyPair.from_file(config.curve_client_secret_file)
             except CurveKeyError as exc:
                 raise ConfigError(str(exc), key="curve_client_secret_file") from exc
-        self._table = _Table(MappingProxyType({}), MappingProxyType({}))
+        self._table = Table(MappingProxyType({}), MappingProxyType({}))
         self._index: GlobalIndex | None = None
         self._router: Router | None = None
         self._events: EventPlane | None = None
@@ -286,14 +200,6 @@ class Fleet:
         if refusal is not None:
             self.metrics.worker_events.labels(info.worker_id, "refused_curve").inc()
             raise refusal
-
-    def _stop_traffic(self, state: WorkerState) -> None:
-        """Under the lock: no more requests to this incarnation (counted once)."""
-        if state.healthy and self._table.by_id.get(state.worker_id) is state:
-            state.healthy = False
-            self.metrics.worker_healthy.labels(state.worker_id).set(0)
-            self.metrics.worker_events.labels(state.worker_id, "detached").inc()
-            _log.warning("worker %s is unreachable: no more traffic", state.worker_id)
 
     def mark_dead(self, worker_id: str) -> None:
         """Drop the worker's index entries, then stop its traffic (lifecycle: see the module).
@@ -398,182 +304,5 @@ class Fleet:
             self._events.close()
         self._http.close()
 
-    # ------------------------------------------------------------------ routing
-    def _decide(
-        self,
-        request_id: str,
-        tenant: str,
-        tokens: list[int],
-        max_tokens: int | None,
-        record: bool,
-        now: float,
-    ) -> RouteDecision:
-        """Under the lock: the loads and the index as they are now, and the policy's choice."""
-        if self._router is None or self._index is None:
-            raise NoWorkerAvailable("no worker attached")
-        index = self._index
-        prefill_only = self.config.prefill_urls
-        loads = [
-            replace(state.load(now), cached_blocks=sum(index.blocks_held(state.worker_id)))
-            for state in self._table.by_id.values()
-            if state.info.base_url not in prefill_only
-        ]
-        request = RouteRequest(
-            request_id=request_id,
-            tenant=tenant,
-            prompt_tokens=len(tokens),
-            hashes=index.request_hashes(tenant, tokens),
-            expected_output_tokens=max_tokens or 0,
-            arrival_s=now,
-        )
-        return self._router.route(request, loads, now=now, record=record)
 
-    def route(
-        self, request_id: str, tenant: str, tokens: list[int], max_tokens: int | None, record: bool
-    ) -> RouteDecision:
-        """Where the request would go, reserving nothing (``/debug/route``)."""
-        with self._lock:
-            return self._decide(request_id, tenant, tokens, max_tokens, record, time.time())
-
-    def reserve(
-        self, request_id: str, tenant: str, tokens: list[int], max_tokens: int | None
-    ) -> Reservation:
-        """Choose a worker and count the request in flight there, atomically.
-
-        The decision and the reservation share one critical section: a concurrent request
-        routed next sees this one in the chosen worker's queue, so a burst spreads instead of
-        piling onto whichever worker looked idle to all of them at once.
-        """
-        with self._lock:
-            now = time.time()
-            decision = self._decide(request_id, tenant, tokens, max_tokens, True, now)
-            state = self._table.by_id[decision.worker_id]
-            cached = min(decision.matched_blocks * state.info.block_size, max(0, len(tokens) - 1))
-            chosen = next(e for e in decision.estimates if e.worker_id == decision.worker_id)
-            state.begin(
-                request_id, len(tokens), cached, chosen.prefill_s + chosen.fetch_s, max_tokens, now
-            )
-            return Reservation(
-                request_id=request_id,
-                worker_id=state.worker_id,
-                epoch=state.info.epoch,
-                base_url=state.info.base_url,
-                decision=decision,
-                prompt_tokens=len(tokens),
-                cached_tokens=cached,
-                started=now,
-                alone=state.running_alone(),
-            )
-
-    def plan_disagg(
-        self, worker_id: str, request_id: str, tenant: str, tokens: list[int], *, record: bool
-    ) -> DisaggPlan:
-        """Local or remote prefill for a request placed on a decode worker (``fleet.disagg``);
-        ``record``: a disaggregated plan is counted in flight on its prefill worker."""
-        settings = self.config.disagg
-        with self._lock:
-            decode = self._table.by_id.get(worker_id)
-            if settings is None or decode is None or self._index is None:
-                return DisaggPlan("local", "no_prefill_worker")
-            prefill = [
-                s for s in self._table.by_id.values() if s.info.base_url in self.config.prefill_urls
-            ]
-            hashes = self._index.request_hashes(tenant, tokens)
-            matches = self._index.match(hashes, now=time.time())
-            chosen = plan(
-                request_id=request_id,
-                prompt_tokens=len(tokens),
-                decode=decode,
-                prefill_workers=prefill,
-                matches=matches,
-                settings=settings,
-            )
-            if record and chosen.path == "disagg" and chosen.prefill_worker_id is not None:
-                remote = self._table.by_id[chosen.prefill_worker_id]
-                assert chosen.choice is not None
-                predicted = chosen.choice.ttft_disagg_s
-                remote.begin(
-                    request_id, len(tokens), chosen.prefill_cached_tokens,
-                    predicted, 1, time.time(),
-                )  # fmt: skip
-            return chosen
-
-    def finish_prefill(
-        self,
-        request_id: str,
-        chosen: DisaggPlan,
-        *,
-        reachable: bool,
-        prompt_tokens: int = 0,
-        seconds: float | None = None,
-    ) -> None:
-        """A remote prefill ended (``seconds``: its reply's, learned when it ran alone); an
-        unreachable prefill worker gets no more traffic."""
-        with self._lock:
-            state = self._table.by_id.get(chosen.prefill_worker_id or "")
-            if state is None or state.info.epoch != chosen.prefill_epoch:
-                return
-            if seconds is not None and state.running_alone():
-                cached = chosen.prefill_cached_tokens
-                state.prefill_fit.observe(prompt_tokens - cached, cached, seconds)
-            state.finish(request_id, time.time(), None, None)
-            if not reachable:
-                self._stop_traffic(state)
-
-    def _state_of(self, reservation: Reservation) -> WorkerState | None:
-        """Under the lock: the incarnation the reservation was made on, if still current."""
-        state = self._table.by_id.get(reservation.worker_id)
-        if state is None or state.info.epoch != reservation.epoch:
-            return None
-        return state
-
-    def first_token(self, reservation: Reservation, now: float) -> float | None:
-        """Record the first token (TTFT); learn the prefill model from it if it ran alone."""
-        with self._lock:
-            if self._router is not None:
-                self._router.first_token(reservation.request_id)
-            state = self._state_of(reservation)
-            if state is None:
-                return None
-            return state.first_token(reservation.request_id, now, alone=reservation.alone)
-
-    def observe_prefill(
-        self, reservation: Reservation, matched_tokens: int, seconds: float
-    ) -> None:
-        """Refit the worker's prefill model from the prefill time its engine measured."""
-        if not 0 <= matched_tokens <= reservation.prompt_tokens:
-            return
-        with self._lock:
-            state = self._state_of(reservation)
-            if state is not None:
-                new_tokens = reservation.prompt_tokens - matched_tokens
-                state.prefill_fit.observe(new_tokens, matched_tokens, seconds)
-
-    def finish(
-        self,
-        reservation: Reservation,
-        now: float,
-        completion_tokens: int | None,
-        ttft_s: float | None,
-    ) -> None:
-        """Release the reservation; learn the output length and decode step from it."""
-        with self._lock:
-            if self._router is not None:
-                self._router.finished(reservation.request_id)
-            state = self._state_of(reservation)
-            if state is not None:
-                state.finish(reservation.request_id, now, completion_tokens, ttft_s)
-
-    def unreachable(self, reservation: Reservation) -> None:
-        """The worker refused the request: release it and send no more traffic there.
-
-        Its index entries are dropped (or it is re-attached) by the next health round, the
-        one owner of worker lifecycle; an unhealthy worker is never chosen meanwhile.
-        """
-        with self._lock:
-            if self._router is not None:
-                self._router.finished(reservation.request_id)
-            state = self._state_of(reservation)
-            if state is not None:
-                state.finish(reservation.request_id, time.time(), None, None)
-                self._stop_traffic(state)
+__all__ = ["Fleet", "FleetConfig", "FleetTokenizer", "Reservation", "WorkerView"]
