@@ -17,7 +17,9 @@ concurrent requests and later turns hit it, and a cancelled request keeps what i
 
 Threads: ``generate`` and ``Generation.close`` may be called from any thread; everything else
 runs on the step thread — the engine's own loop (``start_loop``) in a server, or the caller
-iterating a generation when no loop runs. ``call`` runs a function between steps.
+iterating a generation when no loop runs. ``call`` runs a function between steps. That
+machinery is ``step_loop.StepLoop``, the engine's base; ``EngineConfig`` and
+``pool_config_for`` are ``engine_config`` (both re-exported here).
 
 Prefetch: with the loop running and a store whose shared (remote) level sits below a local
 one, a request submitted while the engine is busy (a step in progress, or others queued) has
@@ -29,7 +31,6 @@ next step, before any prefetch could finish, so none is started.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -37,8 +38,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -46,9 +46,10 @@ from kvstrata.costs import DEFAULT_PREFILL_MODEL, OnlinePrefillFit
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.batch import BatchRunner
 from kvstrata.engine.deletion import delete_everywhere
+from kvstrata.engine.engine_config import EngineConfig, pool_config_for
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.hf_identity import fingerprint_model
-from kvstrata.engine.kv_pool import PagedKVPool, PoolConfig
+from kvstrata.engine.kv_pool import PagedKVPool
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.paged_attention import LayerListener, use_paged_attention
 from kvstrata.engine.prefill import PrefillHandle
@@ -56,8 +57,9 @@ from kvstrata.engine.relayout import StoredRelayout
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.sequence import HeldBlocks
 from kvstrata.engine.sequence import Sequence as Seq
+from kvstrata.engine.step_loop import StepLoop
 from kvstrata.engine.tiering import PoolBridge
-from kvstrata.errors import ContextTooLong, EngineError, InvalidInput, QueueFull, RequestCancelled
+from kvstrata.errors import ContextTooLong, EngineError, InvalidInput, QueueFull
 from kvstrata.identity import (
     DEFAULT_TENANT,
     BlockKey,
@@ -70,47 +72,13 @@ from kvstrata.identity import (
 )
 from kvstrata.runtime import tokenization
 from kvstrata.runtime.events import KVEventEmitter
-from kvstrata.runtime.read_layouts import ReadLayout
-from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.runtime.wiring import wire
 from kvstrata.store.deletion import DeleteReport, DeleteSelector
 from kvstrata.store.levels import RequestScope
 from kvstrata.store.tiered import TieredStore
 from kvstrata.telemetry import KvMetrics, RequestRecord
 
-logger = logging.getLogger("kvstrata.engine")
 _MAX_CACHED_ROOTS = 4096
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    pool_blocks: int = 1024
-    device: str = "auto"  # "auto" → cuda when available, else cpu
-    tenant_secret: bytes = b""
-    max_model_len: int | None = None  # None → the model's max_position_embeddings
-    reuse: bool = True  # False: never look up or store (the fresh-prefill baseline)
-    prefetch: bool = True  # prefetch queued requests' prefixes from a shared store level
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    read_layouts: tuple[ReadLayout, ...] = ()  # stored objects of these layouts are converted
-
-
-def pool_config_for(
-    loaded: LoadedModel, block_size: int, num_blocks: int, device: str = "cpu"
-) -> PoolConfig:
-    """The KV shape of this model's pool (``PoolConfig.bytes_per_block`` sizes it)."""
-    config = loaded.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return PoolConfig(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        dtype=loaded.model.dtype,
-        device=device,
-    )
 
 
 def _resolve_device(device: str) -> str:
@@ -119,7 +87,7 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-class ReferenceEngine:
+class ReferenceEngine(StepLoop):
     """A real model, a device KV pool, continuous batching and exact prefix reuse."""
 
     def __init__(
@@ -226,11 +194,6 @@ class ReferenceEngine:
             self.pool.clear()
             self.bridge.store.close()
         self._flush_events()  # what the demotions and the write-back drain just stored
-
-    def _flush_events(self) -> None:
-        """Publish this step's KV events as one batch (on the engine thread, as ZMQ needs)."""
-        if self.events is not None:
-            self.events.flush()
 
     # ---- tokenisation -------------------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -371,23 +334,6 @@ class ReferenceEngine:
         scope = RequestScope(tenant=seq.tenant, model=self.model_id, request_id=rid)
         bridge.prefetch(rid, lambda: chain_keys(root, blocks, block_size), scope)
 
-    def cancel(self, generation: Generation) -> None:
-        """Free ``generation`` at the next step (``Generation.close`` calls this)."""
-        with self._wake:
-            self._cancels.append(generation)
-            self._wake.notify()
-
-    def call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the step thread between two steps (now, when no loop runs)."""
-        future: Future[T] = Future()
-        with self._wake:
-            self._calls.append((fn, future))
-            self._wake.notify()
-        if not self.loop_running:
-            with self._step_lock:
-                self._run_calls()
-        return future
-
     def delete(self, selector: DeleteSelector, now: float | None = None) -> DeleteReport:
         """Delete what ``selector`` names from the device pool and every store tier, leaving
         tombstones (``engine.deletion``). Engine thread only:
@@ -402,99 +348,6 @@ class ReferenceEngine:
         waiting = self._queued + len(self.batch.scheduler.running)
         per_request = self.batch.step_s_avg * 32  # ~a prefill chunk and a short answer
         return max(1.0, waiting * per_request / self.config.scheduler.max_num_seqs)
-
-    # ---- the step loop ------------------------------------------------------------------------
-    @property
-    def loop_running(self) -> bool:
-        return self._loop is not None
-
-    def start_loop(self) -> None:
-        """Run steps on a thread of the engine's own until ``stop_loop`` (a server)."""
-        if self._loop is not None:
-            return
-        self._stopping = False
-        if self.bridge is not None:
-            self.bridge.start_prefetch()
-        self._loop = threading.Thread(target=self._run_loop, name="kvstrata-engine", daemon=True)
-        self._loop.start()
-
-    def stop_loop(self) -> None:
-        """Cancel every queued and running request and stop the loop thread."""
-        loop = self._loop
-        if loop is None:
-            return
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        loop.join()
-        self._loop = None
-        if self.bridge is not None:
-            self.bridge.stop_prefetch()
-
-    def _run_loop(self) -> None:
-        while True:
-            with self._wake:
-                while (
-                    not self._stopping
-                    and not self._inbox
-                    and not self._cancels
-                    and not self._calls
-                    and not len(self.batch)
-                ):
-                    self._wake.wait(0.5)
-                if self._stopping:
-                    break
-            try:
-                self.step()
-            except Exception:  # the failing step's requests got the error; keep serving
-                logger.exception("engine step failed")
-        with self._step_lock:
-            self._abort_all(RequestCancelled("the engine stopped"))
-            self._run_calls()
-
-    def step(self) -> bool:
-        """Run one step; False when there was nothing to do."""
-        with self._step_lock, torch.inference_mode():
-            with self._wake:
-                self._stepping = True
-            try:
-                self._run_calls()
-                self._take_inbox()
-                try:
-                    return self.batch.run_step()
-                finally:
-                    self._flush_events()
-            finally:
-                with self._wake:
-                    self._stepping = False
-
-    def _run_calls(self) -> None:
-        with self._wake:
-            calls, self._calls = self._calls, []
-        for fn, future in calls:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to the caller
-                    future.set_exception(exc)
-
-    def _take_inbox(self) -> None:
-        with self._wake:
-            arrivals, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-        for seq in arrivals:
-            self.batch.add(seq)
-        for generation in cancels:
-            self.batch.cancel(generation)
-
-    def _dequeued(self) -> None:
-        with self._wake:
-            self._queued -= 1
-            self.metrics.queue_depth.set(self._queued)
-
-    def _abort_all(self, error: BaseException) -> None:
-        self._take_inbox()
-        self.batch.abort_all(error)
 
     def _root(self, tenant: str) -> NamespaceRoot | None:
         if isinstance(self.fingerprint, ReuseDisabled):
@@ -526,3 +379,6 @@ class ReferenceEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
+
+
+__all__ = ["EngineConfig", "ReferenceEngine", "pool_config_for"]
