@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
@@ -91,13 +92,7 @@ class TtftEstimator:
     ) -> WorkerEstimate:
         profile = self.profiles(load.worker_id)
         prompt = max(request.prompt_tokens, 1)
-        cached = min(match.blocks * profile.block_size, prompt - 1)
-        prefill_s = profile.prefill.seconds(prompt - cached, cached)
-        fetch_s = profile.fetch_s(match.tier_blocks)
-        on_device = min(match.tier_blocks[0] * profile.block_size, cached)
-        recompute_s = profile.prefill.seconds(prompt - on_device, on_device)
-        if fetch_s + prefill_s > recompute_s:
-            prefill_s, fetch_s, cached = recompute_s, 0.0, on_device
+        cached, prefill_s, fetch_s = self.split(request, match, profile)
         interference_s = profile.interference_s(prompt - cached, load.active_decodes)
         ttft = load.queued_s + prefill_s + fetch_s + interference_s
         return WorkerEstimate(
@@ -111,6 +106,22 @@ class TtftEstimator:
             ttft_s=ttft,
             score=ttft if score is None else score,
         )
+
+    @staticmethod
+    def split(
+        request: RouteRequest, match: PrefixMatch, profile: CostProfile
+    ) -> tuple[int, float, float]:
+        """``(cached tokens used, prefill seconds, fetch seconds)`` on ``profile``: the device
+        prefix in place, the rest fetched unless recomputing it is faster (class docstring)."""
+        prompt = max(request.prompt_tokens, 1)
+        cached = min(match.blocks * profile.block_size, prompt - 1)
+        prefill_s = profile.prefill.seconds(prompt - cached, cached)
+        fetch_s = profile.fetch_s(match.tier_blocks)
+        on_device = min(match.tier_blocks[0] * profile.block_size, cached)
+        recompute_s = profile.prefill.seconds(prompt - on_device, on_device)
+        if fetch_s + prefill_s > recompute_s:
+            return on_device, recompute_s, 0.0
+        return cached, prefill_s, fetch_s
 
 
 class _Popularity:
@@ -187,8 +198,10 @@ class KvstrataPolicy:
         work_weight: float = DEFAULT_WORK_WEIGHT,
         load_adaptive: bool = True,
         risk_z: float = DEFAULT_RISK_Z,
+        pooled_work: bool = True,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
+        self.pooled_work = pooled_work
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
         self.risk_z = risk_z
@@ -207,11 +220,13 @@ class KvstrataPolicy:
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
         upper: dict[str, tuple[float, float]] = {}
+        work = self._work_pricer(request, healthy)
         for load in healthy:
-            estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
+            match = _match(matches, load.worker_id)
+            estimate = self.estimator.estimate(request, match, load)
             upper[load.worker_id] = self._upper(estimate)
-            score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
-            estimates.append(replace(estimate, score=score))
+            added = work(match, load.worker_id) if work else estimate.prefill_s + estimate.fetch_s
+            estimates.append(replace(estimate, score=estimate.ttft_s + weight * added))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
         # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
         utilisation = {w.worker_id: (w.kv_utilisation, w.cached_blocks) for w in healthy}
@@ -288,6 +303,38 @@ class KvstrataPolicy:
         return queue, queue + estimate.prefill_s * factor + estimate.fetch_s + (
             estimate.interference_s
         )
+
+    def _work_pricer(
+        self, request: RouteRequest, healthy: Sequence[WorkerLoad]
+    ) -> Callable[[PrefixMatch, str], float] | None:
+        """The work a placement adds, priced alike on every worker (``pooled_work``).
+
+        The charge is for the prefill a choice adds to the cluster, and it is large (the
+        weight × the load factor reaches tens): pricing it with each worker's *own* fitted
+        model turns that model's error into a preference. Two workers that hold nothing of a
+        100k-token prompt differ in their fits' prices by seconds (per-worker fits of long
+        prompts from a few samples), and × the weight that outbid a 30 s difference in queue
+        (issue 15: the p99 of the Mooncake trace at 0.9 load was such cold long prompts
+        sent behind the longest queues). So the tokens a worker would compute — what its
+        cache saves, the only real difference — are priced with the median of the healthy
+        workers' models; the worker's own speed still counts once, in its TTFT. Fetch keeps
+        each worker's measured per-block cost.
+        """
+        if not self.pooled_work:
+            return None
+        models = [self.estimator.profiles(w.worker_id).prefill for w in healthy]
+        priced: dict[int, float] = {}
+
+        def work(match: PrefixMatch, worker_id: str) -> float:
+            cached, _prefill, fetch_s = TtftEstimator.split(
+                request, match, self.estimator.profiles(worker_id)
+            )
+            if cached not in priced:
+                new = max(request.prompt_tokens, 1) - cached
+                priced[cached] = statistics.median(m.seconds(new, cached) for m in models)
+            return priced[cached] + fetch_s
+
+        return work
 
     def _load_factor(self, healthy: Sequence[WorkerLoad]) -> float:
         """How much added work hurts now: ρ/(1−ρ) of the busy share ρ, 1 at ``ρ = 0.8``.
