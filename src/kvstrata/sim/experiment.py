@@ -11,8 +11,8 @@ The protocol (issue 15, item 1), for each target utilisation:
    baseline* (lowest p99 TTFT) at that scale — the same definition ``--target-utilisation``
    uses. The scale found is applied unchanged to every evaluation trace, whose own measured
    utilisation is reported per policy.
-3. **Tuning, the same budget for everyone.** Every policy (each baseline and kvstrata) runs
-   its sweep (:data:`SWEEPS`, at most 4 points, the published defaults always the first) on
+3. **Tuning, a like budget (Dynamo one point more).** Every policy (each baseline and kvstrata) runs
+   its sweep (:data:`SWEEPS`, 4 points, Dynamo 5; the published defaults always the first) on
    the tuning trace at that scale; the point with the lowest p99 TTFT of that one run wins
    (ties keep the earlier point, so the default wins ties). The JSON records every point.
 4. **Evaluation.** Each chosen variant replays every evaluation trace, with
@@ -54,15 +54,19 @@ from kvstrata.workloads.mooncake import TraceRequest
 SWEEPS: Final[Mapping[str, Sequence[Mapping[str, float]]]] = {
     KVSTRATA: ({"work_weight": 3.0}, {"work_weight": 5.0}, {"work_weight": 20.0}),
     "dynamo": (
-        {"prefill_load_scale": 0.5},
         {"prefill_load_scale": 2.0},
         {"prefill_load_scale": 4.0},
+        {"prefill_load_scale": 8.0},
+        {"prefill_load_scale": 16.0},
     ),
     "llm-d": ({"prefix": 1.5}, {"prefix": 6.0}, {"prefix": 12.0}),
 }
 """Each policy's main parameter, besides its published default (always the first point):
 kvstrata's work weight, Dynamo's ``prefill_load_scale`` (the load-vs-overlap trade-off its
 docs tell operators to tune), llm-d's prefix-scorer weight against its load scorers.
+Dynamo gets one point more than the others: with ``0.5 / 2 / 4`` its tuning chose 4.0, the
+edge, at every load on both workloads (docs/bench/2026-12-01-sim2.json) and never 0.5, so
+its sweep runs ``2 / 4 / 8 / 16`` — the extra point can only help the baseline.
 Round-robin, least-loaded and prefix-affinity have no parameter: one point each."""
 
 FIGURES: Final = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "utilisation")
