@@ -393,9 +393,9 @@ def test_kvstrata_guard_prices_an_upper_quantile_of_an_uncertain_wait() -> None:
 
 
 def test_kvstrata_prices_added_work_alike_on_every_worker() -> None:
-    """Neither worker holds the prompt: the work charge is equal, so the worker with the
-    shorter queue wins, though ``fast``'s own fit prices its prefill lower (issue 15: the
-    weight turned per-worker fit differences into a preference for long queues)."""
+    """No worker holds the prompt: its prefill and the work it adds are priced alike (the
+    median fit), so the shorter queue wins, though ``fast``'s own fit prices it lower (issue
+    15: × the weight, per-worker fit differences became a preference for long queues)."""
     cheap = PROFILE.with_prefill(PrefillModel(overhead_s=OVERHEAD, per_token_s=0.8 * PER_TOKEN))
 
     def fits(worker_id: str) -> CostProfile:
@@ -404,19 +404,19 @@ def test_kvstrata_prices_added_work_alike_on_every_worker() -> None:
     req = request(1024)
     found = matches(fast=(0, 0, 0, 0), idle=(0, 0, 0, 0), other=(0, 0, 0, 0))
     load = loads(WorkerLoad("fast", queued_s=0.5), WorkerLoad("idle"), WorkerLoad("other"))
-    own = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False, pooled_work=False)
+    own = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False, pooled_prefill=False)
     assert own.choose(req, found, load).worker_id == "fast"  # 0.2 s cheaper × 11 > 0.5 s
     pooled = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False)
     decision = pooled.choose(req, found, load)
     assert decision.worker_id == "idle"
     work = prefill_s(1024)  # the median of the three fits
     for estimate in decision.estimates:
-        assert estimate.score == pytest.approx(estimate.ttft_s + 10.0 * work)
+        assert estimate.score == pytest.approx(estimate.queue_s + 11.0 * work)
+    # The estimates shown stay each worker's own.
+    assert {e.worker_id: e.prefill_s for e in decision.estimates}["fast"] < work
     # A cached prefix still earns its saving, priced with the same median model.
     held = matches(fast=(0, 0, 0, 0), idle=(0, 0, 0, 0), other=(32, 0, 0, 0))
     kept = pooled.choose(req, held, load)
     assert kept.worker_id == "other"
     by_worker = {e.worker_id: e for e in kept.estimates}
-    assert by_worker["other"].score == pytest.approx(
-        by_worker["other"].ttft_s + 10.0 * prefill_s(1024 - 32 * BS)
-    )
+    assert by_worker["other"].score == pytest.approx(11.0 * prefill_s(1024 - 32 * BS))

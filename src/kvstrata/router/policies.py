@@ -165,7 +165,8 @@ class HotPrefixConfig:
 class KvstrataPolicy:
     """Lowest estimated TTFT plus the work it adds, with hot-prefix spill-over.
 
-    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure
+    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``, the prefill priced by the
+    median of the workers' fits (:meth:`_pooled_pricer`; each worker's queue is its own). Pure
     TTFT-greedy placement ignores what a choice costs *later* requests: recomputing a prefix
     another worker holds adds its prefill seconds to that worker's queue (everyone behind it
     waits) and a second copy of the prefix to a cache, so the next turns of other
@@ -198,10 +199,10 @@ class KvstrataPolicy:
         work_weight: float = DEFAULT_WORK_WEIGHT,
         load_adaptive: bool = True,
         risk_z: float = DEFAULT_RISK_Z,
-        pooled_work: bool = True,
+        pooled_prefill: bool = True,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
-        self.pooled_work = pooled_work
+        self.pooled_prefill = pooled_prefill
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
         self.risk_z = risk_z
@@ -220,13 +221,16 @@ class KvstrataPolicy:
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
         upper: dict[str, tuple[float, float]] = {}
-        work = self._work_pricer(request, healthy)
+        pooled = self._pooled_pricer(request, healthy)
         for load in healthy:
             match = _match(matches, load.worker_id)
             estimate = self.estimator.estimate(request, match, load)
             upper[load.worker_id] = self._upper(estimate)
-            added = work(match, load.worker_id) if work else estimate.prefill_s + estimate.fetch_s
-            estimates.append(replace(estimate, score=estimate.ttft_s + weight * added))
+            ttft, added = estimate.ttft_s, estimate.prefill_s + estimate.fetch_s
+            if pooled is not None:
+                ttft, added = ttft - added, pooled(match, load.worker_id)
+                ttft += added
+            estimates.append(replace(estimate, score=ttft + weight * added))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
         # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
         utilisation = {w.worker_id: (w.kv_utilisation, w.cached_blocks) for w in healthy}
@@ -304,29 +308,31 @@ class KvstrataPolicy:
             estimate.interference_s
         )
 
-    def _work_pricer(
+    def _pooled_pricer(
         self, request: RouteRequest, healthy: Sequence[WorkerLoad]
     ) -> Callable[[PrefixMatch, str], float] | None:
-        """The work a placement adds, priced alike on every worker (``pooled_work``).
+        """Prefill + fetch seconds of this request on a worker, the prefill priced alike on
+        every worker: the median of the healthy workers' fits (``pooled_prefill``).
 
-        The charge is for the prefill a choice adds to the cluster, and it is large (the
-        weight × the load factor reaches tens): pricing it with each worker's *own* fitted
-        model turns that model's error into a preference. Two workers that hold nothing of a
-        100k-token prompt differ in their fits' prices by seconds (per-worker fits of long
-        prompts from a few samples), and × the weight that outbid a 30 s difference in queue
-        (issue 15: the p99 of the Mooncake trace at 0.9 load was such cold long prompts
-        sent behind the longest queues). So the tokens a worker would compute — what its
-        cache saves, the only real difference — are priced with the median of the healthy
-        workers' models; the worker's own speed still counts once, in its TTFT. Fetch keeps
-        each worker's measured per-block cost.
+        Each worker's model is its own online fit; for the same tokens the fits disagree by
+        their estimation error, and most for long prompts that few samples cover (the prior
+        has no attention term). Scoring with each worker's own price picks whichever fit is
+        most optimistic (the winner's curse) and, × the work weight (tens under load), makes
+        that error outbid a queue: on the Mooncake trace at 0.9 load the p99 was cold
+        60-120k-token prompts sent behind 20-34 s queues because that worker's fit priced
+        them 2-3 s lower (issue 15). The tokens a worker would compute — what its cache
+        saves, the real difference — are priced by the median fit, which pools every
+        worker's samples; its queue and decode interference stay its own, and so do the
+        estimates shown (``WorkerEstimate``, the predicted TTFT). Fetch keeps each worker's
+        measured per-block cost.
         """
-        if not self.pooled_work:
+        if not self.pooled_prefill:
             return None
         models = [self.estimator.profiles(w.worker_id).prefill for w in healthy]
         priced: dict[int, float] = {}
 
-        def work(match: PrefixMatch, worker_id: str) -> float:
-            cached, _prefill, fetch_s = TtftEstimator.split(
+        def price(match: PrefixMatch, worker_id: str) -> float:
+            cached, _own, fetch_s = TtftEstimator.split(
                 request, match, self.estimator.profiles(worker_id)
             )
             if cached not in priced:
@@ -334,7 +340,7 @@ class KvstrataPolicy:
                 priced[cached] = statistics.median(m.seconds(new, cached) for m in models)
             return priced[cached] + fetch_s
 
-        return work
+        return price
 
     def _load_factor(self, healthy: Sequence[WorkerLoad]) -> float:
         """How much added work hurts now: ρ/(1−ρ) of the busy share ρ, 1 at ``ρ = 0.8``.
