@@ -26,6 +26,10 @@ The protocol (issue 15, item 1), for each target utilisation:
    ``GOAL_P99_RATIO`` × the best baseline's median p99 (best = lowest median p99), and
    kvstrata's median hit rate ≥ ``GOAL_HIT_RATIO`` × the median over the evaluation traces of
    :func:`~kvstrata.sim.trace.infinite_cache_hit_rate` (the one bound the report uses).
+   ``ttft_p99_floor_s`` (:func:`~kvstrata.sim.trace.ttft_p99_floor`, over the evaluation
+   traces) says how far below the best baseline any placement could go: where
+   ``GOAL_P99_RATIO`` × the best median lies under the floor's upper end, no router meets
+   the p99 goal at that load.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from kvstrata.sim.report import (
     search_rate_scale,
     summarize,
 )
-from kvstrata.sim.trace import infinite_cache_hit_rate, prepare
+from kvstrata.sim.trace import infinite_cache_hit_rate, prepare, ttft_p99_floor
 from kvstrata.workloads.mooncake import TraceRequest
 
 SWEEPS: Final[Mapping[str, Sequence[Mapping[str, float]]]] = {
@@ -190,20 +194,23 @@ def evaluate(
     rate_scale: float,
     *,
     jobs: int = 1,
-) -> tuple[dict[str, dict[str, list[float]]], list[float]]:
-    """Per policy and figure, one value per evaluation trace; and each trace's hit bound."""
+) -> tuple[dict[str, dict[str, list[float]]], list[float], list[float]]:
+    """Per policy and figure, one value per evaluation trace; each trace's hit bound and
+    p99 TTFT floor (:func:`~kvstrata.sim.trace.ttft_p99_floor`)."""
     values: dict[str, dict[str, list[float]]] = {p: {f: [] for f in FIGURES} for p in chosen}
     bounds: list[float] = []
+    floors: list[float] = []
     for repeat, trace in enumerate(traces, start=1):
         prepared = prepare(trace, rate_scale)
         bounds.append(infinite_cache_hit_rate(prepared))
+        floors.append(ttft_p99_floor(prepared, config.profile.cost.prefill))
         specs = list(dict.fromkeys(chosen.values()))
         runs = run_policies(prepared, specs, replace(config, seed=repeat), jobs=jobs)
         for policy, spec in chosen.items():
             figures = summarize(runs[spec])
             for name in FIGURES:
                 values[policy][name].append(float(figures[name]))
-    return values, bounds
+    return values, bounds, floors
 
 
 def run_load(
@@ -230,7 +237,7 @@ def run_load(
     )
     record = tune(tuning, policies, config, scale, jobs=jobs)
     chosen = {policy: entry["chosen"] for policy, entry in record.items()}
-    values, bounds = evaluate(evaluation, chosen, config, scale, jobs=jobs)
+    values, bounds, floors = evaluate(evaluation, chosen, config, scale, jobs=jobs)
     figures = {
         policy: {name: interval(series).as_dict() for name, series in per.items()}
         for policy, per in values.items()
@@ -246,6 +253,7 @@ def run_load(
         "policies": figures,
         "best_baseline": best,
         "infinite_cache_hit_rate": infinite,
+        "ttft_p99_floor_s": interval(floors).as_dict(),
         "kvstrata_p99_hi_vs_best_median": None,
         "kvstrata_hit_rate_vs_infinite": None,
         "goal_met": False,
