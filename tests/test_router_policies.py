@@ -420,3 +420,22 @@ def test_kvstrata_prices_added_work_alike_on_every_worker() -> None:
     assert kept.worker_id == "other"
     by_worker = {e.worker_id: e for e in kept.estimates}
     assert by_worker["other"].score == pytest.approx(11.0 * prefill_s(1024 - 32 * BS))
+
+
+def test_kvstrata_guard_prices_the_ttft_elsewhere_with_the_median_fit() -> None:
+    """The guard's "whole TTFT elsewhere" is a minimum over workers; with each worker's own
+    fit it is the most optimistic fit's. ``x``'s fit prices the prompt at half: the holder's
+    wait (0.8 of a prefill) exceeds that, not the median price, so the holder keeps it."""
+    cheap = PROFILE.with_prefill(PrefillModel(overhead_s=OVERHEAD / 2, per_token_s=PER_TOKEN / 2))
+
+    def fits(worker_id: str) -> CostProfile:
+        return cheap if worker_id == "x" else PROFILE
+
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0), y=(0, 0, 0, 0))
+    load = loads(WorkerLoad("h", queued_s=0.8 * prefill_s(1024)), WorkerLoad("x"), WorkerLoad("y"))
+    own = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False, pooled_prefill=False)
+    assert own.choose(req, found, load).reason == "wait_exceeds_ttft_elsewhere:h"
+    pooled = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False)
+    decision = pooled.choose(req, found, load)
+    assert decision.worker_id == "h" and decision.reason == "lowest_ttft_plus_work"

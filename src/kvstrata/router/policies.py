@@ -225,11 +225,10 @@ class KvstrataPolicy:
         for load in healthy:
             match = _match(matches, load.worker_id)
             estimate = self.estimator.estimate(request, match, load)
-            upper[load.worker_id] = self._upper(estimate)
-            ttft, added = estimate.ttft_s, estimate.prefill_s + estimate.fetch_s
-            if pooled is not None:
-                ttft, added = ttft - added, pooled(match, load.worker_id)
-                ttft += added
+            prefill_s = estimate.prefill_s if pooled is None else pooled(match, load.worker_id)
+            upper[load.worker_id] = self._upper(estimate, prefill_s)
+            ttft = estimate.ttft_s - estimate.prefill_s + prefill_s
+            added = prefill_s + estimate.fetch_s
             estimates.append(replace(estimate, score=ttft + weight * added))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
         # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
@@ -293,26 +292,26 @@ class KvstrataPolicy:
     def finished(self, request_id: str) -> None:
         """Nothing to forget (see :meth:`first_token`)."""
 
-    def _upper(self, estimate: WorkerEstimate) -> tuple[float, float]:
-        """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``.
+    def _upper(self, estimate: WorkerEstimate, prefill_s: float) -> tuple[float, float]:
+        """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``, its prefill
+        priced ``prefill_s`` (the pooled price, :meth:`_pooled_pricer`).
 
-        The queue and the prefill are both priced by the worker's prefill model, so both are
-        off by the same factor when the model is: they scale by ``exp(z · spread)``, the
-        model's own measured log error (``PrefillModel.spread``; large while the router
+        The queue and the prefill are both priced by prefill models, so both are off by
+        about the same factor when the worker's model is: they scale by ``exp(z · spread)``,
+        the model's own measured log error (``PrefillModel.spread``; large while the router
         still prices with a prior). Fetch (measured per block) and decode interference stay.
         """
         spread = self.estimator.profiles(estimate.worker_id).prefill.spread
         factor = math.exp(self.risk_z * spread)
         queue = estimate.queue_s * factor
-        return queue, queue + estimate.prefill_s * factor + estimate.fetch_s + (
-            estimate.interference_s
-        )
+        return queue, queue + prefill_s * factor + estimate.fetch_s + estimate.interference_s
 
     def _pooled_pricer(
         self, request: RouteRequest, healthy: Sequence[WorkerLoad]
     ) -> Callable[[PrefixMatch, str], float] | None:
-        """Prefill + fetch seconds of this request on a worker, the prefill priced alike on
-        every worker: the median of the healthy workers' fits (``pooled_prefill``).
+        """Prefill seconds of this request on a worker, priced alike on every worker: the
+        median of the healthy workers' fits (``pooled_prefill``), in the score and the
+        guard's TTFT elsewhere alike.
 
         Each worker's model is its own online fit; for the same tokens the fits disagree by
         their estimation error, and most for long prompts that few samples cover (the prior
@@ -323,8 +322,8 @@ class KvstrataPolicy:
         them 2-3 s lower (issue 15). The tokens a worker would compute — what its cache
         saves, the real difference — are priced by the median fit, which pools every
         worker's samples; its queue and decode interference stay its own, and so do the
-        estimates shown (``WorkerEstimate``, the predicted TTFT). Fetch keeps each worker's
-        measured per-block cost.
+        estimates shown (``WorkerEstimate``, the predicted TTFT). The guard's "fastest
+        elsewhere" is a minimum over workers too, so it uses the same price.
         """
         if not self.pooled_prefill:
             return None
@@ -332,13 +331,13 @@ class KvstrataPolicy:
         priced: dict[int, float] = {}
 
         def price(match: PrefixMatch, worker_id: str) -> float:
-            cached, _own, fetch_s = TtftEstimator.split(
+            cached, _own, _fetch = TtftEstimator.split(
                 request, match, self.estimator.profiles(worker_id)
             )
             if cached not in priced:
                 new = max(request.prompt_tokens, 1) - cached
                 priced[cached] = statistics.median(m.seconds(new, cached) for m in models)
-            return priced[cached] + fetch_s
+            return priced[cached]
 
         return price
 
