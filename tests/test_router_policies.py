@@ -390,3 +390,52 @@ def test_kvstrata_guard_prices_an_upper_quantile_of_an_uncertain_wait() -> None:
     scores = {e.worker_id: e.score for e in decision.estimates}
     assert scores["x"] == pytest.approx(prefill_s(1024) * 11.0)
     assert decision.predicted_ttft_s == pytest.approx(prefill_s(1024))
+
+
+def test_kvstrata_prices_added_work_alike_on_every_worker() -> None:
+    """No worker holds the prompt: its prefill and the work it adds are priced alike (the
+    median fit), so the shorter queue wins, though ``fast``'s own fit prices it lower (issue
+    15: × the weight, per-worker fit differences became a preference for long queues)."""
+    cheap = PROFILE.with_prefill(PrefillModel(overhead_s=OVERHEAD, per_token_s=0.8 * PER_TOKEN))
+
+    def fits(worker_id: str) -> CostProfile:
+        return cheap if worker_id == "fast" else PROFILE
+
+    req = request(1024)
+    found = matches(fast=(0, 0, 0, 0), idle=(0, 0, 0, 0), other=(0, 0, 0, 0))
+    load = loads(WorkerLoad("fast", queued_s=0.5), WorkerLoad("idle"), WorkerLoad("other"))
+    own = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False, pooled_prefill=False)
+    assert own.choose(req, found, load).worker_id == "fast"  # 0.2 s cheaper × 11 > 0.5 s
+    pooled = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False)
+    decision = pooled.choose(req, found, load)
+    assert decision.worker_id == "idle"
+    work = prefill_s(1024)  # the median of the three fits
+    for estimate in decision.estimates:
+        assert estimate.score == pytest.approx(estimate.queue_s + 11.0 * work)
+    # The estimates shown stay each worker's own.
+    assert {e.worker_id: e.prefill_s for e in decision.estimates}["fast"] < work
+    # A cached prefix still earns its saving, priced with the same median model.
+    held = matches(fast=(0, 0, 0, 0), idle=(0, 0, 0, 0), other=(32, 0, 0, 0))
+    kept = pooled.choose(req, held, load)
+    assert kept.worker_id == "other"
+    by_worker = {e.worker_id: e for e in kept.estimates}
+    assert by_worker["other"].score == pytest.approx(11.0 * prefill_s(1024 - 32 * BS))
+
+
+def test_kvstrata_guard_prices_the_ttft_elsewhere_with_the_median_fit() -> None:
+    """The guard's "whole TTFT elsewhere" is a minimum over workers; with each worker's own
+    fit it is the most optimistic fit's. ``x``'s fit prices the prompt at half: the holder's
+    wait (0.8 of a prefill) exceeds that, not the median price, so the holder keeps it."""
+    cheap = PROFILE.with_prefill(PrefillModel(overhead_s=OVERHEAD / 2, per_token_s=PER_TOKEN / 2))
+
+    def fits(worker_id: str) -> CostProfile:
+        return cheap if worker_id == "x" else PROFILE
+
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0), y=(0, 0, 0, 0))
+    load = loads(WorkerLoad("h", queued_s=0.8 * prefill_s(1024)), WorkerLoad("x"), WorkerLoad("y"))
+    own = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False, pooled_prefill=False)
+    assert own.choose(req, found, load).reason == "wait_exceeds_ttft_elsewhere:h"
+    pooled = KvstrataPolicy(fits, work_weight=10.0, load_adaptive=False)
+    decision = pooled.choose(req, found, load)
+    assert decision.worker_id == "h" and decision.reason == "lowest_ttft_plus_work"

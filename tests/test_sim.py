@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstrata.cli.main import main
@@ -20,6 +21,7 @@ from kvstrata.sim.trace import (
     parse_window,
     prepare,
     select_window,
+    ttft_p99_floor,
 )
 from kvstrata.workloads.mooncake import TraceRequest
 from kvstrata.workloads.synthetic import generate, preset, write_trace
@@ -220,3 +222,22 @@ def test_whole_conversation_trace_at_the_documented_setting(
     assert 0.3 < report["infinite_cache_hit_rate"] < 0.4
     assert len(report["policies"]) == 6
     assert isinstance(report["goal_met"], bool)
+
+
+def test_no_policy_beats_the_p99_ttft_floor_without_noise() -> None:
+    """The floor (each prefill alone, with the infinite cache's hit) lies under every
+    policy's p99 when service times carry no noise, and one worker with an infinite cache
+    and no overlap of arrivals reaches it."""
+    requests = prepare(_chat(), rate_scale=1.0)
+    profile = gpu_a100_8b()
+    floor = ttft_p99_floor(requests, profile.cost.prefill)
+    assert floor > 0
+    config = SimConfig(profile=profile, workers=4, service_noise=0.0)
+    for policy in ("round-robin", "kvstrata", "dynamo"):
+        ttft = simulate(requests, policy, config).ttft_s
+        assert float(np.percentile(ttft, 99)) >= floor - 1e-9
+    spread = [replace(r, arrival_s=1e4 * r.index) for r in requests]
+    alone = gpu_a100_8b().with_capacities(10**7, 10**7)
+    one = SimConfig(profile=alone, workers=1, service_noise=0.0)
+    result = simulate(spread, "round-robin", one)
+    assert float(np.percentile(result.ttft_s, 99)) == pytest.approx(floor, rel=1e-6)

@@ -153,6 +153,8 @@ def _check_schema(report: dict[str, Any], loads: list[float], repeats: int) -> N
             if name != "kvstrata"
         )
         assert 0.0 < load["infinite_cache_hit_rate"] < 1.0
+        floor = load["ttft_p99_floor_s"]
+        assert 0.0 < floor["lo"] <= floor["median"] <= floor["hi"]
         mine = load["policies"]["kvstrata"]
         assert load["goal_met"] == goal_met(
             Interval(**mine["ttft_p99_s"]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
@@ -91,13 +92,7 @@ class TtftEstimator:
     ) -> WorkerEstimate:
         profile = self.profiles(load.worker_id)
         prompt = max(request.prompt_tokens, 1)
-        cached = min(match.blocks * profile.block_size, prompt - 1)
-        prefill_s = profile.prefill.seconds(prompt - cached, cached)
-        fetch_s = profile.fetch_s(match.tier_blocks)
-        on_device = min(match.tier_blocks[0] * profile.block_size, cached)
-        recompute_s = profile.prefill.seconds(prompt - on_device, on_device)
-        if fetch_s + prefill_s > recompute_s:
-            prefill_s, fetch_s, cached = recompute_s, 0.0, on_device
+        cached, prefill_s, fetch_s = self.split(request, match, profile)
         interference_s = profile.interference_s(prompt - cached, load.active_decodes)
         ttft = load.queued_s + prefill_s + fetch_s + interference_s
         return WorkerEstimate(
@@ -111,6 +106,22 @@ class TtftEstimator:
             ttft_s=ttft,
             score=ttft if score is None else score,
         )
+
+    @staticmethod
+    def split(
+        request: RouteRequest, match: PrefixMatch, profile: CostProfile
+    ) -> tuple[int, float, float]:
+        """``(cached tokens used, prefill seconds, fetch seconds)`` on ``profile``: the device
+        prefix in place, the rest fetched unless recomputing it is faster (class docstring)."""
+        prompt = max(request.prompt_tokens, 1)
+        cached = min(match.blocks * profile.block_size, prompt - 1)
+        prefill_s = profile.prefill.seconds(prompt - cached, cached)
+        fetch_s = profile.fetch_s(match.tier_blocks)
+        on_device = min(match.tier_blocks[0] * profile.block_size, cached)
+        recompute_s = profile.prefill.seconds(prompt - on_device, on_device)
+        if fetch_s + prefill_s > recompute_s:
+            return on_device, recompute_s, 0.0
+        return cached, prefill_s, fetch_s
 
 
 class _Popularity:
@@ -154,7 +165,8 @@ class HotPrefixConfig:
 class KvstrataPolicy:
     """Lowest estimated TTFT plus the work it adds, with hot-prefix spill-over.
 
-    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``. Pure
+    Score = ``ttft_s + work_weight · (prefill_s + fetch_s)``, the prefill priced by the
+    median of the workers' fits (:meth:`_pooled_pricer`; each worker's queue is its own). Pure
     TTFT-greedy placement ignores what a choice costs *later* requests: recomputing a prefix
     another worker holds adds its prefill seconds to that worker's queue (everyone behind it
     waits) and a second copy of the prefix to a cache, so the next turns of other
@@ -187,8 +199,10 @@ class KvstrataPolicy:
         work_weight: float = DEFAULT_WORK_WEIGHT,
         load_adaptive: bool = True,
         risk_z: float = DEFAULT_RISK_Z,
+        pooled_prefill: bool = True,
     ) -> None:
         self.estimator = TtftEstimator(profiles)
+        self.pooled_prefill = pooled_prefill
         self.hot = hot or HotPrefixConfig()
         self.work_weight = work_weight
         self.risk_z = risk_z
@@ -207,11 +221,15 @@ class KvstrataPolicy:
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
         upper: dict[str, tuple[float, float]] = {}
+        pooled = self._pooled_pricer(request, healthy)
         for load in healthy:
-            estimate = self.estimator.estimate(request, _match(matches, load.worker_id), load)
-            upper[load.worker_id] = self._upper(estimate)
-            score = estimate.ttft_s + weight * (estimate.prefill_s + estimate.fetch_s)
-            estimates.append(replace(estimate, score=score))
+            match = _match(matches, load.worker_id)
+            estimate = self.estimator.estimate(request, match, load)
+            prefill_s = estimate.prefill_s if pooled is None else pooled(match, load.worker_id)
+            upper[load.worker_id] = self._upper(estimate, prefill_s)
+            ttft = estimate.ttft_s - estimate.prefill_s + prefill_s
+            added = prefill_s + estimate.fetch_s
+            estimates.append(replace(estimate, score=ttft + weight * added))
         # Lowest score; ties go to the longer cached prefix, then the shorter queue, then
         # the emptier worker; exact ties rotate, so cold prompts spread over idle workers.
         utilisation = {w.worker_id: (w.kv_utilisation, w.cached_blocks) for w in healthy}
@@ -274,20 +292,54 @@ class KvstrataPolicy:
     def finished(self, request_id: str) -> None:
         """Nothing to forget (see :meth:`first_token`)."""
 
-    def _upper(self, estimate: WorkerEstimate) -> tuple[float, float]:
-        """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``.
+    def _upper(self, estimate: WorkerEstimate, prefill_s: float) -> tuple[float, float]:
+        """Upper-quantile (``risk_z``) queue wait and TTFT of ``estimate``, its prefill
+        priced ``prefill_s`` (the pooled price, :meth:`_pooled_pricer`).
 
-        The queue and the prefill are both priced by the worker's prefill model, so both are
-        off by the same factor when the model is: they scale by ``exp(z · spread)``, the
-        model's own measured log error (``PrefillModel.spread``; large while the router
+        The queue and the prefill are both priced by prefill models, so both are off by
+        about the same factor when the worker's model is: they scale by ``exp(z · spread)``,
+        the model's own measured log error (``PrefillModel.spread``; large while the router
         still prices with a prior). Fetch (measured per block) and decode interference stay.
         """
         spread = self.estimator.profiles(estimate.worker_id).prefill.spread
         factor = math.exp(self.risk_z * spread)
         queue = estimate.queue_s * factor
-        return queue, queue + estimate.prefill_s * factor + estimate.fetch_s + (
-            estimate.interference_s
-        )
+        return queue, queue + prefill_s * factor + estimate.fetch_s + estimate.interference_s
+
+    def _pooled_pricer(
+        self, request: RouteRequest, healthy: Sequence[WorkerLoad]
+    ) -> Callable[[PrefixMatch, str], float] | None:
+        """Prefill seconds of this request on a worker, priced alike on every worker: the
+        median of the healthy workers' fits (``pooled_prefill``), in the score and the
+        guard's TTFT elsewhere alike.
+
+        Each worker's model is its own online fit; for the same tokens the fits disagree by
+        their estimation error, and most for long prompts that few samples cover (the prior
+        has no attention term). Scoring with each worker's own price picks whichever fit is
+        most optimistic (the winner's curse) and, × the work weight (tens under load), makes
+        that error outbid a queue: on the Mooncake trace at 0.9 load the p99 was cold
+        60-120k-token prompts sent behind 20-34 s queues because that worker's fit priced
+        them 2-3 s lower (issue 15). The tokens a worker would compute — what its cache
+        saves, the real difference — are priced by the median fit, which pools every
+        worker's samples; its queue and decode interference stay its own, and so do the
+        estimates shown (``WorkerEstimate``, the predicted TTFT). The guard's "fastest
+        elsewhere" is a minimum over workers too, so it uses the same price.
+        """
+        if not self.pooled_prefill:
+            return None
+        models = [self.estimator.profiles(w.worker_id).prefill for w in healthy]
+        priced: dict[int, float] = {}
+
+        def price(match: PrefixMatch, worker_id: str) -> float:
+            cached, _own, _fetch = TtftEstimator.split(
+                request, match, self.estimator.profiles(worker_id)
+            )
+            if cached not in priced:
+                new = max(request.prompt_tokens, 1) - cached
+                priced[cached] = statistics.median(m.seconds(new, cached) for m in models)
+            return priced[cached]
+
+        return price
 
     def _load_factor(self, healthy: Sequence[WorkerLoad]) -> float:
         """How much added work hurts now: ρ/(1−ρ) of the busy share ρ, 1 at ``ρ = 0.8``.

@@ -11,8 +11,8 @@ The protocol (issue 15, item 1), for each target utilisation:
    baseline* (lowest p99 TTFT) at that scale — the same definition ``--target-utilisation``
    uses. The scale found is applied unchanged to every evaluation trace, whose own measured
    utilisation is reported per policy.
-3. **Tuning, the same budget for everyone.** Every policy (each baseline and kvstrata) runs
-   its sweep (:data:`SWEEPS`, at most 4 points, the published defaults always the first) on
+3. **Tuning, a like budget (Dynamo one point more).** Every policy (each baseline and kvstrata) runs
+   its sweep (:data:`SWEEPS`, 4 points, Dynamo 5; the published defaults always the first) on
    the tuning trace at that scale; the point with the lowest p99 TTFT of that one run wins
    (ties keep the earlier point, so the default wins ties). The JSON records every point.
 4. **Evaluation.** Each chosen variant replays every evaluation trace, with
@@ -26,6 +26,10 @@ The protocol (issue 15, item 1), for each target utilisation:
    ``GOAL_P99_RATIO`` × the best baseline's median p99 (best = lowest median p99), and
    kvstrata's median hit rate ≥ ``GOAL_HIT_RATIO`` × the median over the evaluation traces of
    :func:`~kvstrata.sim.trace.infinite_cache_hit_rate` (the one bound the report uses).
+   ``ttft_p99_floor_s`` (:func:`~kvstrata.sim.trace.ttft_p99_floor`, over the evaluation
+   traces) says how far below the best baseline any placement could go: where
+   ``GOAL_P99_RATIO`` × the best median lies under the floor's upper end, no router meets
+   the p99 goal at that load.
 """
 
 from __future__ import annotations
@@ -48,21 +52,25 @@ from kvstrata.sim.report import (
     search_rate_scale,
     summarize,
 )
-from kvstrata.sim.trace import infinite_cache_hit_rate, prepare
+from kvstrata.sim.trace import infinite_cache_hit_rate, prepare, ttft_p99_floor
 from kvstrata.workloads.mooncake import TraceRequest
 
 SWEEPS: Final[Mapping[str, Sequence[Mapping[str, float]]]] = {
     KVSTRATA: ({"work_weight": 3.0}, {"work_weight": 5.0}, {"work_weight": 20.0}),
     "dynamo": (
-        {"prefill_load_scale": 0.5},
         {"prefill_load_scale": 2.0},
         {"prefill_load_scale": 4.0},
+        {"prefill_load_scale": 8.0},
+        {"prefill_load_scale": 16.0},
     ),
     "llm-d": ({"prefix": 1.5}, {"prefix": 6.0}, {"prefix": 12.0}),
 }
 """Each policy's main parameter, besides its published default (always the first point):
 kvstrata's work weight, Dynamo's ``prefill_load_scale`` (the load-vs-overlap trade-off its
 docs tell operators to tune), llm-d's prefix-scorer weight against its load scorers.
+Dynamo gets one point more than the others: with ``0.5 / 2 / 4`` its tuning chose 4.0, the
+edge, at every load on both workloads (docs/bench/2026-12-01-sim2.json) and never 0.5, so
+its sweep runs ``2 / 4 / 8 / 16`` — the extra point can only help the baseline.
 Round-robin, least-loaded and prefix-affinity have no parameter: one point each."""
 
 FIGURES: Final = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "utilisation")
@@ -186,20 +194,23 @@ def evaluate(
     rate_scale: float,
     *,
     jobs: int = 1,
-) -> tuple[dict[str, dict[str, list[float]]], list[float]]:
-    """Per policy and figure, one value per evaluation trace; and each trace's hit bound."""
+) -> tuple[dict[str, dict[str, list[float]]], list[float], list[float]]:
+    """Per policy and figure, one value per evaluation trace; each trace's hit bound and
+    p99 TTFT floor (:func:`~kvstrata.sim.trace.ttft_p99_floor`)."""
     values: dict[str, dict[str, list[float]]] = {p: {f: [] for f in FIGURES} for p in chosen}
     bounds: list[float] = []
+    floors: list[float] = []
     for repeat, trace in enumerate(traces, start=1):
         prepared = prepare(trace, rate_scale)
         bounds.append(infinite_cache_hit_rate(prepared))
+        floors.append(ttft_p99_floor(prepared, config.profile.cost.prefill))
         specs = list(dict.fromkeys(chosen.values()))
         runs = run_policies(prepared, specs, replace(config, seed=repeat), jobs=jobs)
         for policy, spec in chosen.items():
             figures = summarize(runs[spec])
             for name in FIGURES:
                 values[policy][name].append(float(figures[name]))
-    return values, bounds
+    return values, bounds, floors
 
 
 def run_load(
@@ -226,7 +237,7 @@ def run_load(
     )
     record = tune(tuning, policies, config, scale, jobs=jobs)
     chosen = {policy: entry["chosen"] for policy, entry in record.items()}
-    values, bounds = evaluate(evaluation, chosen, config, scale, jobs=jobs)
+    values, bounds, floors = evaluate(evaluation, chosen, config, scale, jobs=jobs)
     figures = {
         policy: {name: interval(series).as_dict() for name, series in per.items()}
         for policy, per in values.items()
@@ -242,6 +253,7 @@ def run_load(
         "policies": figures,
         "best_baseline": best,
         "infinite_cache_hit_rate": infinite,
+        "ttft_p99_floor_s": interval(floors).as_dict(),
         "kvstrata_p99_hi_vs_best_median": None,
         "kvstrata_hit_rate_vs_infinite": None,
         "goal_met": False,
