@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 from kvstrata.index.core import PrefixMatch
 from kvstrata.router.costs import CostProfile
+from kvstrata.router.estimate import TtftEstimator, decide, healthy_loads, match_of
 from kvstrata.router.model import RouteDecision, RouteRequest, WorkerLoad
-from kvstrata.router.policies import TtftEstimator, _decide, _healthy, _match
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +150,14 @@ class DynamoLinearPolicy:
     def choose(
         self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
     ) -> RouteDecision:
-        healthy = _healthy(loads)
+        healthy = healthy_loads(loads)
         blocks = [int(h) for h in request.hashes]
         scores = {
-            w.worker_id: self.cost(request, _match(matches, w.worker_id), w.worker_id, blocks)
+            w.worker_id: self.cost(request, match_of(matches, w.worker_id), w.worker_id, blocks)
             for w in healthy
         }
         pick = min(healthy, key=lambda w: scores[w.worker_id])
-        return _decide(
+        return decide(
             self.name,
             request,
             matches,

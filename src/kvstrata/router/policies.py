@@ -1,4 +1,7 @@
-"""Placement policies: kvstrata's TTFT estimate and the baselines it is measured against.
+"""Placement policies: kvstrata's and, re-exported, the baselines it is measured against.
+
+The TTFT estimate all of them show is in :mod:`.estimate`; the baselines are implemented in
+:mod:`.baselines` (and Dynamo's in :mod:`.dynamo_policy`).
 
 Every policy sees the same inputs (the index's per-worker prefix matches and each worker's
 load) and returns an explained :class:`RouteDecision`, so the live router and the simulator
@@ -18,16 +21,22 @@ tuned variant is the spec ``"llm-d:prefix=6.0"`` and the defaults are one point 
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kvstrata.errors import NoWorkerAvailable
 from kvstrata.index.core import PrefixMatch
+from kvstrata.router.baselines import (
+    LeastLoadedPolicy,
+    LlmdScorerPolicy,
+    LlmdWeights,
+    PrefixAffinityPolicy,
+    RoundRobinPolicy,
+)
 from kvstrata.router.costs import CostProfile
+from kvstrata.router.estimate import TtftEstimator, healthy_loads, match_of
 from kvstrata.router.model import (
     RouteDecision,
     RouteRequest,
@@ -35,9 +44,13 @@ from kvstrata.router.model import (
     WorkerLoad,
 )
 
-_NO_MATCH: Final = (0, 0, 0, 0)
-
 DEFAULT_WORK_WEIGHT: Final = 10.0
+"""KvstrataPolicy's charge per second of prefill work it adds. Tuned with ``kvstrata sim`` on
+the first half (0–1,768 s) of the Mooncake conversation trace, 16 gpu-a100-8b workers, at the
+rate where the best baseline (llm-d) is 80% busy (×2.56): weights 1 / 3 / 5 / 10 / 20 gave
+TTFT p99 38.0 / 31.2 / 28.1 / 27.5 / 29.0 s and hit rates 0.260 / 0.294 / 0.308 / 0.322 /
+0.328 (bound 0.346; llm-d p99 40.3 s). Charging work is an M/G/1 argument: at utilisation
+ρ a second of added work delays later arrivals by about ρ/(1−ρ) seconds each."""
 DEFAULT_RISK_Z: Final = 1.2816
 """KvstrataPolicy prices the 90th percentile of queue wait and prefill (z of a normal's p90 on
 the log scale of the cost model's error), not their mean: a wrong estimate costs a request
@@ -49,79 +62,6 @@ _MAX_LOAD_FACTOR: Final = 4.0
 
 def _busy_cost(busy: float) -> float:
     return busy / (1.0 - busy + 0.05)
-
-
-"""KvstrataPolicy's charge per second of prefill work it adds. Tuned with ``kvstrata sim`` on
-the first half (0–1,768 s) of the Mooncake conversation trace, 16 gpu-a100-8b workers, at the
-rate where the best baseline (llm-d) is 80% busy (×2.56): weights 1 / 3 / 5 / 10 / 20 gave
-TTFT p99 38.0 / 31.2 / 28.1 / 27.5 / 29.0 s and hit rates 0.260 / 0.294 / 0.308 / 0.322 /
-0.328 (bound 0.346; llm-d p99 40.3 s). Charging work is an M/G/1 argument: at utilisation
-ρ a second of added work delays later arrivals by about ρ/(1−ρ) seconds each."""
-
-
-def _healthy(loads: Sequence[WorkerLoad]) -> list[WorkerLoad]:
-    healthy = [load for load in loads if load.healthy]
-    if not healthy:
-        raise NoWorkerAvailable("no healthy worker")
-    return healthy
-
-
-def _match(matches: Mapping[str, PrefixMatch], worker_id: str) -> PrefixMatch:
-    return matches.get(worker_id) or PrefixMatch(worker_id, 0, _NO_MATCH)
-
-
-class TtftEstimator:
-    """Estimated time to first token of a request on a worker (see :mod:`.costs`).
-
-    ``queue + min(fetch + prefill of the missing tokens, prefill of all but the device
-    prefix) + interference``: blocks in the device pool are used in place; the blocks beyond
-    them (host, disk, remote — a remote block priced with the worker's measured fetch cost)
-    are fetched unless recomputing them is faster, as the engine's break-even rule decides
-    for the store's part of a prefix. The last prompt token is always computed.
-    """
-
-    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
-        self.profiles = profiles
-
-    def estimate(
-        self,
-        request: RouteRequest,
-        match: PrefixMatch,
-        load: WorkerLoad,
-        score: float | None = None,
-    ) -> WorkerEstimate:
-        profile = self.profiles(load.worker_id)
-        prompt = max(request.prompt_tokens, 1)
-        cached, prefill_s, fetch_s = self.split(request, match, profile)
-        interference_s = profile.interference_s(prompt - cached, load.active_decodes)
-        ttft = load.queued_s + prefill_s + fetch_s + interference_s
-        return WorkerEstimate(
-            worker_id=load.worker_id,
-            matched_blocks=match.blocks,
-            tier_blocks=match.tier_blocks,
-            queue_s=load.queued_s,
-            prefill_s=prefill_s,
-            fetch_s=fetch_s,
-            interference_s=interference_s,
-            ttft_s=ttft,
-            score=ttft if score is None else score,
-        )
-
-    @staticmethod
-    def split(
-        request: RouteRequest, match: PrefixMatch, profile: CostProfile
-    ) -> tuple[int, float, float]:
-        """``(cached tokens used, prefill seconds, fetch seconds)`` on ``profile``: the device
-        prefix in place, the rest fetched unless recomputing it is faster (class docstring)."""
-        prompt = max(request.prompt_tokens, 1)
-        cached = min(match.blocks * profile.block_size, prompt - 1)
-        prefill_s = profile.prefill.seconds(prompt - cached, cached)
-        fetch_s = profile.fetch_s(match.tier_blocks)
-        on_device = min(match.tier_blocks[0] * profile.block_size, cached)
-        recompute_s = profile.prefill.seconds(prompt - on_device, on_device)
-        if fetch_s + prefill_s > recompute_s:
-            return on_device, recompute_s, 0.0
-        return cached, prefill_s, fetch_s
 
 
 class _Popularity:
@@ -217,13 +157,13 @@ class KvstrataPolicy:
         matches: Mapping[str, PrefixMatch],
         loads: Sequence[WorkerLoad],
     ) -> RouteDecision:
-        healthy = _healthy(loads)
+        healthy = healthy_loads(loads)
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
         upper: dict[str, tuple[float, float]] = {}
         pooled = self._pooled_pricer(request, healthy)
         for load in healthy:
-            match = _match(matches, load.worker_id)
+            match = match_of(matches, load.worker_id)
             estimate = self.estimator.estimate(request, match, load)
             prefill_s = estimate.prefill_s if pooled is None else pooled(match, load.worker_id)
             upper[load.worker_id] = self._upper(estimate, prefill_s)
@@ -394,143 +334,15 @@ def _same_rank(
     )
 
 
-class RoundRobinPolicy:
-    name = "round-robin"
-
-    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
-        self.estimator = TtftEstimator(profiles)
-        self._counter = itertools.count()
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = _healthy(loads)
-        pick = healthy[next(self._counter) % len(healthy)]
-        return _decide(
-            self.name, request, matches, healthy, self.estimator, pick.worker_id, "next_in_turn"
-        )
-
-
-class LeastLoadedPolicy:
-    name = "least-loaded"
-
-    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
-        self.estimator = TtftEstimator(profiles)
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = _healthy(loads)
-        pick = min(healthy, key=lambda w: (w.queued_requests + w.active_decodes, w.queued_s))
-        return _decide(
-            self.name, request, matches, healthy, self.estimator, pick.worker_id, "fewest_requests"
-        )
-
-
-class PrefixAffinityPolicy:
-    name = "prefix-affinity"
-
-    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
-        self.estimator = TtftEstimator(profiles)
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = _healthy(loads)
-        pick = max(
-            healthy,
-            key=lambda w: (
-                _match(matches, w.worker_id).blocks,
-                -(w.queued_requests + w.active_decodes),
-            ),
-        )
-        return _decide(
-            self.name, request, matches, healthy, self.estimator, pick.worker_id, "longest_prefix"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class LlmdWeights:
-    """llm-d's default scheduling profile for the inference-scheduling path.
-
-    llm-d/llm-d ``guides/inference-scheduling/scheduler/inference-scheduling.values.yaml``
-    (commit 086f217d643a6932b261a60f8f337b2ca2629d80): ``prefix-cache-scorer`` weight 3,
-    ``kv-cache-utilization-scorer`` 2, ``queue-scorer`` 2. (Before issue 15 this project used
-    2/1/1, which is no published profile.)
-    """
-
-    prefix: float = 3.0
-    kv_utilisation: float = 2.0
-    queue: float = 2.0
-
-
-class LlmdScorerPolicy:
-    name = "llm-d"
-
-    def __init__(
-        self, profiles: Callable[[str], CostProfile], weights: LlmdWeights | None = None
-    ) -> None:
-        self.estimator = TtftEstimator(profiles)
-        self.weights = weights or LlmdWeights()
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = _healthy(loads)
-        w = self.weights
-        block_size = self.estimator.profiles(healthy[0].worker_id).block_size
-        total_blocks = max(1, request.prompt_tokens // block_size)
-        queues = [load.queued_requests for load in healthy]
-        low, high = min(queues), max(queues)
-        scores: dict[str, float] = {}
-        for load in healthy:
-            hit_ratio = min(1.0, _match(matches, load.worker_id).blocks / total_blocks)
-            queue_score = 1.0 if high == low else (high - load.queued_requests) / (high - low)
-            scores[load.worker_id] = (
-                w.prefix * hit_ratio
-                + w.kv_utilisation * (1.0 - load.kv_utilisation)
-                + w.queue * queue_score
-            )
-        pick = max(healthy, key=lambda load: scores[load.worker_id])
-        return _decide(
-            self.name,
-            request,
-            matches,
-            healthy,
-            self.estimator,
-            pick.worker_id,
-            "highest_score",
-            scores,
-        )
-
-
-def _decide(
-    policy: str,
-    request: RouteRequest,
-    matches: Mapping[str, PrefixMatch],
-    healthy: Sequence[WorkerLoad],
-    estimator: TtftEstimator,
-    worker_id: str,
-    reason: str,
-    scores: Mapping[str, float] | None = None,
-) -> RouteDecision:
-    """A baseline's decision, with the same TTFT estimates kvstrata's shows (for comparison)."""
-    estimates = tuple(
-        estimator.estimate(
-            request,
-            _match(matches, load.worker_id),
-            load,
-            None if scores is None else scores[load.worker_id],
-        )
-        for load in healthy
-    )
-    chosen = next(e for e in estimates if e.worker_id == worker_id)
-    return RouteDecision(
-        request_id=request.request_id,
-        policy=policy,
-        worker_id=worker_id,
-        reason=reason,
-        predicted_ttft_s=chosen.ttft_s,
-        matched_blocks=chosen.matched_blocks,
-        estimates=estimates,
-    )
+__all__ = [
+    "DEFAULT_RISK_Z",
+    "DEFAULT_WORK_WEIGHT",
+    "HotPrefixConfig",
+    "KvstrataPolicy",
+    "LeastLoadedPolicy",
+    "LlmdScorerPolicy",
+    "LlmdWeights",
+    "PrefixAffinityPolicy",
+    "RoundRobinPolicy",
+    "TtftEstimator",
+]
