@@ -204,7 +204,12 @@ class ProbeTable:
         return result
 
     def values(self, keys: U64) -> U64:
-        """The packed value of each key (0 where nobody holds it); call after ``sync``."""
+        """The packed value of each key (0 where nobody holds it); call after ``sync``.
+
+        The same probe as :meth:`_find`, kept separate on purpose: this is the lookup's hot
+        path, and taking each value from the row the probe already gathered, rather than
+        finding positions and gathering again, saves ~0.1 ms of a 128k-token lookup's p99
+        (measured with ``kvstrata bench index``, 2026-12-02)."""
         rows = self._rows
         positions = self._home(keys)
         found = np.take(rows, positions, axis=0)  # the first round, for all keys at once

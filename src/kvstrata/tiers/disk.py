@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.identity import BlockKey
-from kvstrata.objects import KVObjectMeta, ObjectState
+from kvstrata.objects import KVObjectMeta, ObjectState, payload_hasher
 from kvstrata.objects.model import ObjectRecord
 from kvstrata.objects.tombstone import Tombstone
 from kvstrata.tiers.base import (
@@ -70,7 +70,6 @@ from kvstrata.tiers.disk_format import (
     fsync_dir,
     parse_object,
     read_exact,
-    read_exact_digest,
     write_atomic,
 )
 from kvstrata.tiers.disk_tombstones import TombstoneFile
@@ -324,12 +323,13 @@ class DiskTier(IndexedTierViews):
 
     def _read_verified(self, record: ObjectRecord, view: memoryview) -> bool:
         """Read the payload straight into ``view`` (no allocation) and check its digest, hashed
-        chunk by chunk as it is read (``read_exact_digest``)."""
+        chunk by chunk as it is read (``read_exact`` with a hasher)."""
         offset = int(record.extra["offset"])
         path = self._path(record.meta.key)
         if not self.verify_reads:
             return read_exact(path, offset, view)
-        return read_exact_digest(path, offset, view) == record.meta.digest
+        hasher = payload_hasher()
+        return read_exact(path, offset, view, hasher) and hasher.digest() == record.meta.digest
 
     def _abort(self, handle: _Handle, *, corrupt: bool) -> None:
         with self._lock:
