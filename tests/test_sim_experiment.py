@@ -24,12 +24,13 @@ from kvstrata.sim.experiment import (
     Interval,
     goal_met,
     interval,
+    p99_goal_under_floor,
     run_experiment,
     split_windows,
     sweep_points,
 )
 from kvstrata.sim.profiles import gpu_a100_8b
-from kvstrata.sim.report import RunResult
+from kvstrata.sim.report import GOAL_P99_RATIO, RunResult
 from kvstrata.sim.trace import SimRequest
 from kvstrata.workloads.mooncake import TraceRequest
 from kvstrata.workloads.synthetic import generate, preset, write_trace
@@ -66,6 +67,13 @@ def test_goal_on_hand_made_numbers() -> None:
     assert not goal_met(p99, 9.9, 0.27, 0.30)
     # A fast kvstrata that gives up hit rate misses the goal too.
     assert not goal_met(p99, 10.0, 0.26, 0.30)
+
+
+def test_goal_under_the_floor_on_hand_made_numbers() -> None:
+    # Mooncake at 0.5 load (2026-12-02): floor p99 16.4 [22.0] s, best baseline median 18.06 s.
+    floor = Interval(median=16.4, lo=14.0, hi=22.0)
+    assert p99_goal_under_floor(floor, 18.06)  # 0.8 x 18.06 = 14.4 < 22.0
+    assert not p99_goal_under_floor(floor, 27.5)  # 0.8 x 27.5 = 22.0: reachable, just
 
 
 def test_every_sweep_starts_at_the_published_defaults() -> None:
@@ -155,6 +163,8 @@ def _check_schema(report: dict[str, Any], loads: list[float], repeats: int) -> N
         assert 0.0 < load["infinite_cache_hit_rate"] < 1.0
         floor = load["ttft_p99_floor_s"]
         assert 0.0 < floor["lo"] <= floor["median"] <= floor["hi"]
+        best_p99 = load["policies"][best]["ttft_p99_s"]["median"]
+        assert load["p99_goal_under_floor"] == (floor["hi"] > GOAL_P99_RATIO * best_p99)
         mine = load["policies"]["kvstrata"]
         assert load["goal_met"] == goal_met(
             Interval(**mine["ttft_p99_s"]),

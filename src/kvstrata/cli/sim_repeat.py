@@ -94,6 +94,7 @@ def run_repeated(args: argparse.Namespace, policies: list[str], config: SimConfi
     ]
     goals = ", ".join(
         f"{load['utilisation']}: best {load['best_baseline']}, goal {load['goal_met']}"
+        + (" (p99 goal under the floor)" if load["p99_goal_under_floor"] else "")
         for load in report["loads"]
     )
     emit(
