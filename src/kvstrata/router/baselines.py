@@ -15,58 +15,60 @@ from kvstrata.router.estimate import TtftEstimator, decide, healthy_loads, match
 from kvstrata.router.model import RouteDecision, RouteRequest, WorkerLoad
 
 
-class RoundRobinPolicy:
-    name = "round-robin"
+class _PickPolicy:
+    """A baseline that picks one worker by a rule (``_pick``) and shows the TTFT estimate of
+    every worker beside it (:func:`decide`), with a fixed ``reason``."""
+
+    name: str
+    reason: str
 
     def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
         self.estimator = TtftEstimator(profiles)
+
+    def _pick(self, healthy: list[WorkerLoad], matches: Mapping[str, PrefixMatch]) -> WorkerLoad:
+        raise NotImplementedError
+
+    def choose(
+        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        healthy = healthy_loads(loads)
+        pick = self._pick(healthy, matches)
+        return decide(
+            self.name, request, matches, healthy, self.estimator, pick.worker_id, self.reason
+        )
+
+
+class RoundRobinPolicy(_PickPolicy):
+    name = "round-robin"
+    reason = "next_in_turn"
+
+    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
+        super().__init__(profiles)
         self._counter = itertools.count()
 
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = healthy_loads(loads)
-        pick = healthy[next(self._counter) % len(healthy)]
-        return decide(
-            self.name, request, matches, healthy, self.estimator, pick.worker_id, "next_in_turn"
-        )
+    def _pick(self, healthy: list[WorkerLoad], matches: Mapping[str, PrefixMatch]) -> WorkerLoad:
+        return healthy[next(self._counter) % len(healthy)]
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(_PickPolicy):
     name = "least-loaded"
+    reason = "fewest_requests"
 
-    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
-        self.estimator = TtftEstimator(profiles)
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = healthy_loads(loads)
-        pick = min(healthy, key=lambda w: (w.queued_requests + w.active_decodes, w.queued_s))
-        return decide(
-            self.name, request, matches, healthy, self.estimator, pick.worker_id, "fewest_requests"
-        )
+    def _pick(self, healthy: list[WorkerLoad], matches: Mapping[str, PrefixMatch]) -> WorkerLoad:
+        return min(healthy, key=lambda w: (w.queued_requests + w.active_decodes, w.queued_s))
 
 
-class PrefixAffinityPolicy:
+class PrefixAffinityPolicy(_PickPolicy):
     name = "prefix-affinity"
+    reason = "longest_prefix"
 
-    def __init__(self, profiles: Callable[[str], CostProfile]) -> None:
-        self.estimator = TtftEstimator(profiles)
-
-    def choose(
-        self, request: RouteRequest, matches: Mapping[str, PrefixMatch], loads: Sequence[WorkerLoad]
-    ) -> RouteDecision:
-        healthy = healthy_loads(loads)
-        pick = max(
+    def _pick(self, healthy: list[WorkerLoad], matches: Mapping[str, PrefixMatch]) -> WorkerLoad:
+        return max(
             healthy,
             key=lambda w: (
                 match_of(matches, w.worker_id).blocks,
                 -(w.queued_requests + w.active_decodes),
             ),
-        )
-        return decide(
-            self.name, request, matches, healthy, self.estimator, pick.worker_id, "longest_prefix"
         )
 
 
