@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_loader import Fetched, LayerwiseLoad
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
 from kvstrata.connectors.vllm_saver import BackgroundSaver
+from kvstrata.connectors.vllm_worker import Staging
 
 BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
 
@@ -195,3 +197,37 @@ def test_fetch_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
     creator.start()
     creator.join()
     assert seen and seen[0] == allowed
+
+
+# ---- background threads never start an OpenMP team ----------------------------------------
+def _new_os_threads(work: Callable[[], object]) -> int:
+    """OS threads the process gained while ``work`` ran on a fresh Python thread (counted
+    before that thread ends: libgomp retires a team with the thread that started it)."""
+    gained: list[int] = []
+
+    def run() -> None:
+        before = len(os.listdir("/proc/self/task"))
+        work()
+        gained.append(len(os.listdir("/proc/self/task")) - before)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return gained[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_staging_rows_start_no_openmp_team_on_a_background_thread() -> None:
+    """The saver allocates its staging rows on its own thread. A torch kernel there started a
+    second OpenMP team; with more OpenMP threads than CPUs libgomp stops spinning between
+    parallel regions, and vLLM's whole forward ran ~1.5x slower in the connector's process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.zeros(8)  # the main thread's own team exists before we count
+        control = _new_os_threads(lambda: torch.zeros((8, 1 << 20), dtype=torch.uint8))
+        if control == 0:
+            pytest.skip("torch's kernels start no OpenMP team on new threads here")
+        assert _new_os_threads(lambda: Staging(1 << 20).rows(8)) == 0
+    finally:
+        torch.set_num_threads(threads)

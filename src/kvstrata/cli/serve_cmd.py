@@ -221,11 +221,13 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.engine.engine import EngineConfig
     from kvstrata.engine.factory import build_engine
     from kvstrata.engine.model_loader import load_model
+    from kvstrata.engine.threads import hand_kernels_to_step_thread
     from kvstrata.runtime.events import KVEventEmitter
     from kvstrata.serve.app import create_app
     from kvstrata.telemetry import KvMetrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    hand_kernels_to_step_thread()  # before the first torch kernel: one OpenMP team per process
     loaded = load_model(config.model)
     blocks = pool_blocks_for(loaded, config.block_size, config.pool_bytes)
     metrics = KvMetrics()

@@ -227,6 +227,12 @@ class BlockCodec:
         n = len(block_ids)
         for tensor, layout, offset, size in self._layers(layer):
             words = self._as_words(tensor)
+            if layout.block_axis == 0 and words.flags.c_contiguous:
+                # one pass from the strided rows: whole vLLM blocks are contiguous here
+                blocks = words.reshape(self.num_blocks, -1)
+                source = rows[:, offset : offset + size].view(words.dtype)
+                blocks[np.asarray(block_ids, dtype=np.int64)] = source
+                continue
             chunk = np.ascontiguousarray(rows[:, offset : offset + size]).view(words.dtype)
             index = self._kernel_index(layout, block_ids)
             if layout.block_axis == 0:

@@ -79,12 +79,25 @@ class Staging:
     bigger one is needed, kept otherwise. One owner thread at a time."""
 
     def __init__(self, block_bytes: int) -> None:
-        self._rows = torch.zeros((0, block_bytes), dtype=torch.uint8)
+        self._rows = _touched_rows(0, block_bytes)
 
     def rows(self, count: int) -> torch.Tensor:
         if count > self._rows.shape[0]:
-            self._rows = torch.zeros((count, self._rows.shape[1]), dtype=torch.uint8)
+            self._rows = _touched_rows(count, self._rows.shape[1])
         return self._rows[:count]
+
+
+def _touched_rows(count: int, block_bytes: int) -> torch.Tensor:
+    """Zeroed rows, every page touched, allocated without any torch kernel.
+
+    Background threads (the saver, the fetch) call this. A torch kernel there would start an
+    OpenMP team of its own for that thread; with more OpenMP threads than CPUs, libgomp
+    stops spinning between parallel regions (its throttled spin count), so every kernel of
+    vLLM's forward paid a futex wake-up: the model ran ~1.5x slower in the connector's
+    process (docs/results-history.md). numpy's fill is a plain single-threaded memset."""
+    rows = np.empty((count, block_bytes), dtype=np.uint8)
+    rows.fill(0)
+    return torch.from_numpy(rows)
 
 
 @dataclass

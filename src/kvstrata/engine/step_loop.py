@@ -22,6 +22,7 @@ import torch
 from kvstrata.engine.batch import BatchRunner
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.sequence import Sequence as Seq
+from kvstrata.engine.threads import step_thread_kernels
 from kvstrata.engine.tiering import PoolBridge
 from kvstrata.errors import RequestCancelled
 from kvstrata.runtime.events import KVEventEmitter
@@ -98,6 +99,7 @@ class StepLoop:
             self.bridge.stop_prefetch()
 
     def _run_loop(self) -> None:
+        step_thread_kernels()
         while True:
             with self._wake:
                 while (
