@@ -1,6 +1,6 @@
 """The asynchronous parts of the vLLM connector, without vLLM: the background saver (pinned
-blocks released only when their saves are done, bounded, drained on close) and the layer-wise
-load (only the forward thread writes vLLM's KV; a late or failing fetch writes nothing)."""
+blocks released only when their saves are done, bounded, drained on close) and the background
+load (each block placed as it passes its checks; a late fetch is given up and writes nothing)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
-from kvstrata.connectors.vllm_loader import Fetched, LayerwiseLoad
+from kvstrata.connectors.vllm_loader import BackgroundLoad, FetchFn, Placer
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
 from kvstrata.connectors.vllm_saver import BackgroundSaver
 from kvstrata.connectors.vllm_worker import Staging
+from kvstrata.errors import InvalidInput
 
 BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
 
@@ -96,7 +97,7 @@ def test_a_failing_save_is_counted_and_the_request_still_released() -> None:
     saver.close()
 
 
-# ---- layer-wise load -----------------------------------------------------------------------
+# ---- background load -----------------------------------------------------------------------
 def _codec() -> tuple[BlockCodec, dict[str, torch.Tensor], torch.Tensor]:
     source = BlockCodec({"l0": _layer(0), "l1": _layer(1)}, BLOCKS, BS)
     rows = source.gather([0, 1, 2])
@@ -104,17 +105,37 @@ def _codec() -> tuple[BlockCodec, dict[str, torch.Tensor], torch.Tensor]:
     return BlockCodec(target, BLOCKS, BS), target, rows
 
 
-def test_each_layer_is_placed_when_the_forward_reaches_it(tmp_path: Path) -> None:
+def _placing(rows: torch.Tensor, count: int, gate: threading.Event | None = None) -> FetchFn:
+    """A fetch that places the first ``count`` of ``rows`` into the request's blocks (after
+    ``gate``, if given) and records what ``place`` answered."""
+
+    def fetch(request: RequestLoad, place: Placer) -> int:
+        if gate is not None:
+            gate.wait(10)
+        placed = 0
+        for block_id, row in zip(request.block_ids[:count], rows, strict=False):
+            if not place(block_id, memoryview(row.numpy())):
+                break
+            placed += 1
+        answers.append(placed)
+        return placed
+
+    answers: list[int] = []
+    fetch.answers = answers  # type: ignore[attr-defined]
+    return fetch
+
+
+def test_the_fetch_places_checked_blocks_and_the_forward_waits_at_its_first_layer() -> None:
     codec, target, rows = _codec()
     request = RequestLoad("a", "default", (3, 4, 5), (b"k0", b"k1", b"k2"))
-    load = LayerwiseLoad(
-        [request], lambda r: Fetched(r, rows, 2), codec, timeout_s=10
+    load = BackgroundLoad(
+        [request], _placing(rows, 2), codec, timeout_s=10
     ).start()  # the third block failed to fetch
-    load.layer("l0")
-    assert target["l0"][3:5].any() and not target["l1"].any()  # l1 not yet: its layer is later
-    assert not target["l0"][5].any()
+    load.layer("l0")  # returns once the fetch is done: every layer of its blocks is in place
+    for name in ("l0", "l1"):
+        assert torch.equal(target[name][3:5], _layer(int(name[1]))[0:2])
+        assert not target[name][5].any()
     result = load.finish()
-    assert target["l1"][3:5].any()  # finish places the layers the forward did not ask for
     assert result.failed == {5} and not result.timed_out
 
 
@@ -122,31 +143,36 @@ def test_a_late_fetch_is_given_up_and_never_writes_vllm_kv() -> None:
     codec, target, rows = _codec()
     gate = threading.Event()
     request = RequestLoad("a", "default", (3, 4), (b"k0", b"k1"))
-
-    def late(r: RequestLoad) -> Fetched:
-        gate.wait(10)
-        return Fetched(r, rows[:2], 2)
-
-    load = LayerwiseLoad([request], late, codec, timeout_s=0.05).start()
+    fetch = _placing(rows, 2, gate)
+    load = BackgroundLoad([request], fetch, codec, timeout_s=0.05).start()
     load.layer("l0")
     result = load.finish()
     assert result.timed_out and result.failed == {3, 4}
     gate.set()
     assert load.join(10)
-    load.layer("l1")
+    assert fetch.answers == [0]  # type: ignore[attr-defined]  # place refused the first block
     assert not target["l0"].any() and not target["l1"].any()
 
 
 def test_a_fetch_that_raises_fails_every_block() -> None:
-    codec, target, _ = _codec()
+    codec, _, rows = _codec()
 
-    def broken(r: RequestLoad) -> Fetched:
+    def broken(r: RequestLoad, place: Placer) -> int:
+        place(r.block_ids[0], memoryview(rows[0].numpy()))
         raise OSError("tier gone")
 
-    request = RequestLoad("a", "default", (3,), (b"k0",))
-    load = LayerwiseLoad([request], broken, codec, timeout_s=10).start()
+    request = RequestLoad("a", "default", (3, 4), (b"k0", b"k1"))
+    load = BackgroundLoad([request], broken, codec, timeout_s=10).start()
     result = load.finish()
-    assert result.failed == {3} and isinstance(load.error, OSError)
+    assert result.failed == {3, 4} and isinstance(load.error, OSError)  # 3 too: recomputed
+
+
+def test_place_refuses_a_payload_of_the_wrong_size() -> None:
+    codec, target, rows = _codec()
+    with pytest.raises(InvalidInput):
+        codec.place(3, memoryview(rows[0].numpy()[:-1]))
+    with pytest.raises(InvalidInput):
+        codec.place(BLOCKS, memoryview(rows[0].numpy()))
     assert not target["l0"].any()
 
 
@@ -177,21 +203,21 @@ def test_saver_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
     not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 CPUs"
 )
 def test_fetch_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
-    """The layer-wise load's fetch thread, like the saver, must not take the forward's core."""
+    """The background load's fetch thread, like the saver, must not take the forward's core."""
     codec, _, rows = _codec()
     seen: list[set[int]] = []
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
         pytest.skip("this process may use one CPU only")
 
-    def fetch(r: RequestLoad) -> Fetched:
+    def fetch(r: RequestLoad, place: Placer) -> int:
         seen.append(os.sched_getaffinity(0))
-        return Fetched(r, rows[:1], 1)
+        return 1 if place(r.block_ids[0], memoryview(rows[0].numpy())) else 0
 
     def pinned_creator() -> None:
         os.sched_setaffinity(0, {min(allowed)})  # this thread only, like vLLM's worker
         request = RequestLoad("a", "default", (3,), (b"k0",))
-        LayerwiseLoad([request], fetch, codec, timeout_s=10).start().finish()
+        BackgroundLoad([request], fetch, codec, timeout_s=10).start().finish()
 
     creator = threading.Thread(target=pinned_creator)
     creator.start()
@@ -206,9 +232,9 @@ def _new_os_threads(work: Callable[[], object]) -> int:
     gained: list[int] = []
 
     def run() -> None:
-        before = len(os.listdir("/proc/self/task"))
+        before = set(os.listdir("/proc/self/task"))
         work()
-        gained.append(len(os.listdir("/proc/self/task")) - before)
+        gained.append(len(set(os.listdir("/proc/self/task")) - before))
 
     thread = threading.Thread(target=run)
     thread.start()

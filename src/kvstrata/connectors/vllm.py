@@ -64,7 +64,7 @@ from kvstrata.connectors.vllm_identity import (
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_layout import BlockCodec
-from kvstrata.connectors.vllm_loader import LayerwiseLoad
+from kvstrata.connectors.vllm_loader import BackgroundLoad
 from kvstrata.connectors.vllm_lookup import (
     LookupClient,
     LookupFn,
@@ -119,8 +119,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookup: LookupClient | None = None
         self._worker: ConnectorWorker | None = None
         self._server: LookupServer | None = None
-        self._load: LayerwiseLoad | None = None
-        self._last_load: LayerwiseLoad | None = None
+        self._load: BackgroundLoad | None = None
+        self._last_load: BackgroundLoad | None = None
         # Without a store (no tier opened) it still tracks requests: their blocks were kept.
         self._saver = BackgroundSaver(_no_save, max_blocks=0)
         self._deltas = StatsDelta()

@@ -112,6 +112,7 @@ class BlockCodec:
         self.layer_bytes = [_numel(shape) * item for shape in self.block_shapes]
         self.offsets = [sum(self.layer_bytes[:i]) for i in range(len(self.layer_bytes))]
         self.block_bytes = sum(self.layer_bytes)
+        self._rows_view: list[np.ndarray | None] | None = None  # built by the first ``place``
 
     @property
     def representation(self) -> Representation:
@@ -165,6 +166,21 @@ class BlockCodec:
     def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
         self._scatter(block_ids, rows, None)
 
+    def place(self, block_id: int, payload: memoryview) -> None:
+        """Write one block's payload (every layer) into block ``block_id``, straight from
+        ``payload`` (a tier's buffer: read, never kept). On an accelerator the copies have
+        completed when this returns, whichever stream the caller's thread uses."""
+        self._check([block_id])
+        row = np.frombuffer(payload, dtype=np.uint8)
+        if row.size != self.block_bytes:
+            raise InvalidInput(f"payload of {row.size} bytes for a block of {self.block_bytes}")
+        if not self.use_numpy:
+            self._scatter([block_id], torch.tensor(row).reshape(1, -1), None)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            return
+        self._scatter_cpu([block_id], row.reshape(1, -1), None)
+
     def scatter_layer(self, layer: int, block_ids: Sequence[int], rows: torch.Tensor) -> None:
         """Write only layer ``layer``'s slice of whole-block ``rows`` (a layer-wise load)."""
         if not 0 <= layer < len(self.tensors):
@@ -204,6 +220,18 @@ class BlockCodec:
         else:
             yield next(itertools.islice(every, layer, None))
 
+    def _block_rows(self) -> list[np.ndarray | None]:
+        """Per layer: its words as one row per vLLM block where the tensor is contiguous with
+        the block axis first (vLLM's CPU layout), else None (built once: views, no copies)."""
+        if self._rows_view is None:
+            views: list[np.ndarray | None] = []
+            for tensor, layout in zip(self.tensors, self.layouts, strict=True):
+                words = self._as_words(tensor)
+                usable = layout.block_axis == 0 and words.flags.c_contiguous
+                views.append(words.reshape(self.num_blocks, -1) if usable else None)
+            self._rows_view = views
+        return self._rows_view
+
     def _as_words(self, tensor: torch.Tensor) -> np.ndarray:
         return tensor.view(_INT_OF_SIZE[tensor.element_size()]).numpy()
 
@@ -225,22 +253,27 @@ class BlockCodec:
 
     def _scatter_cpu(self, block_ids: Sequence[int], rows: np.ndarray, layer: int | None) -> None:
         n = len(block_ids)
-        for tensor, layout, offset, size in self._layers(layer):
-            words = self._as_words(tensor)
-            if layout.block_axis == 0 and words.flags.c_contiguous:
-                # one pass from the strided rows: whole vLLM blocks are contiguous here
-                blocks = words.reshape(self.num_blocks, -1)
-                source = rows[:, offset : offset + size].view(words.dtype)
-                blocks[np.asarray(block_ids, dtype=np.int64)] = source
+        views = self._block_rows()
+        for index in range(len(self.tensors)) if layer is None else (layer,):
+            offset, size = self.offsets[index], self.layer_bytes[index]
+            blocks = views[index]
+            if blocks is not None:  # whole vLLM blocks are contiguous rows: one pass, no copy
+                source = rows[:, offset : offset + size].view(blocks.dtype)
+                if n == 1:
+                    blocks[block_ids[0]] = source[0]  # basic indexing: a plain memcpy
+                else:
+                    blocks[np.asarray(block_ids, dtype=np.int64)] = source
                 continue
+            layout = self.layouts[index]
+            words = self._as_words(self.tensors[index])
             chunk = np.ascontiguousarray(rows[:, offset : offset + size]).view(words.dtype)
-            index = self._kernel_index(layout, block_ids)
+            kernel_index = self._kernel_index(layout, block_ids)
             if layout.block_axis == 0:
-                words[index] = chunk.reshape(n * layout.ratio, *words.shape[1:])
+                words[kernel_index] = chunk.reshape(n * layout.ratio, *words.shape[1:])
             else:
                 rest = words.shape[2:]
                 source = chunk.reshape(n, 2, layout.ratio, *rest).swapaxes(0, 1)
-                words[:, index] = source.reshape(2, n * layout.ratio, *rest)
+                words[:, kernel_index] = source.reshape(2, n * layout.ratio, *rest)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

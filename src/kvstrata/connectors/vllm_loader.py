@@ -1,26 +1,36 @@
-"""One step's loads for the vLLM connector: fetched in the background, placed layer by layer.
+"""One step's loads for the vLLM connector: fetched and placed in the background, fenced by
+the forward.
 
 vLLM calls ``start_load_kv`` before the forward and ``wait_for_layer_load(layer)`` inside each
-attention layer, before it reads that layer's KV. ``LayerwiseLoad``:
+attention layer, before it reads that layer's KV. ``BackgroundLoad``:
 
 - ``start()``: one fetch thread reads every planned block from the store (the tiers' reads,
-  the payload digest check, a remote tier's pipelined read-ahead) into a private staging
-  buffer, while the forward runs what precedes the first attention. The thread leaves the
-  forward's core first (``unpin_current_thread``, as the saver does): it inherits vLLM's pin
-  and would otherwise take its CPU time from the very forward that waits for it;
-- ``layer(name)``: the forward thread waits for the fetch (at most ``timeout_s``, counted from
-  ``start``) and copies *that layer's* slice of every loaded block into vLLM's tensor, so the
-  copies are spread over the layers instead of all before the forward. Only the forward thread
-  ever writes vLLM's KV: a fetch that is late or fails can never write into a block that vLLM
-  has meanwhile given up and recomputes;
-- ``finish()`` (from ``wait_for_save``, after the forward): places the layers the forward did
-  not ask for, and returns what failed — every block from a request's first unloaded one on;
-  all of the step's blocks when the fetch did not finish in time. The connector reports them
-  through ``get_block_ids_with_load_errors``, and vLLM (``kv_load_failure_policy="recompute"``)
-  rewinds the request and recomputes them: wrong KV is never used.
+  the payload digest check, a remote tier's pipelined read-ahead) and, as each block passes
+  its checks, copies it from the tier's buffer straight into vLLM's tensors (every layer of
+  that block, ``BlockCodec.place``): one copy per block, no staging buffer, none of it on the
+  forward's thread, which meanwhile runs what precedes the first attention (embedding, the
+  first projections, writing the new tokens' KV into blocks no load targets). The thread
+  leaves the forward's core first (``unpin_current_thread``, as the saver does): it inherits
+  vLLM's pin and would otherwise take its CPU time from the forward that waits for it;
+- ``layer(name)``: at the first attention layer the forward waits for the fetch, at most
+  ``timeout_s`` counted from ``start``. A fetch that is late is *given up*: under the
+  placement lock, so that no block copy is in progress and none starts afterwards — a late
+  fetch can never write into a block that vLLM has meanwhile given up and recomputes. Later
+  layers return at once;
+- ``finish()`` (from ``wait_for_save``, after the forward; it waits the same way if the
+  forward never asked) returns what failed — every block from a request's first unloaded one
+  on; all of the step's blocks when the fetch did not finish in time or raised. The connector
+  reports them through ``get_block_ids_with_load_errors``, and vLLM
+  (``kv_load_failure_policy="recompute"``) rewinds the request and recomputes them, writing
+  over whatever was placed: wrong KV is never used.
 
-The granularity is the stored object (one block, all layers: ``vllm_layout``), so layer 0
-waits for the whole fetch; per-layer objects would let later layers' bytes still be in flight.
+Until 2026-12-03 the fetch staged whole blocks in a buffer and the forward thread copied each
+layer's slice into vLLM's tensor when it reached that layer: the same bytes copied twice, the
+second copy (~10 ms for 63 blocks of SmolLM2) on the forward's critical path.
+
+The granularity is the stored object (one block, all layers: ``vllm_layout``), so the first
+layer waits for the whole fetch; per-layer objects would let later layers' bytes still be in
+flight.
 """
 
 from __future__ import annotations
@@ -30,23 +40,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_plan import RequestLoad
 from kvstrata.connectors.vllm_saver import unpin_current_thread
 
+Placer = Callable[[int, memoryview], bool]
+"""``place(block_id, payload)``: copy a checked block into vLLM's tensors; False (nothing
+written) once the load was given up."""
+
+FetchFn = Callable[[RequestLoad, Placer], int]
+"""Reads a request's planned blocks in order, placing each one that passes its checks;
+returns how many leading blocks it placed."""
+
 
 @dataclass(frozen=True)
 class Fetched:
-    """A request's fetch: ``rows[:loaded]`` hold its first ``loaded`` blocks' payloads."""
+    """A request's fetch: its first ``loaded`` blocks are in vLLM's tensors."""
 
     request: RequestLoad
-    rows: torch.Tensor
     loaded: int
-
-
-FetchFn = Callable[[RequestLoad], Fetched]
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,7 @@ class LoadResult:
     seconds: float
 
 
-class LayerwiseLoad:
+class BackgroundLoad:
     def __init__(
         self,
         loads: Sequence[RequestLoad],
@@ -72,8 +84,9 @@ class LayerwiseLoad:
         self.codec = codec
         self.timeout_s = timeout_s
         self._clock = clock
-        self._layer_of = {name: index for index, name in enumerate(codec.names)}
-        self._placed: set[int] = set()
+        self._place_lock = threading.Lock()  # held for one block's copy; guards _given_up
+        self._given_up = False
+        self._waited = False
         self._done = threading.Event()
         self._results: list[Fetched] = []
         self._error: Exception | None = None
@@ -81,7 +94,7 @@ class LayerwiseLoad:
         self._started = 0.0
         self.timed_out = False
 
-    def start(self) -> LayerwiseLoad:
+    def start(self) -> BackgroundLoad:
         self._started = self._clock()
         self._thread = threading.Thread(target=self._run, name="kvstrata-load", daemon=True)
         self._thread.start()
@@ -91,40 +104,38 @@ class LayerwiseLoad:
         unpin_current_thread()
         try:
             for request in self.loads:
-                self._results.append(self._fetch(request))
+                self._results.append(Fetched(request, self._fetch(request, self._place)))
         except Exception as exc:  # reported by finish(): the blocks are recomputed
             self._error = exc
         finally:
             self._done.set()
 
-    def _ready(self) -> bool:
-        """Whether the fetch finished in time (the first call waits; later ones do not)."""
-        if self.timed_out:
-            return False
+    def _place(self, block_id: int, payload: memoryview) -> bool:
+        with self._place_lock:
+            if self._given_up:
+                return False
+            self.codec.place(block_id, payload)
+            return True
+
+    def _wait(self) -> None:
+        """Wait for the fetch until the deadline (once); give a late one up."""
+        if self._waited:
+            return
+        self._waited = True
         left = self.timeout_s - (self._clock() - self._started)
-        if not self._done.wait(max(left, 0.0)):
-            self.timed_out = True
-            return False
-        return self._error is None
+        if self._done.wait(max(left, 0.0)):
+            return
+        with self._place_lock:  # a copy in progress ends first; none starts after this
+            self._given_up = True
+        self.timed_out = True
 
     def layer(self, name: str) -> None:
-        index = self._layer_of.get(name)
-        if index is None or index in self._placed:
-            return
-        self._placed.add(index)
-        if not self._ready():
-            return
-        for item in self._results:
-            if item.loaded:
-                self.codec.scatter_layer(
-                    index, item.request.block_ids[: item.loaded], item.rows[: item.loaded]
-                )
+        self._wait()
 
     def finish(self) -> LoadResult:
-        for name in self.codec.names:
-            self.layer(name)
+        self._wait()
         seconds = self._clock() - self._started
-        if not self._ready():
+        if self.timed_out or self._error is not None:
             failed = frozenset(b for request in self.loads for b in request.block_ids)
             return LoadResult((), failed, self.timed_out, seconds)
         failed_ids: set[int] = set()
@@ -133,8 +144,7 @@ class LayerwiseLoad:
         return LoadResult(tuple(self._results), frozenset(failed_ids), False, seconds)
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the fetch thread (a late one still reads the store: only its staging
-        buffer, never vLLM's KV)."""
+        """Wait for the fetch thread (a given-up one still reads the store, never writes)."""
         if self._thread is None:
             return True
         self._thread.join(timeout)

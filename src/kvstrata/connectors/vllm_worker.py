@@ -5,18 +5,18 @@ shared remote tier), the ``BlockCodec`` over vLLM's registered KV tensors, an op
 emitter and the counters. It is driven by the connector, once per engine step, on the worker
 thread:
 
-- ``begin_load(plan.loads)`` from ``start_load_kv``: a ``LayerwiseLoad`` (``vllm_loader``)
+- ``begin_load(plan.loads)`` from ``start_load_kv``: a ``BackgroundLoad`` (``vllm_loader``)
   whose thread runs ``fetch`` per request: its blocks are planned again through the bridge's
   ``plan_promotion`` (a shared remote tier then fetches the whole prefix in one pipelined,
   shard-parallel batch — read-ahead — instead of a round trip per block; what no load took is
   dropped by ``finish_promotion`` and counted as unused), pinned, checked (representation and
   size here; the payload digest by the tier, on every read unless a tier's ``verify_reads`` is
-  off) and copied into a staging buffer — through the runtime's ``StoreBridge``, the same code
-  the reference engine loads with. The forward places each layer; ``finish_load`` (after the
-  forward) books it: the first block that is missing, fails a check or whose tier errs ends
-  that request's load, and it and every later block are returned as failed
-  (``get_block_ids_with_load_errors``), so vLLM recomputes them (never uses them); a load past
-  its deadline fails all its blocks.
+  off) and copied from the tier's buffer into vLLM's tensors — through the runtime's
+  ``StoreBridge``, the same code the reference engine loads with. The forward waits for it at
+  its first attention layer; ``finish_load`` (after the forward) books it: the first block
+  that is missing, fails a check or whose tier errs ends that request's load, and it and
+  every later block are returned as failed (``get_block_ids_with_load_errors``), so vLLM
+  recomputes them (never uses them); a load past its deadline fails all its blocks.
 - ``select_saves(plan.saves)`` on the step thread (bookkeeping: blocks kvstrata does not hold
   yet), ``save_request`` on the background saver (``vllm_saver``): gathered and put, each with
   its xxh3-128 payload digest, parent key, position and tokens. A block whose load failed is
@@ -28,9 +28,9 @@ thread:
   step, its JSON and file I/O cost a prefill step ~3 ms, mostly waiting for the interpreter
   lock), and once more at ``close``.
 
-Loads and saves stage whole-block rows in buffers kept across steps (``Staging``): a fresh
-buffer per load or save cost its first touch every time (~0.5 ms per MB on these VMs: 6 ms of
-a 16-block load).
+Saves stage whole-block rows in a buffer kept across steps (``Staging``): a fresh buffer per
+save cost its first touch every time (~0.5 ms per MB on these VMs: 6 ms of a 16-block load,
+when loads staged too).
 
 ``lookup(tenant, keys)`` answers the scheduler side (in-process or through ``vllm_lookup``) with
 the blocks held *and* worth loading (the bridge's break-even test, the one ``plan_promotion``
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from kvstrata.connectors.vllm_layout import BlockCodec
-from kvstrata.connectors.vllm_loader import Fetched, LayerwiseLoad
+from kvstrata.connectors.vllm_loader import BackgroundLoad, Placer
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
 from kvstrata.costs import DEFAULT_PREFILL_MODEL, PrefillModel
 from kvstrata.errors import KvstrataError
@@ -155,8 +155,6 @@ class ConnectorWorker:
         self._stats_lock = threading.Lock()
         self._dirty = True
         self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
-        self._load_staging = Staging(codec.block_bytes)
-        self._load_staging_user: LayerwiseLoad | None = None
         self._save_staging = Staging(codec.block_bytes)  # the saver thread's
         self._stats_stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
@@ -186,43 +184,22 @@ class ConnectorWorker:
         return self.bridge.holds(key)
 
     # ---- loads (fetch thread, then step thread) ---------------------------------------------
-    def begin_load(self, loads: Sequence[RequestLoad], *, timeout_s: float) -> LayerwiseLoad:
-        """Start fetching the step's planned blocks (placed by the forward, layer by layer)
-        into the load staging buffer — a fresh one while an earlier load's thread still runs
-        (one given up at its deadline may still be reading)."""
-        previous = self._load_staging_user
-        staging = (
-            self._load_staging
-            if previous is None or previous.join(0)
-            else Staging(self.codec.block_bytes)
-        )
-        rows = staging.rows(sum(len(request.keys) for request in loads))
-        views: dict[int, torch.Tensor] = {}
-        offset = 0
-        for request in loads:
-            views[id(request)] = rows[offset : offset + len(request.keys)]
-            offset += len(request.keys)
-        load = LayerwiseLoad(
-            loads, lambda request: self.fetch(request, views[id(request)]), self.codec,
-            timeout_s=timeout_s,
-        )  # fmt: skip
-        if staging is self._load_staging:
-            self._load_staging_user = load
-        return load.start()
+    def begin_load(self, loads: Sequence[RequestLoad], *, timeout_s: float) -> BackgroundLoad:
+        """Start fetching the step's planned blocks; each is placed into vLLM's tensors as it
+        passes its checks (``vllm_loader``)."""
+        return BackgroundLoad(loads, self.fetch, self.codec, timeout_s=timeout_s).start()
 
-    def fetch(self, request: RequestLoad, rows: torch.Tensor | None = None) -> Fetched:
-        """Read a request's planned blocks into ``rows`` (``[len(keys), block_bytes]``; new
-        ones if not given) on the fetch thread: the first block missing, failing a check or
-        whose tier errs ends the request's load."""
+    def fetch(self, request: RequestLoad, place: Placer) -> int:
+        """Read a request's planned blocks on the fetch thread, handing each checked payload to
+        ``place``; returns how many leading blocks were placed: the first block missing,
+        failing a check or whose tier errs (or a load given up) ends the request's load."""
         keys = [BlockKey(k) for k in request.keys]
         scope = RequestScope(tenant=request.tenant, model=self.model)
         located = self.bridge.plan_promotion(keys, 0, scope)
-        if rows is None:
-            rows = torch.empty((len(keys), self.codec.block_bytes), dtype=torch.uint8)
         loaded = 0
         try:
-            for index, loc in enumerate(located):
-                if not self._load_one(loc, request.tenant, rows[index]):
+            for loc, block_id in zip(located, request.block_ids, strict=False):
+                if not self._load_one(loc, request.tenant, block_id, place):
                     break
                 loaded += 1
         finally:
@@ -230,9 +207,9 @@ class ConnectorWorker:
                 self.bridge.finish_promotion()
         if loaded == len(located) < len(keys):  # gone since the scheduler looked
             self._count(load_missing=1)
-        return Fetched(request, rows, loaded)
+        return loaded
 
-    def finish_load(self, load: LayerwiseLoad) -> set[int]:
+    def finish_load(self, load: BackgroundLoad) -> set[int]:
         """Book a finished step's load (step thread); returns the block ids vLLM recomputes."""
         result = load.finish()
         loaded = sum(item.loaded for item in result.fetched)
@@ -266,9 +243,12 @@ class ConnectorWorker:
         """Fill the planned blocks now (every layer); returns the block ids not filled."""
         return self.finish_load(self.begin_load(loads, timeout_s=timeout_s))
 
-    def _load_one(self, loc: Located, tenant: str, row: torch.Tensor) -> bool:
+    def _load_one(self, loc: Located, tenant: str, block_id: int, place: Placer) -> bool:
+        placed = False
+
         def copy(payload: memoryview) -> None:
-            row.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            nonlocal placed
+            placed = place(block_id, payload)
 
         outcome = self.bridge.load_verified(loc, tenant, copy)
         if outcome is LoadOutcome.DIGEST_MISMATCH:
@@ -277,7 +257,7 @@ class ConnectorWorker:
             self._count(load_incompatible=1)
         elif outcome is not LoadOutcome.LOADED:
             self._count(load_missing=1)
-        return outcome is LoadOutcome.LOADED
+        return outcome is LoadOutcome.LOADED and placed
 
     # ---- saves: chosen on the step thread, written by the saver thread ----------------------
     def select_saves(
