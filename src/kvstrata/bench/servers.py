@@ -33,6 +33,7 @@ from typing import Any
 
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.processes import free_port as free_port  # re-exported for the benches
+from kvstrata.runtime.processes import vllm_rpc_env
 
 READY_TIMEOUT_S = 600.0
 
@@ -50,6 +51,7 @@ def server_env(tmp: Path, *, omp_threads: int | None = None) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         TOKENIZERS_PARALLELISM="false",
+        **vllm_rpc_env(tmp),
     )
     return env
 

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 from kvstrata.bench.vllm_ttft_child import MARK
 from kvstrata.errors import InvalidInput
+from kvstrata.runtime.processes import vllm_rpc_env
 
 SERIES = ("fresh", "kvstrata", "example_connector", "store_kvstrata", "store_example")
 
@@ -93,6 +94,7 @@ def _env(tmp: Path) -> dict[str, str]:
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         TOKENIZERS_PARALLELISM="false",
+        **vllm_rpc_env(tmp),
     )
     return env
 

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from kvstrata.fleet.vllm_workers import VllmWorker
-from kvstrata.runtime.processes import die_with_parent, free_port
+from kvstrata.runtime.processes import die_with_parent, free_port, vllm_rpc_env
 
 DEFAULT_BLOCK_SIZE = 32
 """vLLM on CPU needs a multiple of 32."""
@@ -143,6 +143,7 @@ class VllmServerSpec:
             VLLM_CACHE_ROOT=str(self.run_dir / "vllm-cache"),
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",
+            **vllm_rpc_env(self.run_dir),
         )
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import signal
 import socket
@@ -85,3 +86,21 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+_IPC_NAME_CHARS = 1 + 36  # "/" + the uuid4 vLLM names each socket with
+_SUN_PATH_MAX = 107  # a Unix socket path's bytes, without the terminating NUL
+
+
+def vllm_rpc_env(directory: Path) -> dict[str, str]:
+    """``VLLM_RPC_BASE_PATH`` for a vLLM process we start, when ``directory`` is short enough.
+
+    vLLM names its ZMQ IPC sockets ``<VLLM_RPC_BASE_PATH>/<uuid4>`` (the system temp dir by
+    default) and never removes them: every engine leaves a few socket files in ``/tmp``
+    (about a thousand after one CI run). Pointed into a run directory that we delete, they go
+    with it. A Unix socket path holds at most 107 bytes, so a longer directory keeps vLLM's
+    default (empty dict)."""
+    path = os.path.abspath(directory)
+    if len(os.fsencode(path)) + _IPC_NAME_CHARS > _SUN_PATH_MAX:
+        return {}
+    return {"VLLM_RPC_BASE_PATH": path}

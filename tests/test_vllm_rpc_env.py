@@ -1,0 +1,34 @@
+"""``vllm_rpc_env``: vLLM's IPC sockets go into a run directory we delete, when it fits."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+
+from kvstrata.runtime.processes import vllm_rpc_env
+
+
+def test_a_short_directory_holds_the_sockets_and_a_socket_binds_there(tmp_path: Path) -> None:
+    short = Path("/tmp") / f"kvs-{uuid.uuid4().hex[:8]}"
+    short.mkdir()
+    try:
+        env = vllm_rpc_env(short)
+        assert env == {"VLLM_RPC_BASE_PATH": str(short)}
+        # The longest name vLLM makes there (a uuid4) is a valid Unix socket path.
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(f"{env['VLLM_RPC_BASE_PATH']}/{uuid.uuid4()}")
+    finally:
+        for child in short.iterdir():
+            child.unlink()
+        short.rmdir()
+
+
+def test_a_directory_too_long_for_a_socket_path_keeps_vllms_default(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 80)
+    assert vllm_rpc_env(deep) == {}
+
+
+def test_a_relative_directory_is_made_absolute() -> None:
+    env = vllm_rpc_env(Path("run"))
+    assert Path(env["VLLM_RPC_BASE_PATH"]).is_absolute()
