@@ -13,6 +13,7 @@ from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
+from kvstrata.tiers.base import TierError
 from kvstrata.tiers.disk import DiskTier
 from tier_helpers import worker_tiers
 
@@ -206,3 +207,23 @@ def test_disk_tier_survives_an_engine_restart(tiny_model: LoadedModel, tmp_path:
     assert result.record.matched_by_tier == {"disk": 112}
     assert result.output_ids == reference
     second.close()
+
+
+def test_a_failing_store_lookup_fails_its_request_and_the_engine_goes_on(
+    engine: ReferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission's store lookup raising (a medium failing in a way its tier did not absorb)
+    answers that request with the error — it is not lost between the queues — and the
+    queue-depth bookkeeping stays exact."""
+    prompt = tokens(150, seed=5)
+
+    def failing(seq: object) -> dict[str, int]:
+        raise TierError("the medium is gone")
+
+    monkeypatch.setattr(engine.batch, "_lookup", failing)
+    with pytest.raises(TierError, match="medium is gone"):
+        engine.generate(prompt, SamplingParams(max_tokens=2)).run()
+    monkeypatch.undo()
+    assert engine._queued == 0 and len(engine.batch.scheduler) == 0
+    assert engine.generate(prompt, SamplingParams(max_tokens=2)).run().output_ids
+    assert engine._queued == 0

@@ -134,7 +134,7 @@ def test_disk_recovery_of_damaged_files(
         for i, (subdir, suffix, content) in enumerate(strays):
             (Path(root) / "objects" / subdir).mkdir(exist_ok=True)
             (Path(root) / "objects" / subdir / f"{i:064x}{suffix}").write_bytes(content)
-        still_valid = parse_object(path, bytearray())[0] is not None  # what recovery must say
+        still_valid = parse_object(path, bytearray(), 16 * OBJ)[0] is not None  # recovery's view
 
         with DiskTier(root, 16 * OBJ, durable=False) as tier:
             assert load_bytes(tier, good.key) == good_payload

@@ -92,3 +92,29 @@ def test_preempt_last_goes_back_to_the_front_of_the_queue() -> None:
 def test_bad_configuration_names_the_key(kwargs: dict[str, int]) -> None:
     with pytest.raises(ConfigError, match="scheduler"):
         SchedulerConfig(**kwargs)
+
+
+def test_an_admit_that_raises_loses_no_sequence() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(SchedulerConfig())
+    deferred, failing, behind = Seq("deferred", 4), Seq("failing", 4), Seq("behind", 4)
+    for seq in (deferred, failing, behind):
+        scheduler.add(seq)
+
+    def admit(seq: Seq) -> Admission:
+        if seq is deferred:
+            return Admission.DEFER
+        raise RuntimeError("lookup failed")
+
+    with pytest.raises(RuntimeError):
+        scheduler.plan(admit)
+    assert [s.name for s in scheduler.waiting] == ["deferred", "failing", "behind"]
+
+
+def test_a_failed_admission_leaves_the_queue_and_the_rest_go_on() -> None:
+    scheduler: Scheduler[Seq] = Scheduler(SchedulerConfig())
+    failed, next_one = Seq("failed", 4), Seq("next", 4)
+    scheduler.add(failed)
+    scheduler.add(next_one)
+    work = scheduler.plan(lambda s: Admission.FAILED if s is failed else Admission.ADMIT)
+    assert names(work) == [("next", 4)]
+    assert list(scheduler) == [next_one]

@@ -9,6 +9,7 @@ finish sequences. Only the step thread calls it; it takes no locks of its own.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from kvstrata.runtime.blocks import BlockInfo, block_tokens
 from kvstrata.runtime.scheduler import Admission, Scheduler, SchedulerConfig
 from kvstrata.store.levels import RequestScope
 from kvstrata.telemetry import KvMetrics
+
+logger = logging.getLogger(__name__)
 
 
 class BatchRunner:
@@ -112,6 +115,17 @@ class BatchRunner:
 
     # ---- admission: lookup, promotion, the partial tail --------------------------------------
     def _admit(self, seq: Seq) -> Admission:
+        """:meth:`_admission`; a sequence whose admission raised (a store lookup or a
+        promotion that failed in a way its tier did not absorb) is finished with that error
+        — its caller gets it — instead of falling out of both queues unanswered."""
+        try:
+            return self._admission(seq)
+        except Exception as exc:
+            logger.exception("admitting request %s failed", seq.gen.request_id)
+            self._finish(seq, "error", exc)
+            return Admission.FAILED
+
+    def _admission(self, seq: Seq) -> Admission:
         block_size = self.block_size
         needed = math.ceil((len(seq.tokens) + 1) / block_size)
         if self.scheduler.running and self.pool.blocks_available < needed:
@@ -120,7 +134,9 @@ class BatchRunner:
             self.metrics.deferred.inc()
             return Admission.DEFER
         now = time.perf_counter()
-        if not seq.started:
+        first = not seq.started
+        if first:
+            seq.started = True  # dequeued now: ``_finish`` must not count it out again
             self._dequeued()
             if self.bridge is not None:
                 self.bridge.prefetch_done(seq.gen.request_id)  # admission loads the rest
@@ -128,8 +144,7 @@ class BatchRunner:
             self.metrics.queue_delay.observe(seq.gen.record.queue_s)
         seq.admitted_at = now
         matched_by_tier = self._lookup(seq) if seq.lookup else {}
-        if not seq.started:
-            seq.started = True
+        if first:
             record = seq.gen.record
             record.matched_tokens = seq.num_computed
             record.computed_tokens = len(seq.tokens) - seq.num_computed

@@ -50,6 +50,7 @@ class Admission(Enum):
     ADMIT = "admit"  # joins the running batch now
     WAIT = "wait"  # does not fit now; holds the queue behind it
     DEFER = "defer"  # waits for blocks in flight; the ones behind it may go first
+    FAILED = "failed"  # admission failed and finished the sequence: it leaves the queue
 
 
 class Schedulable(Protocol):
@@ -88,21 +89,29 @@ class Scheduler(Generic[S]):
                 work.append((seq, take))
                 budget -= take
         deferred: list[S] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
-            decision = admit(seq)
-            if decision is Admission.WAIT:
-                self.waiting.appendleft(seq)
-                break
-            if decision is Admission.DEFER:
-                deferred.append(seq)
-                continue
-            self.running.append(seq)
-            take = min(seq.pending_tokens, budget)
-            if take > 0:
-                work.append((seq, take))
-                budget -= take
-        self.waiting.extendleft(reversed(deferred))  # back in front, in their order
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting.popleft()
+                try:
+                    decision = admit(seq)
+                except BaseException:
+                    self.waiting.appendleft(seq)  # an ``admit`` that raises loses nothing
+                    raise
+                if decision is Admission.WAIT:
+                    self.waiting.appendleft(seq)
+                    break
+                if decision is Admission.DEFER:
+                    deferred.append(seq)
+                    continue
+                if decision is Admission.FAILED:
+                    continue
+                self.running.append(seq)
+                take = min(seq.pending_tokens, budget)
+                if take > 0:
+                    work.append((seq, take))
+                    budget -= take
+        finally:
+            self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return work
 
     def preempt_last(self) -> S | None:

@@ -366,3 +366,4 @@ class StoreCore:
         self._sync_dropped(level)
         self.metrics.bytes.labels(tier=level.name).set(level.tier.used_bytes)
         self.metrics.objects.labels(tier=level.name).set(level.tier.object_count)
+        self.metrics.undeletable.labels(tier=level.name).set(level.tier.counters.undeletable)

@@ -47,6 +47,13 @@ class StoreMetrics:
             ["tier", "reason"],
             registry=r,
         )
+        self.undeletable = Gauge(
+            "kvstrata_tier_undeletable_files",
+            "Files a tier dropped from its index but could not delete (read-only medium, "
+            "foreign entry in its place), since it opened; never served, met again at recovery",
+            ["tier"],
+            registry=r,
+        )
         self.bytes_at_risk = Gauge(
             "kvstrata_writeback_bytes_at_risk",
             "Bytes queued for write-back to a tier: lost if the process dies now",

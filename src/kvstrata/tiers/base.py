@@ -191,6 +191,7 @@ class TierCounters:
     invalidated: int = 0
     removed: int = 0
     tombstoned: int = 0  # objects refused or dropped because a deletion's tombstone covers them
+    undeletable: int = 0  # files out of the index that the medium would not delete (disk)
 
 
 @dataclass

@@ -23,6 +23,16 @@ others: a mismatch marks the object INVALID, deletes the file, counts it and ret
 ``verify_reads=False`` is for measuring what verification costs (``kvstrata bench tiers``), not
 for production.
 
+Foreign entries: whatever else lies in the tree is never followed, blocked on or read whole.
+Objects are opened without following symlinks and without blocking (a FIFO would wait for a
+writer forever) and must be regular files; a header that disagrees with the file's length or
+names a payload larger than the tier is rejected before the rest is read. Recovery leaves
+entries that are not regular files alone (``recovery.foreign``). A file the tier drops but
+cannot delete (a read-only remount, a directory in its place) is logged and counted
+(``counters.undeletable``, ``kvstrata_tier_undeletable_files``) and never raises out of a read:
+the object is out of the index already. Only ``remove`` — a deletion, whose caller must know —
+raises ``TierError`` then.
+
 Failures: an ``OSError`` while writing (ENOSPC, EFBIG, EIO …) removes the temp file, releases the
 reservation and raises ``TierError`` from ``complete_store`` — the medium failed, as the
 ``Tier`` contract says; the slot is finished either way and other objects stay readable. An
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import logging
 import os
 import threading
 import time
@@ -66,6 +77,7 @@ from kvstrata.tiers.disk_format import (
     OBJECT_SUFFIX,
     TEMP_SUFFIX,
     BufferPool,
+    MetaTooLarge,
     encode_head,
     fsync_dir,
     parse_object,
@@ -73,6 +85,8 @@ from kvstrata.tiers.disk_format import (
     write_atomic,
 )
 from kvstrata.tiers.disk_tombstones import TombstoneFile
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +99,7 @@ class RecoveryReport:
     over_capacity: int = 0
     expired: int = 0
     tombstoned: int = 0  # objects a deletion's tombstone covers: removed, never served
+    foreign: int = 0  # entries that are not regular files (directories, FIFOs, links): left
 
 
 @dataclass
@@ -177,6 +192,10 @@ class DiskTier(IndexedTierViews):
                 return False
             try:
                 offset = self._write_file(meta, slot.buffer)
+            except MetaTooLarge:
+                logger.warning("disk tier: not storing %s, its meta is too large", meta.key.hex())
+                self._abort(handle, corrupt=False)
+                return False
             except OSError as exc:
                 self._abort(handle, corrupt=False)
                 raise TierError(f"writing {meta.key.hex()} failed: {exc}") from exc
@@ -203,8 +222,8 @@ class DiskTier(IndexedTierViews):
         with self._lock:
             if self._index.records.get(key) is record:
                 self._index.drop(key, invalid=True)
-                self._unlink(self._path(key))
                 self._dropped.append(key)
+                self._discard(self._path(key))
         return None
 
     def complete_load(self, lease: LoadLease) -> None:
@@ -264,18 +283,22 @@ class DiskTier(IndexedTierViews):
         marks = self._tombstones.load(self._clock())
         found: list[tuple[KVObjectMeta, int]] = []
         scratch = bytearray()
-        for subdir in sorted(self._objects.iterdir()):
-            if not subdir.is_dir():
+        for subdir in sorted(self._entries(self._objects), key=lambda e: e.name):
+            # A symlink is not followed: recovery deletes files, and only below the root.
+            if not subdir.is_dir(follow_symlinks=False):
                 continue
             self._known_dirs.add(subdir.name)
-            for path in sorted(subdir.iterdir()):
-                if path.name.endswith(TEMP_SUFFIX):
-                    self._unlink(path)
+            for entry in sorted(self._entries(Path(subdir.path)), key=lambda e: e.name):
+                path = Path(entry.path)
+                if not entry.is_file(follow_symlinks=False):
+                    report.foreign += 1  # not ours to delete (a directory, FIFO, symlink …)
+                elif entry.name.endswith(TEMP_SUFFIX):
+                    self._discard(path)
                     report.temp_removed += 1
-                elif path.name.endswith(OBJECT_SUFFIX):
-                    parsed, scratch = parse_object(path, scratch)
+                elif entry.name.endswith(OBJECT_SUFFIX):
+                    parsed, scratch = parse_object(path, scratch, self.capacity_bytes)
                     if parsed is None:
-                        self._unlink(path)
+                        self._discard(path)
                         report.invalid += 1
                     else:
                         found.append(parsed)
@@ -287,23 +310,34 @@ class DiskTier(IndexedTierViews):
                     continue  # recover() called twice: already indexed
                 if meta.expired(now):
                     report.expired += 1
-                    self._unlink(self._path(meta.key))
+                    self._discard(self._path(meta.key))
                     continue
                 mark = marks.get(meta.key)
                 if mark is not None and mark.covers(meta.created_at, now):
                     report.tombstoned += 1
-                    self._unlink(self._path(meta.key))
+                    self._discard(self._path(meta.key))
                     continue
                 record = self._index.reserve(meta)
                 if record is None:
                     report.over_capacity += 1
-                    self._unlink(self._path(meta.key))
+                    self._discard(self._path(meta.key))
                     continue
                 record.transition(ObjectState.COMMITTED)
                 record.last_access = now
                 record.extra["offset"] = offset
                 report.recovered += 1
         return report
+
+    @staticmethod
+    def _entries(directory: Path) -> list[os.DirEntry[str]]:
+        """The entries of one directory of the tier; none if it cannot be listed (counted
+        nowhere: recovery keeps what it can read)."""
+        try:
+            with os.scandir(directory) as it:
+                return list(it)
+        except OSError as exc:
+            logger.warning("disk tier: cannot list %s: %s", directory, exc)
+            return []
 
     # ---------------------------------------------------------------- internals
 
@@ -352,7 +386,7 @@ class DiskTier(IndexedTierViews):
         return token
 
     def _release_expired(self, key: BlockKey, record: ObjectRecord) -> None:
-        self._unlink(self._path(key))
+        self._discard(self._path(key))
 
     def _check_open(self) -> None:
         if self._lock_fd is None:
@@ -360,9 +394,26 @@ class DiskTier(IndexedTierViews):
 
     @staticmethod
     def _unlink(path: str | Path) -> None:
+        """Delete ``path`` or raise ``TierError``: for ``remove``, whose caller (a deletion)
+        must learn that the bytes are still there."""
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise TierError(f"cannot delete {path}: {exc}") from exc
+
+    def _discard(self, path: str | Path) -> bool:
+        """Delete a file the index no longer holds (expired, invalid, temp, over capacity);
+        never raises. A file that cannot go (a read-only remount, a directory in its place)
+        is logged and counted in ``counters.undeletable``; the object is already out of the
+        index, so no reader sees it, and the next recovery meets it again."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("disk tier: cannot delete %s: %s", path, exc)
+            self._index.counters.undeletable += 1
+            return False
+        return True

@@ -110,9 +110,11 @@ class TombstoneFile:
             if self._lines + len(marks) > max(self.compact_min, 2 * len(self._marks)):
                 self._rewrite()
                 return
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 data = b"".join(encode_line(mark) for mark in marks)
+                if _ends_torn(fd):  # a crash or ENOSPC cut the last line: end it first, or
+                    data = b"\n" + data  # the first new mark would be glued to it and lost
                 written = 0
                 while written < len(data):
                     written += os.write(fd, data[written:])
@@ -128,3 +130,9 @@ class TombstoneFile:
         temp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
         write_atomic(self.path, temp, data, memoryview(b""), durable=self.durable)
         self._lines = len(self._marks)
+
+
+def _ends_torn(fd: int) -> bool:
+    """Does the file end with an unterminated line (anything but empty or ``\n``-ended)?"""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"

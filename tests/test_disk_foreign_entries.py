@@ -1,0 +1,151 @@
+"""The disk tier among things it did not write: directories, FIFOs and huge files where its
+objects should be, files it cannot delete, a torn tombstone line, a meta too large to read
+back. Each gives a miss or a refusal and loses nothing else; nothing blocks or raises."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from kvstrata.objects.tombstone import Tombstone
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.disk_tombstones import encode_line
+from tier_helpers import CAPACITY, FakeClock, load_bytes, make_object, store
+
+T = TypeVar("T")
+
+
+def within(seconds: float, fn: Callable[[], T]) -> T:
+    """``fn()``, failing the test (instead of hanging the suite) if it blocks."""
+    out: list[T] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} blocked for {seconds} s"
+    return out[0]
+
+
+def _three(root: Path) -> list[tuple[object, bytes]]:
+    objects = [make_object(i) for i in (1, 2, 3)]
+    with DiskTier(root, CAPACITY) as tier:
+        for meta, payload in objects:
+            assert store(tier, meta, payload)
+    return objects  # type: ignore[return-value]
+
+
+def test_directories_named_like_objects_or_temp_files_do_not_stop_recovery(
+    tmp_path: Path,
+) -> None:
+    objects = [make_object(i) for i in (1, 2, 3)]
+    with DiskTier(tmp_path, CAPACITY) as tier:
+        for meta, payload in objects:
+            assert store(tier, meta, payload)
+        first = tier.path_of(objects[0][0].key)
+    first.unlink()
+    first.mkdir()
+    (first.parent / "junk.tmp").mkdir()
+    with DiskTier(tmp_path, CAPACITY) as again:
+        assert again.recovery.recovered == 2
+        assert again.recovery.foreign == 2
+        assert load_bytes(again, objects[0][0].key) is None
+        for meta, payload in objects[1:]:
+            assert load_bytes(again, meta.key) == payload
+
+
+def test_a_fifo_in_place_of_an_object_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+    meta, payload = make_object(1)
+    other, other_payload = make_object(2)
+    tier = DiskTier(tmp_path, CAPACITY)
+    assert store(tier, meta, payload) and store(tier, other, other_payload)
+    path = tier.path_of(meta.key)
+    path.unlink()
+    os.mkfifo(path)
+    assert within(10, lambda: tier.prepare_load(meta.key)) is None
+    assert tier.meta(meta.key) is None and meta.key in tier.take_dropped()
+    assert load_bytes(tier, other.key) == other_payload
+    tier.close()
+    if not path.exists():  # the read dropped the FIFO; put one back for the recovery scan
+        os.mkfifo(path)
+    again = within(10, lambda: DiskTier(tmp_path, CAPACITY))
+    assert again.recovery.recovered == 1 and again.recovery.foreign == 1
+    again.close()
+
+
+def test_a_symlink_in_place_of_an_object_is_not_followed(tmp_path: Path) -> None:
+    meta, payload = make_object(1)
+    root = tmp_path / "tier"
+    with DiskTier(root, CAPACITY) as tier:
+        assert store(tier, meta, payload)
+        path = tier.path_of(meta.key)
+    outside = tmp_path / "outside.kv"
+    path.rename(outside)
+    path.symlink_to(outside)
+    with DiskTier(root, CAPACITY) as again:
+        assert again.recovery.recovered == 0 and again.recovery.foreign == 1
+    assert outside.read_bytes()  # recovery deletes only below its root
+
+
+def test_a_huge_sparse_file_is_rejected_on_its_header_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    meta, payload = make_object(1)
+    with DiskTier(tmp_path, CAPACITY) as tier:
+        assert store(tier, meta, payload)
+        path = tier.path_of(meta.key)
+    with open(path, "r+b") as f:
+        f.truncate(1 << 40)  # 1 TiB, sparse: reading it whole would exhaust memory
+    with DiskTier(tmp_path, CAPACITY) as again:
+        assert again.recovery.invalid == 1 and again.recovery.recovered == 0
+    assert not path.exists()
+
+
+def test_a_file_that_cannot_be_deleted_gives_misses_not_errors(tmp_path: Path) -> None:
+    clock = FakeClock()
+    expiring, payload = make_object(1, ttl=10.0)
+    corrupt, corrupt_payload = make_object(2)
+    tier = DiskTier(tmp_path, CAPACITY, clock=clock)
+    assert store(tier, expiring, payload) and store(tier, corrupt, corrupt_payload)
+    for meta in (expiring, corrupt):  # a non-empty directory: unlink fails (EISDIR)
+        path = tier.path_of(meta.key)
+        path.unlink()
+        (path / "x").mkdir(parents=True)
+    assert tier.prepare_load(corrupt.key) is None  # unreadable: dropped, counted
+    assert corrupt.key in tier.take_dropped()
+    clock.now += 100  # the other expires; the views release it
+    assert not tier.contains(expiring.key) and tier.meta(expiring.key) is None
+    assert list(tier.keys()) == []
+    assert tier.counters.undeletable == 2
+    tier.close()
+
+
+def test_a_torn_tombstone_line_does_not_swallow_the_next_deletion(tmp_path: Path) -> None:
+    clock = FakeClock()
+    a, _ = make_object(1)
+    b, b_payload = make_object(2)
+    c, _ = make_object(3)
+    with DiskTier(tmp_path, CAPACITY, clock=clock) as tier:
+        tier.bury([Tombstone(a.key, 1000.0, 5000.0)])
+    with open(tmp_path / "TOMBSTONES", "ab") as f:  # a crash in the middle of an append
+        f.write(encode_line(Tombstone(c.key, 1000.0, 5000.0))[:30])
+    with DiskTier(tmp_path, CAPACITY, clock=clock) as tier:
+        tier.bury([Tombstone(b.key, 1000.0, 5000.0)])  # durable deletion of b …
+        assert store(tier, b, b_payload)  # … whose file an ill-timed SIGKILL kept
+    with DiskTier(tmp_path, CAPACITY, clock=clock) as tier:
+        assert {m.key for m in tier.recovered_tombstones()} == {a.key, b.key}
+        assert tier.recovery.tombstoned == 1
+        assert load_bytes(tier, b.key) is None
+
+
+def test_a_meta_too_large_to_read_back_is_not_stored(tmp_path: Path) -> None:
+    meta, payload = make_object(1)
+    huge = dataclasses.replace(meta, model="m" * (1 << 20))
+    with DiskTier(tmp_path, CAPACITY) as tier:
+        assert not store(tier, huge, payload)
+        assert load_bytes(tier, huge.key) is None and tier.used_bytes == 0
+        assert store(tier, meta, payload)
+    with DiskTier(tmp_path, CAPACITY) as again:
+        assert again.recovery.recovered == 1 and again.recovery.invalid == 0
