@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ import httpx
 import pytest
 
 from kvstrata.runtime.processes import free_port
+from kvstrata.serve.transfer_sender import UNREACHABLE
 from kvstrata.transfer.handshake import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -314,6 +316,48 @@ def test_prefill_to_a_target_outside_the_allow_list_is_refused_before_any_work(
     assert _metric(prefill, "kvstrata_disagg_requests_total", role="prefill") == before
     named = {**body, "target": {"host": "metadata.internal", "port": 80}}
     assert httpx.post(f"{prefill}/kv/prefill", json=named, timeout=30).status_code == 403
+
+
+def test_a_target_that_is_no_transfer_listener_is_sent_nothing_and_described_to_nobody(
+    workers: Workers,
+) -> None:
+    """``target`` is the caller's to name, and loopback is allowed by default: a worker sent
+    to another local service (Valkey, an HTTP server) writes it nothing — the listener must
+    greet first — and answers the same reason for that as for a closed port, with no byte of
+    what the service sent."""
+    service = socket.create_server(("127.0.0.1", 0))
+    service.settimeout(30)
+    received = bytearray()
+
+    def serve() -> None:
+        conn, _ = service.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            conn.settimeout(5)
+            try:
+                while chunk := conn.recv(4096):
+                    received.extend(chunk)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    closed = free_port()
+    try:
+        for port in (service.getsockname()[1], closed):
+            body = {
+                "request_id": "FLUSHALL\r\nSET pwned 1\r\n",
+                "prompt_token_ids": _prompt(6, 2 * BLOCK),
+                "target": {"host": "127.0.0.1", "port": port},
+            }
+            response = httpx.post(f"{workers.prefill.url}/kv/prefill", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            answer = response.json()
+            assert answer["outcome"] == "unreachable" and answer["reason"] == UNREACHABLE
+        thread.join(30)
+    finally:
+        service.close()
+    assert received == b""
 
 
 @pytest.mark.slow

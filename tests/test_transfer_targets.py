@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,6 +12,8 @@ from hypothesis import strategies as st
 from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.transfer_config import TransferConfig, parse_rule
+from kvstrata.transfer.tcp import TcpConnection, TcpTransport
+from kvstrata.transfer.transport import TransportError
 
 
 def test_default_admits_loopback_only() -> None:
@@ -89,3 +94,54 @@ def test_transport_is_tcp_or_nixl_everywhere_it_is_named() -> None:
         TransferTarget.from_json({**entry, "transport": "carrier-pigeon"})
     with pytest.raises(TransportError, match="unknown transport"):
         make_transport("rdma")
+
+
+@pytest.mark.parametrize("banner", [b"", b"SSH-2.0-OpenSSH_9.6\r\n", b"kvstrata-transfer/0\n"])
+def test_connect_writes_nothing_to_a_peer_that_does_not_greet_as_a_transfer_listener(
+    banner: bytes,
+) -> None:
+    """A silent service, one that speaks something else, and an older transfer listener: the
+    connecting side sends no byte and its error names none of the peer's."""
+    service = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def serve() -> None:
+        conn, _ = service.accept()
+        with conn:
+            conn.sendall(banner)
+            conn.settimeout(2)
+            try:
+                while chunk := conn.recv(4096):
+                    received.extend(chunk)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(TransportError, match="not a kvstrata transfer listener") as caught:
+            TcpTransport().connect(service.getsockname()[:2], timeout_s=0.5)
+        thread.join(10)
+    finally:
+        service.close()
+    assert received == b""
+    assert not banner.strip() or banner.strip().decode() not in str(caught.value)
+
+
+def test_a_listener_greets_and_its_peer_then_speaks_frames() -> None:
+    transport = TcpTransport()
+    listener = transport.listen()
+    accepted: list[object] = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept(timeout_s=10)))
+    thread.start()
+    try:
+        client = transport.connect(listener.address, timeout_s=10)
+        thread.join(10)
+        server = accepted[0]
+        assert isinstance(server, TcpConnection)
+        client.send_frame(b"hello")
+        assert bytes(server.recv_frame(timeout_s=5)) == b"hello"
+        client.close()
+        server.close()
+    finally:
+        listener.close()

@@ -22,6 +22,7 @@ before the prefill finished: what the compute hid.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -52,7 +53,9 @@ from kvstrata.transfer.intro import TransferIntro, encode_intro, intro_mac
 from kvstrata.transfer.stream import TransferSender
 from kvstrata.transfer.transport import Address, Connection, TransportError, make_transport
 
+logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
+UNREACHABLE = "no kvstrata transfer listener answered at the target"
 _DONE = -1
 
 
@@ -181,7 +184,10 @@ def prefill_and_send(
     try:
         conn = make_transport(transport).connect(target, timeout_s=_CONNECT_TIMEOUT_S)
     except TransportError as exc:
-        return SendOutcome("unreachable", reason=str(exc)[:200])
+        # The caller named the target: it learns only that no transfer listener answered
+        # there, not whether a port is closed or held by something else (logged here).
+        logger.info("transfer %s: %s", request_id, exc)
+        return SendOutcome("unreachable", reason=UNREACHABLE)
     try:
         return _run(
             engine, conn, tokens, tenant, request_id, tenant_secret, layer_delay_s, timeout_s,

@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from typing import Final
 
 from kvstrata.transfer.transport import (
     DEFAULT_MAX_FRAME,
@@ -28,6 +29,10 @@ from kvstrata.transfer.transport import (
 
 _LENGTH = struct.Struct(">I")
 _IOV_MAX = 1024
+GREETING: Final = b"kvstrata-transfer/1\n"
+"""What a listener sends on every accepted connection before anything else, and what
+``connect`` waits for before it sends a byte (``transport`` module docstring): a worker told
+to connect somewhere that is not a transfer listener writes nothing there."""
 
 
 class TcpConnection:
@@ -196,11 +201,40 @@ class TcpListener:
             raise TransportTimeout("no peer connected in time") from exc
         except OSError as exc:
             raise TransportError(f"accept failed: {exc}") from exc
+        try:
+            sock.settimeout(_GREETING_SEND_TIMEOUT_S)
+            sock.sendall(GREETING)
+        except OSError as exc:  # a peer that left at once (a port scan): the next accept
+            sock.close()
+            raise TransportError(f"peer gone before the greeting: {exc}") from exc
         sock.settimeout(None)
         return TcpConnection(sock, max_frame=self.max_frame)
 
     def close(self) -> None:
         self._sock.close()
+
+
+_GREETING_SEND_TIMEOUT_S: Final = 5.0
+
+
+def _expect_greeting(sock: socket.socket, address: Address, timeout_s: float | None) -> None:
+    """Read exactly ``GREETING`` from a fresh connection; ``TransportError`` otherwise, with no
+    byte of what the peer sent in it."""
+    got = bytearray()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while len(got) < len(GREETING):
+            sock.settimeout(_remaining(deadline))
+            chunk = sock.recv(len(GREETING) - len(got))
+            if not chunk:
+                break
+            got += chunk
+            if not GREETING.startswith(got):
+                break
+    except OSError:  # TimeoutError included: a service that waits for us to speak first
+        pass
+    if bytes(got) != GREETING:
+        raise TransportError(f"{address} is not a kvstrata transfer listener")
 
 
 class TcpTransport:
@@ -217,6 +251,11 @@ class TcpTransport:
             sock = socket.create_connection(address, timeout=timeout_s)
         except OSError as exc:
             raise TransportError(f"cannot connect to {address}: {exc}") from exc
+        try:
+            _expect_greeting(sock, address, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         return TcpConnection(sock, max_frame=self.max_frame)
 

@@ -5,7 +5,12 @@ Primitives and their contracts (checked for every transport by ``tests/test_tran
 - ``Transport.listen(host, port) -> Listener``: bind on loopback by default (``port=0``: any
   free port); ``Listener.address`` is what the peer passes to ``connect``.
 - ``Listener.accept(timeout_s) -> Connection``: one peer; ``TransportTimeout`` if none came.
-- ``Transport.connect(address, timeout_s) -> Connection``.
+- ``Transport.connect(address, timeout_s) -> Connection``: returns only once the peer proved
+  to be a transfer listener (TCP: the listener speaks first, a fixed greeting, before the
+  connecting side sends anything; NIXL's control channel is that TCP connection). Anything
+  else at the address — another service, a port nobody listens on — is a ``TransportError``
+  that names no byte the peer sent: ``POST /kv/prefill`` names its target, so a worker must
+  never write to, or report on, whatever a caller points it at.
 - ``Connection.send_frame(*parts, timeout_s)``: one frame whose body is the parts concatenated
   (bytes or memoryviews of a memory region; a transport may send the region without copying it
   into a Python object). It returns once the frame is handed over — the transport's completion
