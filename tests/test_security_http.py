@@ -163,6 +163,31 @@ def test_admin_tiers_need_the_admin_role_and_a_switch_is_audited(served: Served)
     assert served.audited(audit="tier_switch", reason="enabled")
 
 
+@pytest.mark.parametrize("path", ["/admin/tiers/host", "/admin/delete"])
+@pytest.mark.parametrize(
+    "raw", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000]
+)
+def test_admin_bodies_nested_too_deep_are_a_400_not_a_500(
+    served: Served, path: str, raw: bytes
+) -> None:
+    client = served.client
+    response = client.post(
+        path, content=raw, headers={**auth("ADMIN"), "content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_deleting_a_prompt_that_is_not_text_is_a_400(served: Served) -> None:
+    client = served.client
+    raw = b'{"tenant": "alice", "prompt": "\\ud800"}'  # a lone surrogate: not Unicode text
+    response = client.post(
+        "/admin/delete", content=raw, headers={**auth("ADMIN"), "content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt"
+
+
 def test_kv_dump_needs_the_fleet_or_admin_role(served: Served) -> None:
     client = served.client
     client.post("/v1/completions", json=body(PROMPT), headers=auth("A"))

@@ -104,6 +104,8 @@ def test_an_abandoned_request_does_not_delay_the_next(
         thread.join()
     wait_until(lambda: idle(engine), timeout=5.0)
     assert engine.metrics.value("kvstrata_cancelled_requests_total") == 4
+    gone = {"endpoint": "/v1/completions", "status": "499"}  # not counted as answered (200)
+    wait_until(lambda: engine.metrics.value("kvstrata_requests_total", gone) == 4)
     started = time.monotonic()
     answer = client.post("/v1/completions", json=body(tokens(20, seed=99), 32))
     assert answer.status_code == 200
@@ -193,3 +195,20 @@ def test_32_concurrent_streams_are_all_served_in_shared_steps(
         assert name in metrics
     wait_until(lambda: idle(engine))
     assert engine.metrics.value("kvstrata_running_sequences") == 0
+
+
+def test_a_stop_string_ends_a_request_without_counting_a_cancellation(
+    server: tuple[ReferenceEngine, httpx.Client],
+) -> None:
+    engine, client = server
+    prompt = tokens(30, seed=21)
+    full = client.post("/v1/completions", json=body(prompt, 24)).json()["choices"][0]["text"]
+    assert len(full) >= 8, full
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    answer = client.post("/v1/completions", json=body(prompt, 24, stop=[stop])).json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop" and len(choice["text"]) < len(full)
+    wait_until(lambda: idle(engine))
+    assert engine.metrics.value("kvstrata_cancelled_requests_total") == 0
+    answered = {"endpoint": "/v1/completions", "status": "200"}
+    assert engine.metrics.value("kvstrata_requests_total", answered) == 2

@@ -81,8 +81,9 @@ class BatchRunner:
     def cancel(self, generation: Generation) -> None:
         seq = self._by_gen.get(id(generation))
         if seq is not None:
-            self._finish(seq, "abort")
-            self.metrics.cancelled.inc()
+            self._finish(seq, "abort")  # freed like any early end; the caller has its text
+            if generation.close_reason == "abort":  # a stop string is a normal end
+                self.metrics.cancelled.inc()
 
     def abort_all(self, error: BaseException) -> None:
         for seq in list(self.scheduler):

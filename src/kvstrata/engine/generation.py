@@ -45,6 +45,7 @@ class Generation:
     error: BaseException | None = None
     step_logits: list[torch.Tensor] = field(default_factory=list)
     keep_logits: bool = False
+    close_reason: str = "abort"  # why ``close`` ended it early (the engine's counters)
     _driver: Driver | None = field(default=None, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _done: bool = False
@@ -87,11 +88,14 @@ class Generation:
             pass
         return self
 
-    def close(self) -> None:
-        """Stop early (stop string, client gone): the engine frees it at its next step."""
+    def close(self, reason: str = "abort") -> None:
+        """Stop early: the engine frees it at its next step. ``reason``: ``"abort"`` (the
+        client is gone: counted in ``kvstrata_cancelled_requests_total``) or ``"stop"`` (a
+        stop string matched: a normal end, not counted)."""
         with self._cond:
             if self._done:
                 return
+            self.close_reason = reason
         if self._driver is not None:
             self._driver.cancel(self)
 

@@ -64,6 +64,7 @@ from kvstrata.serve.protocol import (
     SamplingRequest,
     api_error_handler,
     error_response,
+    parse_json,
 )
 
 _log = logging.getLogger(__name__)
@@ -75,10 +76,7 @@ MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 
 
 def _parse(endpoint: str, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
-    try:
-        payload = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # also: too deep, an int over 4300 digits
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    payload = parse_json(raw)
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = ChatCompletionRequest if endpoint == CHAT else CompletionRequest

@@ -16,8 +16,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvstrata.errors import ApiError
 from kvstrata.security import ADMINISTER
 from kvstrata.serve.auth import HttpAuth, request_id_of
+from kvstrata.serve.protocol import parse_json
 from kvstrata.store.tiered import TieredStore
 
 ADMIN_TIERS = "/admin/tiers"
@@ -59,8 +61,8 @@ def register_admin(app: FastAPI, store: TieredStore | None, auth: HttpAuth) -> N
         if store is None:
             return _error(404, "this server has no tiered store", "tier_not_found")
         try:
-            body = await request.json()
-        except ValueError:
+            body = parse_json(await request.body())
+        except ApiError:
             return _error(400, "body must be JSON", "invalid_json")
         enabled = body.get("enabled") if isinstance(body, dict) else None
         if not isinstance(enabled, bool):

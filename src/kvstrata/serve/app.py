@@ -265,8 +265,8 @@ class _Service:
         finally:
             watcher.cancel()
             await deltas.aclose()
-        if not outcome:  # cancelled: the client is gone, nobody reads this
-            return Response(status_code=499)
+        if not outcome or outcome[0].finish_reason == "abort":  # the client is gone: 499,
+            return Response(status_code=499)  # counted as such (nobody reads it)
         record = generation.record
         timing = {
             PREFILL_HEADER: f"{record.prefill_s:.6f}",

@@ -15,15 +15,21 @@ record's reason; the prompt itself is never logged.
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from typing import Final, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvstrata.errors import ApiError
 from kvstrata.security.keys import MAX_NAMESPACE_CHARS, valid_namespace
-from kvstrata.serve.protocol import ChatCompletionRequest, ChatMessage
+from kvstrata.serve.protocol import ChatCompletionRequest, ChatMessage, parse_json, valid_text
 
 DELETE_PATH: Final = "/admin/delete"
 MAX_DELETE_TOKENS: Final = 1 << 20
@@ -46,6 +52,11 @@ class DeleteRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt_token_ids: list[int] | None = Field(default=None, max_length=MAX_DELETE_TOKENS)
     older_than_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_text(cls, value: str | None) -> str | None:
+        return None if value is None else valid_text(value)
 
     @model_validator(mode="after")
     def _one_selector(self) -> Self:
@@ -91,10 +102,7 @@ class DeleteRequest(BaseModel):
 
 def parse_delete_body(raw: bytes) -> DeleteRequest:
     """Parse and validate a delete body; ``ApiError`` 400 naming the first problem."""
-    try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    payload = parse_json(raw)
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:

@@ -14,6 +14,7 @@ violations, unknown routes), is answered as ``{"error": {message, type, param, c
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -32,7 +33,18 @@ SEED_MAX = (1 << 64) - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _valid_text(value: str) -> str:
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON; ``ApiError`` 400 ``invalid_json`` for anything else — malformed, not
+    UTF-8, nested deeper than the parser recurses, an integer of more digits than Python
+    converts. Every hand-parsed body goes through here (FastAPI parses the typed ones)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        message = f"request body is not valid JSON: {exc}"[:300]
+        raise ApiError(400, message, code="invalid_json") from exc
+
+
+def valid_text(value: str) -> str:
     """``value`` unless it holds a lone surrogate (not Unicode text: it cannot be encoded)."""
     try:
         value.encode("utf-8")
@@ -61,7 +73,7 @@ class TransferWait(_Strict):
     @field_validator("request_id")
     @classmethod
     def _valid_id(cls, value: str) -> str:
-        return _valid_text(value)
+        return valid_text(value)
 
 
 class SamplingRequest(_Strict):
@@ -88,7 +100,7 @@ class SamplingRequest(_Strict):
     @field_validator("model", "user", "kvstrata_tenant")
     @classmethod
     def _valid_name(cls, value: str | None) -> str | None:
-        return None if value is None else _valid_text(value)
+        return None if value is None else valid_text(value)
 
     @field_validator("n")
     @classmethod
@@ -120,7 +132,7 @@ class SamplingRequest(_Strict):
         if any(not stop for stop in stops):
             raise ValueError("stop sequences must be non-empty")
         for stop in stops:
-            _valid_text(stop)
+            valid_text(stop)
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -162,7 +174,7 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("token ids must be non-negative")
         for text in [value] if isinstance(value, str) else value:
             if isinstance(text, str):
-                _valid_text(text)
+                valid_text(text)
         return value
 
     @field_validator("echo")
@@ -208,7 +220,7 @@ class ChatMessage(_Strict):
         for part in [value] if isinstance(value, str) else value or []:
             text = part if isinstance(part, str) else part.text
             if text is not None:
-                _valid_text(text)
+                valid_text(text)
         return value
 
 

@@ -133,7 +133,7 @@ async def follow(
             yield tail
     finally:
         if not generation.done:
-            generation.close()
+            generation.close("stop" if assembler.stopped else "abort")
     if assembler.stopped:
         reason = "stop"
     elif generation.finish_reason is not None:
