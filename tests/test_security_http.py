@@ -26,6 +26,7 @@ from security_http_helpers import (
     auth,
     body,
     cached,
+    key,
     keys_text,
     worker_app,
     write_keys,
@@ -69,6 +70,9 @@ def test_completions_need_a_known_key_with_the_tenant_role(served: Served) -> No
     )
     assert fleet.status_code == 403 and fleet.json()["error"]["type"] == "permission_error"
     _refused(served, "forbidden", key_id="id-FLEET", request_id="rq-f")
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+        lower = {"Authorization": f"{scheme} {key('A')}"}
+        assert client.post("/v1/completions", json=body("hi"), headers=lower).status_code == 200
 
 
 def test_a_bad_request_id_is_replaced_and_a_good_one_echoed(served: Served) -> None:

@@ -145,6 +145,18 @@ def test_completion_accepts_token_ids_and_single_item_list(served: Served) -> No
     assert by_ids["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_explicit_nulls_mean_the_defaults_as_in_openais_api(served: Served) -> None:
+    nulls = dict.fromkeys(
+        ("top_p", "top_k", "stream", "n", "frequency_penalty", "presence_penalty", "ignore_eos")
+    )
+    text = _long_prompt("nulls")
+    plain = _ok(served.client.post("/v1/completions", json=_completion_body(text)))
+    nulled = _ok(served.client.post("/v1/completions", json={**_completion_body(text), **nulls}))
+    assert nulled["choices"][0]["text"] == plain["choices"][0]["text"]
+    sampled = _completion_body(text, temperature=None, max_tokens=2)
+    assert served.client.post("/v1/completions", json=sampled).status_code == 200
+
+
 def test_chat_completion_greedy_reports_cached_tokens(served: Served) -> None:
     body = _chat_body(_long_prompt("chat"))
     first = _ok(served.client.post("/v1/chat/completions", json=body))

@@ -357,7 +357,8 @@ class Authenticator:
         principal (an OpenAI client always sends some key; here it names nobody).
         Multi-tenant: a missing or unknown key is a 401."""
         token = None
-        if authorization is not None and authorization.startswith(BEARER):
+        # The scheme is case-insensitive (RFC 9110 §11.1): "bearer KEY" is the same credential.
+        if authorization is not None and authorization[: len(BEARER)].lower() == BEARER.lower():
             token = authorization[len(BEARER) :].strip()
         if token:
             found = None

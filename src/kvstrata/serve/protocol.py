@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata.errors import ApiError
@@ -76,6 +76,20 @@ class TransferWait(_Strict):
         return valid_text(value)
 
 
+_NULL_IS_DEFAULT: Final = frozenset(
+    (
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "n",
+        "frequency_penalty",
+        "presence_penalty",
+        "ignore_eos",
+    )
+)
+
+
 class SamplingRequest(_Strict):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -96,6 +110,15 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
     kvstrata_transfer: TransferWait | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API (and vLLM's) takes an explicit ``null`` for these as "not given", and
+        some clients send one: it gets the default, as if the field were absent."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_IS_DEFAULT}
+        return data
 
     @field_validator("model", "user", "kvstrata_tenant")
     @classmethod
