@@ -5,11 +5,14 @@ back. Each gives a miss or a refusal and loses nothing else; nothing blocks or r
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+import pytest
 
 from kvstrata.objects.tombstone import Tombstone
 from kvstrata.tiers.disk import DiskTier
@@ -149,3 +152,35 @@ def test_a_meta_too_large_to_read_back_is_not_stored(tmp_path: Path) -> None:
         assert store(tier, meta, payload)
     with DiskTier(tmp_path, CAPACITY) as again:
         assert again.recovery.recovered == 1 and again.recovery.invalid == 0
+
+
+def _out_of_descriptors(real: Callable[..., int]) -> Callable[..., int]:
+    def fake(path: object, *args: object, **kwargs: object) -> int:
+        if str(path).endswith(".kv"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, *args, **kwargs)
+
+    return fake
+
+
+def test_running_out_of_descriptors_is_a_miss_that_keeps_the_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meta, payload = make_object(1)
+    tier = DiskTier(tmp_path, CAPACITY)
+    assert store(tier, meta, payload)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", _out_of_descriptors(os.open))
+        assert tier.prepare_load(meta.key) is None
+    assert tier.take_dropped() == [] and tier.counters.invalidated == 0
+    assert load_bytes(tier, meta.key) == payload  # still there, still pinned right
+    assert tier.remove(meta.key)  # no pin left behind
+    assert store(tier, meta, payload)
+    tier.close()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", _out_of_descriptors(os.open))
+        blind = DiskTier(tmp_path, CAPACITY)
+    assert blind.recovery.unreadable == 1 and blind.recovery.invalid == 0
+    blind.close()
+    with DiskTier(tmp_path, CAPACITY) as again:  # the next start reads it
+        assert load_bytes(again, meta.key) == payload

@@ -36,7 +36,9 @@ raises ``TierError`` then.
 Failures: an ``OSError`` while writing (ENOSPC, EFBIG, EIO …) removes the temp file, releases the
 reservation and raises ``TierError`` from ``complete_store`` — the medium failed, as the
 ``Tier`` contract says; the slot is finished either way and other objects stay readable. An
-``OSError`` while reading an object is treated like corruption (invalidate, recompute).
+``OSError`` while reading an object is treated like corruption (invalidate, recompute), except
+an error of the moment (out of file descriptors or memory: ``disk_format.TRANSIENT_ERRNOS``),
+which is a miss that keeps the object.
 
 Capacity bounds the sum of payload sizes (``meta.size``), like every other tier; each file adds
 a header and meta JSON (well under 1 KiB) on top. Buffers for stores and loads come from a
@@ -78,6 +80,7 @@ from kvstrata.tiers.disk_format import (
     TEMP_SUFFIX,
     BufferPool,
     MetaTooLarge,
+    TransientReadError,
     encode_head,
     fsync_dir,
     parse_object,
@@ -100,6 +103,7 @@ class RecoveryReport:
     expired: int = 0
     tombstoned: int = 0  # objects a deletion's tombstone covers: removed, never served
     foreign: int = 0  # entries that are not regular files (directories, FIFOs, links): left
+    unreadable: int = 0  # objects an error of the moment kept from reading: left, not indexed
 
 
 @dataclass
@@ -216,7 +220,17 @@ class DiskTier(IndexedTierViews):
         meta = record.meta
         buf = self._pool.take(meta.size)
         view = buf.data[: meta.size]
-        if self._read_verified(record, view):
+        try:
+            ok = self._read_verified(record, view)
+        except TransientReadError as exc:  # out of descriptors or memory: a miss, kept
+            logger.warning("disk tier: %s (kept, a miss for now)", exc)
+            self._pool.give(buf)
+            with self._lock:
+                if self._index.records.get(key) is record:
+                    self._index.unpin(record)
+                self._index.counters.misses += 1
+            return None
+        if ok:
             return LoadLease(meta, view.toreadonly(), _Handle(record, buf))
         self._pool.give(buf)
         with self._lock:
@@ -296,7 +310,12 @@ class DiskTier(IndexedTierViews):
                     self._discard(path)
                     report.temp_removed += 1
                 elif entry.name.endswith(OBJECT_SUFFIX):
-                    parsed, scratch = parse_object(path, scratch, self.capacity_bytes)
+                    try:
+                        parsed, scratch = parse_object(path, scratch, self.capacity_bytes)
+                    except TransientReadError as exc:  # kept on disk; the next start reads it
+                        logger.warning("disk tier recovery: %s (kept, not indexed)", exc)
+                        report.unreadable += 1
+                        continue
                     if parsed is None:
                         self._discard(path)
                         report.invalid += 1

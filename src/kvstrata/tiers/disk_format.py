@@ -121,16 +121,34 @@ cache (measured on 4 MiB objects, warm page cache: 0.74× a bare ``preadv`` agai
 one read then one hash over the whole; 64 KiB–1 MiB chunks all land within a few percent)."""
 
 
+TRANSIENT_ERRNOS: Final = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
+)
+"""Errors of the moment (no descriptor, no memory), not of the file: the object may be intact."""
+
+
+class TransientReadError(Exception):
+    """A read failed for a reason of the moment (``TRANSIENT_ERRNOS``): a miss now, never a
+    reason to delete the object."""
+
+
+def _transient(exc: OSError) -> bool:
+    return exc.errno in TRANSIENT_ERRNOS
+
+
 def open_regular(path: str | Path) -> int | None:
     """A read-only descriptor of ``path`` if it is a regular file, else None (never blocks).
 
     An object name may hold anything another process put there: a FIFO (a plain ``open``
     would wait for a writer forever), a device, a directory, a symlink to elsewhere. Opened
     without following a final symlink and without blocking, then checked with ``fstat``;
-    anything but a regular file is treated like a missing or corrupt object."""
+    anything but a regular file is treated like a missing or corrupt object. An error of the
+    moment raises ``TransientReadError``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    except OSError as exc:
+        if _transient(exc):
+            raise TransientReadError(f"opening {path}: {exc}") from exc
         return None
     try:
         if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -144,7 +162,8 @@ def open_regular(path: str | Path) -> int | None:
 def read_exact(
     path: str | Path, offset: int, view: memoryview, hasher: xxhash.xxh3_128 | None = None
 ) -> bool:
-    """Fill ``view`` from ``path`` at ``offset`` with ``preadv``; False on short read or error.
+    """Fill ``view`` from ``path`` at ``offset`` with ``preadv``; False on short read or error
+    (``TransientReadError`` for an error of the moment: the file may be intact).
 
     With a ``hasher`` (:func:`payload_hasher`), the bytes are read in ``READ_CHUNK_BYTES``
     chunks and each is hashed as soon as it is read; without, in one call."""
@@ -162,7 +181,9 @@ def read_exact(
                 hasher.update(view[done : done + n])
             done += n
         return True
-    except OSError:
+    except OSError as exc:
+        if _transient(exc):
+            raise TransientReadError(f"reading {path}: {exc}") from exc
         return False
     finally:
         os.close(fd)
@@ -198,7 +219,8 @@ def parse_object(
     The header is checked before anything else is read or allocated: a file that is not a
     regular file (:func:`open_regular`), whose sizes disagree with its length, or whose
     payload exceeds ``max_payload`` (the tier's capacity: no such object could have been
-    stored) is rejected without reading it."""
+    stored) is rejected without reading it. ``TransientReadError`` for an error of the moment
+    (the file may be intact: keep it)."""
     fd = open_regular(path)
     if fd is None:
         return None, scratch
@@ -224,7 +246,9 @@ def parse_object(
         view = memoryview(scratch)[:size]
         if not _pread_into(fd, view):
             return None, scratch
-    except OSError:
+    except OSError as exc:
+        if _transient(exc):
+            raise TransientReadError(f"reading {path}: {exc}") from exc
         return None, scratch
     finally:
         os.close(fd)
