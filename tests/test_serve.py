@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from http_helpers import serving
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import load_model
+from kvstrata.runtime import tokenization
 from kvstrata.serve.app import create_app
 from kvstrata.serve.streaming import TextAssembler
 from kvstrata.telemetry import KvMetrics
@@ -370,6 +371,26 @@ def test_malformed_json_is_a_400(served: Served) -> None:
     )
     _assert_error(response, 400, "invalid_json")
     assert served.client.get("/health").status_code == 200
+
+
+def test_text_far_too_long_for_the_context_is_refused_before_tokenizing(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = served.engine
+    bound = tokenization.max_token_bytes(engine.tokenizer)
+    text = "a" * (2 * engine.max_model_len * bound + 1)
+
+    def never(*args: object) -> list[int]:
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(engine, "encode_prompt", never)
+    monkeypatch.setattr(engine, "encode_chat", never)
+    response = served.client.post("/v1/completions", json=_completion_body(text))
+    _assert_error(response, 400, "context_length_exceeded")
+    chat = served.client.post("/v1/chat/completions", json=_chat_body(text))
+    _assert_error(chat, 400, "context_length_exceeded")
+    monkeypatch.undo()
+    assert served.client.post("/v1/completions", json=_completion_body("hi")).status_code == 200
 
 
 def test_unknown_route_is_an_openai_404(served: Served) -> None:

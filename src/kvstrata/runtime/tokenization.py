@@ -23,3 +23,25 @@ def encode_chat(
         list(messages), add_generation_prompt=True, tokenize=False, chat_template=chat_template
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes of text one token of ``tokenizer`` can stand for: its longest
+    vocabulary entry (byte-level BPE writes one character per byte; SentencePiece's ``▁`` is
+    three bytes for one space, an over-estimate, which is safe here). A tokenizer without a
+    vocabulary to read gets a bound too large to refuse anything."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    if vocab is None:
+        return 1 << 30
+    pieces = (len(str(piece).encode("utf-8", "surrogatepass")) for piece in vocab())
+    return max(pieces, default=1 << 30)
+
+
+def cannot_fit(text_bytes: int, context_tokens: int, token_bytes: int) -> bool:
+    """Must text of ``text_bytes`` UTF-8 bytes tokenize to more than ``context_tokens``?
+
+    Each token covers at most ``token_bytes`` bytes, so the text needs at least
+    ``text_bytes / token_bytes`` tokens; with a factor 2 of margin (a normalizer may drop a
+    few characters). Lets a server refuse a prompt far too long for its context before it
+    spends seconds tokenizing it."""
+    return text_bytes > 2 * context_tokens * token_bytes

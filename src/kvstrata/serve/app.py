@@ -41,6 +41,7 @@ from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.generation import Generation
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ApiError, ContextTooLong, InvalidInput, QueueFull
+from kvstrata.runtime import tokenization
 from kvstrata.runtime.config import ServeLimits
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve import protocol
@@ -183,6 +184,7 @@ class _Service:
         self.model_name = model_name
         self.created = int(time.time())
         self.vocab_size = int(engine.model.config.vocab_size)
+        self._token_bytes = tokenization.max_token_bytes(engine.tokenizer)
 
     async def completions(self, request: Request, body: CompletionRequest, tenant: str) -> Response:
         self._check_model(body)
@@ -196,6 +198,7 @@ class _Service:
                 return token_ids
         else:
             text = prompt if isinstance(prompt, str) else str(prompt[0])
+            self._refuse_if_it_cannot_fit([text], "prompt")
 
             def encode() -> list[int]:
                 return self.engine.encode_prompt(text)
@@ -205,11 +208,25 @@ class _Service:
     async def chat(self, request: Request, body: ChatCompletionRequest, tenant: str) -> Response:
         self._check_model(body)
         messages = body.template_messages()
+        self._refuse_if_it_cannot_fit([str(m.get("content", "")) for m in messages], "messages")
 
         def encode() -> list[int]:
             return self.engine.encode_chat(messages)
 
         return await self._serve(request, CHAT, body, tenant, encode, "messages")
+
+    def _refuse_if_it_cannot_fit(self, texts: list[str], param: str) -> None:
+        """A 400 before tokenizing text far too long for the context window: tokenizing runs
+        on the event loop, and megabytes of it stall every request for seconds."""
+        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        context = self.engine.max_model_len
+        if tokenization.cannot_fit(size, context, self._token_bytes):
+            raise ApiError(
+                400,
+                f"{size} bytes of text cannot fit the context window of {context} tokens",
+                code="context_length_exceeded",
+                param=param,
+            )
 
     def _check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
