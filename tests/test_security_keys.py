@@ -125,6 +125,11 @@ def test_reload_takes_new_keys_and_keeps_old_ones_on_a_bad_file(tmp_path: Path) 
         "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='t'\n" * 2,
         "[keys]\n",
         "[[shared]]\nnamespace='x'\ntenants='a'\n",
+        # a shared namespace that is a tenant's own, or inside it, would let others in
+        "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='t'\n"
+        "[[shared]]\nnamespace='t'\ntenants=['u']\n",
+        "[[keys]]\nid='a'\nhash='sha256:" + "0" * 64 + "'\ntenant='t'\n"
+        "[[shared]]\nnamespace='t/x'\ntenants=['u']\n",
         "not toml = = =",
     ],
 )

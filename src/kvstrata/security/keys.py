@@ -234,6 +234,14 @@ def parse_keys(data: Mapping[str, Any], source: str) -> KeyRing:
             raise ConfigError(
                 "must be a list of tenant names", key=f"{where}.tenants", source=source
             )
+        owner = name.split("/", 1)[0]
+        if any(entry.tenant == owner for entry in entries):
+            # Its members would read and write that tenant's own (or sub-) namespace.
+            raise ConfigError(
+                f"{name!r} is a tenant's namespace (or inside one), not a shared one",
+                key=f"{where}.namespace",
+                source=source,
+            )
         shared[name] = frozenset(tenants)
     return KeyRing(tuple(entries), shared)
 
