@@ -364,6 +364,7 @@ def server_metas(tier: RemoteTier, namespace: str) -> dict[BlockKey, KVObjectMet
     out = {}
     for name in conn.scan_iter(match=meta_pattern(namespace), count=1000):
         k = key_of_meta(namespace, name.decode())
+        assert k is not None
         raw = conn.get(name)
         meta = decode_meta(raw, k) if isinstance(raw, bytes) else None
         assert meta is not None

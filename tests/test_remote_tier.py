@@ -31,13 +31,12 @@ from kvstrata.store.policies import SharedLedgerPolicy
 from kvstrata.store.tiered import TieredStore
 from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_client import CircuitBreaker, RemoteConfig
-from tier_helpers import OBJ, load_bytes, make_object, store
+from tier_helpers import OBJ, load_bytes, make_object, remote_tier_on, store
 
 HERE = Path(__file__).parent
 
 
-def tier_on(url: str, namespace: str, capacity: int = 64 * OBJ, **kw: object) -> RemoteTier:
-    return RemoteTier(RemoteConfig(url=url, namespace=namespace), capacity, **kw)  # type: ignore[arg-type]
+tier_on = remote_tier_on
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.runtime.config import WorkerConfig, disk_tier, host_tier
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.tiers.base import Tier
+from kvstrata.tiers.remote import RemoteTier
+from kvstrata.tiers.remote_client import RemoteConfig
 
 OBJ = 4096
 CAPACITY = 4 * OBJ
@@ -44,6 +46,11 @@ def make_object(
         ttl_s=ttl,
     )
     return meta, payload
+
+
+def remote_tier_on(url: str, namespace: str, capacity: int = 64 * OBJ, **kw: object) -> RemoteTier:
+    """A remote tier on the server at ``url`` in ``namespace`` (tests keep apart by it)."""
+    return RemoteTier(RemoteConfig(url=url, namespace=namespace), capacity, **kw)  # type: ignore[arg-type]
 
 
 def store(

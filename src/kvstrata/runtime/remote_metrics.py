@@ -8,9 +8,11 @@ plain integers (no Prometheus call under its lock).
 - ``kvstrata_remote_breaker_open{node}``: 1 while a node's circuit breaker is open;
   ``kvstrata_remote_breaker_trips_total{node}``: how often it opened.
 - ``kvstrata_remote_refused_total{reason}``: stores the shared ledger refused (``exists``:
-  another writer holds the key, ``quota``, ``no_room``).
+  another writer holds the key, ``quota``, ``no_room``, ``tombstoned``, ``invalid``: a value or
+  time that is no finite number).
 - ``kvstrata_remote_evictions_total{reason}``: objects this writer's admissions evicted from
-  the shared tier (``value``, ``quota``, ``expired``).
+  the shared tier (``value``, ``quota``, ``expired``; ``corrupt``: a garbage ledger entry any
+  of its calls met and dropped).
 - ``kvstrata_remote_read_ahead_bytes_total`` / ``…_unused_bytes_total``: bytes fetched ahead of
   a promotion, and those no load took.
 """

@@ -4,7 +4,8 @@
 the deployment is one node or a Redis Cluster: callers name Redis keys, and it groups them by
 the node that serves their slot, runs one pipeline per node — in parallel threads, so a large
 prefix costs about one round trip per shard rather than one per block — and maps every
-client error to ``RemoteUnavailable`` after recording it in that node's breaker.
+client error to ``RemoteUnavailable`` after recording it in that node's breaker — except an
+error *reply* (a script or data error, ``RemoteReplyError``): the node answered, so it is up.
 
 Breaker (``CircuitBreaker``, one per node): after ``failures`` consecutive errors a node is
 *open* — calls to it fail at once, without waiting for a timeout — for ``backoff_s``, which
@@ -27,7 +28,14 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from kvstrata.errors import InvalidInput
@@ -36,9 +44,35 @@ from kvstrata.tiers.base import TierError
 _CLIENT_ERRORS = (redis.RedisError, RedisClusterException, OSError)
 """What redis-py raises when a server or a cluster is unreachable, slow or inconsistent."""
 
+_NODE_DOWN_REPLIES = (
+    ClusterError,  # CLUSTERDOWN, MASTERDOWN
+    AskError,  # MOVED / ASK the cluster client did not follow: stale topology
+    TryAgainError,
+    ReadOnlyError,  # a replica answered: failover under way
+    OutOfMemoryError,
+)
+"""Error replies that say the node cannot serve now (counted by its breaker)."""
+
+
+def node_failed(exc: BaseException) -> bool:
+    """Does ``exc`` (one of ``_CLIENT_ERRORS``) mean the node is down or cannot serve — no
+    connection, a timeout, a cluster or failover state, a server out of memory or busy? An
+    error *reply* to a request (a script error, a wrong-typed key: ``ResponseError``) is the
+    node answering: it must not count towards its breaker, or one bad value on a healthy
+    server would take the tier offline for everyone."""
+    if not isinstance(exc, redis.ResponseError) or isinstance(exc, _NODE_DOWN_REPLIES):
+        return True
+    return str(exc).startswith(("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"))
+
 
 class RemoteUnavailable(TierError):
     """The remote server (or the node serving a slot) failed or its breaker is open."""
+
+
+class RemoteReplyError(RemoteUnavailable):
+    """The node answered a call with an error (a script or data error): the call failed — a
+    miss or a refused store to its caller, like any ``RemoteUnavailable`` — but the node is
+    up, so its breaker counts a success."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +241,9 @@ class RemoteClient:
         try:
             result = fn(self.connection(node))
         except _CLIENT_ERRORS as exc:
+            if not node_failed(exc):
+                breaker.success()
+                raise RemoteReplyError(f"{node}: {type(exc).__name__}: {exc}") from exc
             breaker.failure(self._clock())
             if self.cluster is not None:
                 self._refresh_topology()

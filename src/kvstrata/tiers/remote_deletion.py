@@ -11,9 +11,11 @@ lists every committed object (a ``SCAN`` of every primary).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects.tombstone import ObjectRef, Tombstone
 from kvstrata.tiers.base import TierError
@@ -57,6 +59,9 @@ class RemoteDeletion(RemoteState):
         self._check_open()
         if not marks:
             return []
+        for mark in marks:
+            if not (math.isfinite(mark.deleted_at) and math.isfinite(mark.expires_at)):
+                raise InvalidInput(f"tombstone of {mark.key.hex()} has a non-finite time")
         now = self._clock()
         args: list[Any] = [self._prefix, repr(now)]
         for mark in marks:
@@ -66,6 +71,8 @@ class RemoteDeletion(RemoteState):
         except RemoteUnavailable as exc:
             self._count_error("erase")
             raise TierError(f"erasing {len(marks)} objects failed: {exc}") from exc
+        if reply.status != "ok":  # "invalid": refused before any write
+            raise TierError(f"erasing {len(marks)} objects refused: {reply.status}")
         with self._lock:
             self._apply(reply)
             for mark in marks:
@@ -98,25 +105,37 @@ class RemoteDeletion(RemoteState):
         the ledger and of every primary's meta keys: I/O, call without locks)."""
         self._check_open()
         try:
-            return survey(self._client, self._ns, self._ledger_key, tenant)
+            found = survey(self._client, self._ns, self._ledger_key, tenant)
         except RemoteUnavailable:
             self._count_error("survey")
             raise
+        with self._lock:
+            self.remote_counters.foreign_keys += found.foreign
+        return found.refs
 
     def recovered_tombstones(self) -> list[Tombstone]:
         return []  # they live on the server, where every worker's calls check them
 
     def scan_keys(self) -> list[BlockKey]:
-        """Every committed object in the shared tier (a ``SCAN`` of every primary)."""
+        """Every committed object in the shared tier (a ``SCAN`` of every primary); keys the
+        pattern matches that are no meta key of this tier are skipped (``foreign_keys``)."""
         out: list[BlockKey] = []
+        foreign = 0
         pattern = meta_pattern(self._ns)
         for node in self._client.nodes():
             names = self._client.call(
                 node, lambda conn: list(conn.scan_iter(match=pattern, count=1000))
             )
-            out += [key_of_meta(self._ns, _text(name)) for name in names]
+            for name in names:
+                key = key_of_meta(self._ns, _text(name))
+                if key is None:
+                    foreign += 1
+                else:
+                    out.append(key)
+        with self._lock:
+            self.remote_counters.foreign_keys += foreign
         return out
 
 
 def _text(value: object) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -12,6 +12,7 @@ The meta checksum rejects garbage and torn metas, which the payload digest does 
 from __future__ import annotations
 
 import json
+import re
 
 import xxhash
 
@@ -32,9 +33,23 @@ def meta_pattern(namespace: str) -> str:
     return f"{namespace}:{{*}}:m"
 
 
-def key_of_meta(namespace: str, name: str) -> BlockKey:
-    """The block key a meta key names (inverse of ``meta_key``)."""
-    return BlockKey(bytes.fromhex(name[len(namespace) + 2 : -3]))
+def key_of_meta(namespace: str, name: str) -> BlockKey | None:
+    """The block key a meta key names (inverse of ``meta_key``), or None when ``name`` is not
+    one: anything else that ``meta_pattern`` matches (``ns:{backup}:m``, a key another program
+    put in the namespace) must be skipped, not trusted."""
+    head, tail = f"{namespace}:{{", "}:m"
+    if not (name.startswith(head) and name.endswith(tail)):
+        return None
+    return key_of_hex(name[len(head) : len(name) - len(tail)])
+
+
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
+
+
+def key_of_hex(text: str) -> BlockKey | None:
+    """The block key ``text`` spells in hex (as the ledger and key names hold it), or None when
+    it spells none (empty, odd length, anything but hex digits)."""
+    return BlockKey(bytes.fromhex(text)) if _HEX.fullmatch(text) else None
 
 
 def encode_meta(meta: KVObjectMeta) -> bytes:

@@ -48,23 +48,175 @@ caps, so when the quotas do not oversubscribe the capacity, no tenant within its
 loses an object to another tenant. Victims are returned to the writer, which deletes their
 payload keys (they live on other slots in a cluster); until it does, a reader may still get a
 victim's verified bytes, which is harmless.
+
+Garbage on the server (another program, a bug, a bad restore) never fails a script: Redis does
+not undo a failed script's writes, and an error on every call would open the writers' breakers
+on a healthy server. So every value a script reads is checked before it is used, and each
+script does its reads, checks and encoding before its first write (its arguments too:
+``RESERVE``/``ERASE`` answer ``invalid`` to a number that is not finite, before any write):
+
+- an ``info`` entry that is not one this code wrote (bad JSON, a missing or mistyped field, a
+  key that is no hex) is dropped from every index wherever it is met and reported as a victim
+  with reason ``corrupt``, so its writer-side keys are deleted like an eviction's;
+- ``u`` is derived (the sums over ``info``): when it is unreadable, or an entry of unknown size
+  was dropped, it is rebuilt from ``info`` (O(entries), only after corruption);
+- a ``clock`` that is no finite number is replaced by the lowest score held;
+- a tombstone that is no finite number still marks a deletion: it covers every object of its
+  key until it expires or a deletion replaces it (never resurrect deleted data).
+
+Keys of the wrong type among ``z``, ``e``, ``p`` and the tenant sets are not repaired: such a
+script fails (a ``RemoteReplyError``, which does not count against the node's breaker).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-_COMMON = r"""
+from kvstrata.tiers.remote_tombstones import TOMB_LUA
+
+_COMMON = (
+    TOMB_LUA
+    + r"""
 local P = ARGV[1]
 local INFO, Z, E, PEND, U, CLOCK = P..'info', P..'z', P..'e', P..'p', P..'u', P..'clock'
 local touched = {}
 local victims = {}
+local NOW = 0  -- the caller's clock, once a script has parsed it (a version floor, below)
+local recounted = false  -- U was rebuilt in this call (and stays consistent until it ends)
+
+-- ---- reading what may be garbage: a finite number, or nil (never a script error) -------
+local function num(raw)
+  if type(raw) ~= 'string' and type(raw) ~= 'number' then return nil end
+  local x = tonumber(raw)
+  if finite(x) then return x end
+  return nil
+end
+
+local function int(raw)  -- an integer a double holds exactly
+  local x = num(raw)
+  if x and x == math.floor(x) and math.abs(x) <= 2^53 then return x end
+  return nil
+end
+
+local function hex(k)
+  return type(k) == 'string' and #k > 0 and #k % 2 == 0 and string.match(k, '^%x+$') ~= nil
+end
+
+-- A ledger entry, or nil when it is not one this code wrote (bad JSON, a missing or mistyped
+-- field, a non-hex key): such an entry is dropped, never trusted (see `get`).
+local function decode(k, raw)
+  if not hex(k) then return nil end
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' then return nil end
+  if not (int(rec.s) and rec.s >= 0 and type(rec.t) == 'string'
+          and (rec.st == 'P' or rec.st == 'C') and finite(rec.u) and finite(rec.x)
+          and type(rec.p) == 'string' and finite(rec.v)) then
+    return nil
+  end
+  return rec
+end
+
+local function victim(k, tenant, reason)
+  victims[#victims + 1] = k
+  victims[#victims + 1] = tenant
+  victims[#victims + 1] = reason
+end
+
+-- Remove a corrupt entry from every index (its size is unknown: `recount` fixes the usage);
+-- it is reported as a victim ('corrupt') so its writer-side keys are deleted like an eviction.
+local function discard(k, raw)
+  redis.call('HDEL', INFO, k)
+  redis.call('ZREM', Z, k)
+  redis.call('ZREM', E, k)
+  redis.call('ZREM', PEND, k)
+  local tenant = ''
+  local ok, rec = pcall(cjson.decode, raw)
+  if ok and type(rec) == 'table' and type(rec.t) == 'string' then
+    tenant = rec.t
+    redis.call('ZREM', P..'t:'..tenant, k)
+  end
+  victim(k, tenant, 'corrupt')
+end
+
+-- U is derived data (the sums over INFO): when it cannot be read (a wrong type, a field that
+-- is not an integer) or an entry of unknown size was dropped, rebuild it from INFO, dropping
+-- every corrupt entry met on the way. O(entries), so only after corruption. The version goes
+-- on from its old value, or, when that is unreadable too, from the caller's clock in ms (above
+-- any count of events a ledger reaches, so readers' version order still holds).
+local function recount()
+  local ver = nil
+  local old = redis.pcall('HGETALL', U)
+  if type(old) == 'table' and not old.err then
+    for i = 1, #old, 2 do
+      if old[i] == 'ver' then
+        ver = int(old[i + 1])
+      elseif string.sub(old[i], 1, 2) == 't:' then
+        touched[string.sub(old[i], 3)] = true
+      end
+    end
+  end
+  local used, n, by = 0, 0, {}
+  local all = redis.call('HGETALL', INFO)
+  for i = 1, #all, 2 do
+    local rec = decode(all[i], all[i + 1])
+    if rec then
+      used, n = used + rec.s, n + 1
+      by[rec.t] = (by[rec.t] or 0) + rec.s
+    else
+      discard(all[i], all[i + 1])
+    end
+  end
+  recounted = true
+  redis.call('DEL', U)
+  redis.call('HSET', U, 'used', used, 'n', n, 'ver', (ver or math.floor(NOW * 1000)) + 1)
+  for t, bytes in pairs(by) do
+    redis.call('HSET', U, 't:'..t, bytes)
+    touched[t] = true
+  end
+end
+
+-- Make sure U is a hash whose `fields` are integers HINCRBY takes (or absent) before they are
+-- read or incremented: a repair happens here, before the caller's next write, never half-way.
+local function ucheck(fields)
+  if recounted then return end
+  local got = redis.pcall('HMGET', U, unpack(fields))
+  if type(got) == 'table' and got.err then recount() return end
+  for i = 1, #fields do
+    local v = got[i]
+    if v and not (string.match(v, '^-?%d+$') and #v <= 16) then recount() return end
+  end
+end
+
+local function uget(field)
+  return tonumber(redis.call('HGET', U, field) or '0')
+end
 
 local function bump()
+  ucheck({'ver'})
   redis.call('HINCRBY', U, 'ver', 1)
 end
 
+-- GDSF's inflation value L. Garbage (a wrong type, not a finite number) is replaced by the
+-- lowest score held, its best estimate (L never exceeds a held score by much).
+local function clock()
+  local raw = redis.pcall('GET', CLOCK)
+  if raw == false then return 0 end
+  local x = num(raw)
+  if x then return x end
+  local low = redis.call('ZRANGE', Z, 0, 0, 'WITHSCORES')
+  x = num(low[2]) or 0
+  redis.call('SET', CLOCK, string.format('%.17g', x))
+  return x
+end
+
+-- Is an object of key `k` created at `created` covered by the ledger tombstone of `k`? (The
+-- object slot's rule, `covers`: one that cannot be read still marks a deletion.)
+local function tombstoned(k, created)
+  return covers(redis.pcall('GET', P..'x:'..k), created)
+end
+
 local function drop(k, rec)
+  ucheck({'used', 'n', 'ver', 't:'..rec.t})
   redis.call('HDEL', INFO, k)
   redis.call('ZREM', Z, k)
   redis.call('ZREM', P..'t:'..rec.t, k)
@@ -76,13 +228,20 @@ local function drop(k, rec)
     redis.call('HDEL', U, 't:'..rec.t)
   end
   touched[rec.t] = true
-  bump()
+  redis.call('HINCRBY', U, 'ver', 1)
 end
 
+-- The entry of k, or nil. A corrupt entry is dropped here (and the usage recounted), so no
+-- caller ever computes with it and one bad value cannot fail every later call.
 local function get(k)
   local raw = redis.call('HGET', INFO, k)
   if not raw then return nil end
-  return cjson.decode(raw)
+  local rec = decode(k, raw)
+  if not rec then
+    discard(k, raw)
+    recount()
+  end
+  return rec
 end
 
 -- Lift the committed ancestors of rec (whose score is `score`) that are not above it to just
@@ -99,12 +258,6 @@ local function lift(rec, score)
     redis.call('ZADD', P..'t:'..prec.t, score, p)
     p = prec.p
   end
-end
-
-local function victim(k, tenant, reason)
-  victims[#victims + 1] = k
-  victims[#victims + 1] = tenant
-  victims[#victims + 1] = reason
 end
 
 -- Sweep stale reservations and expired objects (bounded work per call).
@@ -127,13 +280,14 @@ end
 
 -- {status, ver, used, n, #tenants, tenant, bytes, ..., #victims, victims..., extra...}
 local function reply(status, extra)
-  local out = {status, tonumber(redis.call('HGET', U, 'ver') or '0'),
-               tonumber(redis.call('HGET', U, 'used') or '0'),
-               tonumber(redis.call('HGET', U, 'n') or '0'), 0}
+  local fields = {'ver', 'used', 'n'}
+  for t, _ in pairs(touched) do fields[#fields + 1] = 't:'..t end
+  ucheck(fields)  -- may add tenants to `touched` (a recount): read them all below
+  local out = {status, uget('ver'), uget('used'), uget('n'), 0}
   local count = 0
   for t, _ in pairs(touched) do
     out[#out + 1] = t
-    out[#out + 1] = tonumber(redis.call('HGET', U, 't:'..t) or '0')
+    out[#out + 1] = uget('t:'..t)
     count = count + 1
   end
   out[5] = count
@@ -143,21 +297,32 @@ local function reply(status, extra)
   return out
 end
 """
+)
 
 # ARGV: prefix, key, size, tenant, value, quota (-1: none), capacity, now, pending_deadline,
 #       expires_at (-1: none), parent ("" for none), created_at.
-# status: "ok" | "exists" | "quota" | "no_room" | "tombstoned"
+# status: "ok" | "exists" | "quota" | "no_room" | "tombstoned" | "invalid" (an argument is not
+# a hex key, a size, a finite number: refused before any write).
+# Every read that can meet garbage, and the new entry's encoding, come before the first write;
+# from then on nothing can fail half-way (the sweep's and evictions' drops are whole).
 RESERVE = (
     _COMMON
     + r"""
-local key, size, tenant = ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local value, quota, capacity = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local now, deadline, expires = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local parent, created = ARGV[11], tonumber(ARGV[12])
+local key, size, tenant = ARGV[2], int(ARGV[3]), ARGV[4]
+local value, quota, capacity = num(ARGV[5]), int(ARGV[6]), int(ARGV[7])
+local now, deadline, expires = num(ARGV[8]), num(ARGV[9]), num(ARGV[10])
+local parent, created = ARGV[11], num(ARGV[12])
+NOW = now or 0
+if not (hex(key) and size and size >= 0 and value and quota and capacity and now and deadline
+        and expires and created and (parent == '' or hex(parent))) then
+  return reply('invalid')
+end
+local rec = {s = size, t = tenant, st = 'P', u = 1, x = expires, p = parent, v = value}
+local encoded = cjson.encode(rec)
 touched[tenant] = true
+if tombstoned(key, created) then return reply('tombstoned') end
+local L = clock()
 sweep(now)
-local tomb = redis.call('GET', P..'x:'..key)
-if tomb and created <= tonumber(tomb) then return reply('tombstoned') end
 if redis.call('HEXISTS', INFO, key) == 1 then return reply('exists') end
 if quota >= 0 and size > quota then return reply('quota') end
 if size > capacity then return reply('no_room') end
@@ -166,48 +331,52 @@ local function evict_lowest(zkey, reason)
   if #low == 0 then return false end
   local k, score = low[1], tonumber(low[2])
   local rec = get(k)
-  if rec then
-    drop(k, rec)
-    victim(k, rec.t, reason)
-  else
+  if not rec then  -- a stale member (or a corrupt entry, dropped by `get`): not an eviction
     redis.call('ZREM', zkey, k)
+    return true
   end
-  local clock = tonumber(redis.call('GET', CLOCK) or '0')
-  if score > clock then redis.call('SET', CLOCK, string.format('%.17g', score)) end
+  drop(k, rec)
+  victim(k, rec.t, reason)
+  if score > L then
+    L = score
+    redis.call('SET', CLOCK, string.format('%.17g', score))
+  end
   return true
 end
+ucheck({'used', 'n', 'ver', 't:'..tenant})
 if quota >= 0 then
-  while tonumber(redis.call('HGET', U, 't:'..tenant) or '0') + size > quota do
+  while uget('t:'..tenant) + size > quota do
     if not evict_lowest(P..'t:'..tenant, 'quota') then return reply('quota') end
   end
 end
-while tonumber(redis.call('HGET', U, 'used') or '0') + size > capacity do
+while uget('used') + size > capacity do
   if not evict_lowest(Z, 'value') then return reply('no_room') end
 end
-local rec = {s = size, t = tenant, st = 'P', u = 1, x = expires, p = parent, v = value}
-redis.call('HSET', INFO, key, cjson.encode(rec))
+redis.call('HSET', INFO, key, encoded)
 redis.call('ZADD', PEND, deadline, key)
 redis.call('HINCRBY', U, 'used', size)
 redis.call('HINCRBY', U, 'n', 1)
 redis.call('HINCRBY', U, 't:'..tenant, size)
-bump()
+redis.call('HINCRBY', U, 'ver', 1)
 return reply('ok')
 """
 )
 
-# ARGV: prefix, key, now.  status "ok" | "gone" (the reservation went stale or was deleted)
+# ARGV: prefix, key, now.  status "ok" | "gone" (the reservation went stale, was deleted, or
+# its entry was corrupt and dropped)
 COMMIT = (
     _COMMON
     + r"""
-local key, now = ARGV[2], tonumber(ARGV[3])
+local key, now = ARGV[2], num(ARGV[3]) or 0
+NOW = now
 local rec = get(key)
 if not rec or rec.st ~= 'P' then return reply('gone') end
 touched[rec.t] = true
 rec.st = 'C'
-redis.call('HSET', INFO, key, cjson.encode(rec))
+local encoded = cjson.encode(rec)
+local score = clock() + rec.u * rec.v
+redis.call('HSET', INFO, key, encoded)
 redis.call('ZREM', PEND, key)
-local clock = tonumber(redis.call('GET', CLOCK) or '0')
-local score = clock + rec.u * rec.v
 redis.call('ZADD', Z, score, key)
 redis.call('ZADD', P..'t:'..rec.t, score, key)
 if rec.x >= 0 then redis.call('ZADD', E, rec.x, key) end
@@ -221,6 +390,7 @@ return reply('ok')
 REMOVE = (
     _COMMON
     + r"""
+NOW = num(ARGV[2]) or 0
 local present = {}
 for i = 3, #ARGV do
   local rec = get(ARGV[i])
@@ -231,17 +401,23 @@ return reply('ok', present)
 )
 
 # ARGV: prefix, now, then per key: key hex, deleted_at, tombstone ttl ms.  Sets each key's
-# ledger tombstone (a later deletion extends it) and drops its entry, pending or committed.
-# extra: one tenant per key ("" when the ledger had no entry).
+# ledger tombstone (a later deletion extends it; an unreadable one is replaced) and drops its
+# entry, pending or committed. extra: one tenant per key ("" when the ledger had no entry).
+# status "invalid" (nothing written) when a deleted_at or ttl is not a finite number.
 ERASE = (
     _COMMON
     + r"""
+NOW = num(ARGV[2]) or 0
+for i = 3, #ARGV, 3 do
+  local ttl = int(ARGV[i + 2])
+  if not (num(ARGV[i + 1]) and ttl and ttl > 0) then return reply('invalid') end
+end
 local out = {}
 for i = 3, #ARGV, 3 do
-  local k, deleted = ARGV[i], tonumber(ARGV[i + 1])
+  local k, deleted = ARGV[i], num(ARGV[i + 1])
   local tk = P..'x:'..k
-  local old = tonumber(redis.call('GET', tk) or '-1')
-  if deleted > old then redis.call('SET', tk, ARGV[i + 1], 'PX', ARGV[i + 2]) end
+  local old = deleted_at(redis.pcall('GET', tk))
+  if not old or deleted > old then redis.call('SET', tk, ARGV[i + 1], 'PX', ARGV[i + 2]) end
   local rec = get(k)
   if rec then drop(k, rec); out[#out + 1] = rec.t else out[#out + 1] = '' end
 end
@@ -254,14 +430,16 @@ return reply('ok', out)
 TOUCH = (
     _COMMON
     + r"""
-local clock = tonumber(redis.call('GET', CLOCK) or '0')
+NOW = num(ARGV[2]) or 0
+local L = clock()
 for i = #ARGV, 3, -1 do
   local k = ARGV[i]
   local rec = get(k)
   if rec and rec.st == 'C' then
     rec.u = rec.u + 1
-    redis.call('HSET', INFO, k, cjson.encode(rec))
-    local score = clock + rec.u * rec.v
+    local encoded = cjson.encode(rec)
+    redis.call('HSET', INFO, k, encoded)
+    local score = L + rec.u * rec.v
     local old = tonumber(redis.call('ZSCORE', Z, k) or '0')
     if score > old then
       redis.call('ZADD', Z, score, k)
@@ -278,7 +456,8 @@ return reply('ok')
 USAGE = (
     _COMMON
     + r"""
-sweep(tonumber(ARGV[2]))
+NOW = num(ARGV[2]) or 0
+sweep(NOW)
 for i = 3, #ARGV do touched[ARGV[i]] = true end
 return reply('ok')
 """
@@ -333,4 +512,4 @@ class Victim:
 
 
 def _text(value: object) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

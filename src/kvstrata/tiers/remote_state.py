@@ -35,7 +35,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.base import TierCounters, TierError
 from kvstrata.tiers.remote_client import RemoteClient, RemoteConfig, RemoteUnavailable
-from kvstrata.tiers.remote_format import data_key, meta_key
+from kvstrata.tiers.remote_format import data_key, key_of_hex, meta_key
 from kvstrata.tiers.remote_ledger import (
     COMMIT,
     ERASE,
@@ -64,7 +64,9 @@ class RemoteCounters:
 
     errors: dict[str, int] = field(default_factory=dict)  # op → calls that failed
     refused: dict[str, int] = field(default_factory=dict)  # reason → stores refused
-    evicted: dict[str, int] = field(default_factory=dict)  # reason → objects this writer evicted
+    # reason → objects this writer evicted ("corrupt": a ledger entry that was garbage, dropped)
+    evicted: dict[str, int] = field(default_factory=dict)
+    foreign_keys: int = 0  # names in the namespace a survey or scan skipped: not the tier's
     read_ahead_bytes: int = 0
     read_ahead_unused_bytes: int = 0
 
@@ -299,17 +301,26 @@ class RemoteState:
 
     # ---------------------------------------------------------------- ledger and victims
     def _delete_victims(self, victims: Sequence[Victim], version: int) -> None:
+        """Delete the object keys of the ledger's victims (counted by reason). A corrupt
+        entry whose field was no key hex names no object of the tier: counted, nothing to
+        delete."""
         if not victims:
             return
-        keys = [BlockKey(bytes.fromhex(victim.key_hex)) for victim in victims]
+        named = [(victim, key_of_hex(victim.key_hex)) for victim in victims]
         with self._lock:
-            for victim, key in zip(victims, keys, strict=True):
+            for victim, _ in named:
+                self.remote_counters.count(self.remote_counters.evicted, victim.reason)
+        found = [(victim, key) for victim, key in named if key is not None]
+        if not found:
+            return
+        keys = [key for _, key in found]
+        with self._lock:
+            for victim, key in found:
                 self._forget(key)
                 self._gone_at[key] = version
                 if len(self._gone_at) > 4096:
                     self._gone_at.popitem(last=False)
                 self._evicted.append((key, victim.tenant))
-                self.remote_counters.count(self.remote_counters.evicted, victim.reason)
         deleted = self._delete_objects(keys)
         with self._lock:  # a read may have fetched one between the eviction and the delete
             for key in keys:
@@ -336,7 +347,6 @@ class RemoteState:
             return
         with self._lock:
             self._apply(reply)
-        self._delete_victims(reply.victims, reply.version)
 
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -363,12 +373,16 @@ class RemoteState:
         return self._client.cluster.register_script(lua)
 
     def _script(self, name: str, args: Sequence[Any]) -> LedgerReply:
+        """Run a ledger script and delete the object keys of the victims it reports (any
+        script may drop a corrupt entry, not only an admission), outside ``_lock``."""
         script = self._scripts[name]
         node = self.ledger_node
         raw = self._client.call(
             node, lambda conn: script(keys=[self._ledger_key], args=list(args), client=conn)
         )
-        return LedgerReply.parse(raw)
+        reply = LedgerReply.parse(raw)
+        self._delete_victims(reply.victims, reply.version)
+        return reply
 
     def _touch_loop(self) -> None:
         while not self._closed:

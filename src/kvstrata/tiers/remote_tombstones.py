@@ -12,18 +12,23 @@ with the tombstone (server TTL = what is left of ``tombstone_ttl_s``):
   sets it and deletes the object's keys in one script, so a write that passed its reservation
   before the deletion either lands before the erase (and is erased) or after it (refused).
 
-Objects created after the deletion pass every check: deletion removes data, not a prompt.
+Objects created after the deletion pass every check: deletion removes data, not a prompt. A
+tombstone that is not a finite number (garbage, a wrong-typed key) covers every object of its key
+(``TOMB_LUA``), and a deletion replaces it; no script fails on it.
 
 ``survey`` finds a tenant's objects for a deletion: the ledger's entries of that tenant
 (``HSCAN``: pending reservations included, with parents) plus every meta key (``SCAN`` of each
 primary), whose metas are read in pipelined batches for the tenant's keys and for objects the
-ledger does not know (bytes whose entry was lost): key, parent, creation time.
+ledger does not know (bytes whose entry was lost): key, parent, creation time. Names the tier
+did not write (a ``ns:{backup}:m``, a ledger field that is no key hex) are skipped and counted.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
@@ -32,16 +37,46 @@ from kvstrata.tiers.remote_client import RemoteClient, RemoteUnavailable
 from kvstrata.tiers.remote_format import (
     data_key,
     decode_meta,
+    key_of_hex,
     key_of_meta,
     meta_key,
     meta_pattern,
 )
 
+# A tombstone is a number (deleted_at). One that cannot be read — garbage, NaN, a key of another
+# type — still marks a deletion whose time is unknown, so it covers every object of its key
+# (``buried``): refusing a cache entry costs a recompute, resurrecting deleted data is what a
+# tombstone exists to prevent. It goes with its server TTL or when a deletion replaces it.
+# ``TOMB_LUA`` is that rule for the scripts (the object slot's ``WRITE``, the ledger's
+# ``RESERVE``); ``buried`` is the same rule for readers.
+TOMB_LUA = r"""
+local function finite(x)
+  return type(x) == 'number' and x == x and x ~= math.huge and x ~= -math.huge
+end
+-- deleted_at of a tombstone read with redis.pcall('GET'): nil when absent (false), or when
+-- it is garbage (a string that is no finite number, an error reply of a wrong-typed key).
+local function deleted_at(raw)
+  if type(raw) ~= 'string' then return nil end
+  local x = tonumber(raw)
+  if finite(x) then return x end
+  return nil
+end
+-- Does the tombstone `raw` (read with redis.pcall('GET')) cover an object created at
+-- `created`? Absent: no. Otherwise yes, unless both are finite and created > deleted_at.
+local function covers(raw, created)
+  if raw == false then return false end
+  local deleted = deleted_at(raw)
+  return not (deleted and finite(created) and created > deleted)
+end
+"""
+
 # KEYS: meta, data, tombstone.  ARGV: payload, meta bytes, ttl ms ("" for none), created_at.
-# 1: written; 0: a tombstone covers the object (nothing written).
-WRITE = r"""
-local tomb = redis.call('GET', KEYS[3])
-if tomb and tonumber(ARGV[4]) <= tonumber(tomb) then return 0 end
+# 1: written; 0: a tombstone covers the object (nothing written): one at or after its
+# creation, or one that cannot be read (see ``TOMB_LUA``), never a script error.
+WRITE = (
+    TOMB_LUA
+    + r"""
+if covers(redis.pcall('GET', KEYS[3]), tonumber(ARGV[4])) then return 0 end
 if ARGV[3] == '' then
   redis.call('SET', KEYS[2], ARGV[1])
   redis.call('SET', KEYS[1], ARGV[2])
@@ -51,13 +86,21 @@ else
 end
 return 1
 """
+)
 
 # KEYS: meta, data, tombstone.  ARGV: deleted_at, ttl ms.  Returns the object keys deleted.
-ERASE_OBJECT = r"""
-local old = tonumber(redis.call('GET', KEYS[3]) or '-1')
-if tonumber(ARGV[1]) > old then redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2]) end
+# A later deletion extends the tombstone; one that cannot be read is replaced. A deleted_at
+# that is no finite number (the caller checks) leaves the tombstone as it is.
+ERASE_OBJECT = (
+    TOMB_LUA
+    + r"""
+local old, deleted = deleted_at(redis.pcall('GET', KEYS[3])), tonumber(ARGV[1])
+if finite(deleted) and (not old or deleted > old) then
+  redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+end
 return redis.call('DEL', KEYS[1], KEYS[2])
 """
+)
 
 
 def tomb_key(namespace: str, key: BlockKey) -> str:
@@ -69,44 +112,66 @@ def ttl_ms(mark: Tombstone, now: float) -> int:
 
 
 def buried(meta: KVObjectMeta, raw_tomb: object) -> bool:
-    """Does the object-slot tombstone read with ``meta`` cover it?"""
-    if not isinstance(raw_tomb, bytes | str):
+    """Does the object-slot tombstone read with ``meta`` cover it? None (no tombstone) does
+    not; one created at or after ``meta``, or one that is not a finite number, does — the
+    rule ``WRITE`` applies (see ``TOMB_LUA``). (A tombstone key of the wrong type reads as None
+    in an ``MGET``: ``WRITE`` refuses new objects beside it, a reader cannot tell.)"""
+    if raw_tomb is None:
         return False
     try:
-        deleted_at = float(raw_tomb)
-    except ValueError:
-        return False
-    return meta.created_at <= deleted_at
+        deleted_at = float(raw_tomb)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+    return not (math.isfinite(deleted_at) and meta.created_at > deleted_at)
 
 
-def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> list[ObjectRef]:
-    """Every object of ``tenant`` on the server (see the module docstring). I/O; raises
-    ``RemoteUnavailable`` when a node does not answer."""
+@dataclass
+class SurveyResult:
+    """A tenant's objects, and how many names were skipped as not the tier's (a ledger field or
+    a parent that is no key hex, a ``ns:{*}:m`` key that is no meta key)."""
+
+    refs: list[ObjectRef]
+    foreign: int = 0
+
+
+def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> SurveyResult:
+    """Every object of ``tenant`` on the server (see the module docstring). Names the tier did
+    not write are skipped and counted, never fatal: one foreign key must not stop a deletion.
+    I/O; raises ``RemoteUnavailable`` when a node does not answer."""
     ledger: dict[str, object] = client.call(
         client.node_of(info_key), lambda conn: dict(conn.hscan_iter(info_key, count=1000))
     )
     refs: dict[BlockKey, ObjectRef] = {}
     known: set[BlockKey] = set()
+    foreign = 0
     for raw_key, raw in ledger.items():
-        key = BlockKey(bytes.fromhex(_text(raw_key)))
+        key = key_of_hex(_text(raw_key))
+        if key is None:
+            foreign += 1
+            continue
         known.add(key)
         try:
             rec = json.loads(_text(raw))
-        except ValueError:
+        except ValueError:  # UnicodeDecodeError too: the ledger's next call drops the entry
             continue
         if isinstance(rec, dict) and rec.get("t") == tenant:
-            parent = str(rec.get("p") or "")
-            refs[key] = ObjectRef(key, BlockKey(bytes.fromhex(parent)) if parent else None, tenant)
+            parent_hex = rec.get("p") or ""
+            parent = key_of_hex(parent_hex) if isinstance(parent_hex, str) else None
+            if parent_hex and parent is None:
+                foreign += 1
+            refs[key] = ObjectRef(key, parent, tenant)
     pattern = meta_pattern(namespace)
     names: list[str] = []
     for node in client.nodes():
         found = client.call(node, lambda conn: list(conn.scan_iter(match=pattern, count=1000)))
         names += [_text(name) for name in found]
-    wanted = {
-        name: key
-        for name in names
-        if (key := key_of_meta(namespace, name)) in refs or key not in known
-    }
+    wanted: dict[str, BlockKey] = {}
+    for name in names:
+        key = key_of_meta(namespace, name)
+        if key is None:
+            foreign += 1
+        elif key in refs or key not in known:
+            wanted[name] = key
     replies = client.pipelined(list(wanted), lambda pipe, name: pipe.get(name))
     for name, reply in replies.items():
         if isinstance(reply, RemoteUnavailable):
@@ -115,7 +180,7 @@ def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> 
         meta = decode_meta(reply, key) if isinstance(reply, bytes) else None
         if meta is not None and meta.tenant == tenant:
             refs[key] = ObjectRef(key, meta.parent, tenant, meta.created_at)
-    return list(refs.values())
+    return SurveyResult(list(refs.values()), foreign)
 
 
 def erase_objects(
@@ -140,4 +205,4 @@ def erase_objects(
 
 
 def _text(value: object) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

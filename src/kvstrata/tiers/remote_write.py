@@ -17,6 +17,7 @@ Two-phase store, as the ``Tier`` contract asks:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,19 +50,29 @@ class RemoteWrites(RemoteState):
         now = self._clock()
         expires = meta.expires_at()
         quota = self._quota_of(meta.tenant)
+        value = float(self._value_of(meta))
+        numbers = [value, now, now + self.config.pending_timeout_s, float(meta.created_at)]
+        if expires is not None:
+            numbers.append(expires)
+        if not all(math.isfinite(x) for x in numbers):
+            # e.g. recompute_s = inf or nan: no score to rank it by, and the ledger's script
+            # refuses it too ("invalid"). Refused here, before any I/O.
+            with self._lock:
+                self.remote_counters.count(self.remote_counters.refused, "invalid")
+            return None
         args = [
             self._prefix,
             meta.key.hex(),
             meta.size,
             meta.tenant,
-            repr(float(self._value_of(meta))),
+            repr(value),
             -1 if quota is None else quota,
             self.capacity_bytes,
             repr(now),
-            repr(now + self.config.pending_timeout_s),
+            repr(numbers[2]),
             -1 if expires is None else repr(expires),
             meta.parent.hex() if meta.parent is not None else "",
-            repr(float(meta.created_at)),
+            repr(numbers[3]),
         ]
         try:
             reply = self._script("reserve", args)
@@ -73,7 +84,6 @@ class RemoteWrites(RemoteState):
             self._apply(reply)
             if status == "ok":
                 self._pending[meta.key] = meta
-        self._delete_victims(reply.victims, reply.version)
         if status != "ok":
             with self._lock:
                 self.remote_counters.count(self.remote_counters.refused, status)

@@ -1,0 +1,330 @@
+"""The remote tier against garbage on the server: corrupt ledger entries, usage figures, GDSF
+clock and tombstones, foreign keys in the namespace, non-finite inputs.
+
+None of them may fail a script for good (a script error is the server answering, not the node
+being down: the breaker stays closed), leave bytes the ledger does not account for, or stop a
+tenant's deletion. Every test runs against the real valkey-server of the ``remote_server``
+fixture, in its own namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from kvstrata.identity import BlockKey
+from kvstrata.objects import KVObjectMeta
+from kvstrata.runtime.valkey_server import ValkeyServer
+from kvstrata.store.config import TierConfig
+from kvstrata.store.deletion import DeleteSelector
+from kvstrata.store.policies import SharedLedgerPolicy
+from kvstrata.store.tiered import TieredStore
+from kvstrata.store.value_policy import value_per_byte
+from kvstrata.tiers.remote import RemoteTier
+from kvstrata.tiers.remote_client import RemoteReplyError, RemoteUnavailable
+from kvstrata.tiers.remote_format import key_of_meta, meta_pattern
+from kvstrata.tiers.remote_tombstones import tomb_key
+from tier_helpers import OBJ, load_bytes, make_object, remote_tier_on, store
+
+
+def _conn(t: RemoteTier) -> redis.Redis:
+    conn = t.client.single
+    assert conn is not None
+    return conn
+
+
+def _valued(seed: int, value: float) -> tuple[KVObjectMeta, bytes]:
+    meta, payload = make_object(seed)
+    return KVObjectMeta(**{**meta.__dict__, "recompute_s": value}), payload
+
+
+def _full(t: RemoteTier, n: int = 4) -> list[tuple[KVObjectMeta, bytes]]:
+    """Fill the tier with ``n`` objects of rising value (seed 0 scores lowest)."""
+    objects = [_valued(i, 1.0 + i) for i in range(n)]
+    for meta, payload in objects:
+        assert store(t, meta, payload)
+    return objects
+
+
+def _ledger_is_consistent(t: RemoteTier) -> dict[str, dict[str, object]]:
+    """The ledger's usage figures match its entries, every committed entry is scored, and
+    every object on the server has an entry (no bytes nobody accounts for)."""
+    conn, prefix = _conn(t), t._prefix
+    info = {k.decode(): json.loads(v) for k, v in conn.hgetall(prefix + "info").items()}
+    usage = {k.decode(): int(v) for k, v in conn.hgetall(prefix + "u").items()}
+    assert usage.get("used", 0) == sum(int(r["s"]) for r in info.values())
+    assert usage.get("n", 0) == len(info)
+    committed = {k for k, r in info.items() if r["st"] == "C"}
+    assert {m.decode() for m in conn.zrange(prefix + "z", 0, -1)} == committed
+    on_server = set()
+    for name in conn.scan_iter(match=meta_pattern(t._ns), count=1000):
+        key = key_of_meta(t._ns, name.decode())
+        if key is not None:
+            on_server.add(key.hex())
+    assert on_server <= set(info), on_server - set(info)
+    return info
+
+
+@pytest.fixture
+def full_tier(remote_server: ValkeyServer, remote_namespace: str) -> Iterator[RemoteTier]:
+    t = remote_tier_on(remote_server.url, remote_namespace, 4 * OBJ, value_of=value_per_byte)
+    yield t
+    t.close()
+
+
+# ------------------------------------------------------------------ D6: corrupt ledger values
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"{not json", b"[]", b'{"s":"big","t":"t0","st":"C","u":1,"x":-1,"p":"","v":0}', b"{}"],
+)
+def test_a_corrupt_ledger_entry_is_dropped_not_fatal(full_tier: RemoteTier, garbage: bytes) -> None:
+    t = full_tier
+    objects = _full(t)
+    conn = _conn(t)
+    lowest = objects[0][0].key
+    conn.hset(t._ledger_key, lowest.hex(), garbage)
+    for seed in range(10, 14):  # was: ResponseError x3, then "circuit open"
+        assert store(t, *_valued(seed, 100.0 + seed))
+    assert not t.breaker_open()
+    assert t.remote_counters.evicted.get("corrupt") == 1
+    assert t.remote_counters.errors == {}
+    assert conn.exists(t.meta_key(lowest), t.data_key(lowest)) == 0  # deleted like a victim
+    _ledger_is_consistent(t)
+    t.refresh_usage()
+    assert t.used_bytes == 4 * OBJ and t.object_count == 4
+    assert load_bytes(t, _valued(13, 0)[0].key) is not None
+
+
+def test_a_corrupt_entry_met_by_a_hit_or_a_commit_is_dropped(full_tier: RemoteTier) -> None:
+    t = full_tier
+    objects = _full(t, 3)
+    conn = _conn(t)
+    conn.hset(t._ledger_key, objects[2][0].key.hex(), b"\xff\x00")
+    assert load_bytes(t, objects[2][0].key) is not None  # its bytes still verify
+    t.flush_touches()  # TOUCH meets the corrupt entry
+    assert t.remote_counters.errors == {} and not t.breaker_open()
+    assert t.remote_counters.evicted == {"corrupt": 1}
+    meta, payload = _valued(20, 1.0)
+    slot = t.prepare_store(meta)
+    assert slot is not None
+    conn.hset(t._ledger_key, meta.key.hex(), b"nonsense")  # the pending entry goes bad
+    slot.buffer[:] = payload
+    assert not t.complete_store(slot, True)  # its commit finds no entry: a refused store
+    assert t.remote_counters.errors == {} and not t.breaker_open()
+    _ledger_is_consistent(t)
+
+
+@pytest.mark.parametrize("damage", ["wrong_type", "garbage_field", "garbage_tenant"])
+def test_garbage_usage_figures_are_recounted(full_tier: RemoteTier, damage: str) -> None:
+    t = full_tier
+    _full(t)
+    conn, usage = _conn(t), t._prefix + "u"
+    if damage == "wrong_type":
+        conn.delete(usage)
+        conn.rpush(usage, "x")
+    elif damage == "garbage_field":
+        conn.hset(usage, "used", "lots")
+    else:
+        conn.hset(usage, "t:t0", "1.5e")
+    for seed in range(10, 14):
+        assert store(t, *_valued(seed, 100.0 + seed))
+    assert t.remote_counters.errors == {} and not t.breaker_open()
+    info = _ledger_is_consistent(t)
+    assert len(info) == 4
+    t.refresh_usage(["t0"])
+    assert t.used_bytes == 4 * OBJ and t.tenant_bytes("t0") == 4 * OBJ
+
+
+def test_a_non_hex_ledger_field_is_dropped(full_tier: RemoteTier) -> None:
+    t = full_tier
+    _full(t)
+    conn = _conn(t)
+    good = '{"s":4096,"t":"t0","st":"C","u":1,"x":-1,"p":"","v":0}'
+    conn.hset(t._ledger_key, "not-hex", good)
+    conn.zadd(t._prefix + "z", {"not-hex": -1.0})  # it scores lowest: the first victim
+    assert store(t, *_valued(10, 100.0))
+    assert t.remote_counters.errors == {} and not t.breaker_open()
+    assert conn.hexists(t._ledger_key, "not-hex") == 0
+    _ledger_is_consistent(t)
+
+
+def test_a_reply_error_does_not_count_as_the_node_down(full_tier: RemoteTier) -> None:
+    t = full_tier
+    conn = _conn(t)
+    conn.rpush(t._prefix + "junk", "x")
+    for _ in range(5):
+        with pytest.raises(RemoteReplyError):
+            t.client.call("single", lambda c: c.hget(t._prefix + "junk", "f"))
+    assert not t.breaker_open() and t.client.breaker("single").consecutive == 0
+    t.ping()  # still answers
+
+
+# ------------------------------------------------------------------ D7: no partial updates
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])  # -inf prices as 0 (value_per_byte)
+def test_a_non_finite_value_is_refused_before_the_ledger(
+    full_tier: RemoteTier, value: float
+) -> None:
+    t = full_tier
+    objects = _full(t)
+    assert t.prepare_store(_valued(10, value)[0]) is None
+    assert t.remote_counters.refused == {"invalid": 1}
+    assert t.remote_counters.errors == {} and t.remote_counters.evicted == {}
+    info = _ledger_is_consistent(t)
+    assert set(info) == {meta.key.hex() for meta, _ in objects}  # nobody was evicted
+    for meta, payload in objects:
+        assert load_bytes(t, meta.key) == payload
+
+
+def test_the_reserve_script_checks_its_numbers_before_any_write(full_tier: RemoteTier) -> None:
+    """A writer that skips the Python check (another version) still cannot half-evict."""
+    t = full_tier
+    objects = _full(t)
+    meta = _valued(10, 0.0)[0]
+    for bad in ["inf", "nan", "-inf", "x", "1e999"]:
+        args = [t._prefix, meta.key.hex(), OBJ, "t0", bad, -1, 4 * OBJ, "2000.0", "2030.0"]
+        args += [-1, "", "1000.0"]
+        reply = t._script("reserve", args)
+        assert reply.status == "invalid" and reply.victims == []
+    info = _ledger_is_consistent(t)
+    assert set(info) == {m.key.hex() for m, _ in objects}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "nan", "wrong_type"])
+def test_a_garbage_gdsf_clock_does_not_half_evict(full_tier: RemoteTier, damage: str) -> None:
+    t = full_tier
+    objects = _full(t)
+    conn, clock = _conn(t), t._prefix + "clock"
+    if damage == "wrong_type":
+        conn.rpush(clock, "x")
+    else:
+        conn.set(clock, "not a number" if damage == "garbage" else "nan")
+    assert store(t, *_valued(10, 100.0))  # evicts seed 0, whose bytes must go too
+    assert t.remote_counters.errors == {} and t.remote_counters.evicted == {"value": 1}
+    lowest = objects[0][0].key
+    assert conn.exists(t.meta_key(lowest), t.data_key(lowest)) == 0
+    _ledger_is_consistent(t)
+    assert math.isfinite(float(conn.get(clock) or b"0"))
+    assert load_bytes(t, objects[1][0].key) is not None
+    t.flush_touches()  # TOUCH reads the clock too
+    assert t.remote_counters.errors == {}
+
+
+# ------------------------------------------------------------------ D8: foreign keys
+
+
+def test_foreign_keys_in_the_namespace_do_not_stop_a_tenant_deletion(
+    remote_server: ValkeyServer, remote_namespace: str
+) -> None:
+    t = remote_tier_on(remote_server.url, remote_namespace)
+    s = TieredStore([(t, SharedLedgerPolicy(), TierConfig("remote"))])
+    try:
+        objects = [make_object(i) for i in range(3)]
+        for meta, payload in objects:
+            assert store(t, meta, payload)
+        conn = _conn(t)
+        conn.set(f"{remote_namespace}:{{backup}}:m", b"x")
+        conn.set(f"{remote_namespace}:{{abc}}:m", b"x")  # odd-length hex
+        conn.hset(t._ledger_key, "not-hex", "{}")
+        parent_bad = '{"s":1,"t":"t0","st":"C","u":1,"x":-1,"p":"zz","v":0}'
+        conn.hset(t._ledger_key, "00ff", parent_bad)
+        assert sorted(k.hex() for k in t.scan_keys()) == sorted(m.key.hex() for m, _ in objects)
+        report = s.delete_selected(DeleteSelector(tenant="t0", all=True))
+        assert set(report.keys) >= {meta.key for meta, _ in objects}
+        assert report.unreachable == []
+        for meta, _ in objects:
+            assert conn.exists(t.meta_key(meta.key), t.data_key(meta.key)) == 0
+        assert conn.exists(f"{remote_namespace}:{{backup}}:m") == 1  # not ours: left alone
+        assert t.remote_counters.foreign_keys >= 3
+    finally:
+        s.close()
+
+
+def test_key_of_meta_refuses_what_is_not_a_meta_key() -> None:
+    key = BlockKey(bytes(range(32)))
+    assert key_of_meta("ns", f"ns:{{{key.hex()}}}:m") == key
+    for name in [
+        "ns:{backup}:m",
+        "ns:{abc}:m",
+        "ns:{}:m",
+        "ns:{00}:x",
+        "other:{00}:m",
+        "ns:{0g}:m",
+    ]:
+        assert key_of_meta("ns", name) is None
+
+
+# ------------------------------------------------------------------ Q3: garbage tombstones
+
+
+@pytest.mark.parametrize("damage", ["garbage", "nan", "wrong_type"])
+def test_a_garbage_object_tombstone_buries_without_a_script_error(
+    remote_server: ValkeyServer, remote_namespace: str, damage: str
+) -> None:
+    """A deletion marker that cannot be read still marks a deletion: the key stays buried
+    (never resurrected) until the marker goes, and no script fails on it."""
+    t = remote_tier_on(remote_server.url, remote_namespace)
+    try:
+        conn = _conn(t)
+        stored, payload = make_object(1)
+        assert store(t, stored, payload)
+        fresh, fresh_payload = make_object(2)
+        for meta in (stored, fresh):
+            tk = tomb_key(remote_namespace, meta.key)
+            if damage == "wrong_type":
+                conn.rpush(tk, "x")
+            else:
+                conn.set(tk, "yesterday" if damage == "garbage" else "nan")
+        if damage != "wrong_type":  # (an MGET reads a wrong-typed key as absent)
+            assert load_bytes(t, stored.key) is None  # a reader treats it as buried
+        for _ in range(4):
+            slot = t.prepare_store(fresh)
+            assert slot is not None
+            slot.buffer[:] = fresh_payload
+            assert not t.complete_store(slot, True)  # WRITE refuses it, no Lua error
+        assert t.remote_counters.errors == {} and not t.breaker_open()
+        assert t.remote_counters.refused == {"tombstoned": 4}
+        assert conn.exists(t.meta_key(fresh.key), t.data_key(fresh.key)) == 0
+        _ledger_is_consistent(t)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong_type"])
+def test_a_garbage_ledger_tombstone_refuses_and_a_deletion_replaces_it(
+    remote_server: ValkeyServer, remote_namespace: str, damage: str
+) -> None:
+    t = remote_tier_on(remote_server.url, remote_namespace)
+    s = TieredStore([(t, SharedLedgerPolicy(), TierConfig("remote"))])
+    try:
+        conn = _conn(t)
+        meta, payload = make_object(3)
+        ledger_tomb = t._prefix + "x:" + meta.key.hex()
+        if damage == "wrong_type":
+            conn.rpush(ledger_tomb, "x")
+            conn.rpush(tomb_key(t._ns, meta.key), "x")
+        else:
+            conn.set(ledger_tomb, "garbage")
+            conn.set(tomb_key(t._ns, meta.key), "garbage")
+        assert t.prepare_store(meta) is None
+        assert t.remote_counters.refused == {"tombstoned": 1}
+        done = s.delete_keys([meta.key], now=2000.0)  # ERASE and ERASE_OBJECT overwrite them
+        assert done.unreachable == []
+        assert float(conn.get(ledger_tomb) or b"0") == 2000.0
+        assert float(conn.get(tomb_key(t._ns, meta.key)) or b"0") == 2000.0
+        later = KVObjectMeta(**{**meta.__dict__, "created_at": 2001.0})
+        assert store(t, later, payload)  # created after the deletion: accepted again
+        assert t.remote_counters.errors == {} and not t.breaker_open()
+    finally:
+        s.close()
+
+
+def test_garbage_in_a_reply_error_is_still_unavailable_to_callers() -> None:
+    assert issubclass(RemoteReplyError, RemoteUnavailable)
