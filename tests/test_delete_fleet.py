@@ -31,6 +31,7 @@ from kvstrata.cli.main import main as cli_main
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel, ensure_checkpoint
+from kvstrata.errors import ApiError
 from kvstrata.events import decode_batch
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
 from kvstrata.fleet.frontdoor import create_frontdoor_app
@@ -393,3 +394,23 @@ def _closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+def test_the_front_door_forwards_where_a_chats_content_starts() -> None:
+    """A chat's deletion reaches the workers as token ids plus ``content_from`` (the first
+    token that depends on the messages), so they keep the template head every conversation
+    shares; a plain prompt's whole chain goes, and ``content_from`` is refused elsewhere."""
+    from kvstrata.fleet.deletion import _forwarded
+    from kvstrata.serve.deletion_protocol import parse_delete_body
+
+    chat = parse_delete_body(b'{"tenant": "acme", "messages": [{"role": "user", "content": "x"}]}')
+    assert _forwarded(chat, ([5, 6, 7, 8], 3)) == {
+        "tenant": "acme",
+        "prompt_token_ids": [5, 6, 7, 8],
+        "content_from": 3,
+    }
+    assert _forwarded(chat, ([5, 6], 0)) == {"tenant": "acme", "prompt_token_ids": [5, 6]}
+    forwarded = parse_delete_body(json.dumps(_forwarded(chat, ([5, 6, 7, 8], 3))).encode())
+    assert forwarded.content_from == 3
+    with pytest.raises(ApiError, match="content_from"):
+        parse_delete_body(b'{"tenant": "acme", "prompt": "x", "content_from": 1}')

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.events import decode_batch
 from kvstrata.security import Role
 from kvstrata.serve.app import create_app
+from kvstrata.serve.protocol import ChatCompletionRequest
 from kvstrata.telemetry import KvMetrics
 from security_http_helpers import (
     Served,
@@ -294,3 +296,27 @@ def test_an_admin_token_alone_keeps_clients_anonymous(tiny_model: LoadedModel) -
             assert client.get("/admin/tiers", headers=bearer(ADMIN_KEY)).status_code == 200
     finally:
         engine.close()
+
+
+def test_deleting_one_conversation_keeps_the_tenants_other_conversations(served: Served) -> None:
+    """A chat is deleted from its first block of message content: the template's head (its
+    default system prompt), which every conversation shares and which tells nothing of
+    this one, stays — and with it the tenant's other conversations."""
+    client = served.client
+
+    def chat(words: str) -> dict[str, Any]:
+        messages = [{"role": "user", "content": f"{words} " * 40}]
+        return {"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0}
+
+    gone, kept = chat("alpha"), chat("bravo")
+    for request in (gone, kept):
+        client.post("/v1/chat/completions", json=request, headers=auth("A"))
+    kept_before = cached(client.post("/v1/chat/completions", json=kept, headers=auth("A")))
+    gone_before = cached(client.post("/v1/chat/completions", json=gone, headers=auth("A")))
+    _, start = served.engine.chat_content_start(ChatCompletionRequest(**gone).template_messages())
+    head = start // served.engine.config.block_size * served.engine.config.block_size
+    assert 0 < head < gone_before  # a shared template head, then the conversation's blocks
+    erase = {"tenant": "tenantA", "messages": gone["messages"]}
+    assert client.post("/admin/delete", json=erase, headers=auth("ADMIN")).status_code == 200
+    assert cached(client.post("/v1/chat/completions", json=kept, headers=auth("A"))) == kept_before
+    assert cached(client.post("/v1/chat/completions", json=gone, headers=auth("A"))) == head

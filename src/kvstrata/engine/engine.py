@@ -202,6 +202,10 @@ class ReferenceEngine(StepLoop):
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         return tokenization.encode_chat(self.tokenizer, messages, self.chat_template)
 
+    def chat_content_start(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], int]:
+        """``encode_chat`` and the first token that depends on the messages' content."""
+        return tokenization.chat_content_start(self.tokenizer, messages, self.chat_template)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 

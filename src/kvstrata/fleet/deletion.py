@@ -89,13 +89,13 @@ def register_deletion(
         try:
             principal = auth.check(request, ADMINISTER, "delete cached KV", request_id=request_id)
             body = parse_delete_body(await request.body())
-            tokens = await asyncio.to_thread(_tokens, fleet, body) if body.by_prompt else None
+            prompt = await asyncio.to_thread(_tokens, fleet, body) if body.by_prompt else None
         except ApiError as exc:
             return error_response(exc)
         headers = {REQUEST_ID_HEADER: request_id}
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
-        forwarded = _forwarded(body, tokens)
+        forwarded = _forwarded(body, prompt)
         async with httpx.AsyncClient(timeout=fleet.config.request_timeout_s) as client:
             outcomes = await asyncio.gather(
                 *(
@@ -114,7 +114,8 @@ def register_deletion(
             fleet.apply_deletion,
             body.tenant,
             everything=bool(body.all),
-            tokens=tokens,
+            tokens=None if prompt is None else prompt[0],
+            from_token=0 if prompt is None else prompt[1],
             engine_hashes=[event_block_hash(BlockKey(bytes.fromhex(k))) for k in keys],
             positions=positions,
         )
@@ -150,18 +151,23 @@ def register_deletion(
         )
 
 
-def _tokens(fleet: Fleet, body: DeleteRequest) -> list[int]:
+def _tokens(fleet: Fleet, body: DeleteRequest) -> tuple[list[int], int]:
+    """Token ids and the first that depends on the content (workers do the same)."""
     if body.prompt is not None:
-        return fleet.tokenizer.encode_prompt(body.prompt)
+        return fleet.tokenizer.encode_prompt(body.prompt), 0
     if body.messages is not None:
-        return fleet.tokenizer.encode_chat(body.template_messages())
+        return fleet.tokenizer.chat_content_start(body.template_messages())
     assert body.prompt_token_ids is not None
-    return body.prompt_token_ids
+    return body.prompt_token_ids, body.content_from or 0
 
 
-def _forwarded(body: DeleteRequest, tokens: list[int] | None) -> dict[str, Any]:
-    if tokens is not None:
-        return {"tenant": body.tenant, "prompt_token_ids": tokens}
+def _forwarded(body: DeleteRequest, prompt: tuple[list[int], int] | None) -> dict[str, Any]:
+    if prompt is not None:
+        tokens, start = prompt
+        forwarded: dict[str, Any] = {"tenant": body.tenant, "prompt_token_ids": tokens}
+        if start:
+            forwarded["content_from"] = start
+        return forwarded
     if body.all:
         return {"tenant": body.tenant, "all": True}
     return {"tenant": body.tenant, "older_than_s": body.older_than_s}

@@ -283,13 +283,17 @@ class Fleet(FleetRouting):
         tokens: list[int] | None,
         engine_hashes: Sequence[int],
         positions: Mapping[str, StreamPosition],
+        from_token: int = 0,
     ) -> IndexDeletion | None:
-        """The index side of a deletion (``GlobalIndex.delete``); None before any attach."""
+        """The index side of a deletion (``GlobalIndex.delete``); None before any attach.
+        ``tokens``' blocks from the one holding ``from_token`` on go, and their descendants
+        (a chat's template-only head stays, as on the workers)."""
         with self._lock:
             if self._index is None:
                 return None
             index = self._index
             hashes: Sequence[int] = index.request_hashes(tenant, tokens).tolist() if tokens else []
+            hashes = hashes[from_token // index.block_size :]
             return index.delete(
                 tenant,
                 everything=everything,

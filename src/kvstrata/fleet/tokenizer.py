@@ -24,3 +24,6 @@ class FleetTokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         return tokenization.encode_chat(self.tokenizer, messages, self.chat_template)
+
+    def chat_content_start(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], int]:
+        return tokenization.chat_content_start(self.tokenizer, messages, self.chat_template)

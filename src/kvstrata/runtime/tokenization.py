@@ -25,6 +25,25 @@ def encode_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def chat_content_start(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None
+) -> tuple[list[int], int]:
+    """A chat's token ids and the index of the first one that depends on what the messages
+    say: where they first differ from the same chat with every ``content`` blanked.
+
+    Tokens before it are the chat template's alone (its default system prompt, role
+    headers): every conversation of the tenant shares those blocks, and they tell nothing of
+    this one. A deletion of the conversation starts at the block holding this token
+    (``serve.deletion``). A merge across the boundary can only move the difference earlier,
+    which deletes a block more, never one less."""
+    tokens = encode_chat(tokenizer, messages, chat_template)
+    blank = encode_chat(tokenizer, [{**m, "content": ""} for m in messages], chat_template)
+    start = 0
+    while start < len(tokens) and start < len(blank) and tokens[start] == blank[start]:
+        start += 1
+    return tokens, start
+
+
 def max_token_bytes(tokenizer: Any) -> int:
     """The most UTF-8 bytes of text one token of ``tokenizer`` can stand for: its longest
     vocabulary entry (byte-level BPE writes one character per byte; SentencePiece's ``▁`` is

@@ -61,15 +61,17 @@ def register_deletion(
     audit = auth.audit if audit is None else audit
     vocab_size = int(engine.model.config.vocab_size)
 
-    def tokens_of(body: DeleteRequest) -> list[int]:
+    def tokens_of(body: DeleteRequest) -> tuple[list[int], int]:
+        """The prompt's token ids and the first that depends on its content (a chat's
+        template-only head is kept: ``deletion_protocol``)."""
         if body.prompt is not None:
-            return engine.encode_prompt(body.prompt)
+            return engine.encode_prompt(body.prompt), 0
         if body.messages is not None:
-            return engine.encode_chat(body.template_messages())
+            return engine.chat_content_start(body.template_messages())
         assert body.prompt_token_ids is not None
         if body.prompt_token_ids and max(body.prompt_token_ids) >= vocab_size:
             raise ApiError(400, f"token ids must be < {vocab_size}", param="prompt_token_ids")
-        return body.prompt_token_ids
+        return body.prompt_token_ids, body.content_from or 0
 
     def selector_of(body: DeleteRequest) -> DeleteSelector | None:
         """None: nothing can match (a prompt shorter than one block, or no reuse at all)."""
@@ -77,7 +79,9 @@ def register_deletion(
             return DeleteSelector(
                 tenant=body.tenant, all=bool(body.all), older_than_s=body.older_than_s
             )
-        keys = engine.block_keys(tokens_of(body), body.tenant)  # on the loop, as serving does
+        tokens, start = tokens_of(body)
+        keys = engine.block_keys(tokens, body.tenant)  # on the loop, as serving does
+        keys = keys[start // engine.config.block_size :]  # chained: the rest go with these
         return DeleteSelector(tenant=body.tenant, keys=tuple(keys)) if keys else None
 
     def run(selector: DeleteSelector | None) -> _Outcome:

@@ -6,11 +6,19 @@ Exactly one selector per request, and nothing else (anything else is a 400)::
     {"tenant": T, "prompt": TEXT}               the prompt's blocks and their descendants
     {"tenant": T, "messages": [...]}            the same for a chat (templated as chat is)
     {"tenant": T, "prompt_token_ids": [...]}    the same for tokens (what the front door sends)
+    {"tenant": T, "prompt_token_ids": [...], "content_from": I}
+                                                the same from the block holding token I on
+                                                (the front door's form of a chat)
     {"tenant": T, "older_than_s": N}            T's objects created more than N seconds ago
 
 ``tenant`` is a namespace name exactly as blocks are stored under it (``acme``, or a narrowed
 ``acme/conv-1``, which ``all`` on ``acme`` does not reach). The selector's kind is the audit
 record's reason; the prompt itself is never logged.
+
+A chat is deleted from its first block that holds message content on
+(``tokenization.chat_content_start``): the blocks before it hold only the chat template (its
+default system prompt, role headers), shared by every conversation of the tenant and telling
+nothing of this one; deleting them would take every other conversation's cache with them.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class DeleteRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt_token_ids: list[int] | None = Field(default=None, max_length=MAX_DELETE_TOKENS)
     older_than_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    content_from: int | None = Field(default=None, ge=0)  # with prompt_token_ids only
 
     @field_validator("prompt")
     @classmethod
@@ -75,6 +84,8 @@ class DeleteRequest(BaseModel):
             raise ValueError('"all" may only be true')
         if self.prompt_token_ids is not None and any(t < 0 for t in self.prompt_token_ids):
             raise ValueError("token ids must be non-negative")
+        if self.content_from is not None and self.prompt_token_ids is None:
+            raise ValueError("content_from goes with prompt_token_ids only")
         return self
 
     @property
