@@ -237,11 +237,20 @@ class EventPlane:
         stream, which has no dump of its own (and the kvstrata connector serves no replay
         today): its lost blocks stay unknown (routing misses, never wrong KV), counted in
         ``resyncs["lower_lost"]``, and the device entries are kept."""
+        epoch_changed = False
         if result.batches:
             with self.lock:
+                before = self.index.epoch(worker_id)
                 for received in result.batches:
                     batch = received.batch if transform is None else transform(received.batch)
                     self.index.apply_batch(worker_id, batch, seq=received.seq)
+                epoch_changed = self.index.epoch(worker_id) != before and before is not None
+        if epoch_changed and not lower:
+            # A batch of an epoch never seen reads as a restart and retires the live epoch;
+            # the worker's dump says which is live (a stray or forged epoch must not wedge
+            # the slot: later batches of the real epoch would all be refused as stale).
+            self._resync(worker_id, stream, "epoch")
+            return True
         if result.resync_needed and lower:
             self.resyncs["lower_lost"] = self.resyncs.get("lower_lost", 0) + 1
             _log.warning(

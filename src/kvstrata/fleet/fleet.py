@@ -148,7 +148,7 @@ class Fleet(FleetRouting):
                 transform=salted_batch if self.config.engine == "vllm" else None,
             )
             # Registering may run the collector, which takes the lock: do it outside.
-            self.metrics.export_index(index, events.stats, self._lock)
+            self.metrics.export_index(index, events.stats, self._lock, events.resyncs)
             events.start()
             with self._lock:
                 self._router = Router(index, POLICIES[self.config.policy](self._profile))

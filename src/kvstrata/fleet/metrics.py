@@ -10,7 +10,7 @@ while the client formats or writes).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -104,17 +104,29 @@ class FleetMetrics:
         )
 
     def export_index(
-        self, index: GlobalIndex, events: EventPlaneStats, lock: threading.Lock
+        self,
+        index: GlobalIndex,
+        events: EventPlaneStats,
+        lock: threading.Lock,
+        resyncs: Mapping[str, int] | None = None,
     ) -> None:
-        """Register a collector that reads the index's and event plane's own counters."""
-        self.registry.register(_IndexCollector(index, events, lock))
+        """Register a collector that reads the index's and event plane's own counters
+        (``resyncs``: the event plane's resyncs by reason)."""
+        self.registry.register(_IndexCollector(index, events, lock, resyncs or {}))
 
 
 class _IndexCollector(Collector):
-    def __init__(self, index: GlobalIndex, events: EventPlaneStats, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        index: GlobalIndex,
+        events: EventPlaneStats,
+        lock: threading.Lock,
+        resyncs: Mapping[str, int],
+    ) -> None:
         self._index = index
         self._events = events
         self._lock = lock
+        self._resyncs = resyncs
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self._lock:
@@ -182,6 +194,24 @@ class _IndexCollector(Collector):
             ),
             ("index_epoch_changes", stats.epoch_changes, "Worker restarts seen"),
             ("index_resyncs", stats.resyncs, "Full dumps applied (attach or gap repair)"),
+            ("index_unknown_mediums", stats.unknown_mediums, "Stores in a medium not known"),
+            ("index_clears", stats.clears, "AllBlocksCleared events applied"),
+            (
+                "index_stale_batches",
+                stats.stale_batches,
+                "Batches of an epoch the worker left behind (ignored)",
+            ),
+            (
+                "index_inconsistent_marks",
+                stats.inconsistent_marks,
+                "Times a worker's entries were distrusted (resync pending)",
+            ),
+            (
+                "index_tombstone_refusals",
+                stats.tombstone_refusals,
+                "Stored blocks refused because a deletion's tombstone covers them",
+            ),
+            ("events_missed_batches", events.missed_batches, "Batches a gap skipped over"),
             ("events_batches", events.batches, "Event batches received"),
             ("events_malformed_messages", events.malformed_messages, "Undecodable messages"),
             ("events_malformed_events", events.malformed_events, "Undecodable events"),
@@ -195,3 +225,12 @@ class _IndexCollector(Collector):
             counter = CounterMetricFamily(f"kvstrata_{name}", doc)
             counter.add_metric([], float(value))
             yield counter
+        resyncs = CounterMetricFamily(
+            "kvstrata_events_resyncs",
+            "Event-plane resyncs from a worker's dump, by reason (gap, epoch, error, "
+            "lower_lost: a lower stream's lost events, not resynced)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(dict(self._resyncs).items()):  # dict(): one atomic copy
+            resyncs.add_metric([reason], float(count))
+        yield resyncs

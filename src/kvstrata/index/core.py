@@ -172,6 +172,10 @@ class GlobalIndex(IndexDeletions):
         self.stats.stale_entries_dropped += self._drop_entries(worker)
         if worker.epoch is not None and epoch != worker.epoch:
             worker.retired_epochs.add(worker.epoch)
+        if epoch is not None:
+            # The dump is the worker's word: its epoch is live, even if a stray batch of
+            # another epoch had retired it (``EventPlane`` confirms every epoch change here).
+            worker.retired_epochs.discard(epoch)
         worker.epoch = epoch
         worker.consistent = True
         self.stats.resyncs += 1

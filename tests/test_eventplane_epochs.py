@@ -1,0 +1,100 @@
+"""The router's event plane against a batch of an epoch it never saw: it asks the worker's
+dump which epoch is live instead of retiring the live one (real ZMQ sockets; the dump comes
+from a source object standing in for the worker's ``/kv/dump``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from prometheus_client import generate_latest
+
+from kvstrata.events import ZmqEventPublisher
+from kvstrata.events.schema import BlockStored, KVEvent, make_batch
+from kvstrata.fleet.eventplane import EventPlane
+from kvstrata.fleet.metrics import FleetMetrics
+from kvstrata.fleet.workers import WorkerDump, WorkerInfo
+from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index import GlobalIndex
+
+FP = FingerprintDigest(bytes(range(32)))
+BS = 4
+LIVE_EPOCH = 111
+
+
+def _stored(first_hash: int, seed: int) -> tuple[BlockStored, list[int]]:
+    tokens = [(seed * 7919 + i * 31) % 50_000 for i in range(BS)]
+    return BlockStored([first_hash], None, tokens, BS, None, "device", None), tokens
+
+
+class _Worker:
+    """What the worker holds and its stream position, published and dumped consistently."""
+
+    def __init__(self, publisher: ZmqEventPublisher) -> None:
+        self.publisher = publisher
+        self.held: list[KVEvent] = []
+        self.lock = threading.Lock()
+
+    def store(self, event: BlockStored) -> None:
+        with self.lock:
+            self.held.append(event)
+            self.publisher.publish([event])
+
+    def info(self, http: httpx.Client, base_url: str, api_key: str | None) -> WorkerInfo:
+        raise AssertionError("not asked in this test")
+
+    def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:
+        with self.lock:
+            return WorkerDump(LIVE_EPOCH, self.publisher.next_seq, list(self.held), time.time())
+
+
+def _matched(index: GlobalIndex, lock: threading.Lock, tokens: list[int]) -> int:
+    with lock:
+        match = index.match(index.request_hashes(None, tokens)).get("w0")
+    return 0 if match is None else match.blocks
+
+
+def _wait(condition: object, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_restart() -> None:
+    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    with ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as publisher:
+        worker = _Worker(publisher)
+        plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
+        plane.start()
+        try:
+            info = WorkerInfo(
+                "w0", "http://127.0.0.1:9", LIVE_EPOCH, "m", FP, BS, publisher.endpoint, None,
+                publisher.next_seq,
+            )  # fmt: skip
+            plane.attach(info)
+            first, first_tokens = _stored(1, seed=1)
+            worker.store(first)
+            _wait(lambda: _matched(index, lock, first_tokens) == 1, "the live batch applied")
+            stray, stray_tokens = _stored(9, seed=9)  # another epoch: not what the worker holds
+            publisher.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
+            _wait(lambda: plane.resyncs.get("epoch") == 1, "the stray epoch made it resync")
+            later, later_tokens = _stored(2, seed=2)
+            worker.store(later)
+            _wait(lambda: _matched(index, lock, later_tokens) == 1, "live batches apply again")
+            assert _matched(index, lock, first_tokens) == 1
+            assert _matched(index, lock, stray_tokens) == 0
+            with lock:
+                assert index.epoch("w0") == LIVE_EPOCH and index.is_consistent("w0")
+            tape = BlockStored([5], None, first_tokens, BS, None, "tape", None)
+            publisher.publish([tape])  # a medium the index does not know: counted, skipped
+            metrics = FleetMetrics()
+            metrics.export_index(index, plane.stats, lock, plane.resyncs)
+            _wait(lambda: index.stats.unknown_mediums == 1, "the unknown medium counted")
+            text = generate_latest(metrics.registry).decode()
+            assert 'kvstrata_events_resyncs_total{reason="epoch"} 1.0' in text
+            assert "kvstrata_index_unknown_mediums_total 1.0" in text
+            assert "kvstrata_index_stale_batches_total" in text
+        finally:
+            plane.close()
