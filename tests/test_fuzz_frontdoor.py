@@ -101,6 +101,8 @@ def _post(
 @FEW
 @given(path=st.sampled_from(ENDPOINTS), value=json_value)
 @example(path=ENDPOINTS[0], value={"prompt": "x", "max_tokens": 1, "seed": 1 << 64})
+@example(path=ENDPOINTS[0], value={"prompt": [1 << 32], "max_tokens": 1})  # no u32: unhashable
+@example(path=ENDPOINTS[0], value={"prompt": [1 << 63], "max_tokens": 1, "stream": True})
 def test_random_json_bodies(front_door: FrontDoor, path: str, value: Any) -> None:
     _post(front_door, path, dumps(value))
 
@@ -180,6 +182,21 @@ def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
         return
     assert len(info.fingerprint) == 32 and info.block_size > 0 and info.events_endpoint
     assert all(f is None or (math.isfinite(f) and f >= 0) for f in info.fetch_s_per_block)
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_a_body_over_the_limit_is_a_413_here_and_no_worker_is_flagged(
+    front_door: FrontDoor, path: str
+) -> None:
+    """A worker refuses such a body before reading it (413, closing): forwarded, that read as
+    a dead worker, and the retries flagged every worker in turn (503 for everyone)."""
+    raw = b'{"prompt": "' + b"a" * (4 * 1024 * 1024 + 16) + b'", "max_tokens": 1}'
+    before = _forwarded(front_door)
+    response = front_door.client.post(path, content=raw)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert _forwarded(front_door) == before
+    assert all(view.healthy for view in front_door.fleet.worker_views())
 
 
 def test_the_front_door_still_routes(front_door: FrontDoor) -> None:

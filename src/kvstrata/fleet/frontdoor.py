@@ -58,6 +58,7 @@ from kvstrata.fleet.workers import worker_tls
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
+from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits
 from kvstrata.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,6 +69,9 @@ from kvstrata.serve.protocol import (
 )
 
 _log = logging.getLogger(__name__)
+_TOKEN_ID_LIMIT = 1 << 32
+"""Token ids the router can hash (``identity.router_hash``); above it a prompt is a 400."""
+_MODELS_TIMEOUT_S = 5.0
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 WORKER_HEADER = "X-Kvstrata-Worker"
@@ -95,7 +99,10 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
     assert isinstance(body, CompletionRequest)
     prompt = body.prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < _TOKEN_ID_LIMIT for t in ids):  # no tokenizer makes these; the
+            raise ApiError(400, "token ids must be in [0, 2**32)", param="prompt")  # worker
+        return ids  # checks its own vocabulary
     return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
 
 
@@ -128,6 +135,9 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             fleet.close()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
+    # The workers' own body limits, here first: a body a worker refuses (413, closing before
+    # it is read) would otherwise read as a dead worker, and the retry would flag them all.
+    app.add_middleware(BodyLimits, limits=DEFAULT_LIMITS)
     register_deletion(app, fleet, guard)
     app.exception_handler(ApiError)(api_error_handler)
 
@@ -218,10 +228,16 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        """The first healthy worker that answers (one that died since the last health round
+        is skipped, not a 500)."""
         assert client is not None
         for view in fleet.worker_views():
             if view.healthy:
-                upstream = await client.get(f"{view.url}/v1/models")
+                try:
+                    upstream = await client.get(f"{view.url}/v1/models", timeout=_MODELS_TIMEOUT_S)
+                except httpx.HTTPError as exc:
+                    _log.warning("worker %s did not list its models: %r", view.worker_id, exc)
+                    continue
                 return Response(
                     upstream.content, upstream.status_code, media_type="application/json"
                 )
@@ -298,6 +314,12 @@ async def _forward(
             )
         try:
             content = await upstream.aread()
+        except httpx.HTTPError as exc:  # the worker failed after its headers: nothing was
+            fleet.unreachable(reservation)  # relayed yet, so the next best may take it
+            fleet.metrics.retries.labels(worker_id).inc()
+            _log.warning("worker %s failed mid-answer (%r); re-routing %s", worker_id, exc,
+                         request_id)  # fmt: skip
+            continue
         finally:
             await upstream.aclose()
         now = time.time()
