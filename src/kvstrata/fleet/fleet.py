@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 
 import httpx
@@ -71,6 +72,7 @@ from kvstrata.router.costs import CostProfile
 from kvstrata.router.registry import POLICIES
 
 _log = logging.getLogger(__name__)
+_MAX_PROBES = 32  # health probes in flight at once
 
 
 class Fleet(FleetRouting):
@@ -217,15 +219,29 @@ class Fleet(FleetRouting):
         with self._lock:
             self._stop_traffic(state)
 
+    def _probe(self, url: str) -> WorkerInfo | None:
+        """One worker's ``/kv/info``; None when it cannot be reached or answers garbage."""
+        try:
+            return self._source.info(self._http, url, self.config.api_key)
+        except (httpx.HTTPError, WorkerProtocolError):
+            return None
+
     def check_health(self) -> None:
-        """One health round (blocking; run off the event loop, one round at a time)."""
-        for url in list(self.config.worker_urls):
+        """One health round (blocking; run off the event loop, one round at a time).
+
+        Every worker is probed at once (threads: the probes are HTTP waits), so a worker that
+        hangs — SIGSTOP, a wedged event loop — delays no other worker's round; then the
+        answers are applied one worker at a time."""
+        urls = list(self.config.worker_urls)
+        if not urls:
+            return
+        with ThreadPoolExecutor(max_workers=min(len(urls), _MAX_PROBES)) as pool:
+            probes = list(pool.map(self._probe, urls))
+        for url, info in zip(urls, probes, strict=True):
             table = self._table  # one snapshot per worker: no lock held across the HTTP call
             worker_id = table.by_url.get(url)
             state = table.by_id.get(worker_id) if worker_id else None
-            try:
-                info = self._source.info(self._http, url, self.config.api_key)
-            except (httpx.HTTPError, WorkerProtocolError):
+            if info is None:
                 if state is not None:
                     with self._lock:
                         state.failures += 1
