@@ -834,3 +834,26 @@ def test_a_late_batch_from_a_retired_epoch_is_ignored() -> None:
     index.apply_batch("w", make_batch([stored], epoch=1))  # delivered late
     assert index.match(index.request_hashes(None, tokens))["w"].blocks == 0
     assert index.stats.stale_batches == 1 and index.epoch("w") == 2
+
+
+def test_the_hasher_cache_keeps_the_namespaces_used_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Namespace names come from clients: the cache of router hashers is bounded (LRU)."""
+    from kvstrata.index import core
+
+    monkeypatch.setattr(core, "MAX_HASHERS", 4)
+    index = make_index()
+    kept = index.hasher("t0")
+    for i in range(1, 10):
+        index.hasher(f"t{i}")
+        assert index.hasher("t0") is kept  # used every time: never the least recent
+    assert len(index._hashers) == 4
+    assert index.hasher("t1") is not None and len(index._hashers) == 4
+
+
+def test_a_batch_stamped_with_a_non_finite_time_does_not_poison_the_lag() -> None:
+    index = make_index()
+    toks = tokens(1, 1)
+    for ts in (float("-inf"), float("nan")):
+        index.apply_batch("w0", KVEventBatch(ts=ts, events=[stored(engine_hashes(toks), toks)]))
+    index.apply_batch("w0", KVEventBatch(ts=NOW - 2.0, events=[]))
+    assert index.stats.lag_quantile(0.99) == 2.0

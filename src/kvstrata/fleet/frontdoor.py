@@ -181,7 +181,8 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         try:
             principal = observer(request)
             raw = await request.body()
-            endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
+            parsed = parse_json(raw)  # a chat body is one with a "messages" key (not bytes)
+            endpoint = CHAT if isinstance(parsed, dict) and "messages" in parsed else COMPLETIONS
             body, payload = _parse(endpoint, raw)
             tenant = _engine_tenant(
                 fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload

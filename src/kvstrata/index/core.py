@@ -56,6 +56,7 @@ module adds hashing, event application, approximate mode and matching.
 from __future__ import annotations
 
 import array
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
@@ -109,6 +110,10 @@ __all__ = [
 ]
 
 
+MAX_HASHERS: Final = 4096
+"""Namespaces whose router hasher the index keeps (least recently used go first)."""
+
+
 class GlobalIndex(IndexDeletions):
     """Block → (worker, medium) for one model, with per-worker longest-prefix matching.
 
@@ -138,12 +143,16 @@ class GlobalIndex(IndexDeletions):
 
     # ---------------------------------------------------------------- hashing
     def hasher(self, tenant: str | None) -> RouterHasher:
-        """The router hasher of a tenant's namespace (kept: it caches its power tables)."""
+        """The router hasher of a tenant's namespace, kept (it caches its power tables) for
+        the ``MAX_HASHERS`` namespaces used last: namespace names come from clients (a
+        sub-namespace per conversation), so an unbounded cache would grow without end."""
         name = tenant or DEFAULT_TENANT
-        hasher = self._hashers.get(name)
+        hasher = self._hashers.pop(name, None)
         if hasher is None:
             hasher = RouterHasher.for_root(self.root(name), self.block_size)
-            self._hashers[name] = hasher
+            if len(self._hashers) >= MAX_HASHERS:
+                del self._hashers[next(iter(self._hashers))]  # the least recently used
+        self._hashers[name] = hasher  # (re)inserted last: dicts keep insertion order
         return hasher
 
     def root(self, tenant: str) -> NamespaceRoot:
@@ -202,7 +211,8 @@ class GlobalIndex(IndexDeletions):
         for event in batch.events:
             self._apply_event(worker, event, seq)
         self.stats.batches += 1
-        self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))
+        if math.isfinite(batch.ts):  # a NaN or infinite stamp would poison the quantiles
+            self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))
 
     def _apply_event(self, worker: WorkerSlot, event: KVEvent, seq: int | None) -> None:
         self.stats.events += 1
