@@ -293,6 +293,7 @@ BAD_REQUESTS = [
     ("negative-max-tokens", "/v1/completions", _completion_body("hi", max_tokens=-1), 400, None),
     ("temperature", "/v1/chat/completions", _chat_body("hi", temperature=2.5), 400, None),
     ("n", "/v1/chat/completions", _chat_body("hi", n=2), 400, None),
+    ("top-logprobs", "/v1/chat/completions", _chat_body("hi", top_logprobs=3), 400, None),
     ("empty-messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None),
     ("messages-type", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, None),
     ("max-tokens-type", "/v1/completions", _completion_body("hi", max_tokens="5"), 400, None),

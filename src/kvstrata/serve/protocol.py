@@ -107,6 +107,7 @@ class SamplingRequest(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None  # refused unless 0: an ignored field would look honoured
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
     kvstrata_transfer: TransferWait | None = None
@@ -139,7 +140,7 @@ class SamplingRequest(_Strict):
             raise ValueError("penalties are not supported; use 0")
         return value
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
         if value not in (None, False, 0):
