@@ -25,7 +25,7 @@ from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import ApiError
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.frontdoor import _parse, create_frontdoor_app
+from kvstrata.fleet.frontdoor import _only_role_preamble, _parse, create_frontdoor_app
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
 from kvstrata.index.model import ConsistencyMode
 from kvstrata.runtime.config import ServeLimits
@@ -197,6 +197,18 @@ def test_a_body_over_the_limit_is_a_413_here_and_no_worker_is_flagged(
     assert response.json()["error"]["code"] == "request_too_large"
     assert _forwarded(front_door) == before
     assert all(view.healthy for view in front_door.fleet.worker_views())
+
+
+def test_a_chat_streams_opening_role_event_is_not_taken_for_its_first_token(
+    front_door: FrontDoor,
+) -> None:
+    body = {**VALID[1], "stream": True}
+    with front_door.client.stream("POST", ENDPOINTS[1], json=body) as response:
+        events = [line.encode() for line in response.iter_lines() if line.startswith("data:")]
+    assert len(events) >= 3 and events[-1] == b"data: [DONE]"
+    assert _only_role_preamble(events[0] + b"\n\n")  # the worker's bytes, as relayed
+    assert not any(_only_role_preamble(event + b"\n\n") for event in events[1:])
+    assert not _only_role_preamble(events[0] + b"\n\n" + events[1] + b"\n\n")
 
 
 def test_the_front_door_still_routes(front_door: FrontDoor) -> None:

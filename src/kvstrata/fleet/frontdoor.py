@@ -360,7 +360,7 @@ async def _relay(
     predicted = reservation.decision.predicted_ttft_s
     try:
         async for chunk in upstream.aiter_raw():
-            if ttft is None:
+            if ttft is None and not _only_role_preamble(chunk):
                 ttft = fleet.first_token(reservation, time.time())
                 if ttft is not None:
                     fleet.metrics.actual_ttft.observe(ttft)
@@ -374,6 +374,17 @@ async def _relay(
         if completion is not None:
             fleet.metrics.matched.labels(reservation.worker_id).inc(completion[1])
         fleet.finish(reservation, time.time(), None if completion is None else completion[0], ttft)
+
+
+_ROLE_PREAMBLE = b'"delta":{"role":"assistant","content":""}'
+
+
+def _only_role_preamble(chunk: bytes) -> bool:
+    """Is ``chunk`` nothing but a chat stream's opening event — the assistant role with empty
+    content, which workers (kvstrata's and vLLM's) send before the prefill? It is not the first
+    token: taken for one, the router believed every streamed chat's prefill done at once, and
+    its queue estimates and TTFT metrics were wrong for them."""
+    return chunk.count(b"data:") == 1 and _ROLE_PREAMBLE in chunk
 
 
 def _learn_prefill(fleet: Fleet, reservation: Reservation, headers: httpx.Headers) -> None:
