@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from kvstrata.transfer.handshake import (
 from kvstrata.transfer.intro import TransferIntro, encode_intro, intro_mac
 from kvstrata.transfer.layout import KVLayout, RefuseReason
 from kvstrata.transfer.tcp import TcpTransport
+from socket_helpers import foreign_service
 
 SECRET = b"disagg-test-secret"
 BLOCK = 16
@@ -325,26 +325,9 @@ def test_a_target_that_is_no_transfer_listener_is_sent_nothing_and_described_to_
     to another local service (Valkey, an HTTP server) writes it nothing — the listener must
     greet first — and answers the same reason for that as for a closed port, with no byte of
     what the service sent."""
-    service = socket.create_server(("127.0.0.1", 0))
-    service.settimeout(30)
-    received = bytearray()
-
-    def serve() -> None:
-        conn, _ = service.accept()
-        with conn:
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-            conn.settimeout(5)
-            try:
-                while chunk := conn.recv(4096):
-                    received.extend(chunk)
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     closed = free_port()
-    try:
-        for port in (service.getsockname()[1], closed):
+    with foreign_service(b"HTTP/1.1 400 Bad Request\r\n\r\n", linger_s=5) as service:
+        for port in (service.address[1], closed):
             body = {
                 "request_id": "FLUSHALL\r\nSET pwned 1\r\n",
                 "prompt_token_ids": _prompt(6, 2 * BLOCK),
@@ -354,10 +337,7 @@ def test_a_target_that_is_no_transfer_listener_is_sent_nothing_and_described_to_
             assert response.status_code == 200, response.text
             answer = response.json()
             assert answer["outcome"] == "unreachable" and answer["reason"] == UNREACHABLE
-        thread.join(30)
-    finally:
-        service.close()
-    assert received == b""
+    assert service.received == b""
 
 
 @pytest.mark.slow

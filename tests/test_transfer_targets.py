@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -14,6 +13,7 @@ from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.transfer_config import TransferConfig, parse_rule
 from kvstrata.transfer.tcp import TcpConnection, TcpTransport
 from kvstrata.transfer.transport import TransportError
+from socket_helpers import foreign_service
 
 
 def test_default_admits_loopback_only() -> None:
@@ -102,29 +102,12 @@ def test_connect_writes_nothing_to_a_peer_that_does_not_greet_as_a_transfer_list
 ) -> None:
     """A silent service, one that speaks something else, and an older transfer listener: the
     connecting side sends no byte and its error names none of the peer's."""
-    service = socket.create_server(("127.0.0.1", 0))
-    received = bytearray()
-
-    def serve() -> None:
-        conn, _ = service.accept()
-        with conn:
-            conn.sendall(banner)
-            conn.settimeout(2)
-            try:
-                while chunk := conn.recv(4096):
-                    received.extend(chunk)
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(TransportError, match="not a kvstrata transfer listener") as caught:
-            TcpTransport().connect(service.getsockname()[:2], timeout_s=0.5)
-        thread.join(10)
-    finally:
-        service.close()
-    assert received == b""
+    with (
+        foreign_service(banner) as service,
+        pytest.raises(TransportError, match="not a kvstrata transfer listener") as caught,
+    ):
+        TcpTransport().connect(service.address, timeout_s=0.5)
+    assert service.received == b""
     assert not banner.strip() or banner.strip().decode() not in str(caught.value)
 
 
