@@ -3,13 +3,15 @@
 ``BodyLimits`` is ASGI middleware in front of every route. It answers before the app sees the
 request when the body is too large or too slow, so no handler ever parses a partial body:
 
-- a ``Content-Length`` above ``ServeLimits.max_body_bytes`` is a 413 at once, nothing read;
+- a ``Content-Length`` above ``ServeLimits.max_body_bytes`` is a 413 before the app sees it;
 - a body without one (chunked) is counted as it arrives and is a 413 as soon as it passes
   the limit;
 - a body that has not fully arrived ``body_timeout_s`` after the request's headers is a 408.
 
-Both errors carry OpenAI's error shape and ``Connection: close``: the rest of such a body is
-never read, so the connection cannot carry another request. A complete body is buffered
+Both errors carry OpenAI's error shape and ``Connection: close``: the connection carries no
+further request. Before a 413 the rest of the body is read and discarded (at most
+``DRAIN_MAX_BYTES`` / ``DRAIN_MAX_S``), so the close does not reset the connection before the
+client has read the answer. A complete body is buffered
 (at most ``max_body_bytes``, which FastAPI would buffer anyway to parse it) and replayed to
 the app as one message; later ``receive`` calls (a streaming response listening for the
 client going away) go to the server as before.
@@ -78,7 +80,7 @@ class BodyLimits:
             await _refuse(scope, receive, send, ApiError(400, "invalid Content-Length header"))
             return
         if declared > self.limits.max_body_bytes:
-            await _refuse(scope, receive, send, self._too_large())
+            await _refuse(scope, receive, send, self._too_large(), drain=True)
             return
         chunks: list[bytes] = []
         received = 0
@@ -104,7 +106,7 @@ class BodyLimits:
                 code="request_timeout",
             )
         if refusal is not None:
-            await _refuse(scope, receive, send, refusal)
+            await _refuse(scope, receive, send, refusal, drain=refusal.status == 413)
             return
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
@@ -140,8 +142,40 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:
-    """Answer ``error`` and close the connection (the unread rest of the body goes with it)."""
+DRAIN_MAX_BYTES: Final = 16 * MIB
+DRAIN_MAX_S: Final = 2.0
+DRAIN_IDLE_S: Final = 0.25
+
+
+async def _refuse(
+    scope: Scope, receive: Receive, send: Send, error: ApiError, *, drain: bool = False
+) -> None:
+    """Answer ``error`` and close the connection.
+
+    ``drain`` (a body too large): first read and discard what is still coming, up to
+    ``DRAIN_MAX_BYTES`` or ``DRAIN_MAX_S``, or until it pauses for ``DRAIN_IDLE_S``. A socket
+    closed with unread bytes in its receive buffer is *reset*, and the reset can destroy the
+    answer before the client reads it: the client (or a router forwarding to this worker) then
+    sees a dropped connection instead of the 413. (Draining after the answer is not possible:
+    once it is sent, the server reports every later ``receive`` as a disconnect.)"""
+    if drain:
+        drained = 0
+        deadline = asyncio.get_running_loop().time() + DRAIN_MAX_S
+        try:
+            while drained <= DRAIN_MAX_BYTES:
+                # Stops at a pause too: a client that declared a body it does not send (or
+                # waits for a 100-continue) gets its answer at once.
+                async with asyncio.timeout_at(
+                    min(deadline, asyncio.get_running_loop().time() + DRAIN_IDLE_S)
+                ):
+                    message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left: nobody to answer
+                drained += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except TimeoutError:
+            pass
     response = error_response(error)
     response.headers["connection"] = "close"
     await response(scope, receive, send)
