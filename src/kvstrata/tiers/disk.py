@@ -422,17 +422,13 @@ class DiskTier(IndexedTierViews):
         except OSError as exc:
             raise TierError(f"cannot delete {path}: {exc}") from exc
 
-    def _discard(self, path: str | Path) -> bool:
+    def _discard(self, path: str | Path) -> None:
         """Delete a file the index no longer holds (expired, invalid, temp, over capacity);
         never raises. A file that cannot go (a read-only remount, a directory in its place)
         is logged and counted in ``counters.undeletable``; the object is already out of the
         index, so no reader sees it, and the next recovery meets it again."""
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("disk tier: cannot delete %s: %s", path, exc)
+            self._unlink(path)
+        except TierError as exc:
+            logger.warning("disk tier: %s", exc)
             self._index.counters.undeletable += 1
-            return False
-        return True
