@@ -79,11 +79,14 @@ PREFILL_HEADER = "X-Kvstrata-Prefill-S"  # set by a worker on non-streamed answe
 MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 
 
-def _parse(endpoint: str, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
+def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
+    """The body of ``endpoint``'s request (None: a chat if it has a ``messages`` key, else a
+    completion — ``/debug/route`` takes either)."""
     payload = parse_json(raw)
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object")
-    model = ChatCompletionRequest if endpoint == CHAT else CompletionRequest
+    chat = endpoint == CHAT or (endpoint is None and "messages" in payload)
+    model = ChatCompletionRequest if chat else CompletionRequest
     try:
         body = model.model_validate(payload)
     except ValidationError as exc:
@@ -180,10 +183,8 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         caller's own namespace only."""
         try:
             principal = observer(request)
-            raw = await request.body()
-            parsed = parse_json(raw)  # a chat body is one with a "messages" key (not bytes)
-            endpoint = CHAT if isinstance(parsed, dict) and "messages" in parsed else COMPLETIONS
-            body, payload = _parse(endpoint, raw)
+            body, payload = _parse(None, await request.body())
+            endpoint = CHAT if isinstance(body, ChatCompletionRequest) else COMPLETIONS
             tenant = _engine_tenant(
                 fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload
             )
