@@ -308,8 +308,22 @@ async def _forward(
         if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
             extra["Retry-After"] = upstream.headers["retry-after"]
         if body.stream and upstream.status_code == 200:
+            chunks = upstream.aiter_raw()
+            try:  # hold the client's headers until the first token: until then, a worker
+                head, first_at = await _stream_head(chunks)  # that dies costs the client nothing
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                fleet.unreachable(reservation)
+                fleet.metrics.retries.labels(worker_id).inc()
+                _log.warning("worker %s failed before its first token (%r); re-routing %s",
+                             worker_id, exc, request_id)  # fmt: skip
+                continue
+            relay = _relay(fleet, reservation, upstream, head, first_at, chunks)
+            # started here, so its cleanup (finish the reservation, close the upstream) runs
+            # even if the client left and Starlette never iterates the body
+            primed = [chunk for chunk in [await anext(relay, None)] if chunk is not None]
             return StreamingResponse(
-                _relay(fleet, reservation, upstream),
+                _chained(primed, relay),
                 status_code=200,
                 media_type="text/event-stream",
                 headers=extra,
@@ -353,20 +367,44 @@ def _worker_headers(request: Request, body: SamplingRequest, request_id: str) ->
     return httpx.Headers(headers, encoding="latin-1")
 
 
+async def _stream_head(chunks: AsyncIterator[bytes]) -> tuple[list[bytes], float | None]:
+    """A stream's chunks up to and including its first token (or its end, if it ends first),
+    and when that token came: what the front door reads before it answers the client."""
+    head: list[bytes] = []
+    async for chunk in chunks:
+        head.append(chunk)
+        if not _only_role_preamble(chunk):
+            return head, time.time()
+    return head, None
+
+
+async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
+
+
 async def _relay(
-    fleet: Fleet, reservation: Reservation, upstream: httpx.Response
+    fleet: Fleet,
+    reservation: Reservation,
+    upstream: httpx.Response,
+    head: list[bytes],
+    first_at: float | None,
+    rest: AsyncIterator[bytes],
 ) -> AsyncIterator[bytes]:
+    """Relay ``head`` and then ``rest``; ``first_at``: when the head's first token came."""
     ttft: float | None = None
     completion: tuple[int, int] | None = None
     predicted = reservation.decision.predicted_ttft_s
+    if first_at is not None:
+        ttft = fleet.first_token(reservation, first_at)
+        if ttft is not None:
+            fleet.metrics.actual_ttft.observe(ttft)
+            if predicted > 0:
+                fleet.metrics.ttft_ratio.observe(ttft / predicted)
     try:
-        async for chunk in upstream.aiter_raw():
-            if ttft is None and not _only_role_preamble(chunk):
-                ttft = fleet.first_token(reservation, time.time())
-                if ttft is not None:
-                    fleet.metrics.actual_ttft.observe(ttft)
-                    if predicted > 0:
-                        fleet.metrics.ttft_ratio.observe(ttft / predicted)
+        async for chunk in _chained(head, rest):
             if b'"usage"' in chunk:
                 completion = _usage_in_sse(chunk) or completion
             yield chunk
