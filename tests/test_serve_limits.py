@@ -7,6 +7,7 @@ raw JSON escapes a client would send, and the body limits are probed with raw so
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -314,3 +315,31 @@ def test_refusals_are_counted_by_status(served: Served) -> None:
     )
     _raw_exchange(served.port, request, timeout_s=10 * BODY_TIMEOUT_S)
     assert refused() == before + 1
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_prompts_are_tokenized_off_the_event_loop(
+    served: Served, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A megabyte of text takes the tokenizer seconds: on the event loop it stalled every other
+    request (health probes, streams) that long. The tokenizer releases the GIL in a thread."""
+    seen: list[bool] = []
+    name = "encode_chat" if path == CHAT else "encode_prompt"
+    original = getattr(served.engine, name)
+
+    def recording(*args: Any) -> list[int]:
+        seen.append(_in_event_loop())
+        return list(original(*args))
+
+    monkeypatch.setattr(served.engine, name, recording)
+    response = _post(served, path, _body(path, "tokenized in a thread"))
+    assert response.status_code == 200, response.text
+    assert seen == [False]

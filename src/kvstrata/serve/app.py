@@ -216,8 +216,8 @@ class _Service:
         return await self._serve(request, CHAT, body, tenant, encode, "messages")
 
     def _refuse_if_it_cannot_fit(self, texts: list[str], param: str) -> None:
-        """A 400 before tokenizing text far too long for the context window: tokenizing runs
-        on the event loop, and megabytes of it stall every request for seconds."""
+        """A 400 before tokenizing text far too long for the context window (megabytes of it
+        would hold a tokenizer thread for seconds)."""
         size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
         context = self.engine.max_model_len
         if tokenization.cannot_fit(size, context, self._token_bytes):
@@ -256,7 +256,9 @@ class _Service:
         if wait is not None and self.disagg is not None:
             await self.disagg.await_transfer(wait, tenant)  # then generate: a hit or local
         try:
-            prompt_ids = encode()  # on the loop: the tokenizer has one user, no locking
+            # off the event loop (the tokenizer releases the GIL): a long prompt stalled every
+            # other request, health probes included, for seconds
+            prompt_ids = await asyncio.to_thread(encode)
             generation = engine.generate(
                 prompt_ids,
                 self._params(body, len(prompt_ids)),

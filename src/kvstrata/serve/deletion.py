@@ -100,7 +100,7 @@ def register_deletion(
         try:
             principal = auth.check(request, ADMINISTER, "delete cached KV", request_id=request_id)
             body = parse_delete_body(await request.body())
-            selector = selector_of(body)
+            selector = await asyncio.to_thread(selector_of, body)  # tokenizes: off the loop
         except ApiError as exc:
             return error_response(exc)
         outcome = await asyncio.wrap_future(engine.call(lambda: run(selector)))
