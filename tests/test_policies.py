@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.store.adaptive import AdaptivePolicy
@@ -21,7 +22,14 @@ from kvstrata.store.belady import NEVER, BeladyPolicy, FutureAccesses
 from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
-from kvstrata.store.value_policy import DECAY, HitDensity, age_bucket, use_class
+from kvstrata.store.value_policy import (
+    DECAY,
+    HitDensity,
+    age_bucket,
+    kvstrata_policy,
+    use_class,
+    value_per_byte,
+)
 
 REPRESENTATION = Representation(dtype="float32", layout="test", block_size=16, shape=(16,))
 
@@ -59,7 +67,8 @@ def _belady_never() -> BeladyPolicy:
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
-    "kvstrata": AdaptivePolicy,
+    "kvstrata": kvstrata_policy,
+    "kvstrata-adaptive": AdaptivePolicy,
     "kvstrata-small-shadow": lambda: AdaptivePolicy(shadow_objects=2, half_life_references=4),
     "kvstrata-value": ValuePolicy,
     "kvstrata-ghost": lambda: ValuePolicy(ghost_factor=8.0, ghost_uses=True, ghost_censored=True),
@@ -394,3 +403,17 @@ def test_value_policy_ghost_censored_counts_pending_ghosts_only_while_reconfigur
         densities.append(policy.density.at(0, 0.0))
     assert densities[0] > 0.0
     assert densities[1] == pytest.approx(densities[0] / 2, rel=0.2)
+
+
+def test_the_seconds_weight_trades_seconds_for_tokens() -> None:
+    """``saved_s^w · tokens^(1−w) / size``: 1 is seconds alone; lower weights narrow the gap
+    between a deep block (costly to recompute) and a shallow one of the same tokens."""
+    deep, shallow = meta(1, recompute_s=8.0, size=1000), meta(2, recompute_s=0.5, size=1000)
+    assert value_per_byte(deep) == pytest.approx(8.0 / 1000)
+    assert value_per_byte(deep, seconds_weight=1.0) == value_per_byte(deep)
+    assert value_per_byte(deep, seconds_weight=0.4) == pytest.approx(8.0**0.4 * 16**0.6 / 1000)
+    assert value_per_byte(deep, seconds_weight=0.0) == value_per_byte(shallow, seconds_weight=0.0)
+    ratio = [value_per_byte(deep, None, w) / value_per_byte(shallow, None, w) for w in (1, 0.4)]
+    assert ratio[0] == pytest.approx(16.0) and ratio[1] == pytest.approx(16.0**0.4)
+    with pytest.raises(InvalidInput):
+        ValuePolicy(seconds_weight=1.5)

@@ -37,16 +37,23 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.objects.chains import chain_metas
-from kvstrata.store.adaptive import AdaptivePolicy
+from kvstrata.runtime.store_factory import eviction_policy
 from kvstrata.store.deployed import DEPLOYED_POLICIES
-from kvstrata.store.policies import BeladyPolicy, FutureAccesses, LRUPolicy, ValuePolicy
+from kvstrata.store.policies import BeladyPolicy, FutureAccesses
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
 
-POLICY_NAMES: tuple[str, ...] = ("lru", *DEPLOYED_POLICIES, "kvstrata-value", "kvstrata", "belady")
-"""LRU, the deployed peers (``kvstrata.store.deployed``), kvstrata's value policy alone
-(``kvstrata-value``), kvstrata (``AdaptivePolicy``, which chooses among candidates that include
-it), and the oracle."""
+POLICY_NAMES: tuple[str, ...] = (
+    "lru",
+    *DEPLOYED_POLICIES,
+    "kvstrata-value",
+    "kvstrata-adaptive",
+    "kvstrata",
+    "belady",
+)
+"""LRU, the deployed peers (``kvstrata.store.deployed``), kvstrata's value policy on seconds
+alone (``kvstrata-value``), the adaptive chooser it replaced (``kvstrata-adaptive``), kvstrata
+(``value_policy.kvstrata_policy``), and the oracle."""
 
 DEFAULT_CAPACITIES: tuple[int, ...] = (10_000, 30_000, 100_000)
 """Blocks. On the Mooncake conversation trace (182,790 distinct blocks) these span the
@@ -159,17 +166,11 @@ class _OracleBelady(BeladyPolicy):
 
 
 def make_policy(name: str, trace: SimulatedTrace) -> EvictionPolicy:
-    if name == "lru":
-        return LRUPolicy()
-    if name == "kvstrata":
-        return AdaptivePolicy()
-    if name == "kvstrata-value":
-        return ValuePolicy()
-    if name in DEPLOYED_POLICIES:
-        return DEPLOYED_POLICIES[name](None)
     if name == "belady":
         return _OracleBelady(FutureAccesses(trace.keys))
-    raise InvalidInput(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    if name not in POLICY_NAMES:
+        raise InvalidInput(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return eviction_policy(name)  # the store's own construction of every other policy
 
 
 def _ratio(numerator: int, denominator: int) -> float | None:

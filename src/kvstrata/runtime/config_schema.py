@@ -16,7 +16,16 @@ from typing import Any, Final
 GIB: Final = 1 << 30
 MIB: Final = 1 << 20
 TIER_NAMES: Final = ("host", "disk", "remote")
-EVICTION_POLICIES: Final = ("kvstrata", "lru", "s3fifo", "arc", "gdsf", "tinylfu")
+EVICTION_POLICIES: Final = (
+    "kvstrata",
+    "kvstrata-value",
+    "kvstrata-adaptive",
+    "lru",
+    "s3fifo",
+    "arc",
+    "gdsf",
+    "tinylfu",
+)
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,9 @@ KEYS: Final[tuple[Key, ...]] = (
         "tiers.eviction_policy",
         "str",
         "kvstrata",
-        "kvstrata (adaptive: the candidate its miniature simulations find saves most)"
-        " | kvstrata-value (by measured value alone) | lru | s3fifo | arc | gdsf | tinylfu",
+        "kvstrata (measured value: hit density with a ghost, seconds and tokens saved)"
+        " | kvstrata-value (hit density × seconds alone) | kvstrata-adaptive (the candidate"
+        " its miniature simulations find saves most) | lru | s3fifo | arc | gdsf | tinylfu",
     ),
     Key("tiers.verify_reads", "bool", True, "check the payload digest on every read"),
     Key("tiers.selective_min_uses", "int", 2, "selective: uses before an object is admitted"),

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import TierSpec, WorkerConfig
+from kvstrata.runtime.config_schema import EVICTION_POLICIES
 from kvstrata.runtime.remote_metrics import RemoteTierCollector
 from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.store.adaptive import AdaptivePolicy
@@ -26,7 +27,7 @@ from kvstrata.store.deployed import DEPLOYED_POLICIES
 from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.tiered import TieredStore
-from kvstrata.store.value_policy import ValuePolicy, value_per_byte
+from kvstrata.store.value_policy import ValuePolicy, kvstrata_policy, value_per_byte
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.disk import DiskTier
@@ -43,12 +44,14 @@ def eviction_policy(name: str, demotion_fetch_s_per_byte: float | None = None) -
     if name == "lru":
         return LRUPolicy()
     if name == "kvstrata":
-        return AdaptivePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
+        return kvstrata_policy(demotion_fetch_s_per_byte)
     if name == "kvstrata-value":
         return ValuePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
+    if name == "kvstrata-adaptive":
+        return AdaptivePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
     if name in DEPLOYED_POLICIES:
         return DEPLOYED_POLICIES[name](demotion_fetch_s_per_byte)
-    known = ", ".join(("kvstrata", "kvstrata-value", "lru", *DEPLOYED_POLICIES))
+    known = ", ".join(EVICTION_POLICIES)
     raise ConfigError(f"unknown eviction policy {name!r}; known: {known}")
 
 
