@@ -107,6 +107,14 @@ def test_synthetic_cli_half_split_and_policy_subset(capsys: pytest.CaptureFixtur
     assert whole["trace"] == "synthetic:chat:seed=3"
 
 
+def test_cli_skip_takes_a_later_window(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--synthetic", "chat", "--seed", "3", "--capacities", "10%", "--policies", "lru")
+    first = _run_cli(capsys, *args, "--requests", "150")
+    window = _run_cli(capsys, *args, "--skip", "100", "--requests", "50")
+    assert first["requests"] == 150 and window["requests"] == 50
+    assert "from request 100" in window["trace"] and "first 50" in window["trace"]
+
+
 def test_bench_rejects_unknown_policies(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "eviction", "--synthetic", "chat", "--policies", "fifo", "--quiet"])
     assert code == 2

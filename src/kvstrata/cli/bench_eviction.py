@@ -84,6 +84,12 @@ def register(sub: Any) -> None:
         help="comma-separated subset of " + ",".join(POLICY_NAMES),
     )
     parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="drop the first N requests (then --requests counts from there): a later window",
+    )
+    parser.add_argument(
         "--requests",
         type=int,
         default=None,
@@ -222,6 +228,11 @@ def _run_remote(args: argparse.Namespace, requests: list[TraceRequest], source: 
 
 def _load(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     requests, source = load_source(args.trace, args.synthetic, args.seed, args.data_dir)
+    if args.skip:
+        if args.skip < 0:
+            raise InvalidInput(f"--skip must be >= 0, got {args.skip}")
+        requests = requests[args.skip :]
+        source += f" (from request {args.skip})"
     limit = args.requests
     if limit is None and args.remote_writers:
         limit = REMOTE_DEFAULT_REQUESTS
