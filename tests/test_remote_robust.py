@@ -328,3 +328,55 @@ def test_a_garbage_ledger_tombstone_refuses_and_a_deletion_replaces_it(
 
 def test_garbage_in_a_reply_error_is_still_unavailable_to_callers() -> None:
     assert issubclass(RemoteReplyError, RemoteUnavailable)
+
+
+# ------------------------------------------------------------------ entries whose bytes are gone
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_committed_entry_whose_bytes_are_gone_does_not_block_the_key(
+    remote_server: ValkeyServer, remote_namespace: str
+) -> None:
+    """An outside DEL (or a server evicting keys itself) left the ledger entry behind: the key
+    answered 'exists' to every later store, so a hot block missed for good. Past the grace
+    (a writer between its commit and its write is not lost) the entry is dropped as 'lost'
+    and the key is stored again. (Half an object is a corrupt read: the reader drops that
+    entry itself.)"""
+    clock = _Clock()
+    t = remote_tier_on(
+        remote_server.url, remote_namespace, 4 * OBJ, value_of=value_per_byte, clock=clock
+    )
+    try:
+        conn = _conn(t)
+        meta, payload = make_object(1)
+        assert store(t, meta, payload)
+        conn.delete(t.meta_key(meta.key), t.data_key(meta.key))
+        assert load_bytes(t, meta.key) is None
+        clock.now += t.config.pending_timeout_s / 2  # within the grace: kept
+        assert t.prepare_store(meta) is None
+        assert conn.hexists(t._ledger_key, meta.key.hex())
+        clock.now += t.config.pending_timeout_s  # past it: dropped, stored again
+        assert store(t, meta, payload)
+        assert t.remote_counters.evicted.get("lost") == 1
+        assert load_bytes(t, meta.key) == payload
+        _ledger_is_consistent(t)
+        t.refresh_usage()
+        assert t.used_bytes == OBJ and t.object_count == 1
+    finally:
+        t.close()
+
+
+def test_a_stored_object_is_not_taken_for_lost(full_tier: RemoteTier) -> None:
+    t = full_tier
+    meta, payload = make_object(1)
+    assert store(t, meta, payload)
+    assert t.prepare_store(meta) is None  # exists, bytes present: nothing dropped
+    assert "lost" not in t.remote_counters.evicted
+    assert load_bytes(t, meta.key) == payload

@@ -12,7 +12,7 @@ plain integers (no Prometheus call under its lock).
   time that is no finite number).
 - ``kvstrata_remote_evictions_total{reason}``: objects this writer's admissions evicted from
   the shared tier (``value``, ``quota``, ``expired``; ``corrupt``: a garbage ledger entry any
-  of its calls met and dropped).
+  of its calls met and dropped; ``lost``: an entry whose object was gone from the server).
 - ``kvstrata_remote_read_ahead_bytes_total`` / ``…_unused_bytes_total``: bytes fetched ahead of
   a promotion, and those no load took.
 """

@@ -148,6 +148,7 @@ local rec = get(key)
 if not rec or rec.st ~= 'P' then return reply('gone') end
 touched[rec.t] = true
 rec.st = 'C'
+rec.c = now
 local encoded = cjson.encode(rec)
 local score = clock() + rec.u * rec.v
 redis.call('HSET', INFO, key, encoded)
@@ -158,6 +159,27 @@ if rec.x >= 0 then redis.call('ZADD', E, rec.x, key) end
 lift(rec, score)
 bump()
 return reply('ok')
+"""
+)
+
+# ARGV: prefix, key, now, grace_s.  A committed entry whose object its writer found missing on
+# the server (an outside DEL, a server that evicts keys itself, a crash between commit and
+# write) is dropped and reported as a victim ('lost'), so the key can be stored again — once it
+# was committed at least grace_s ago (a writer between its commit and its write is not lost;
+# an entry without a commit time is old). extra: 1 dropped / 0 kept.
+FORGET_LOST = (
+    LEDGER_LUA
+    + r"""
+local key, now, grace = ARGV[2], num(ARGV[3]), num(ARGV[4])
+NOW = now or 0
+if not (hex(key) and now and grace) then return reply('invalid') end
+local rec = get(key)
+if not rec or rec.st ~= 'C' or (finite(rec.c) and now - rec.c < grace) then
+  return reply('ok', {0})
+end
+drop(key, rec)
+victim(key, rec.t, 'lost')
+return reply('ok', {1})
 """
 )
 

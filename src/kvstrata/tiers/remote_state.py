@@ -39,6 +39,7 @@ from kvstrata.tiers.remote_format import data_key, key_of_hex, meta_key
 from kvstrata.tiers.remote_ledger import (
     COMMIT,
     ERASE,
+    FORGET_LOST,
     REMOVE,
     RESERVE,
     TOUCH,
@@ -133,6 +134,7 @@ class RemoteState:
             for name, lua in (
                 ("reserve", RESERVE),
                 ("commit", COMMIT),
+                ("forget_lost", FORGET_LOST),
                 ("remove", REMOVE),
                 ("touch", TOUCH),
                 ("usage", USAGE),

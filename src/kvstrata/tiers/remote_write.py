@@ -9,8 +9,10 @@ Two-phase store, as the ``Tier`` contract asks:
 - ``complete_store`` checks the digest, commits the ledger entry, then writes meta and payload
   in one ``MULTI``/``EXEC`` transaction: a reader's ``MGET meta payload`` (one command, one
   slot) sees both or neither, never a partial object. A crash between the two steps leaves a
-  ledger entry without bytes (a miss for readers, evicted like any other entry), never bytes
-  the ledger does not account for. Keys get a server TTL of the object's remaining TTL plus
+  ledger entry without bytes (a miss for readers), never bytes the ledger does not account
+  for; so does an outside ``DEL`` or a server that evicts keys itself. The next store of that
+  key finds it ``exists``, checks the object, and drops the entry as ``lost`` once it was
+  committed ``pending_timeout_s`` ago (``FORGET_LOST``), then stores it again. Keys get a server TTL of the object's remaining TTL plus
   ``expiry_grace_s`` as garbage collection; visibility follows ``meta.expires_at()`` and the
   tier's clock.
 """
@@ -27,6 +29,7 @@ from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.base import StoreSlot, TierError, slot_digest
 from kvstrata.tiers.remote_client import RemoteUnavailable
 from kvstrata.tiers.remote_format import encode_meta
+from kvstrata.tiers.remote_ledger import LedgerReply
 from kvstrata.tiers.remote_state import RemoteState
 from kvstrata.tiers.remote_tombstones import tomb_key
 
@@ -74,11 +77,9 @@ class RemoteWrites(RemoteState):
             meta.parent.hex() if meta.parent is not None else "",
             repr(numbers[3]),
         ]
-        try:
-            reply = self._script("reserve", args)
-        except RemoteUnavailable:
-            self._count_error("reserve")
-            raise
+        reply = self._reserve(args)
+        if reply.status == "exists" and self._lost(meta.key):  # stored, but its bytes are
+            reply = self._reserve(args)  # gone: the entry was dropped, so store it again
         status = reply.status
         with self._lock:
             self._apply(reply)
@@ -142,6 +143,38 @@ class RemoteWrites(RemoteState):
                 self._learn_commit(meta, reply.version)
             self._counters.stores += 1
         return True
+
+    def _reserve(self, args: list[Any]) -> LedgerReply:
+        try:
+            return self._script("reserve", args)
+        except RemoteUnavailable:
+            self._count_error("reserve")
+            raise
+
+    def _lost(self, key: BlockKey) -> bool:
+        """Whether the ledger's committed entry of ``key`` had lost its object (meta or
+        payload missing on the server) and was dropped (``FORGET_LOST``). Without this an
+        outside ``DEL`` — or a server evicting keys itself — left an entry that kept the key
+        from ever being stored again until the ledger's own eviction reached it: a hot
+        prefix block missed for good. One round trip to the object's slot, and one to the
+        ledger only when something is missing; unknown (a node down) counts as not lost."""
+        mkey, dkey = self.meta_key(key), self.data_key(key)
+        try:
+            present = self._client.call(
+                self._client.node_of(mkey), lambda conn: conn.exists(mkey, dkey)
+            )
+            if int(present) == 2:
+                return False
+            grace = repr(self.config.pending_timeout_s)
+            reply = self._script(
+                "forget_lost", [self._prefix, key.hex(), repr(self._clock()), grace]
+            )
+        except RemoteUnavailable:
+            self._count_error("lost_check")
+            return False
+        with self._lock:
+            self._apply(reply)
+        return reply.status == "ok" and reply.extra[:1] == [1]
 
     def _still_in_ledger(self, key: BlockKey) -> bool:
         """Whether the ledger still holds ``key`` after its bytes were written. Another
