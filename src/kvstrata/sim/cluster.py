@@ -40,8 +40,9 @@ from kvstrata.sim.profiles import BLOCK_TOKENS, SimProfile
 from kvstrata.sim.trace import SimRequest
 from kvstrata.sim.view import DEFAULT_SERVICE_NOISE, RouterView, ServiceNoise, oracle_profiles
 from kvstrata.sim.worker import Job, SimWorker
-from kvstrata.store.policies import LRUPolicy, ValuePolicy
+from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.policy import EvictionPolicy
+from kvstrata.store.value_policy import kvstrata_policy
 
 EVICTION_POLICIES: Final = ("lru", "kvstrata")
 _FINGERPRINT = FingerprintDigest(b"kvstrata.sim".ljust(32, b"\0"))
@@ -139,7 +140,7 @@ def _eviction_policy(name: str, profile: SimProfile, *, device: bool, seed: int)
         return LRUPolicy()
     # A device victim is still in the host tier (write-through): losing it costs a fetch.
     fetch = profile.cost.fetch_s_per_block[Medium.HOST] / profile.block_bytes
-    return ValuePolicy(demotion_fetch_s_per_byte=fetch if device else None, seed=seed)
+    return kvstrata_policy(fetch if device else None, seed=seed)  # the store's own "kvstrata"
 
 
 def router_profiles(config: SimConfig) -> Callable[[str], CostProfile]:

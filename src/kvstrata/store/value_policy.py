@@ -208,7 +208,7 @@ GHOST_FACTOR = 8.0
 SECONDS_WEIGHT = 0.4
 
 
-def kvstrata_policy(demotion_fetch_s_per_byte: float | None = None) -> ValuePolicy:
+def kvstrata_policy(demotion_fetch_s_per_byte: float | None = None, seed: int = 0) -> ValuePolicy:
     """kvstrata's eviction policy (``"kvstrata"``): ``ValuePolicy`` with a censored ghost of
     ``GHOST_FACTOR`` × the resident keys, valuing a hit by ``saved_s^0.4 · tokens^0.6``
     (``SECONDS_WEIGHT``).
@@ -234,6 +234,7 @@ def kvstrata_policy(demotion_fetch_s_per_byte: float | None = None) -> ValuePoli
         ghost_uses=True,
         ghost_censored=True,
         seconds_weight=SECONDS_WEIGHT,
+        seed=seed,
     )
 
 

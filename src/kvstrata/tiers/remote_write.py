@@ -12,9 +12,9 @@ Two-phase store, as the ``Tier`` contract asks:
   ledger entry without bytes (a miss for readers), never bytes the ledger does not account
   for; so does an outside ``DEL`` or a server that evicts keys itself. The next store of that
   key finds it ``exists``, checks the object, and drops the entry as ``lost`` once it was
-  committed ``pending_timeout_s`` ago (``FORGET_LOST``), then stores it again. Keys get a server TTL of the object's remaining TTL plus
-  ``expiry_grace_s`` as garbage collection; visibility follows ``meta.expires_at()`` and the
-  tier's clock.
+  committed ``pending_timeout_s`` ago (``FORGET_LOST``), then stores it again. Keys get a
+  server TTL of the object's remaining TTL plus ``expiry_grace_s`` as garbage collection;
+  visibility follows ``meta.expires_at()`` and the tier's clock.
 """
 
 from __future__ import annotations
