@@ -1,18 +1,24 @@
-"""The front door re-routes a streamed request whose worker fails before its first token.
+"""The front door re-routes a request whose worker fails before the client got anything.
 
-Two real tiny-model workers under uvicorn behind a real front door (approximate mode). A
-worker "dies" the way a SIGKILLed one looks from the front door: it answers 200 with the
-stream's headers (and, for a chat, the opening role event) and then its connection closes
-without the rest of the body. The stand-in is an ASGI wrapper around the real worker app
-(``_DiesMidStream``) that raises after those bytes, so uvicorn drops the connection; it
-fails the first streamed request it sees, on whichever worker the router picked.
+Two real tiny-model workers under uvicorn behind a real front door (approximate mode). The
+stand-in for a failing worker is an ASGI wrapper around the real worker app
+(``_Faulty``), armed to fail the next completion request whichever worker the router picks:
+
+* *dies*: it answers 200 with the stream's headers (and, for a chat, the opening role event)
+  and then its connection closes without the rest of the body — what a SIGKILLed worker
+  looks like from the front door;
+* *hangs*: it never answers, and from then on neither do its health probes — what a SIGSTOPped
+  worker looks like (its kernel still accepts connections). The health round declares it
+  dead after ``health_failures`` probes of ``health_timeout_s``, and the waiting request is
+  re-routed instead of waiting for ``request_timeout_s``.
 
 Until the first token nothing has reached the client, so the client must get the whole
-answer from the other worker, and the dead one must be flagged.
+answer from the other worker, and the failed one must be counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -44,30 +50,37 @@ _ROLE_EVENT = (
 
 
 class _Budget:
-    """How many streamed requests are still to fail, shared by every worker's wrapper."""
+    """Which failure the next completion request meets (on whichever worker gets it)."""
 
     def __init__(self) -> None:
-        self.left = 0
+        self.mode: str | None = None
         self.failed_on: list[str] = []
+        self.hung: set[str] = set()
         self._lock = threading.Lock()
 
-    def take(self, worker: str) -> bool:
+    def take(self, worker: str) -> str | None:
         with self._lock:
-            if self.left <= 0:
-                return False
-            self.left -= 1
-            self.failed_on.append(worker)
-            return True
+            mode, self.mode = self.mode, None
+            if mode is not None:
+                self.failed_on.append(worker)
+                if mode == "hangs":
+                    self.hung.add(worker)
+            return mode
 
 
-class _DiesMidStream:
-    """The real worker app, except that a streamed completion it is told to fail sends its
-    headers (and a chat's role event) and then loses its connection."""
+class _Faulty:
+    """The real worker app, except for the failure ``budget`` arms (see the module)."""
 
     def __init__(self, app: Any, name: str, budget: _Budget) -> None:
         self.app, self.name, self.budget = app, name, budget
 
+    async def _hang(self) -> None:
+        while self.name in self.budget.hung:  # released by the test: uvicorn can then stop
+            await asyncio.sleep(0.05)
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.name in self.budget.hung:
+            await self._hang()  # probes too: a stopped process answers nothing
         if scope["type"] != "http" or not scope["path"].endswith("completions"):
             await self.app(scope, receive, send)
             return
@@ -78,12 +91,18 @@ class _DiesMidStream:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         raw = b"".join(chunks)
-        if json.loads(raw).get("stream") and self.budget.take(self.name):
+        mode = self.budget.take(self.name)
+        if mode == "dies" and json.loads(raw).get("stream"):
             headers = [(b"content-type", b"text/event-stream")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             if scope["path"].endswith("chat/completions"):
                 await send({"type": "http.response.body", "body": _ROLE_EVENT, "more_body": True})
             raise ConnectionAbortedError(f"{self.name} dies before its first token")
+        if mode == "hangs":
+            await self._hang()
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b"released"})
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -118,14 +137,19 @@ def door(tiny_model: LoadedModel) -> Iterator[Door]:
             tiny_model, EngineConfig(pool_blocks=128), metrics=metrics, events=emitter
         )
         app = create_app(engine, model_name=MODEL, metrics=metrics, limits=ServeLimits())
-        apps[name] = _DiesMidStream(app, name, budget)
+        apps[name] = _Faulty(app, name, budget)
     try:
         with serving(apps["a"]) as worker_a, serving(apps["b"]) as worker_b:
             urls = {
                 "a": str(worker_a.base_url).rstrip("/"),
                 "b": str(worker_b.base_url).rstrip("/"),
             }
-            config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=list(urls.values()))
+            config = FleetConfig(
+                mode=ConsistencyMode.APPROXIMATE,
+                worker_urls=list(urls.values()),
+                health_interval_s=0.2,
+                health_timeout_s=1.0,
+            )
             fleet = Fleet(FleetTokenizer(tiny_model.path), config)
             for url in urls.values():
                 fleet.attach(url)
@@ -144,38 +168,73 @@ def _retries(fleet: Fleet, worker_id: str) -> float:
     )
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/v1/completions", {"model": MODEL, "prompt": "a streamed failover", "max_tokens": 3}),
-        (
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "fail over"}],
-             "max_tokens": 3},
-        ),
-    ],
-)  # fmt: skip
+CASES = [
+    ("/v1/completions", {"model": MODEL, "prompt": "a failover", "max_tokens": 3}),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "fail over"}], "max_tokens": 3},
+    ),
+]
+
+
+def _content(events: list[str]) -> bool:
+    chunks = [json.loads(event[len("data: ") :]) for event in events if event != "data: [DONE]"]
+    return any(
+        choice.get("text")
+        or (choice.get("delta") or {}).get("content")
+        or (choice.get("message") or {}).get("content")
+        for chunk in chunks
+        for choice in chunk["choices"]
+    )
+
+
+def _arm(door: Door, mode: str) -> dict[str, float]:
+    for url in door.urls.values():  # both healthy again (a previous case flagged one)
+        door.fleet.attach(url)
+    door.budget.mode = mode
+    return {name: _retries(door.fleet, f"{name}:1") for name in door.urls}
+
+
+def _check_failover(door: Door, retries: dict[str, float], served_by: str) -> None:
+    assert door.budget.mode is None and door.budget.failed_on
+    failed = door.budget.failed_on[-1]
+    assert served_by != f"{failed}:1"
+    # the failed worker was counted (the health round may have re-attached it since)
+    assert _retries(door.fleet, f"{failed}:1") == retries[failed] + 1
+
+
+@pytest.mark.parametrize(("path", "body"), CASES)
 def test_a_stream_whose_worker_dies_before_its_first_token_is_re_routed(
     door: Door, path: str, body: dict[str, Any]
 ) -> None:
-    for url in door.urls.values():  # both healthy again (a previous case flagged one)
-        door.fleet.attach(url)
-    retries = {name: _retries(door.fleet, f"{name}:1") for name in door.urls}
-    door.budget.left = 1
+    retries = _arm(door, "dies")
     with door.client.stream("POST", path, json={**body, "stream": True}) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line.startswith("data:")]
-    assert door.budget.left == 0 and len(door.budget.failed_on) >= 1
-    dead = door.budget.failed_on[-1]
-    served_by = response.headers["x-kvstrata-worker"]
-    assert served_by != f"{dead}:1"
-    assert events[-1] == "data: [DONE]"
-    texts = [json.loads(event[len("data: ") :]) for event in events[:-1]]
-    assert any(
-        choice.get("text") or (choice.get("delta") or {}).get("content")
-        for chunk in texts
-        for choice in chunk["choices"]
-    )
-    # the dead worker was flagged (the front door's health round may have re-attached it
-    # since: it is alive, only its connection was lost)
-    assert _retries(door.fleet, f"{dead}:1") == retries[dead] + 1
+    assert events[-1] == "data: [DONE]" and _content(events)
+    _check_failover(door, retries, response.headers["x-kvstrata-worker"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body"), CASES)
+def test_a_request_whose_worker_hangs_is_re_routed_when_it_is_declared_dead(
+    door: Door, path: str, body: dict[str, Any], stream: bool
+) -> None:
+    """Without the failover the request waited the front door's request_timeout_s (600 s);
+    the client's own timeout here is 60 s."""
+    retries = _arm(door, "hangs")
+    try:
+        if stream:
+            with door.client.stream(
+                "POST", path, json={**body, "stream": True}, timeout=60
+            ) as response:
+                assert response.status_code == 200
+                events = [line for line in response.iter_lines() if line.startswith("data:")]
+            assert events[-1] == "data: [DONE]" and _content(events)
+        else:
+            response = door.client.post(path, json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert _content([f"data: {json.dumps(response.json())}"])
+        _check_failover(door, retries, response.headers["x-kvstrata-worker"])
+    finally:
+        door.budget.hung.clear()

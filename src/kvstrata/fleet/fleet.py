@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 
@@ -108,6 +108,10 @@ class Fleet(FleetRouting):
         self._router: Router | None = None
         self._events: EventPlane | None = None
         self._http = http or httpx.Client(timeout=10.0, verify=worker_tls(config.tls_ca_file))
+        self._probe_http = http or httpx.Client(  # an injected client serves both
+            timeout=config.health_timeout_s, verify=worker_tls(config.tls_ca_file)
+        )
+        self._dead_listeners: list[Callable[[str], None]] = []
         self._source: WorkerSource = source or KvstrataSource()
 
     # ------------------------------------------------------------------ workers
@@ -218,11 +222,20 @@ class Fleet(FleetRouting):
             self._events.detach(worker_id)  # waits on the event thread: outside the lock
         with self._lock:
             self._stop_traffic(state)
+            listeners = list(self._dead_listeners)
+        for listener in listeners:
+            listener(worker_id)
+
+    def on_worker_dead(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(worker_id)`` (on the health round's thread, no lock held) each time
+        a worker is declared dead: the front door re-routes what was in flight there."""
+        with self._lock:
+            self._dead_listeners.append(listener)
 
     def _probe(self, url: str) -> WorkerInfo | None:
         """One worker's ``/kv/info``; None when it cannot be reached or answers garbage."""
         try:
-            return self._source.info(self._http, url, self.config.api_key)
+            return self._source.info(self._probe_http, url, self.config.api_key)
         except (httpx.HTTPError, WorkerProtocolError):
             return None
 
@@ -323,6 +336,8 @@ class Fleet(FleetRouting):
         if self._events is not None:
             self._events.close()
         self._http.close()
+        if self._probe_http is not self._http:
+            self._probe_http.close()
 
 
 __all__ = ["Fleet", "FleetConfig", "FleetTokenizer", "Reservation", "WorkerView"]

@@ -17,6 +17,10 @@ class FleetConfig:
     mode: ConsistencyMode = ConsistencyMode.EXACT
     health_interval_s: float = 0.5
     health_failures: int = 2
+    health_timeout_s: float = 10.0
+    """A health probe's bound (``/kv/info``): a worker that answers none of
+    ``health_failures`` probes in a row is declared dead, and requests in flight there that
+    have sent the client nothing yet are re-routed (``fleet.failover``)."""
     max_attempts: int = 3
     request_timeout_s: float = 600.0
     tenant_secret: bytes = b""

@@ -52,6 +52,7 @@ from pydantic import ValidationError
 from kvstrata.errors import ApiError, NoWorkerAvailable
 from kvstrata.fleet import disagg_proxy
 from kvstrata.fleet.deletion import register_deletion
+from kvstrata.fleet.failover import WorkerDeaths, WorkerGone, unless_dead, until_dead
 from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.fleet.vllm_workers import tenant_of_body
 from kvstrata.fleet.workers import worker_tls
@@ -122,13 +123,16 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
     """``auth``: the front door's guard (None: single-tenant, nothing privileged)."""
     guard = auth if auth is not None else HttpAuth(Authenticator())
     client: httpx.AsyncClient | None = None
+    deaths: WorkerDeaths | None = None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        nonlocal client
+        nonlocal client, deaths
         client = httpx.AsyncClient(
             timeout=fleet.config.request_timeout_s, verify=worker_tls(fleet.config.tls_ca_file)
         )
+        deaths = WorkerDeaths(asyncio.get_running_loop())
+        fleet.on_worker_dead(deaths.declare)
         health = asyncio.create_task(_health_loop(fleet))
         try:
             yield
@@ -145,7 +149,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
     app.exception_handler(ApiError)(api_error_handler)
 
     async def handle(endpoint: str, request: Request) -> Response:
-        assert client is not None
+        assert client is not None and deaths is not None
         request_id = request_id_of(request)
         try:
             principal = guard.check(request, {Role.TENANT}, "run completions")
@@ -161,7 +165,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         # unique in the fleet's in-flight table even when a client repeats its request id
         flight_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         response = await _forward(
-            fleet, client, endpoint, flight_id, tenant, tokens, body, payload, headers
+            fleet, client, deaths, endpoint, flight_id, tenant, tokens, body, payload, headers
         )
         fleet.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
@@ -267,6 +271,7 @@ async def _health_loop(fleet: Fleet) -> None:
 async def _forward(
     fleet: Fleet,
     client: httpx.AsyncClient,
+    deaths: WorkerDeaths,
     endpoint: str,
     request_id: str,
     tenant: str,
@@ -275,8 +280,10 @@ async def _forward(
     payload: dict[str, Any],
     headers: httpx.Headers,
 ) -> Response:
-    """Reserve and proxy; on a connection failure, flag the worker and try the next best.
-    ``headers``: what the worker needs of the client's (credential, namespace, request id)."""
+    """Reserve and proxy; on a connection failure, flag the worker and try the next best; the
+    same when the health round declares the worker dead before the client got anything
+    (``failover``). ``headers``: what the worker needs of the client's (credential,
+    namespace, request id)."""
     max_tokens = body.requested_max_tokens()
     for _attempt in range(fleet.config.max_attempts):
         try:
@@ -293,25 +300,26 @@ async def _forward(
         fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
         fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
         url = f"{reservation.base_url}{endpoint}"
+        gone = deaths.event(worker_id)
         sent, _plan = await disagg_proxy.prepare(
             fleet, client, reservation, tenant, tokens, payload, headers
         )
         try:
             upstream_request = client.build_request("POST", url, json=sent, headers=headers)
-            upstream = await client.send(upstream_request, stream=True)
-        except httpx.TransportError as exc:
+            upstream = await unless_dead(gone, client.send(upstream_request, stream=True))
+        except (httpx.TransportError, WorkerGone) as exc:
             fleet.unreachable(reservation)
             fleet.metrics.retries.labels(worker_id).inc()
-            _log.warning("worker %s failed (%s); re-routing %s", worker_id, exc, request_id)
+            _log.warning("worker %s failed (%r); re-routing %s", worker_id, exc, request_id)
             continue
         extra = {WORKER_HEADER: worker_id}
         if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
             extra["Retry-After"] = upstream.headers["retry-after"]
         if body.stream and upstream.status_code == 200:
-            chunks = upstream.aiter_raw()
+            chunks = until_dead(gone, upstream.aiter_raw())
             try:  # hold the client's headers until the first token: until then, a worker
                 head, first_at = await _stream_head(chunks)  # that dies costs the client nothing
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, WorkerGone) as exc:
                 await upstream.aclose()
                 fleet.unreachable(reservation)
                 fleet.metrics.retries.labels(worker_id).inc()
@@ -329,9 +337,9 @@ async def _forward(
                 headers=extra,
             )
         try:
-            content = await upstream.aread()
-        except httpx.HTTPError as exc:  # the worker failed after its headers: nothing was
-            fleet.unreachable(reservation)  # relayed yet, so the next best may take it
+            content = await unless_dead(gone, upstream.aread())
+        except (httpx.HTTPError, WorkerGone) as exc:  # it failed after its headers: nothing
+            fleet.unreachable(reservation)  # was relayed yet, so the next best may take it
             fleet.metrics.retries.labels(worker_id).inc()
             _log.warning("worker %s failed mid-answer (%r); re-routing %s", worker_id, exc,
                          request_id)  # fmt: skip
