@@ -28,7 +28,7 @@ from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_client import RemoteReplyError, RemoteUnavailable
 from kvstrata.tiers.remote_format import key_of_meta, meta_pattern
 from kvstrata.tiers.remote_tombstones import tomb_key
-from tier_helpers import OBJ, load_bytes, make_object, remote_tier_on, store
+from tier_helpers import OBJ, FakeClock, load_bytes, make_object, remote_tier_on, store
 
 
 def _conn(t: RemoteTier) -> redis.Redis:
@@ -333,14 +333,6 @@ def test_garbage_in_a_reply_error_is_still_unavailable_to_callers() -> None:
 # ------------------------------------------------------------------ entries whose bytes are gone
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_committed_entry_whose_bytes_are_gone_does_not_block_the_key(
     remote_server: ValkeyServer, remote_namespace: str
 ) -> None:
@@ -349,7 +341,7 @@ def test_a_committed_entry_whose_bytes_are_gone_does_not_block_the_key(
     (a writer between its commit and its write is not lost) the entry is dropped as 'lost'
     and the key is stored again. (Half an object is a corrupt read: the reader drops that
     entry itself.)"""
-    clock = _Clock()
+    clock = FakeClock()
     t = remote_tier_on(
         remote_server.url, remote_namespace, 4 * OBJ, value_of=value_per_byte, clock=clock
     )
