@@ -1,5 +1,9 @@
-"""AdaptivePolicy ("kvstrata"): rank by whichever candidate policy saves the most prefill
-seconds on this tier's own workload, measured by miniature simulation.
+"""AdaptivePolicy ("kvstrata-adaptive"): rank by whichever candidate policy saves the most
+prefill seconds on this tier's own workload, measured by miniature simulation.
+
+It was kvstrata's default until stop 29, when disjoint windows of the Mooncake trace showed it
+meeting issue 15's eviction goals on none of 8 (``docs/results-history.md``): the default is
+now ``value_policy.kvstrata_policy``. Kept as a choice and as a peer in ``bench eviction``.
 
 No single ranking wins everywhere (``kvstrata bench eviction``): on the Mooncake trace a
 value policy that remembers evicted keys (``ValuePolicy`` with a ghost) saves the most at
@@ -136,7 +140,7 @@ class _Shadow:
 class AdaptivePolicy:
     """Eviction by the candidate whose miniature simulation saves the most seconds."""
 
-    name = "kvstrata"
+    name = "kvstrata-adaptive"
 
     def __init__(
         self,
