@@ -24,6 +24,7 @@ from kvstrata.store.policies import LRUPolicy, ValuePolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.value_policy import (
     DECAY,
+    PENDING_SAMPLE,
     HitDensity,
     age_bucket,
     kvstrata_policy,
@@ -417,3 +418,17 @@ def test_the_seconds_weight_trades_seconds_for_tokens() -> None:
     assert ratio[0] == pytest.approx(16.0) and ratio[1] == pytest.approx(16.0**0.4)
     with pytest.raises(InvalidInput):
         ValuePolicy(seconds_weight=1.5)
+
+
+@pytest.mark.parametrize("ghosts", [10, PENDING_SAMPLE, PENDING_SAMPLE + 1, 5 * PENDING_SAMPLE + 3])
+def test_censored_ghosts_are_sampled_with_weights_that_sum_to_the_ghost(ghosts: int) -> None:
+    """A reconfiguration looks at no more than PENDING_SAMPLE ghost keys; the exits they add
+    still count every key (the full scan of a big tier's ghost stalled every 1,024 events)."""
+    policy = kvstrata_policy()
+    for number in range(ghosts):  # a ghost, as removed objects leave one
+        policy._ghost[key(number)] = (1 + number % 5, float(number))
+    pending = policy._pending_ghosts()
+    assert len(pending) <= PENDING_SAMPLE
+    assert sum(weight for _, _, weight in pending) == pytest.approx(ghosts)
+    if ghosts <= PENDING_SAMPLE:
+        assert all(weight == 1.0 for _, _, weight in pending)
