@@ -420,7 +420,9 @@ def test_the_seconds_weight_trades_seconds_for_tokens() -> None:
         ValuePolicy(seconds_weight=1.5)
 
 
-@pytest.mark.parametrize("ghosts", [10, PENDING_SAMPLE, PENDING_SAMPLE + 1, 5 * PENDING_SAMPLE + 3])
+@pytest.mark.parametrize(
+    "ghosts", [0, 10, PENDING_SAMPLE, PENDING_SAMPLE + 1, 5 * PENDING_SAMPLE + 3]
+)
 def test_censored_ghosts_are_sampled_with_weights_that_sum_to_the_ghost(ghosts: int) -> None:
     """A reconfiguration looks at no more than PENDING_SAMPLE ghost keys; the exits they add
     still count every key (the full scan of a big tier's ghost stalled every 1,024 events)."""
@@ -432,3 +434,13 @@ def test_censored_ghosts_are_sampled_with_weights_that_sum_to_the_ghost(ghosts: 
     assert sum(weight for _, _, weight in pending) == pytest.approx(ghosts)
     if ghosts <= PENDING_SAMPLE:
         assert all(weight == 1.0 for _, _, weight in pending)
+
+
+def test_a_tier_that_never_evicted_reconfigures_with_an_empty_ghost() -> None:
+    """1,024 hits before the first eviction: the reconfiguration met an empty ghost (a
+    ValueError from the sampling stride once, out of the store's path)."""
+    policy = kvstrata_policy()
+    policy.on_insert(meta(1), 0.0)
+    for step in range(2 * 1024 + 1):
+        policy.on_access(key(1), float(step))
+    assert policy.victim(3000.0) == key(1)

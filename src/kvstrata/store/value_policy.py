@@ -288,7 +288,7 @@ class ValuePolicy(LeafHeapPolicy):
         weighing for the keys it stands for: a reconfiguration's work stays bounded (the
         whole ghost of a 100k-object tier, 800k keys, took ~250 ms every 1,024 events)."""
         ghost = self._ghost
-        stride = -(-len(ghost) // PENDING_SAMPLE)  # ceil
+        stride = max(1, -(-len(ghost) // PENDING_SAMPLE))  # ceil; 1 for an empty ghost
         weight = len(ghost) / -(-len(ghost) // stride) if ghost else 1.0
         return [
             (use_class(uses), self._now - last, weight)
