@@ -308,9 +308,7 @@ async def _forward(
             upstream_request = client.build_request("POST", url, json=sent, headers=headers)
             upstream = await unless_dead(gone, client.send(upstream_request, stream=True))
         except (httpx.TransportError, WorkerGone) as exc:
-            fleet.unreachable(reservation)
-            fleet.metrics.retries.labels(worker_id).inc()
-            _log.warning("worker %s failed (%r); re-routing %s", worker_id, exc, request_id)
+            _re_route(fleet, reservation, "", exc, request_id)
             continue
         extra = {WORKER_HEADER: worker_id}
         if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
@@ -321,10 +319,7 @@ async def _forward(
                 head, first_at = await _stream_head(chunks)  # that dies costs the client nothing
             except (httpx.HTTPError, WorkerGone) as exc:
                 await upstream.aclose()
-                fleet.unreachable(reservation)
-                fleet.metrics.retries.labels(worker_id).inc()
-                _log.warning("worker %s failed before its first token (%r); re-routing %s",
-                             worker_id, exc, request_id)  # fmt: skip
+                _re_route(fleet, reservation, " before its first token", exc, request_id)
                 continue
             relay = _relay(fleet, reservation, upstream, head, first_at, chunks)
             # started here, so its cleanup (finish the reservation, close the upstream) runs
@@ -339,10 +334,7 @@ async def _forward(
         try:
             content = await unless_dead(gone, upstream.aread())
         except (httpx.HTTPError, WorkerGone) as exc:  # it failed after its headers: nothing
-            fleet.unreachable(reservation)  # was relayed yet, so the next best may take it
-            fleet.metrics.retries.labels(worker_id).inc()
-            _log.warning("worker %s failed mid-answer (%r); re-routing %s", worker_id, exc,
-                         request_id)  # fmt: skip
+            _re_route(fleet, reservation, " mid-answer", exc, request_id)  # was relayed yet
             continue
         finally:
             await upstream.aclose()
@@ -359,6 +351,17 @@ async def _forward(
             headers=extra,
         )
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
+
+
+def _re_route(
+    fleet: Fleet, reservation: Reservation, when: str, exc: BaseException, request_id: str
+) -> None:
+    """The worker failed (or was declared dead) before the client got anything: flag it and
+    count the retry; the caller then tries the next best worker."""
+    fleet.unreachable(reservation)
+    fleet.metrics.retries.labels(reservation.worker_id).inc()
+    _log.warning("worker %s failed%s (%r); re-routing %s",
+                 reservation.worker_id, when, exc, request_id)  # fmt: skip
 
 
 def _worker_headers(request: Request, body: SamplingRequest, request_id: str) -> httpx.Headers:

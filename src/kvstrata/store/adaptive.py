@@ -55,7 +55,7 @@ from kvstrata.objects import KVObjectMeta
 from kvstrata.store.gdsf import GDSFPolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.s3fifo import S3FIFOPolicy
-from kvstrata.store.value_policy import ValuePolicy
+from kvstrata.store.value_policy import GHOST_FACTOR, ValuePolicy
 
 SHADOW_OBJECTS = 512
 HALF_LIFE_REFERENCES = 65536
@@ -70,7 +70,10 @@ def _value(fetch: float | None) -> EvictionPolicy:
 
 def _value_ghost(fetch: float | None) -> EvictionPolicy:
     return ValuePolicy(
-        demotion_fetch_s_per_byte=fetch, ghost_factor=8.0, ghost_uses=True, ghost_censored=True
+        demotion_fetch_s_per_byte=fetch,
+        ghost_factor=GHOST_FACTOR,
+        ghost_uses=True,
+        ghost_censored=True,
     )
 
 
