@@ -147,3 +147,58 @@ def test_every_deployed_policy_is_a_tier_choice() -> None:
     capped.on_insert(meta(1, recompute_s=5.0), now=0.0)
     capped.on_insert(meta(2, recompute_s=0.05), now=0.0)
     assert _evict(capped, 1.0) == 2
+
+
+# ---- parameters and the benchmark's tuned peers ------------------------------------------------
+def test_peer_specs_build_the_named_point() -> None:
+    from kvstrata.store.deployed import PEER_PARAMETERS, TUNED_PEERS, is_peer_spec, peer_policy
+
+    assert TUNED_PEERS == ("s3fifo-tuned", "tinylfu-tuned", "gdsf-tuned")
+    for name, parameter in PEER_PARAMETERS.items():
+        assert parameter.default in parameter.swept and parameter.tuned in parameter.swept
+        assert peer_policy(name).name == name
+        assert peer_policy(f"{name}-tuned").name == name
+        assert peer_policy(f"{name}:{parameter.swept[0]}").name == name
+        assert is_peer_spec(f"{name}:0.5") and is_peer_spec(f"{name}-tuned")
+    assert isinstance(peer_policy("s3fifo-tuned"), S3FIFOPolicy)
+    assert peer_policy("s3fifo-tuned")._small_fraction == PEER_PARAMETERS["s3fifo"].tuned
+    assert peer_policy("tinylfu:2.5")._sample_factor == 2.5
+    assert is_peer_spec("arc") and not is_peer_spec("arc-tuned") and not is_peer_spec("arc:1")
+    assert not is_peer_spec("lru") and not is_peer_spec("kvstrata")
+
+
+def test_bad_peer_specs_are_refused_clearly() -> None:
+    import pytest
+
+    from kvstrata.errors import InvalidInput
+    from kvstrata.store.deployed import peer_policy
+
+    for spec in (
+        "gdsf:0",
+        "gdsf:-1",
+        "gdsf:nan",
+        "gdsf:inf",
+        "gdsf:x",
+        "arc:1",
+        "arc-tuned",
+        "lru",
+    ):
+        with pytest.raises(InvalidInput):
+            peer_policy(spec)
+
+
+def test_greedydual_star_beta_trades_cost_against_aging() -> None:
+    """β = 1 is GDSF: a dearer object inserted before the inflation rose goes before a cheaper
+    fresh one. A small β magnifies the cost gap so that the inflation no longer overtakes it:
+    the cheap one goes."""
+
+    def victim_after_inflation(beta: float) -> int:
+        policy = GDSFPolicy(beta=beta)
+        policy.on_insert(meta(1, size=1000, recompute_s=1.5), now=0.0)  # dearer, old
+        policy.on_insert(meta(2, size=1000, recompute_s=1.0), now=0.0)
+        assert _evict(policy, 1.0) == 2  # L rises to the cheap one's priority
+        policy.on_insert(meta(3, size=1000, recompute_s=1.0), now=2.0)  # cheap, fresh: L + v
+        return _evict(policy, 3.0)
+
+    assert victim_after_inflation(1.0) == 1  # H: 1.5e-3 against L + 1e-3 = 2e-3
+    assert victim_after_inflation(0.25) == 3  # H: 5.1e-12 against L + 1e-12 = 2e-12

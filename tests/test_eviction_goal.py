@@ -2,9 +2,15 @@
 kvstrata saves at least the prefill seconds of every deployed policy (S3-FIFO, ARC, GDSF,
 TinyLFU in front of LRU) at every capacity, and at least 0.97× the best of them in tokens.
 
-Slice: the trace's first ``REQUESTS`` requests (simulated time, so the figures do not depend
-on the machine); capacities 2%, 5% and 15% of the slice's distinct blocks, the range where
-the deployed policies disagree most (at 2% S3-FIFO leads them, at 5% and 15% GDSF)."""
+Two sets of peers. At their papers' defaults (``DEPLOYED_POLICIES``) and at their best
+(``TUNED_PEERS``: each parameterised peer at the point a sweep of its main parameter chose on
+the trace's first half, :mod:`kvstrata.store.deployed`). On the first slice the goals are
+missed against the tuned peers and the tokens goal against the defaults (strict xfails: a fix
+turns them into failures to be promoted); the rest is asserted, so a regression fails CI.
+
+Slices: the trace's first ``REQUESTS`` requests, and the published slice (``kvstrata bench
+all``'s eviction-mooncake: first 3,000); simulated time, so the figures do not depend on the
+machine; capacities 2%, 5% and 15% of the slice's distinct blocks."""
 
 from __future__ import annotations
 
@@ -13,40 +19,48 @@ from typing import Any
 
 import pytest
 
-from kvstrata.bench.eviction import run_eviction_bench
-from kvstrata.store.deployed import DEPLOYED_POLICIES
+from kvstrata.bench.eviction import run_eviction_bench, versus_best_peer
+from kvstrata.store.deployed import DEPLOYED_POLICIES, TUNED_PEERS
 from kvstrata.workloads.mooncake import read_trace
 
 MOONCAKE_TRACE = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mooncake"
 ) / "conversation_trace.jsonl"
 REQUESTS = 1500
+PUBLISHED_REQUESTS = 3000
 CAPACITY_FRACTIONS = (0.02, 0.05, 0.15)
+DEFAULTS = tuple(DEPLOYED_POLICIES)
+EVERY_PEER = (*DEPLOYED_POLICIES, *TUNED_PEERS)
+
+
+def _run(requests_count: int) -> dict[str, Any]:
+    if not MOONCAKE_TRACE.is_file():
+        pytest.skip("Mooncake trace not present")
+    requests = read_trace(MOONCAKE_TRACE)[:requests_count]
+    distinct = len({block for request in requests for block in request.hash_ids})
+    capacities = [int(distinct * fraction) for fraction in CAPACITY_FRACTIONS]
+    return run_eviction_bench(requests, capacities, policies=(*EVERY_PEER, "kvstrata"))
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    if not MOONCAKE_TRACE.is_file():
-        pytest.skip("Mooncake trace not present")
-    requests = read_trace(MOONCAKE_TRACE)[:REQUESTS]
-    distinct = len({block for request in requests for block in request.hash_ids})
-    capacities = [int(distinct * fraction) for fraction in CAPACITY_FRACTIONS]
-    return run_eviction_bench(requests, capacities, policies=(*DEPLOYED_POLICIES, "kvstrata"))
+    return _run(REQUESTS)
 
 
-def _ratios(report: dict[str, Any], field: str) -> list[float]:
-    values = report[field]
-    return [
-        values["kvstrata"][index] / max(values[name][index] for name in DEPLOYED_POLICIES)
-        for index in range(len(report["capacities"]))
-    ]
+@pytest.fixture(scope="module")
+def published() -> dict[str, Any]:
+    return _run(PUBLISHED_REQUESTS)
+
+
+def _ratios(report: dict[str, Any], field: str, peers: tuple[str, ...]) -> list[float]:
+    return [value or 0.0 for value in versus_best_peer(report[field], peers)]
 
 
 @pytest.mark.slow
-def test_kvstrata_saves_at_least_the_seconds_of_every_deployed_policy(
+def test_kvstrata_saves_at_least_the_seconds_of_every_default_deployed_policy(
     report: dict[str, Any],
 ) -> None:
-    ratios = _ratios(report, "saved_prefill_s")
+    ratios = _ratios(report, "saved_prefill_s", DEFAULTS)
     assert min(ratios) >= 1.0, (ratios, report["saved_prefill_s"])
 
 
@@ -55,25 +69,45 @@ def test_kvstrata_saves_at_least_the_seconds_of_every_deployed_policy(
     strict=True,
     reason="goal missed (issue 15 item 3): at 5% kvstrata saves 0.969x S3-FIFO's tokens",
 )
-def test_kvstrata_saves_at_least_097_of_the_best_deployed_tokens(report: dict[str, Any]) -> None:
-    ratios = _ratios(report, "saved_tokens")
+def test_kvstrata_saves_at_least_097_of_the_best_default_deployed_tokens(
+    report: dict[str, Any],
+) -> None:
+    ratios = _ratios(report, "saved_tokens", DEFAULTS)
     assert min(ratios) >= 0.97, (ratios, report["saved_tokens"])
 
 
-@pytest.fixture(scope="module")
-def published() -> dict[str, Any]:
-    """The published slice (``kvstrata bench all``'s eviction-mooncake: first 3,000 requests)."""
-    if not MOONCAKE_TRACE.is_file():
-        pytest.skip("Mooncake trace not present")
-    requests = read_trace(MOONCAKE_TRACE)[:3000]
-    distinct = len({block for request in requests for block in request.hash_ids})
-    capacities = [int(distinct * fraction) for fraction in CAPACITY_FRACTIONS]
-    return run_eviction_bench(requests, capacities, policies=(*DEPLOYED_POLICIES, "kvstrata"))
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="goal missed (issue 15 item 3): against the tuned peers kvstrata saves 0.52 / 0.43 "
+    "/ 0.88x the best seconds at 2 / 5 / 15% (GreedyDual* at beta 0.125)",
+)
+def test_kvstrata_saves_at_least_the_seconds_of_every_tuned_peer(report: dict[str, Any]) -> None:
+    ratios = _ratios(report, "saved_prefill_s", EVERY_PEER)
+    assert min(ratios) >= 1.0, (ratios, report["saved_prefill_s"])
 
 
 @pytest.mark.slow
-def test_kvstrata_meets_both_goals_on_the_published_slice(published: dict[str, Any]) -> None:
-    """Where the results page's figures come from: both goals hold at every capacity (the
-    adaptive policy this one replaced saved 0.888x the best tokens here at 15%)."""
-    seconds, tokens = _ratios(published, "saved_prefill_s"), _ratios(published, "saved_tokens")
+@pytest.mark.xfail(
+    strict=True,
+    reason="goal missed (issue 15 item 3): against the tuned peers kvstrata saves 0.86x the "
+    "best tokens at 5% (GreedyDual* at beta 0.125)",
+)
+def test_kvstrata_saves_at_least_097_of_the_best_tuned_peer_tokens(
+    report: dict[str, Any],
+) -> None:
+    ratios = _ratios(report, "saved_tokens", EVERY_PEER)
+    assert min(ratios) >= 0.97, (ratios, report["saved_tokens"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peers", [DEFAULTS, EVERY_PEER], ids=["defaults", "tuned"])
+def test_kvstrata_meets_both_goals_on_the_published_slice(
+    published: dict[str, Any], peers: tuple[str, ...]
+) -> None:
+    """Where the results page's figures come from: both goals hold at every capacity, against
+    the defaults and the tuned peers alike (the adaptive policy this one replaced saved 0.888x
+    the best default's tokens here at 15%)."""
+    seconds = _ratios(published, "saved_prefill_s", peers)
+    tokens = _ratios(published, "saved_tokens", peers)
     assert min(seconds) >= 1.0 and min(tokens) >= 0.97, (seconds, tokens)

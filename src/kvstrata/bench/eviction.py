@@ -38,7 +38,14 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation
 from kvstrata.objects.chains import chain_metas
 from kvstrata.runtime.store_factory import eviction_policy
-from kvstrata.store.deployed import DEPLOYED_POLICIES
+from kvstrata.store.deployed import (
+    DEPLOYED_POLICIES,
+    PEER_PARAMETERS,
+    TUNED_PEERS,
+    TUNED_SUFFIX,
+    is_peer_spec,
+    peer_policy,
+)
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
@@ -46,14 +53,16 @@ from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
 POLICY_NAMES: tuple[str, ...] = (
     "lru",
     *DEPLOYED_POLICIES,
+    *TUNED_PEERS,
     "kvstrata-value",
     "kvstrata-adaptive",
     "kvstrata",
     "belady",
 )
-"""LRU, the deployed peers (``kvstrata.store.deployed``), kvstrata's value policy on seconds
-alone (``kvstrata-value``), the adaptive chooser it replaced (``kvstrata-adaptive``), kvstrata
-(``value_policy.kvstrata_policy``), and the oracle."""
+"""LRU, the deployed peers (``kvstrata.store.deployed``) at their papers' defaults and at their
+tuned points (``NAME-tuned``; ``NAME:VALUE`` names any other point), kvstrata's value policy on
+seconds alone (``kvstrata-value``), the adaptive chooser it replaced (``kvstrata-adaptive``),
+kvstrata (``value_policy.kvstrata_policy``), and the oracle."""
 
 DEFAULT_CAPACITIES: tuple[int, ...] = (10_000, 30_000, 100_000)
 """Blocks. On the Mooncake conversation trace (182,790 distinct blocks) these span the
@@ -165,16 +174,53 @@ class _OracleBelady(BeladyPolicy):
         self.oracle = oracle
 
 
+def known_policy(name: str) -> bool:
+    """A name ``make_policy`` builds: one of ``POLICY_NAMES`` or a peer's ``NAME:VALUE``."""
+    return name in POLICY_NAMES or is_peer_spec(name)
+
+
 def make_policy(name: str, trace: SimulatedTrace) -> EvictionPolicy:
     if name == "belady":
         return _OracleBelady(FutureAccesses(trace.keys))
+    if is_peer_spec(name):
+        return peer_policy(name)
     if name not in POLICY_NAMES:
         raise InvalidInput(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
     return eviction_policy(name)  # the store's own construction of every other policy
 
 
-def _ratio(numerator: int, denominator: int) -> float | None:
+def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
+
+
+def peer_parameters(policies: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Each parameterised peer among ``policies`` → ``{keyword: value}`` it ran with."""
+    found: dict[str, dict[str, float]] = {}
+    for name in policies:
+        if not is_peer_spec(name):
+            continue
+        base, _, value = name.partition(":")
+        base = base.removesuffix(TUNED_SUFFIX)
+        if base not in PEER_PARAMETERS:
+            continue
+        parameter = PEER_PARAMETERS[base]
+        if value:
+            found[name] = {parameter.keyword: float(value)}
+        elif name.endswith(TUNED_SUFFIX):
+            found[name] = {parameter.keyword: parameter.tuned}
+        else:
+            found[name] = {parameter.keyword: parameter.default}
+    return found
+
+
+def versus_best_peer(
+    values: dict[str, list[Any]], peers: Sequence[str], name: str = "kvstrata"
+) -> list[float | None]:
+    """``name``'s figure ÷ the best of ``peers`` at each capacity (issue 15 item 3's ratios)."""
+    return [
+        _ratio(values[name][index], max(values[peer][index] for peer in peers))
+        for index in range(len(values[name]))
+    ]
 
 
 def run_eviction_bench(
@@ -213,6 +259,15 @@ def run_eviction_bench(
             "from other traces and seeds, not from repeating this one)"
         ),
     }
+    peers = [name for name in policies if is_peer_spec(name)]
+    if peers:
+        report["peer_parameters"] = peer_parameters(peers)
+    if "kvstrata" in saved_tokens and peers:
+        report["kvstrata_vs_best_peer"] = {
+            "peers": peers,
+            "saved_prefill_s": versus_best_peer(saved_s, peers),
+            "saved_tokens": versus_best_peer(saved_tokens, peers),
+        }
     if "kvstrata" in saved_tokens:
         for reference in ("lru", "belady"):
             if reference in saved_tokens:

@@ -23,6 +23,7 @@ from typing import Any
 from kvstrata.bench.eviction import (
     DEFAULT_CAPACITIES,
     POLICY_NAMES,
+    known_policy,
     run_eviction_bench,
     stderr_progress,
 )
@@ -81,7 +82,10 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--policies",
         default=",".join(POLICY_NAMES),
-        help="comma-separated subset of " + ",".join(POLICY_NAMES),
+        help="comma-separated subset of "
+        + ",".join(POLICY_NAMES)
+        + ", or a deployed peer at any point of its main parameter: s3fifo:F (small-queue "
+        "share), tinylfu:K (sample size ÷ cache size), gdsf:B (GreedyDual* beta)",
     )
     parser.add_argument(
         "--skip",
@@ -133,9 +137,12 @@ def run(args: argparse.Namespace) -> int:
     if args.remote_writers:
         return _run_remote(args, requests, source)
     policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
-    unknown = [name for name in policies if name not in POLICY_NAMES]
+    unknown = [name for name in policies if not known_policy(name)]
     if unknown or not policies:
-        raise InvalidInput(f"unknown policies {unknown}; expected some of {POLICY_NAMES}")
+        raise InvalidInput(
+            f"unknown policies {unknown}; expected some of {POLICY_NAMES} "
+            "or a deployed peer's NAME:VALUE (e.g. gdsf:0.5)"
+        )
     distinct = len({block for request in requests for block in request.hash_ids})
     capacities = [_resolve(spec, distinct) for spec in args.capacities]
     report = run_eviction_bench(

@@ -10,6 +10,13 @@ differ only in how they estimate future use (GDSF: frequency and inflation; kvst
 measured hit density). With ``demotion_fetch_s_per_byte`` the cost is capped at the fetch
 from the tier below, as for ``ValuePolicy``.
 
+``beta`` (default 1: GDSF) is GreedyDual*'s (Jin, Bestavros, "GreedyDual* Web caching
+algorithm: exploiting the two sources of temporal locality in Web request streams", Computer
+Communications 24(2), 2001): ``H = L + (frequency × cost / size)^(1/β)``. Below 1 it weighs
+frequency and cost more against the inflation's aging (toward a static cost-frequency order),
+above 1 less (toward LRU). It is the peer's main parameter in ``kvstrata bench eviction``
+(``gdsf:B``, ``gdsf-tuned``: :mod:`kvstrata.store.deployed`).
+
 Priorities are static between events, so ``LeafHeapPolicy``'s heap serves them. Prefix
 closure: only leaves are in the heap, so the victim is the lowest-priority *leaf*; an
 interior object waits for its children. ``L`` is raised only when the victim this policy
@@ -29,9 +36,14 @@ from kvstrata.store.value_policy import value_per_byte
 class GDSFPolicy(LeafHeapPolicy):
     name = "gdsf"
 
-    def __init__(self, *, demotion_fetch_s_per_byte: float | None = None) -> None:
+    def __init__(
+        self, *, demotion_fetch_s_per_byte: float | None = None, beta: float = 1.0
+    ) -> None:
         super().__init__()
+        if beta <= 0:
+            raise ValueError(f"beta must be > 0, got {beta}")
         self._fetch_s_per_byte = demotion_fetch_s_per_byte
+        self._exponent = 1.0 / beta
         self._frequency: dict[BlockKey, int] = {}
         self._value: dict[BlockKey, float] = {}
         self._named: BlockKey | None = None
@@ -40,12 +52,12 @@ class GDSFPolicy(LeafHeapPolicy):
     def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
         self._frequency[meta.key] = 1
         self._value[meta.key] = value_per_byte(meta, self._fetch_s_per_byte)
-        return self.inflation + self._value[meta.key]
+        return self.inflation + self._value[meta.key] ** self._exponent
 
     def _priority_on_access(self, key: BlockKey, now: float) -> float:
         frequency = self._frequency[key] + 1
         self._frequency[key] = frequency
-        return self.inflation + frequency * self._value[key]
+        return self.inflation + (frequency * self._value[key]) ** self._exponent
 
     def _forget(self, key: BlockKey) -> None:
         if key == self._named:

@@ -66,8 +66,11 @@ class CountMinSketch:
 class TinyLFUPolicy(LeafHeapPolicy):
     name = "tinylfu"
 
-    def __init__(self) -> None:
+    def __init__(self, *, sample_factor: float = SAMPLE_FACTOR) -> None:
         super().__init__()
+        if sample_factor <= 0:
+            raise ValueError(f"sample_factor must be > 0, got {sample_factor}")
+        self._sample_factor = sample_factor
         self.sketch = CountMinSketch(MIN_WIDTH)
         self._peak = 0
         self._events = 0
@@ -81,7 +84,7 @@ class TinyLFUPolicy(LeafHeapPolicy):
                 self._events = 0
         self.sketch.add(key)
         self._events += 1
-        if self._events >= SAMPLE_FACTOR * max(self._peak, 1):
+        if self._events >= self._sample_factor * max(self._peak, 1):
             self.sketch.halve()
             self._events = 0
 
