@@ -18,6 +18,7 @@ from kvstrata.bench.eviction import POLICY_NAMES, SimulatedTrace, replay, run_ev
 from kvstrata.bench.reuse import LRUCache, analyse_reuse, replay_hit_tokens
 from kvstrata.cli.main import main
 from kvstrata.costs import DEFAULT_PREFILL_MODEL, per_token
+from kvstrata.store.deployed import PEER_PARAMETERS
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest, read_trace
 from kvstrata.workloads.synthetic import generate, preset, write_trace
@@ -116,9 +117,35 @@ def test_cli_skip_takes_a_later_window(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_bench_rejects_unknown_policies(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["bench", "eviction", "--synthetic", "chat", "--policies", "fifo", "--quiet"])
-    assert code == 2
-    assert "unknown policies" in capsys.readouterr().err
+    for bad in ("fifo", "gdsf:0", "arc:1", "lru-tuned"):
+        code = main(["bench", "eviction", "--synthetic", "chat", "--policies", bad, "--quiet"])
+        assert code == 2, bad
+        error = capsys.readouterr().err
+        assert "unknown policies" in error or f"{bad!r}: gdsf's beta must be > 0" in error
+
+
+def test_cli_runs_peers_at_any_point_and_reports_kvstrata_against_the_best(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``NAME:VALUE`` and ``NAME-tuned`` run the peer at that point; ``kvstrata_vs_best_peer``
+    divides by the best of every peer in the run (here the same GDSF at three points)."""
+    policies = "gdsf,gdsf-tuned,gdsf:4,s3fifo:0.3,kvstrata"
+    args = ("--synthetic", "docs", "--requests", "300", "--capacities", "5%,15%")
+    result = _run_cli(capsys, *args, "--policies", policies)
+    assert result["peer_parameters"] == {
+        "gdsf": {"beta": 1.0},
+        "gdsf-tuned": {"beta": PEER_PARAMETERS["gdsf"].tuned},
+        "gdsf:4": {"beta": 4.0},
+        "s3fifo:0.3": {"small_fraction": 0.3},
+    }
+    versus = result["kvstrata_vs_best_peer"]
+    assert versus["peers"] == ["gdsf", "gdsf-tuned", "gdsf:4", "s3fifo:0.3"]
+    for field in ("saved_prefill_s", "saved_tokens"):
+        values = result[field]
+        for index, ratio in enumerate(versus[field]):
+            best = max(values[name][index] for name in versus["peers"])
+            assert ratio == pytest.approx(values["kvstrata"][index] / best)
+    assert result["saved_prefill_s"]["gdsf:4"] != result["saved_prefill_s"]["gdsf"]
 
 
 def test_zero_capacity_saves_nothing() -> None:

@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         **report,
     }
     rows: list[tuple[Any, ...]] = []
+    versus = report.get("kvstrata_vs_best_peer")
     for index, capacity in enumerate(capacities):
         for name in policies:
             rows.append(
@@ -168,6 +169,17 @@ def run(args: argparse.Namespace) -> int:
                     report["saved_tokens"][name][index],
                     report["hit_rate"][name][index],
                     report["saved_prefill_s"][name][index],
+                )
+            )
+        if versus is not None:
+            tokens, seconds = versus["saved_tokens"][index], versus["saved_prefill_s"][index]
+            rows.append(
+                (
+                    capacity,
+                    "kvstrata ÷ best deployed",
+                    None if tokens is None else round(tokens, 3),
+                    "",
+                    None if seconds is None else round(seconds, 3),
                 )
             )
     emit(
