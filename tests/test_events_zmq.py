@@ -185,6 +185,43 @@ def test_gap_older_than_buffer_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]])
     assert sub.stats.resyncs_needed == 1 and sub.expected_seq == 6
 
 
+def test_a_live_number_its_publisher_never_sent_is_not_trusted(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A frame on the publisher's socket numbered far ahead (forged, or a corrupt sequence
+    frame): the replay shows the publisher never sent it, so it is dropped and the stream goes
+    on. Before, the subscriber jumped to it and dropped every real batch after it as a
+    duplicate until a resync."""
+    with ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, context=ctx
+    ) as publisher:
+        assert publisher.replay_endpoint is not None
+        with (
+            ZmqEventSubscriber(
+                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
+            ) as sub,
+            _serving(publisher),
+        ):
+            assert publisher.wait_for_subscriber(TIMEOUT_S)
+            for block_hash in range(2):
+                publisher.publish([_stored(block_hash)])
+            assert [batch.seq for batch in _receive(sub, 2)] == [0, 1]
+            forged = encode_batch(make_batch([AllBlocksCleared()], ts=0.0))
+            assert publisher._pub is not None  # the publisher's own socket: a real frame on it
+            publisher._pub.send_multipart([TOPIC.encode(), _seq(2**40), forged])
+            for block_hash in range(2, 4):
+                publisher.publish([_stored(block_hash)])
+            resync: list[bool] = []
+            received = _receive(sub, 2, resync=resync)
+    assert [(batch.seq, batch.batch.events) for batch in received] == [
+        (2, [_stored(2)]),
+        (3, [_stored(3)]),
+    ]
+    assert resync == [] and sub.expected_seq == 4
+    stats = sub.stats
+    assert (stats.untrusted_batches, stats.gaps, stats.resyncs_needed) == (1, 0, 0)
+
+
 def test_gap_without_replay_socket_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     xpub = ctx.socket(zmq.XPUB)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")

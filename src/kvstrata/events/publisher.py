@@ -195,11 +195,13 @@ class ZmqEventPublisher:
         dropped = self._drop_remaining > 0
         if dropped:
             self._drop_remaining -= 1
-        else:
-            pub.send_multipart((self._topic, _seq_to_bytes(seq), payload))
         if not (dropped and self._drop_evicts_replay):
+            # buffered before it is sent: a subscriber that sees ``seq`` and asks for replay
+            # at once finds it there (it trusts no live number its publisher's replay lacks)
             with self._lock:
                 self._buffer.append((seq, payload))
+        if not dropped:
+            pub.send_multipart((self._topic, _seq_to_bytes(seq), payload))
         self._next_seq += 1
         return seq
 

@@ -49,6 +49,7 @@ class EventPlaneStats:
     replay_requests: int = 0
     replayed_batches: int = 0
     resyncs_needed: int = 0
+    untrusted_batches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +177,9 @@ class ZmqEventSubscriber:
             self.stats.duplicates += 1
             return
         if self._expected is not None and seq > self._expected:
-            self._fill_gap(seq, result)
+            if not self._fill_gap(seq, result):
+                self.stats.untrusted_batches += 1  # its publisher never sent that number
+                return
             if seq < self._expected:
                 self.stats.duplicates += 1  # replay already delivered it
                 return
@@ -201,12 +204,20 @@ class ZmqEventSubscriber:
             self.stats.replayed_batches += 1
         result.batches.append(ReceivedBatch(seq=seq, batch=decoded.batch, replayed=replayed))
 
-    def _fill_gap(self, live_seq: int, result: PollResult) -> None:
-        """Replay ``[expected, live_seq)``; flag a resync for whatever replay cannot cover."""
+    def _fill_gap(self, live_seq: int, result: PollResult) -> bool:
+        """Replay ``[expected, live_seq)``; flag a resync for whatever replay cannot cover.
+
+        False when the publisher's replay answered and holds nothing at or past ``live_seq``:
+        it has not sent that number (a publisher buffers a batch before sending it), so the
+        live frame is forged or corrupt and the caller drops it. ``_expected`` does not move to
+        it: were it to, every real batch after it would be dropped as a duplicate until a
+        resync. What the replay did hold is delivered."""
         assert self._expected is not None
-        self.stats.gaps += 1
-        self.stats.missed_batches += live_seq - self._expected
         replies = self._request_replay(self._expected)
+        trusted = replies is None or any(seq >= live_seq for seq, _ in replies)
+        if trusted:
+            self.stats.gaps += 1
+            self.stats.missed_batches += live_seq - self._expected
         lost = replies is None
         for seq, payload in replies or []:
             if seq >= live_seq:
@@ -216,12 +227,13 @@ class ZmqEventSubscriber:
             if seq > self._expected:
                 lost = True  # the oldest missing batches were already evicted
             self._accept(seq, payload, result, replayed=True)
-        if self._expected < live_seq:
+        if trusted and self._expected < live_seq:
             lost = True
             self._expected = live_seq
         if lost:
             self.stats.resyncs_needed += 1
             result.resync_needed = True
+        return trusted
 
     def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
         """Ask the ROUTER for batches from ``start_seq``; ``None`` if unanswered in time.

@@ -221,6 +221,11 @@ class _IndexCollector(Collector):
             ("events_replay_requests", events.replay_requests, "Replay requests sent"),
             ("events_replayed_batches", events.replayed_batches, "Batches recovered by replay"),
             ("events_resyncs_needed", events.resyncs_needed, "Gaps replay could not cover"),
+            (
+                "events_untrusted_batches",
+                events.untrusted_batches,
+                "Live batches numbered past everything their publisher's replay holds (dropped)",
+            ),
         ):
             counter = CounterMetricFamily(f"kvstrata_{name}", doc)
             counter.add_metric([], float(value))
