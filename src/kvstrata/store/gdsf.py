@@ -25,6 +25,7 @@ named is removed (not on invalidations), and never lowered.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from kvstrata.identity import BlockKey
@@ -52,12 +53,12 @@ class GDSFPolicy(LeafHeapPolicy):
     def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
         self._frequency[meta.key] = 1
         self._value[meta.key] = value_per_byte(meta, self._fetch_s_per_byte)
-        return self.inflation + self._value[meta.key] ** self._exponent
+        return self.inflation + math.pow(self._value[meta.key], self._exponent)
 
     def _priority_on_access(self, key: BlockKey, now: float) -> float:
         frequency = self._frequency[key] + 1
         self._frequency[key] = frequency
-        return self.inflation + (frequency * self._value[key]) ** self._exponent
+        return self.inflation + math.pow(frequency * self._value[key], self._exponent)
 
     def _forget(self, key: BlockKey) -> None:
         if key == self._named:
