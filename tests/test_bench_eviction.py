@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from kvstrata.bench.eviction import POLICY_NAMES, SimulatedTrace, replay, run_eviction_bench
+from kvstrata.bench.eviction import (
+    POLICY_NAMES,
+    SimulatedTrace,
+    goals_met,
+    replay,
+    run_eviction_bench,
+)
 from kvstrata.bench.reuse import LRUCache, analyse_reuse, replay_hit_tokens
 from kvstrata.cli.main import main
 from kvstrata.costs import DEFAULT_PREFILL_MODEL, per_token
@@ -218,3 +224,34 @@ def test_mooncake_lru_matches_reuse_bench_and_kvstrata_beats_it() -> None:
         requests, [10_000], cost_model=per_token(), policies=("lru", "kvstrata")
     )
     assert report["kvstrata_vs_lru"][0] >= 1.0
+
+
+def test_windows_replay_each_window_as_its_own_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--windows`` equals one ``--skip`` run per window, and counts the windows meeting both
+    goals by the same rule (``goals_met``)."""
+    args = ("--synthetic", "chat", "--seed", "2", "--capacities", "5%,20%")
+    policies = ("--policies", "s3fifo,gdsf-tuned,kvstrata", "--requests", "120")
+    result = _run_cli(capsys, *args, *policies, "--skip", "50", "--windows", "2")
+    assert [window["skip"] for window in result["windows"]] == [50, 170]
+    for window in result["windows"]:
+        alone = _run_cli(capsys, *args, *policies, "--skip", str(window["skip"]))
+        assert window["kvstrata_vs_best_peer"] == alone["kvstrata_vs_best_peer"]
+        assert window["capacities"] == alone["capacities"]
+        assert window["goals_met"] == goals_met(alone["kvstrata_vs_best_peer"])
+    assert result["windows_meeting_goals"] == sum(w["goals_met"] for w in result["windows"])
+    worst = min(r for w in result["windows"] for r in w["kvstrata_vs_best_peer"]["saved_tokens"])
+    assert result["worst_vs_best_peer"]["saved_tokens"] == worst
+    assert result["peer_parameters"] == {
+        "s3fifo": {"small_fraction": 0.1},
+        "gdsf-tuned": {"beta": PEER_PARAMETERS["gdsf"].tuned},
+    }
+
+
+def test_windows_need_a_window_size_and_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["bench", "eviction", "--synthetic", "chat", "--quiet", "--windows", "2"]
+    assert main(base) == 2  # no --requests
+    assert "--windows needs --requests" in capsys.readouterr().err
+    assert main([*base, "--requests", "50", "--policies", "lru,s3fifo"]) == 2
+    assert "name both" in capsys.readouterr().err
+    assert main([*base[:-1], "0"]) == 2
+    assert "--windows must be >= 1" in capsys.readouterr().err

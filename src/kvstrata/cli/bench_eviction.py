@@ -17,6 +17,7 @@ smallest default capacity as a share of the Mooncake trace's distinct blocks).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvstrata.bench.eviction import (
     POLICY_NAMES,
     known_policy,
     run_eviction_bench,
+    run_windows,
     stderr_progress,
 )
 from kvstrata.bench.eviction_remote import REMOTE_CAPACITY_FRACTION, run_remote_multi_writer
@@ -100,6 +102,14 @@ def register(sub: Any) -> None:
         help="replay only the first N requests (remote mode default "
         f"{REMOTE_DEFAULT_REQUESTS}; otherwise all)",
     )
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=1,
+        help="replay N consecutive disjoint windows of --requests requests (from --skip), each "
+        "on a fresh tier, and report kvstrata ÷ the best deployed policy per window and how "
+        "many windows meet issue 15's goals (seconds ≥ 1.0, tokens ≥ 0.97)",
+    )
     remote = parser.add_argument_group("multi-writer remote mode")
     remote.add_argument(
         "--remote-writers",
@@ -133,6 +143,12 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.windows < 1:
+        raise InvalidInput(f"--windows must be >= 1, got {args.windows}")
+    if args.windows > 1 and (args.requests is None or args.remote_writers or args.half):
+        raise InvalidInput(
+            "--windows needs --requests (the window size), not --remote-writers or --half"
+        )
     requests, source = _load(args)
     if args.remote_writers:
         return _run_remote(args, requests, source)
@@ -143,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             f"unknown policies {unknown}; expected some of {POLICY_NAMES} "
             "or a deployed peer's NAME:VALUE (e.g. gdsf:0.5)"
         )
+    if args.windows > 1:
+        return _run_windows(args, requests, source, policies)
     distinct = len({block for request in requests for block in request.hash_ids})
     capacities = [_resolve(spec, distinct) for spec in args.capacities]
     report = run_eviction_bench(
@@ -187,6 +205,48 @@ def run(args: argparse.Namespace) -> int:
         as_json=args.json,
         title=f"Eviction policies on {source}",
         columns=("capacity (blocks)", "policy", "saved tokens", "token hit rate", "saved s"),
+        rows=rows,
+    )
+    return 0
+
+
+def _run_windows(
+    args: argparse.Namespace, requests: list[TraceRequest], source: str, policies: tuple[str, ...]
+) -> int:
+    def capacities_of(chunk: Sequence[TraceRequest]) -> list[int]:
+        distinct = len({block for request in chunk for block in request.hash_ids})
+        return [_resolve(spec, distinct) for spec in args.capacities]
+
+    report = run_windows(
+        requests,
+        args.requests,
+        capacities_of,
+        first_skip=args.skip,
+        cost_model=PROFILES[args.cost_model](),
+        policies=policies,
+        progress=None if args.quiet else stderr_progress,
+    )
+    result: dict[str, Any] = {"trace": source, "capacity_specs": list(args.capacities), **report}
+
+    def ratios(values: list[float | None]) -> str:
+        return " / ".join("-" if value is None else f"{value:.3f}" for value in values)
+
+    rows = [
+        (
+            f"{window['skip']}–{window['skip'] + window['requests']}",
+            ratios(window["kvstrata_vs_best_peer"]["saved_prefill_s"]),
+            ratios(window["kvstrata_vs_best_peer"]["saved_tokens"]),
+            "yes" if window["goals_met"] else "no",
+        )
+        for window in report["windows"]
+    ]
+    emit(
+        result,
+        as_json=args.json,
+        title=f"kvstrata ÷ the best deployed policy per window of {source}, capacities "
+        f"{', '.join(args.capacities)}: {report['windows_meeting_goals']} of "
+        f"{len(report['windows'])} windows meet both goals",
+        columns=("requests", "saved seconds ratio", "saved tokens ratio", "both goals"),
         rows=rows,
     )
     return 0
@@ -253,6 +313,8 @@ def _load(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
         requests = requests[args.skip :]
         source += f" (from request {args.skip})"
     limit = args.requests
+    if limit is not None and args.windows > 1:
+        limit *= args.windows
     if limit is None and args.remote_writers:
         limit = REMOTE_DEFAULT_REQUESTS
     if limit is not None:
