@@ -222,6 +222,51 @@ def test_a_live_number_its_publisher_never_sent_is_not_trusted(
     assert (stats.untrusted_batches, stats.gaps, stats.resyncs_needed) == (1, 0, 0)
 
 
+def test_a_publisher_without_a_replay_buffer_is_trusted_on_its_next_frame(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A replay socket over an empty buffer (vLLM accepts a zero ``buffer_steps``) answers
+    nothing for any gap: the first frame past the gap looks untrusted and is dropped, its
+    successor is trusted (a resync is flagged, as for any gap replay cannot cover) and the
+    stream goes on, instead of every frame after the gap being dropped for good."""
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer_nothing() -> None:
+        while not stop.is_set():
+            if router.poll(10):
+                client = router.recv_multipart()[0]
+                router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    thread = threading.Thread(target=answer_nothing, name="empty-replay")
+    thread.start()
+    try:
+        with ZmqEventSubscriber(
+            f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", context=ctx
+        ) as sub:
+            _wait_subscribed(xpub)
+            for seq in (3, 4, 5):  # 0..2 were sent before anyone listened
+                payload = encode_batch(make_batch([_stored(seq)], ts=float(seq)))
+                xpub.send_multipart([b"", _seq(seq), payload])
+            resync: list[bool] = []
+            received = _receive(sub, 2, resync=resync)
+    finally:
+        stop.set()
+        thread.join(TIMEOUT_S)
+        for socket in (xpub, router):
+            socket.close(linger=0)
+    assert [(batch.seq, batch.batch.events) for batch in received] == [
+        (4, [_stored(4)]),
+        (5, [_stored(5)]),
+    ]
+    assert resync == [True] and sub.expected_seq == 6
+    stats = sub.stats
+    assert (stats.untrusted_batches, stats.resyncs_needed, stats.replay_requests) == (1, 1, 1)
+
+
 def test_gap_without_replay_socket_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     xpub = ctx.socket(zmq.XPUB)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")

@@ -107,6 +107,8 @@ class ZmqEventSubscriber:
         self._context = context
         self._curve = curve
         self._sub: zmq.Socket[bytes] | None = None
+        self._untrusted_next: int | None = None
+        """The number after the last live frame dropped as untrusted (see ``_fill_gap``)."""
 
     @property
     def endpoint(self) -> str:
@@ -177,8 +179,13 @@ class ZmqEventSubscriber:
             self.stats.duplicates += 1
             return
         if self._expected is not None and seq > self._expected:
-            if not self._fill_gap(seq, result):
+            if seq == self._untrusted_next:
+                # it follows the frame just dropped: a real stream whose publisher's replay
+                # does not hold what it sends (a zero-length buffer); replay cannot help
+                self._skip_to(seq, result)
+            elif not self._fill_gap(seq, result):
                 self.stats.untrusted_batches += 1  # its publisher never sent that number
+                self._untrusted_next = seq + 1
                 return
             if seq < self._expected:
                 self.stats.duplicates += 1  # replay already delivered it
@@ -188,6 +195,7 @@ class ZmqEventSubscriber:
     def _accept(self, seq: int, payload: bytes, result: PollResult, *, replayed: bool) -> None:
         """Advance past ``seq`` even if its payload is bad: replaying it would not fix it."""
         self._expected = seq + 1
+        self._untrusted_next = None
         try:
             decoded = decode_batch(payload)
         except EventDecodeError:
@@ -211,7 +219,8 @@ class ZmqEventSubscriber:
         it has not sent that number (a publisher buffers a batch before sending it), so the
         live frame is forged or corrupt and the caller drops it. ``_expected`` does not move to
         it: were it to, every real batch after it would be dropped as a duplicate until a
-        resync. What the replay did hold is delivered."""
+        resync. What the replay did hold is delivered. A publisher that keeps no replay buffer
+        looks the same for one frame; its next frame (``live_seq + 1``) is then trusted."""
         assert self._expected is not None
         replies = self._request_replay(self._expected)
         trusted = replies is None or any(seq >= live_seq for seq, _ in replies)
@@ -234,6 +243,15 @@ class ZmqEventSubscriber:
             self.stats.resyncs_needed += 1
             result.resync_needed = True
         return trusted
+
+    def _skip_to(self, live_seq: int, result: PollResult) -> None:
+        """Give up on ``[expected, live_seq)`` without asking: flag a resync."""
+        assert self._expected is not None
+        self.stats.gaps += 1
+        self.stats.missed_batches += live_seq - self._expected
+        self.stats.resyncs_needed += 1
+        self._expected = live_seq
+        result.resync_needed = True
 
     def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
         """Ask the ROUTER for batches from ``start_seq``; ``None`` if unanswered in time.
