@@ -84,6 +84,28 @@ def _serving(publisher: ZmqEventPublisher) -> Iterator[None]:
         thread.join(TIMEOUT_S)
 
 
+@contextmanager
+def _replaying_pair(
+    ctx: zmq.Context[zmq.Socket[bytes]], publish_first: int = 0, **publisher_options: int
+) -> Iterator[tuple[ZmqEventPublisher, ZmqEventSubscriber]]:
+    """A publisher with a replay socket (served on a thread), ``publish_first`` batches sent
+    before anyone listens, then a subscriber whose subscription has landed."""
+    with ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, context=ctx, **publisher_options
+    ) as publisher:
+        for block_hash in range(publish_first):
+            publisher.publish([_stored(block_hash)], ts=float(block_hash))  # nobody listening
+        assert publisher.replay_endpoint is not None
+        with (
+            ZmqEventSubscriber(
+                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
+            ) as sub,
+            _serving(publisher),
+        ):
+            assert publisher.wait_for_subscriber(TIMEOUT_S)
+            yield publisher, sub
+
+
 def test_malformed_messages_are_counted_and_skipped(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     xpub = ctx.socket(zmq.XPUB)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")
@@ -134,22 +156,10 @@ def test_publisher_round_trips_every_event(ctx: zmq.Context[zmq.Socket[bytes]]) 
 
 
 def test_late_subscriber_fills_gap_by_replay(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    with ZmqEventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, context=ctx
-    ) as publisher:
-        for block_hash in range(3):
-            publisher.publish([_stored(block_hash)], ts=float(block_hash))  # nobody listening
-        assert publisher.replay_endpoint is not None
-        with (
-            ZmqEventSubscriber(
-                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
-            ) as sub,
-            _serving(publisher),
-        ):
-            assert publisher.wait_for_subscriber(TIMEOUT_S)
-            publisher.publish([_stored(3)], ts=3.0)
-            resync: list[bool] = []
-            received = _receive(sub, 4, resync=resync)
+    with _replaying_pair(ctx, publish_first=3) as (publisher, sub):
+        publisher.publish([_stored(3)], ts=3.0)
+        resync: list[bool] = []
+        received = _receive(sub, 4, resync=resync)
     assert [(batch.seq, batch.replayed) for batch in received] == [
         (0, True),
         (1, True),
@@ -164,22 +174,11 @@ def test_late_subscriber_fills_gap_by_replay(ctx: zmq.Context[zmq.Socket[bytes]]
 
 
 def test_gap_older_than_buffer_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    with ZmqEventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, buffer_steps=2, context=ctx
-    ) as publisher:
-        for block_hash in range(5):
-            publisher.publish([_stored(block_hash)])  # seq 0..4; seq 5 will evict all but 4
-        assert publisher.replay_endpoint is not None
-        with (
-            ZmqEventSubscriber(
-                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
-            ) as sub,
-            _serving(publisher),
-        ):
-            assert publisher.wait_for_subscriber(TIMEOUT_S)
-            publisher.publish([_stored(5)])
-            resync: list[bool] = []
-            received = _receive(sub, 2, resync=resync)
+    # seq 0..4 before anyone listens; seq 5 will evict all but 4
+    with _replaying_pair(ctx, publish_first=5, buffer_steps=2) as (publisher, sub):
+        publisher.publish([_stored(5)])
+        resync: list[bool] = []
+        received = _receive(sub, 2, resync=resync)
     assert [(batch.seq, batch.replayed) for batch in received] == [(4, True), (5, False)]
     assert resync == [True]
     assert sub.stats.resyncs_needed == 1 and sub.expected_seq == 6
@@ -192,27 +191,17 @@ def test_a_live_number_its_publisher_never_sent_is_not_trusted(
     frame): the replay shows the publisher never sent it, so it is dropped and the stream goes
     on. Before, the subscriber jumped to it and dropped every real batch after it as a
     duplicate until a resync."""
-    with ZmqEventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, context=ctx
-    ) as publisher:
-        assert publisher.replay_endpoint is not None
-        with (
-            ZmqEventSubscriber(
-                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
-            ) as sub,
-            _serving(publisher),
-        ):
-            assert publisher.wait_for_subscriber(TIMEOUT_S)
-            for block_hash in range(2):
-                publisher.publish([_stored(block_hash)])
-            assert [batch.seq for batch in _receive(sub, 2)] == [0, 1]
-            forged = encode_batch(make_batch([AllBlocksCleared()], ts=0.0))
-            assert publisher._pub is not None  # the publisher's own socket: a real frame on it
-            publisher._pub.send_multipart([TOPIC.encode(), _seq(2**40), forged])
-            for block_hash in range(2, 4):
-                publisher.publish([_stored(block_hash)])
-            resync: list[bool] = []
-            received = _receive(sub, 2, resync=resync)
+    with _replaying_pair(ctx) as (publisher, sub):
+        for block_hash in range(2):
+            publisher.publish([_stored(block_hash)])
+        assert [batch.seq for batch in _receive(sub, 2)] == [0, 1]
+        forged = encode_batch(make_batch([AllBlocksCleared()], ts=0.0))
+        assert publisher._pub is not None  # the publisher's own socket: a real frame on it
+        publisher._pub.send_multipart([TOPIC.encode(), _seq(2**40), forged])
+        for block_hash in range(2, 4):
+            publisher.publish([_stored(block_hash)])
+        resync: list[bool] = []
+        received = _receive(sub, 2, resync=resync)
     assert [(batch.seq, batch.batch.events) for batch in received] == [
         (2, [_stored(2)]),
         (3, [_stored(3)]),
