@@ -202,3 +202,24 @@ def test_greedydual_star_beta_trades_cost_against_aging() -> None:
 
     assert victim_after_inflation(1.0) == 1  # H: 1.5e-3 against L + 1e-3 = 2e-3
     assert victim_after_inflation(0.25) == 3  # H: 5.1e-12 against L + 1e-12 = 2e-12
+
+
+def test_a_tier_can_run_a_peer_at_any_point_and_bad_points_are_config_errors() -> None:
+    import pytest
+
+    from kvstrata.errors import ConfigError
+    from kvstrata.runtime.config import load_worker_config
+    from kvstrata.runtime.store_factory import eviction_policy
+
+    def tier_policy(name: object) -> str:
+        raw = {"tiers": [{"name": "host", "gib": 1, "eviction_policy": name}]}
+        return load_worker_config(raw=raw, source="test").tiers[0].eviction_policy
+
+    for name in ("gdsf:0.125", "gdsf-tuned", "s3fifo:0.05", "tinylfu-tuned", "kvstrata"):
+        assert tier_policy(name) == name
+        assert eviction_policy(name, 1e-9) is not None
+    for bad in ("gdsf:0", "gdsf:nan", "arc:1", "arc-tuned", "fifo", 3):
+        with pytest.raises(ConfigError, match="eviction_policy"):
+            tier_policy(bad)
+    star = eviction_policy("gdsf:0.25", None)  # the store's construction: GreedyDual* at 0.25
+    assert isinstance(star, GDSFPolicy) and star._exponent == 4.0

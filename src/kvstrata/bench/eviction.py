@@ -44,7 +44,6 @@ from kvstrata.store.deployed import (
     TUNED_PEERS,
     TUNED_SUFFIX,
     is_peer_spec,
-    peer_policy,
 )
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses
 from kvstrata.store.policy import EvictionPolicy
@@ -182,9 +181,7 @@ def known_policy(name: str) -> bool:
 def make_policy(name: str, trace: SimulatedTrace) -> EvictionPolicy:
     if name == "belady":
         return _OracleBelady(FutureAccesses(trace.keys))
-    if is_peer_spec(name):
-        return peer_policy(name)
-    if name not in POLICY_NAMES:
+    if not known_policy(name):
         raise InvalidInput(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
     return eviction_policy(name)  # the store's own construction of every other policy
 

@@ -141,7 +141,10 @@ KEYS: Final[tuple[Key, ...]] = (
         "kvstrata",
         "kvstrata (measured value: hit density with a ghost, seconds and tokens saved)"
         " | kvstrata-value (hit density × seconds alone) | kvstrata-adaptive (the candidate"
-        " its miniature simulations find saves most) | lru | s3fifo | arc | gdsf | tinylfu",
+        " its miniature simulations find saves most) | lru | s3fifo | arc | gdsf | tinylfu;"
+        " a deployed policy at another point of its main parameter: s3fifo:F (small-queue"
+        " share), tinylfu:K (sample size ÷ cache size), gdsf:B (GreedyDual* beta), or NAME-tuned"
+        " (the point kvstrata bench eviction's sweep chose, kvstrata.store.deployed)",
     ),
     Key("tiers.verify_reads", "bool", True, "check the payload digest on every read"),
     Key("tiers.selective_min_uses", "int", 2, "selective: uses before an object is admitted"),

@@ -23,7 +23,7 @@ from kvstrata.runtime.remote_metrics import RemoteTierCollector
 from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.store.adaptive import AdaptivePolicy
 from kvstrata.store.config import TierConfig
-from kvstrata.store.deployed import DEPLOYED_POLICIES
+from kvstrata.store.deployed import DEPLOYED_POLICIES, is_peer_spec, peer_policy
 from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.tiered import TieredStore
@@ -51,6 +51,8 @@ def eviction_policy(name: str, demotion_fetch_s_per_byte: float | None = None) -
         return AdaptivePolicy(demotion_fetch_s_per_byte=demotion_fetch_s_per_byte)
     if name in DEPLOYED_POLICIES:
         return DEPLOYED_POLICIES[name](demotion_fetch_s_per_byte)
+    if is_peer_spec(name):  # a deployed policy at another point: gdsf-tuned, gdsf:0.25, …
+        return peer_policy(name, demotion_fetch_s_per_byte)
     known = ", ".join(EVICTION_POLICIES)
     raise ConfigError(f"unknown eviction policy {name!r}; known: {known}")
 
