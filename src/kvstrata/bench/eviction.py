@@ -42,8 +42,8 @@ from kvstrata.store.deployed import (
     DEPLOYED_POLICIES,
     PEER_PARAMETERS,
     TUNED_PEERS,
-    TUNED_SUFFIX,
     is_peer_spec,
+    peer_point,
 )
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses
 from kvstrata.store.policy import EvictionPolicy
@@ -194,19 +194,9 @@ def peer_parameters(policies: Sequence[str]) -> dict[str, dict[str, float]]:
     """Each parameterised peer among ``policies`` → ``{keyword: value}`` it ran with."""
     found: dict[str, dict[str, float]] = {}
     for name in policies:
-        if not is_peer_spec(name):
-            continue
-        base, _, value = name.partition(":")
-        base = base.removesuffix(TUNED_SUFFIX)
-        if base not in PEER_PARAMETERS:
-            continue
-        parameter = PEER_PARAMETERS[base]
-        if value:
-            found[name] = {parameter.keyword: float(value)}
-        elif name.endswith(TUNED_SUFFIX):
-            found[name] = {parameter.keyword: parameter.tuned}
-        else:
-            found[name] = {parameter.keyword: parameter.default}
+        point = peer_point(name) if is_peer_spec(name) else None
+        if point is not None and point[1] is not None:
+            found[name] = {PEER_PARAMETERS[point[0]].keyword: point[1]}
     return found
 
 
@@ -311,19 +301,20 @@ def run_windows(
         capacities = capacities_of(chunk)
         report = run_eviction_bench(chunk, capacities, cost_model=cost_model, policies=policies)
         versus = report["kvstrata_vs_best_peer"]
+        met = goals_met(versus)
         windows.append(
             {
                 "skip": first_skip + start,
                 "requests": len(chunk),
                 "capacities": capacities,
                 "kvstrata_vs_best_peer": versus,
-                "goals_met": goals_met(versus),
+                "goals_met": met,
                 "saved_prefill_s": report["saved_prefill_s"],
                 "saved_tokens": report["saved_tokens"],
             }
         )
         if progress is not None:
-            progress(f"window from request {first_skip + start}: goals met {goals_met(versus)}")
+            progress(f"window from request {first_skip + start}: goals met {met}")
     field_worst = {
         field: min(
             (ratio or 0.0) for window in windows for ratio in window["kvstrata_vs_best_peer"][field]
@@ -335,7 +326,7 @@ def run_windows(
         "windows_meeting_goals": sum(window["goals_met"] for window in windows),
         "worst_vs_best_peer": field_worst,
         "goals": {"saved_prefill_s": GOAL_SECONDS_RATIO, "saved_tokens": GOAL_TOKENS_RATIO},
-        "peer_parameters": peer_parameters([name for name in policies if is_peer_spec(name)]),
+        "peer_parameters": peer_parameters(policies),
         "cost_model": cost_model.name,
         "method": (
             "simulated time, deterministic: one replay per window, policy and capacity; the "

@@ -17,7 +17,7 @@ from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config_reader import Reader, read_secret, text
 from kvstrata.runtime.config_schema import EVICTION_POLICIES, GIB, MIB, TIER_NAMES
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
-from kvstrata.store.deployed import is_peer_spec, peer_policy
+from kvstrata.store.deployed import peer_point
 from kvstrata.tiers.remote_client import RemoteConfig
 
 
@@ -57,16 +57,16 @@ def parse_tier(entry: Mapping[str, Any], index: int, where: str, base: Path) -> 
         raise tier.fail("write_policy", f"must be one of {known}") from None
     eviction = tier.get("eviction_policy")
     if eviction not in EVICTION_POLICIES:
-        if not (isinstance(eviction, str) and is_peer_spec(eviction)):
+        try:
+            point = peer_point(eviction) if isinstance(eviction, str) else None
+        except InvalidInput as exc:
+            raise tier.fail("eviction_policy", str(exc)) from None
+        if point is None:
             raise tier.fail(
                 "eviction_policy",
                 f"must be one of {', '.join(EVICTION_POLICIES)}, or NAME-tuned / NAME:VALUE "
                 "for s3fifo, tinylfu, gdsf",
             )
-        try:
-            peer_policy(eviction)
-        except InvalidInput as exc:
-            raise tier.fail("eviction_policy", str(exc)) from None
     ttl = tier.get("ttl_s")
     if ttl is not None and ttl <= 0:
         raise tier.fail("ttl_s", "must be positive")

@@ -20,6 +20,7 @@ until it was not (or the gain stopped: :data:`PEER_PARAMETERS` lists every point
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ __all__ = [
     "GDSFPolicy",
     "S3FIFOPolicy",
     "TinyLFUPolicy",
+    "peer_point",
     "peer_policy",
 ]
 
@@ -99,33 +101,50 @@ TUNED_PEERS: tuple[str, ...] = tuple(f"{name}{TUNED_SUFFIX}" for name in PEER_PA
 """The benchmark's peers at their tuned points (``s3fifo-tuned``, …)."""
 
 
-def peer_policy(spec: str, demotion_fetch_s_per_byte: float | None = None) -> EvictionPolicy:
-    """A deployed policy by ``NAME`` (paper default), ``NAME-tuned`` or ``NAME:VALUE``."""
-    name, _, value_text = spec.partition(":")
-    if name.endswith(TUNED_SUFFIX) and not value_text:
-        name = name.removesuffix(TUNED_SUFFIX)
-        if name in PEER_PARAMETERS:
-            parameter = PEER_PARAMETERS[name]
-            return parameter.build(parameter.tuned, demotion_fetch_s_per_byte)
-    elif not value_text and name in DEPLOYED_POLICIES:
-        return DEPLOYED_POLICIES[name](demotion_fetch_s_per_byte)
-    elif value_text and name in PEER_PARAMETERS:
+def peer_point(spec: str) -> tuple[str, float | None] | None:
+    """The deployed policy ``spec`` names and the value of its main parameter: ``NAME`` (the
+    paper's default; ``None`` for ARC, which has no parameter), ``NAME-tuned`` or
+    ``NAME:VALUE``. ``None`` when ``spec`` names no deployed policy; ``InvalidInput`` when it
+    names one with a value that is not a positive finite number."""
+    name, colon, value_text = spec.partition(":")
+    if colon:
+        if name not in PEER_PARAMETERS:
+            return None
         try:
             value = float(value_text)
         except ValueError:
-            value = float("nan")
-        if not value > 0 or value == float("inf"):
+            value = math.nan
+        if not 0 < value < math.inf:
             raise InvalidInput(f"{spec!r}: {name}'s {PEER_PARAMETERS[name].keyword} must be > 0")
-        return PEER_PARAMETERS[name].build(value, demotion_fetch_s_per_byte)
-    raise InvalidInput(
-        f"unknown deployed policy {spec!r}: expected one of {', '.join(DEPLOYED_POLICIES)}, "
-        f"NAME{TUNED_SUFFIX} or NAME:VALUE for {', '.join(PEER_PARAMETERS)}"
-    )
+        return name, value
+    if name in TUNED_PEERS:
+        base = name.removesuffix(TUNED_SUFFIX)
+        return base, PEER_PARAMETERS[base].tuned
+    if name in PEER_PARAMETERS:
+        return name, PEER_PARAMETERS[name].default
+    if name in DEPLOYED_POLICIES:
+        return name, None
+    return None
+
+
+def peer_policy(spec: str, demotion_fetch_s_per_byte: float | None = None) -> EvictionPolicy:
+    """The deployed policy ``spec`` names (any form :func:`peer_point` takes)."""
+    point = peer_point(spec)
+    if point is None:
+        raise InvalidInput(
+            f"unknown deployed policy {spec!r}: expected one of {', '.join(DEPLOYED_POLICIES)}, "
+            f"NAME{TUNED_SUFFIX} or NAME:VALUE for {', '.join(PEER_PARAMETERS)}"
+        )
+    name, value = point
+    if value is None or value == PEER_PARAMETERS[name].default:
+        return DEPLOYED_POLICIES[name](demotion_fetch_s_per_byte)
+    return PEER_PARAMETERS[name].build(value, demotion_fetch_s_per_byte)
 
 
 def is_peer_spec(spec: str) -> bool:
-    """Whether ``spec`` names a deployed policy (any form :func:`peer_policy` takes)."""
-    name, colon, _ = spec.partition(":")
-    if colon or name in TUNED_PEERS:
-        return name.removesuffix(TUNED_SUFFIX) in PEER_PARAMETERS
-    return name in DEPLOYED_POLICIES
+    """Whether ``spec`` names a deployed policy; one with a bad value does (building it says
+    what is wrong)."""
+    try:
+        return peer_point(spec) is not None
+    except InvalidInput:
+        return True
