@@ -301,7 +301,9 @@ def test_a_garbage_object_tombstone_buries_without_a_script_error(
 def test_a_garbage_ledger_tombstone_refuses_and_a_deletion_replaces_it(
     remote_server: ValkeyServer, remote_namespace: str, damage: str
 ) -> None:
-    t = remote_tier_on(remote_server.url, remote_namespace)
+    # the tier's clock is the deletion's: on wall time a tombstone dated 2000 would get a
+    # 1 ms server TTL and could expire before the asserts read it (a CI flake once)
+    t = remote_tier_on(remote_server.url, remote_namespace, clock=lambda: 2000.0)
     s = TieredStore([(t, SharedLedgerPolicy(), TierConfig("remote"))])
     try:
         conn = _conn(t)
