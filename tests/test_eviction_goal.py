@@ -8,9 +8,11 @@ the trace's first half, :mod:`kvstrata.store.deployed`). On the first slice the 
 missed against the tuned peers and the tokens goal against the defaults (strict xfails: a fix
 turns them into failures to be promoted); the rest is asserted, so a regression fails CI.
 
-Slices: the trace's first ``REQUESTS`` requests, and the published slice (``kvstrata bench
-all``'s eviction-mooncake: first 3,000); simulated time, so the figures do not depend on the
-machine; capacities 2%, 5% and 15% of the slice's distinct blocks."""
+Slices: the trace's first ``REQUESTS`` requests (7.5 minutes from an empty tier), and the
+whole trace (about an hour: what ``kvstrata bench all``'s eviction-mooncake publishes; both
+goals hold there against the defaults and the tuned peers alike); simulated time, so the
+figures do not depend on the machine; capacities 2%, 5% and 15% of the slice's distinct
+blocks."""
 
 from __future__ import annotations
 
@@ -27,13 +29,12 @@ MOONCAKE_TRACE = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mooncake"
 ) / "conversation_trace.jsonl"
 REQUESTS = 1500
-PUBLISHED_REQUESTS = 3000
 CAPACITY_FRACTIONS = (0.02, 0.05, 0.15)
 DEFAULTS = tuple(DEPLOYED_POLICIES)
 EVERY_PEER = (*DEPLOYED_POLICIES, *TUNED_PEERS)
 
 
-def _run(requests_count: int) -> dict[str, Any]:
+def _run(requests_count: int | None) -> dict[str, Any]:
     if not MOONCAKE_TRACE.is_file():
         pytest.skip("Mooncake trace not present")
     requests = read_trace(MOONCAKE_TRACE)[:requests_count]
@@ -48,8 +49,8 @@ def report() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def published() -> dict[str, Any]:
-    return _run(PUBLISHED_REQUESTS)
+def whole() -> dict[str, Any]:
+    return _run(None)
 
 
 def _ratios(report: dict[str, Any], field: str, peers: tuple[str, ...]) -> list[float]:
@@ -102,12 +103,13 @@ def test_kvstrata_saves_at_least_097_of_the_best_tuned_peer_tokens(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peers", [DEFAULTS, EVERY_PEER], ids=["defaults", "tuned"])
-def test_kvstrata_meets_both_goals_on_the_published_slice(
-    published: dict[str, Any], peers: tuple[str, ...]
+def test_kvstrata_meets_both_goals_on_the_whole_trace(
+    whole: dict[str, Any], peers: tuple[str, ...]
 ) -> None:
     """Where the results page's figures come from: both goals hold at every capacity, against
-    the defaults and the tuned peers alike (the adaptive policy this one replaced saved 0.888x
-    the best default's tokens here at 15%)."""
-    seconds = _ratios(published, "saved_prefill_s", peers)
-    tokens = _ratios(published, "saved_tokens", peers)
+    the defaults and the tuned peers alike (at stop 31: seconds 1.53 / 1.12 / 1.02, tokens
+    1.37 / 1.00 / 1.04; the tuned GreedyDual* that wins the first slice saves 0.60 / 0.64 /
+    0.71x kvstrata's seconds here: its near-static order keeps stale chains)."""
+    seconds = _ratios(whole, "saved_prefill_s", peers)
+    tokens = _ratios(whole, "saved_tokens", peers)
     assert min(seconds) >= 1.0 and min(tokens) >= 0.97, (seconds, tokens)
