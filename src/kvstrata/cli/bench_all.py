@@ -146,6 +146,21 @@ PLAN: Final[tuple[Entry, ...]] = (
         needs=(MOONCAKE,),
     ),
     Entry(
+        "eviction-windows-mooncake-long",
+        _cmd(
+            "bench eviction --trace {mooncake} --requests 3000 --windows 4 "
+            f"--capacities 2%,5%,15% --policies {WINDOW_POLICIES} --json --quiet"
+        ),
+        "As above with 4 disjoint windows of 3,000 requests (about 15 minutes each, against "
+        "7.5): how the ratios move with the time a tier has to learn its workload. Window 1 "
+        "holds the tuning windows 1-2 above, window 2 holds 3-4; 3-4 are held out.",
+        quick=_cmd(
+            "bench eviction --trace {mooncake} --requests 400 --windows 2 "
+            f"--capacities 5%,15% --policies {WINDOW_POLICIES} --json --quiet"
+        ),
+        needs=(MOONCAKE,),
+    ),
+    Entry(
         "sim-mooncake",
         _cmd(
             "sim --trace {mooncake} --workers 16 --policies all "
