@@ -98,3 +98,84 @@ def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_r
             assert "kvstrata_index_stale_batches_total" in text
         finally:
             plane.close()
+
+
+class _StallingWorker(_Worker):
+    """A worker whose dumps after the first (the attach's) wait until ``release`` is set: a
+    worker slow to answer ``/kv/dump`` during a resync."""
+
+    def __init__(self, publisher: ZmqEventPublisher) -> None:
+        super().__init__(publisher)
+        self.release = threading.Event()
+        self.dumps = 0
+
+    def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:
+        self.dumps += 1
+        if self.dumps > 1:
+            assert self.release.wait(20), "the test never released the dump"
+        return super().dump(http, info, api_key)
+
+
+class _Workers:
+    """Dumps by worker id (the event plane asks one source for all of them)."""
+
+    def __init__(self, workers: dict[str, _Worker]) -> None:
+        self.workers = workers
+
+    def info(self, http: httpx.Client, base_url: str, api_key: str | None) -> WorkerInfo:
+        raise AssertionError("not asked in this test")
+
+    def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:
+        return self.workers[info.worker_id].dump(http, info, api_key)
+
+
+def _matched_by(index: GlobalIndex, lock: threading.Lock, worker: str, tokens: list[int]) -> int:
+    with lock:
+        match = index.match(index.request_hashes(None, tokens)).get(worker)
+    return 0 if match is None else match.blocks
+
+
+def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> None:
+    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    with (
+        ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as fast_pub,
+        ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w1", epoch=LIVE_EPOCH) as slow_pub,
+    ):
+        fast, slow = _Worker(fast_pub), _StallingWorker(slow_pub)
+        plane = EventPlane(
+            index, lock, source=_Workers({"w0": fast, "w1": slow}), subscribe_settle_s=0.3
+        )
+        plane.start()
+        try:
+            for worker_id, publisher in (("w0", fast_pub), ("w1", slow_pub)):
+                plane.attach(
+                    WorkerInfo(
+                        worker_id,
+                        "http://127.0.0.1:9",
+                        LIVE_EPOCH,
+                        "m",
+                        FP,
+                        BS,
+                        publisher.endpoint,
+                        None,
+                        publisher.next_seq,
+                    )
+                )
+            stray, _ = _stored(9, seed=9)
+            slow_pub.publish_batch(make_batch([stray], worker_id="w1", epoch=99))
+            _wait(lambda: slow.dumps == 2, "the stray epoch made w1 resync")
+            held, held_tokens = _stored(1, seed=1)
+            fast.store(held)  # while w1's dump hangs
+            _wait(lambda: _matched_by(index, lock, "w0", held_tokens) == 1, "w0's event applied")
+            with lock:
+                assert not index.is_consistent("w1")  # matches nothing until its dump is in
+            late, late_tokens = _stored(2, seed=2)
+            slow.store(late)  # waits in w1's socket until the dump is in
+            slow.release.set()
+            _wait(lambda: _matched_by(index, lock, "w1", late_tokens) == 1, "w1 caught up")
+            with lock:
+                assert index.is_consistent("w1") and index.epoch("w1") == LIVE_EPOCH
+            assert plane.resyncs == {"epoch": 1}
+        finally:
+            slow.release.set()
+            plane.close()

@@ -9,7 +9,10 @@ Attach protocol (also how a restarted router rebuilds its index from the workers
    and a later one is a gap that the replay socket fills.
 
 A gap that replay cannot fill marks the worker inconsistent at once (its entries stop counting
-in lookups: when unsure, recompute) and is repaired by a new dump.
+in lookups: when unsure, recompute) and is repaired by a new dump. That dump is fetched off the
+loop's thread (a pool of ``DUMP_THREADS``): a worker slow to answer ``/kv/dump`` delays only
+its own stream, which is not read meanwhile (its frames wait in the SUB socket; any lost to its
+high-water mark are a gap once the dump is in), never the other workers' events.
 
 Ownership: the loop's own thread owns the subscribers, their ZMQ sockets and their
 ``EventPlaneStats`` (plain counters, read by the metrics collector as they are); other threads
@@ -30,7 +33,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -40,10 +43,13 @@ from kvstrata.events.curve import KeyPair
 from kvstrata.events.schema import KVEventBatch
 from kvstrata.events.subscriber import EventPlaneStats, PollResult, ZmqEventSubscriber
 from kvstrata.fleet.source import KvstrataSource, WorkerSource
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.index.core import GlobalIndex
 
 _log = logging.getLogger(__name__)
+
+DUMP_THREADS = 4
+"""Resync dumps fetched at once (each waits on one worker's ``/kv/dump``)."""
 
 
 @dataclass
@@ -52,6 +58,8 @@ class _Stream:
     subscriber: ZmqEventSubscriber
     lower: ZmqEventSubscriber | None = None
     """The connector's stream of a vLLM worker (``WorkerInfo.lower_events_endpoint``)."""
+    dump: Future[WorkerDump] | None = None
+    """A resync's dump on its way (the stream is not read until it is in)."""
 
     def close(self) -> None:
         self.subscriber.close()
@@ -101,6 +109,7 @@ class EventPlane:
         self._source: WorkerSource = source or KvstrataSource()
         self._transform = transform
         """Applied to every main-stream batch (vLLM: ``cache_salt`` → tenant namespace)."""
+        self._dumps = ThreadPoolExecutor(DUMP_THREADS, thread_name_prefix="kvstrata-dump")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -113,6 +122,7 @@ class EventPlane:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        self._dumps.shutdown(wait=False, cancel_futures=True)
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
@@ -143,6 +153,11 @@ class EventPlane:
             self._drain_commands()
             busy = False
             for worker_id, stream in self._streams.items():
+                if stream.dump is not None:
+                    if stream.dump.done():
+                        self._finish_resync(worker_id, stream, stream.dump)
+                        busy = True
+                    continue
                 try:
                     busy |= self._poll(worker_id, stream)
                 except Exception:  # never let one worker's stream stop the loop
@@ -211,7 +226,11 @@ class EventPlane:
             self.index.remove_worker(worker_id)
 
     def _load_dump(self, worker_id: str, stream: _Stream) -> None:
-        dump = self._source.dump(self._http, stream.info, self._api_key)
+        self._apply_dump(
+            worker_id, stream, self._source.dump(self._http, stream.info, self._api_key)
+        )
+
+    def _apply_dump(self, worker_id: str, stream: _Stream, dump: WorkerDump) -> None:
         with self.lock:
             self.index.replace_worker(
                 worker_id, dump.epoch, dump.events, ts=dump.ts, next_seq=dump.next_seq
@@ -266,8 +285,15 @@ class EventPlane:
         self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
         if self._on_resync is not None:
             self._on_resync(worker_id, reason)
+        if stream.dump is None:
+            stream.dump = self._dumps.submit(
+                self._source.dump, self._http, stream.info, self._api_key
+            )
+
+    def _finish_resync(self, worker_id: str, stream: _Stream, dump: Future[WorkerDump]) -> None:
+        stream.dump = None
         try:
-            self._load_dump(worker_id, stream)
-        except (httpx.HTTPError, WorkerProtocolError) as exc:
+            self._apply_dump(worker_id, stream, dump.result())
+        except Exception as exc:  # any failure: a dump must never stop the loop
             # Stays inconsistent (matches nothing); the health loop will detach or re-attach.
             _log.warning("resync of %s failed: %s", worker_id, exc)
