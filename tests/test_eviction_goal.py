@@ -32,15 +32,22 @@ REQUESTS = 1500
 CAPACITY_FRACTIONS = (0.02, 0.05, 0.15)
 DEFAULTS = tuple(DEPLOYED_POLICIES)
 EVERY_PEER = (*DEPLOYED_POLICIES, *TUNED_PEERS)
+HALF_TUNED = ("gdsf:0.75",)
+"""For the whole trace: the peers' points a sweep chooses on the trace's first half taken as
+one window (6,000 requests) rather than as four of 1,500. S3-FIFO's and TinyLFU's are their
+``-tuned`` ones again (0.002, 2); GreedyDual*'s is β = 0.75, not 0.125 (scored as for
+``TUNED_PEERS``: the geometric mean of √(seconds × tokens) over 2/5/15 % against the default;
+β 0.5 / 0.75 / 1 / 1.5 / 2 / 3 scored 1.013 / 1.052 / 1 / 0.865 / 0.877 / 0.844)."""
 
 
-def _run(requests_count: int | None) -> dict[str, Any]:
+def _run(requests_count: int | None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     if not MOONCAKE_TRACE.is_file():
         pytest.skip("Mooncake trace not present")
     requests = read_trace(MOONCAKE_TRACE)[:requests_count]
     distinct = len({block for request in requests for block in request.hash_ids})
     capacities = [int(distinct * fraction) for fraction in CAPACITY_FRACTIONS]
-    return run_eviction_bench(requests, capacities, policies=(*EVERY_PEER, "kvstrata"))
+    policies = (*EVERY_PEER, *extra, "kvstrata")
+    return run_eviction_bench(requests, capacities, policies=policies)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,7 @@ def report() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def whole() -> dict[str, Any]:
-    return _run(None)
+    return _run(None, HALF_TUNED)
 
 
 def _ratios(report: dict[str, Any], field: str, peers: tuple[str, ...]) -> list[float]:
@@ -102,14 +109,20 @@ def test_kvstrata_saves_at_least_097_of_the_best_tuned_peer_tokens(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peers", [DEFAULTS, EVERY_PEER], ids=["defaults", "tuned"])
+@pytest.mark.parametrize(
+    "peers",
+    [DEFAULTS, EVERY_PEER, (*EVERY_PEER, *HALF_TUNED)],
+    ids=["defaults", "tuned", "tuned-on-half"],
+)
 def test_kvstrata_meets_both_goals_on_the_whole_trace(
     whole: dict[str, Any], peers: tuple[str, ...]
 ) -> None:
     """Where the results page's figures come from: both goals hold at every capacity, against
     the defaults and the tuned peers alike (at stop 31: seconds 1.53 / 1.12 / 1.02, tokens
     1.37 / 1.00 / 1.04; the tuned GreedyDual* that wins the first slice saves 0.60 / 0.64 /
-    0.71x kvstrata's seconds here: its near-static order keeps stale chains)."""
+    0.71x kvstrata's seconds here: its near-static order keeps stale chains). The margin at
+    15 % is thin: GreedyDual* tuned on the whole trace itself (β 2 or 3, a budget kvstrata
+    did not get) saves 1.011 / 1.006x kvstrata's seconds there."""
     seconds = _ratios(whole, "saved_prefill_s", peers)
     tokens = _ratios(whole, "saved_tokens", peers)
     assert min(seconds) >= 1.0 and min(tokens) >= 0.97, (seconds, tokens)
