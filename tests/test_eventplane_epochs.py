@@ -101,8 +101,8 @@ def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_r
 
 
 class _StallingWorker(_Worker):
-    """A worker whose dumps after the first (the attach's) wait until ``release`` is set: a
-    worker slow to answer ``/kv/dump`` during a resync."""
+    """A worker whose dumps after the first (the attach's) are taken at once but answered only
+    when ``release`` is set: a worker slow to answer ``/kv/dump`` during a resync."""
 
     def __init__(self, publisher: ZmqEventPublisher) -> None:
         super().__init__(publisher)
@@ -110,10 +110,11 @@ class _StallingWorker(_Worker):
         self.dumps = 0
 
     def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:
+        snapshot = super().dump(http, info, api_key)
         self.dumps += 1
         if self.dumps > 1:
             assert self.release.wait(20), "the test never released the dump"
-        return super().dump(http, info, api_key)
+        return snapshot
 
 
 class _Workers:
@@ -170,7 +171,7 @@ def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> N
             with lock:
                 assert not index.is_consistent("w1")  # matches nothing until its dump is in
             late, late_tokens = _stored(2, seed=2)
-            slow.store(late)  # waits in w1's socket until the dump is in
+            slow.store(late)  # after the snapshot: it waits in w1's socket until the dump is in
             slow.release.set()
             _wait(lambda: _matched_by(index, lock, "w1", late_tokens) == 1, "w1 caught up")
             with lock:

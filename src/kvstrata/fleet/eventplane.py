@@ -10,13 +10,17 @@ Attach protocol (also how a restarted router rebuilds its index from the workers
 
 A gap that replay cannot fill marks the worker inconsistent at once (its entries stop counting
 in lookups: when unsure, recompute) and is repaired by a new dump. That dump is fetched off the
-loop's thread (a pool of ``DUMP_THREADS``): a worker slow to answer ``/kv/dump`` delays only
-its own stream, which is not read meanwhile (its frames wait in the SUB socket; any lost to its
-high-water mark are a gap once the dump is in), never the other workers' events.
+loop's thread (a daemon thread per resyncing worker, so neither a slow worker nor shutdown
+waits on another): a worker slow to answer a resync's ``/kv/dump`` delays only its own
+stream, which is not read meanwhile (its frames wait in the SUB socket; any lost to its
+high-water mark are a gap once the dump is in), never the other workers' events. An
+*attach*'s dump (startup, the health round's re-attach) is still fetched on the loop's thread.
 
 Ownership: the loop's own thread owns the subscribers, their ZMQ sockets and their
 ``EventPlaneStats`` (plain counters, read by the metrics collector as they are); other threads
-only enqueue commands and wait on their futures. The index belongs to the fleet lock passed
+only enqueue commands and wait on their futures, and a resync's dump thread only calls the
+worker source (with the shared HTTP client) and fills a future the loop reads. The index
+belongs to the fleet lock passed
 in: this thread takes it to apply a batch or a dump (bookkeeping only; receiving and
 ``/kv/dump`` happen outside it), so never wait on a command while holding that lock.
 
@@ -33,7 +37,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import httpx
@@ -47,9 +51,6 @@ from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.index.core import GlobalIndex
 
 _log = logging.getLogger(__name__)
-
-DUMP_THREADS = 4
-"""Resync dumps fetched at once (each waits on one worker's ``/kv/dump``)."""
 
 
 @dataclass
@@ -109,7 +110,6 @@ class EventPlane:
         self._source: WorkerSource = source or KvstrataSource()
         self._transform = transform
         """Applied to every main-stream batch (vLLM: ``cache_salt`` → tenant namespace)."""
-        self._dumps = ThreadPoolExecutor(DUMP_THREADS, thread_name_prefix="kvstrata-dump")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -122,7 +122,6 @@ class EventPlane:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        self._dumps.shutdown(wait=False, cancel_futures=True)
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
@@ -239,6 +238,10 @@ class EventPlane:
 
     def _poll(self, worker_id: str, stream: _Stream) -> bool:
         busy = self._apply(worker_id, stream, stream.subscriber.poll(0), self._transform)
+        if stream.dump is not None:
+            # a resync is on its way: its dump replaces every medium's entries, so connector
+            # batches read now would be lost; they wait in their socket until it is in
+            return busy
         if stream.lower is not None:
             busy |= self._apply(worker_id, stream, stream.lower.poll(0), _without_epoch, lower=True)
         return busy
@@ -285,15 +288,28 @@ class EventPlane:
         self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
         if self._on_resync is not None:
             self._on_resync(worker_id, reason)
-        if stream.dump is None:
-            stream.dump = self._dumps.submit(
-                self._source.dump, self._http, stream.info, self._api_key
-            )
+        if stream.dump is None and not self._stop.is_set():
+            stream.dump = self._fetch_dump(worker_id, stream.info)
+
+    def _fetch_dump(self, worker_id: str, info: WorkerInfo) -> Future[WorkerDump]:
+        """The worker's dump, fetched on a daemon thread of its own (at most one per worker:
+        its stream is not read, so it cannot resync again, until the dump is in)."""
+        future: Future[WorkerDump] = Future()
+
+        def fetch() -> None:
+            try:
+                future.set_result(self._source.dump(self._http, info, self._api_key))
+            except BaseException as exc:  # the loop reads it from the future
+                future.set_exception(exc)
+
+        name = f"kvstrata-dump-{worker_id}"
+        threading.Thread(target=fetch, name=name, daemon=True).start()
+        return future
 
     def _finish_resync(self, worker_id: str, stream: _Stream, dump: Future[WorkerDump]) -> None:
         stream.dump = None
         try:
             self._apply_dump(worker_id, stream, dump.result())
         except Exception as exc:  # any failure: a dump must never stop the loop
-            # Stays inconsistent (matches nothing); the health loop will detach or re-attach.
+            # Stays inconsistent (matches nothing) until its next gap or a re-attach.
             _log.warning("resync of %s failed: %s", worker_id, exc)
