@@ -165,6 +165,8 @@ def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> N
             stray, _ = _stored(9, seed=9)
             slow_pub.publish_batch(make_batch([stray], worker_id="w1", epoch=99))
             _wait(lambda: slow.dumps == 2, "the stray epoch made w1 resync")
+            dumping = [t for t in threading.enumerate() if t.name == "kvstrata-dump-w1"]
+            assert dumping and all(t.daemon for t in dumping)  # a stalled dump never holds exit
             held, held_tokens = _stored(1, seed=1)
             fast.store(held)  # while w1's dump hangs
             _wait(lambda: _matched_by(index, lock, "w0", held_tokens) == 1, "w0's event applied")
