@@ -20,9 +20,9 @@ Ownership: the loop's own thread owns the subscribers, their ZMQ sockets and the
 ``EventPlaneStats`` (plain counters, read by the metrics collector as they are); other threads
 only enqueue commands and wait on their futures, and a resync's dump thread only calls the
 worker source (with the shared HTTP client) and fills a future the loop reads. The index
-belongs to the fleet lock passed
-in: this thread takes it to apply a batch or a dump (bookkeeping only; receiving and
-``/kv/dump`` happen outside it), so never wait on a command while holding that lock.
+belongs to the fleet lock passed in: this thread takes it to apply a batch or a dump
+(bookkeeping only; receiving and ``/kv/dump`` happen outside it), so never wait on a command
+while holding that lock.
 
 CURVE: a worker that advertises a public key in ``/kv/info`` is subscribed to as a CURVE
 client with the router's key pair (``curve_keys``); the fleet refuses the mismatched cases
