@@ -49,9 +49,11 @@ class _Worker:
             return WorkerDump(LIVE_EPOCH, self.publisher.next_seq, list(self.held), time.time())
 
 
-def _matched(index: GlobalIndex, lock: threading.Lock, tokens: list[int]) -> int:
+def _matched(
+    index: GlobalIndex, lock: threading.Lock, tokens: list[int], worker: str = "w0"
+) -> int:
     with lock:
-        match = index.match(index.request_hashes(None, tokens)).get("w0")
+        match = index.match(index.request_hashes(None, tokens)).get(worker)
     return 0 if match is None else match.blocks
 
 
@@ -130,12 +132,6 @@ class _Workers:
         return self.workers[info.worker_id].dump(http, info, api_key)
 
 
-def _matched_by(index: GlobalIndex, lock: threading.Lock, worker: str, tokens: list[int]) -> int:
-    with lock:
-        match = index.match(index.request_hashes(None, tokens)).get(worker)
-    return 0 if match is None else match.blocks
-
-
 def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> None:
     index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
     with (
@@ -169,13 +165,13 @@ def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> N
             assert dumping and all(t.daemon for t in dumping)  # a stalled dump never holds exit
             held, held_tokens = _stored(1, seed=1)
             fast.store(held)  # while w1's dump hangs
-            _wait(lambda: _matched_by(index, lock, "w0", held_tokens) == 1, "w0's event applied")
+            _wait(lambda: _matched(index, lock, held_tokens, "w0") == 1, "w0's event applied")
             with lock:
                 assert not index.is_consistent("w1")  # matches nothing until its dump is in
             late, late_tokens = _stored(2, seed=2)
             slow.store(late)  # after the snapshot: it waits in w1's socket until the dump is in
             slow.release.set()
-            _wait(lambda: _matched_by(index, lock, "w1", late_tokens) == 1, "w1 caught up")
+            _wait(lambda: _matched(index, lock, late_tokens, "w1") == 1, "w1 caught up")
             with lock:
                 assert index.is_consistent("w1") and index.epoch("w1") == LIVE_EPOCH
             assert plane.resyncs == {"epoch": 1}
