@@ -50,6 +50,9 @@ class EventPlaneStats:
     replayed_batches: int = 0
     resyncs_needed: int = 0
     untrusted_batches: int = 0
+    history_truncated: int = 0
+    """Rebuilds from the replay history (``resume_from(…, history=True)``) whose oldest
+    batches the publisher's buffer no longer held: that part stays unknown, no resync."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,8 @@ class ZmqEventSubscriber:
         self._sub: zmq.Socket[bytes] | None = None
         self._untrusted_next: int | None = None
         """The number after the last live frame dropped as untrusted (see ``_fill_gap``)."""
+        self._history = False
+        """Rebuilding from the replay history until the first accepted batch (``resume_from``)."""
 
     @property
     def endpoint(self) -> str:
@@ -119,11 +124,19 @@ class ZmqEventSubscriber:
     def expected_seq(self) -> int | None:
         return self._expected
 
-    def resume_from(self, seq: int) -> None:
-        """Expect ``seq`` next: after a full dump taken at ``seq``, older batches are duplicates."""
+    def resume_from(self, seq: int, *, history: bool = False) -> None:
+        """Expect ``seq`` next: after a full dump taken at ``seq``, older batches are duplicates.
+
+        ``history``: there is no dump, the replay history *is* the state (vLLM, from seq 0), so
+        batches before the oldest one the publisher's buffer still holds are gone for good and
+        asking again cannot help: the first gap fill takes what the buffer holds and counts
+        ``history_truncated`` instead of flagging a resync (which would only rewind here again).
+        """
         if seq < 0:
             raise ValueError("sequence numbers are non-negative")
         self._expected = seq
+        self._untrusted_next = None
+        self._history = history
 
     def start(self) -> Self:
         sub = self._socket(zmq.SUB)
@@ -196,6 +209,7 @@ class ZmqEventSubscriber:
         """Advance past ``seq`` even if its payload is bad: replaying it would not fix it."""
         self._expected = seq + 1
         self._untrusted_next = None
+        self._history = False
         try:
             decoded = decode_batch(payload)
         except EventDecodeError:
@@ -222,26 +236,29 @@ class ZmqEventSubscriber:
         resync. What the replay did hold is delivered. A publisher that keeps no replay buffer
         looks the same for one frame; its next frame (``live_seq + 1``) is then trusted."""
         assert self._expected is not None
+        history = self._history
         replies = self._request_replay(self._expected)
         trusted = replies is None or any(seq >= live_seq for seq, _ in replies)
         if trusted:
             self.stats.gaps += 1
             self.stats.missed_batches += live_seq - self._expected
-        lost = replies is None
+        evicted = False
         for seq, payload in replies or []:
             if seq >= live_seq:
                 break
             if seq < self._expected:
                 continue
             if seq > self._expected:
-                lost = True  # the oldest missing batches were already evicted
+                evicted = True  # the oldest missing batches were already evicted
             self._accept(seq, payload, result, replayed=True)
         if trusted and self._expected < live_seq:
-            lost = True
+            evicted = True
             self._expected = live_seq
-        if lost:
+        if replies is None or (evicted and not history):
             self.stats.resyncs_needed += 1
             result.resync_needed = True
+        elif evicted:
+            self.stats.history_truncated += 1
         return trusted
 
     def _skip_to(self, live_seq: int, result: PollResult) -> None:

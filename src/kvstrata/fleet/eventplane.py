@@ -9,20 +9,30 @@ Attach protocol (also how a restarted router rebuilds its index from the workers
    and a later one is a gap that the replay socket fills.
 
 A gap that replay cannot fill marks the worker inconsistent at once (its entries stop counting
-in lookups: when unsure, recompute) and is repaired by a new dump. That dump is fetched off the
-loop's thread (a daemon thread per resyncing worker, so neither a slow worker nor shutdown
-waits on another): a worker slow to answer a resync's ``/kv/dump`` delays only its own
-stream, which is not read meanwhile (its frames wait in the SUB socket; any lost to its
-high-water mark are a gap once the dump is in), never the other workers' events. An
-*attach*'s dump (startup, the health round's re-attach) is still fetched on the loop's thread.
+in lookups: when unsure, recompute) and is repaired by a new dump. No dump is fetched on the
+loop's thread: an attach's (after the subscription's settle time) and a resync's each run on a
+daemon thread of their own, so neither a slow worker nor shutdown waits on another. A worker
+whose stream waits for its dump is not read meanwhile (its frames wait in the SUB socket; any
+lost to its high-water mark are a gap once the dump is in); the other workers' events flow.
+``attach`` returns when the dump is applied. A resync's dump that fails is retried with
+backoff (0.5 s doubling to 30 s, counted in ``resyncs["dump_failed"]``) until it succeeds or
+the worker is detached; the worker matches nothing until then.
+
+A vLLM worker has no snapshot: its "dump" is empty at seq 0 (``WorkerDump.history_by_replay``)
+and the replay buffer brings the history; its connector stream (``lower``) likewise starts at
+0. What a buffer has already evicted stays unknown (counted in the subscriber's
+``history_truncated``) instead of asking for the same empty dump again, which would rewind to 0
+and find the same buffer: a resync loop that kept a long-running vLLM worker matching nothing.
+A main-stream resync replaces every medium's entries, so the lower subscriber is rewound to 0
+as well and its next batch replays that history.
 
 Ownership: the loop's own thread owns the subscribers, their ZMQ sockets and their
 ``EventPlaneStats`` (plain counters, read by the metrics collector as they are); other threads
-only enqueue commands and wait on their futures, and a resync's dump thread only calls the
-worker source (with the shared HTTP client) and fills a future the loop reads. The index
-belongs to the fleet lock passed in: this thread takes it to apply a batch or a dump
-(bookkeeping only; receiving and ``/kv/dump`` happen outside it), so never wait on a command
-while holding that lock.
+only enqueue commands and wait on their futures, and a dump thread only calls the worker
+source (with the shared HTTP client) and fills a future the loop reads. The index
+and the ``resyncs`` counts belong to the fleet lock passed in: this thread takes it to apply a
+batch or a dump or to count a resync (bookkeeping only; receiving and ``/kv/dump`` happen
+outside it), so never wait on a command while holding that lock.
 
 CURVE: a worker that advertises a public key in ``/kv/info`` is subscribed to as a CURVE
 client with the router's key pair (``curve_keys``); the fleet refuses the mismatched cases
@@ -38,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from msgspec.structs import replace
@@ -51,6 +61,9 @@ from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.index.core import GlobalIndex
 
 _log = logging.getLogger(__name__)
+_DUMP_RETRY_S = 0.5
+_DUMP_RETRY_MAX_S = 30.0
+_DUMP_RETRY_DOUBLINGS = 6
 
 
 @dataclass
@@ -60,12 +73,23 @@ class _Stream:
     lower: ZmqEventSubscriber | None = None
     """The connector's stream of a vLLM worker (``WorkerInfo.lower_events_endpoint``)."""
     dump: Future[WorkerDump] | None = None
-    """A resync's dump on its way (the stream is not read until it is in)."""
+    """A dump on its way (the stream is not read until it is in)."""
+    attaching: Future[object] | None = None
+    """The ``attach`` command waiting for the first dump (failed if that dump fails)."""
+    dump_failures: int = 0
+    """Failed resync dumps in a row (the retry's backoff)."""
+    closed: threading.Event = field(default_factory=threading.Event)
+    """Set when the stream closes: its dump thread gives up instead of asking a gone worker."""
 
     def close(self) -> None:
+        self.closed.set()
         self.subscriber.close()
         if self.lower is not None:
             self.lower.close()
+        if self.attaching is not None and not self.attaching.done():
+            self.attaching.set_exception(
+                WorkerProtocolError(f"{self.info.worker_id} was detached before its dump was in")
+            )
 
 
 def _without_epoch(batch: KVEventBatch) -> KVEventBatch:
@@ -129,8 +153,15 @@ class EventPlane:
 
     # ------------------------------------------------------------------ commands
     def attach(self, info: WorkerInfo, timeout_s: float = 30.0) -> None:
-        """Subscribe to a worker and load its dump; replaces any previous stream for it."""
-        self._submit("attach", info).result(timeout=timeout_s)
+        """Subscribe to a worker and load its dump; replaces any previous stream for it.
+
+        A worker whose dump is not in after ``timeout_s`` is detached (``TimeoutError``): no
+        stream is left behind that the caller does not know of."""
+        try:
+            self._submit("attach", info).result(timeout=timeout_s)
+        except TimeoutError:
+            self._submit("detach", info.worker_id)
+            raise
 
     def detach(self, worker_id: str, timeout_s: float = 10.0) -> None:
         """Close the worker's stream and drop its index entries (dead or drained worker)."""
@@ -154,7 +185,10 @@ class EventPlane:
             for worker_id, stream in self._streams.items():
                 if stream.dump is not None:
                     if stream.dump.done():
-                        self._finish_resync(worker_id, stream, stream.dump)
+                        try:
+                            self._finish_dump(worker_id, stream, stream.dump)
+                        except Exception:  # never let one worker's dump stop the loop
+                            _log.exception("applying the dump of %s failed", worker_id)
                         busy = True
                     continue
                 try:
@@ -174,15 +208,16 @@ class EventPlane:
             try:
                 if kind == "attach":
                     assert isinstance(arg, WorkerInfo)
-                    self._attach(arg)
+                    self._attach(arg, future)  # resolved when its dump is in
                 else:
                     assert isinstance(arg, str)
                     self._detach(arg)
-                future.set_result(None)
+                    future.set_result(None)
             except Exception as exc:
-                future.set_exception(exc)
+                if not future.done():
+                    future.set_exception(exc)
 
-    def _attach(self, info: WorkerInfo) -> None:
+    def _attach(self, info: WorkerInfo, done: Future[object]) -> None:
         self._detach(info.worker_id)
         curve = None
         if info.curve_public_key is not None:
@@ -207,13 +242,9 @@ class EventPlane:
                 replay_timeout_s=self._replay_timeout_s,
                 stats=self.stats,
             ).start()
-        time.sleep(self._settle_s)  # let the subscription reach the publisher
-        stream = _Stream(info, subscriber, lower)
-        try:
-            self._load_dump(info.worker_id, stream)
-        except Exception:
-            stream.close()
-            raise
+        stream = _Stream(info, subscriber, lower, attaching=done)
+        # the settle time lets the subscription reach the publisher before the dump is taken
+        stream.dump = self._fetch_dump(stream, delay_s=self._settle_s)
         self._streams = {**self._streams, info.worker_id: stream}
 
     def _detach(self, worker_id: str) -> None:
@@ -224,17 +255,16 @@ class EventPlane:
         with self.lock:
             self.index.remove_worker(worker_id)
 
-    def _load_dump(self, worker_id: str, stream: _Stream) -> None:
-        self._apply_dump(
-            worker_id, stream, self._source.dump(self._http, stream.info, self._api_key)
-        )
-
     def _apply_dump(self, worker_id: str, stream: _Stream, dump: WorkerDump) -> None:
+        if dump.next_seq < 0:
+            raise WorkerProtocolError(f"dump of {worker_id}: negative next_seq {dump.next_seq}")
         with self.lock:
             self.index.replace_worker(
                 worker_id, dump.epoch, dump.events, ts=dump.ts, next_seq=dump.next_seq
             )
-        stream.subscriber.resume_from(dump.next_seq)
+        stream.subscriber.resume_from(dump.next_seq, history=dump.history_by_replay)
+        if stream.lower is not None:  # the dump dropped its entries: replay brings them back
+            stream.lower.resume_from(0, history=True)
 
     def _poll(self, worker_id: str, stream: _Stream) -> bool:
         busy = self._apply(worker_id, stream, stream.subscriber.poll(0), self._transform)
@@ -256,9 +286,9 @@ class EventPlane:
         lower: bool = False,
     ) -> bool:
         """A gap replay cannot fill resyncs the worker from its dump — except on a lower
-        stream, which has no dump of its own (and the kvstrata connector serves no replay
-        today): its lost blocks stay unknown (routing misses, never wrong KV), counted in
-        ``resyncs["lower_lost"]``, and the device entries are kept."""
+        stream, which has no dump of its own: what its replay buffer no longer holds stays
+        unknown (routing misses, never wrong KV), counted in ``resyncs["lower_lost"]``, and
+        the device entries are kept."""
         epoch_changed = False
         if result.batches:
             with self.lock:
@@ -274,42 +304,69 @@ class EventPlane:
             self._resync(worker_id, stream, "epoch")
             return True
         if result.resync_needed and lower:
-            self.resyncs["lower_lost"] = self.resyncs.get("lower_lost", 0) + 1
+            self._count("lower_lost")
             _log.warning(
-                "lost connector events of %s (no replay): lower tiers partly unknown", worker_id
+                "lost connector events of %s (replay could not fill the gap): lower tiers "
+                "partly unknown",
+                worker_id,
             )
         elif result.resync_needed:
             self._resync(worker_id, stream, "gap")
         return bool(result.batches) or result.resync_needed
 
+    def _count(self, reason: str) -> None:
+        """Under the fleet lock: the metrics collector reads ``resyncs`` holding it."""
+        with self.lock:
+            self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
+
     def _resync(self, worker_id: str, stream: _Stream, reason: str) -> None:
         with self.lock:
             self.index.mark_inconsistent(worker_id)
-        self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
+        self._count(reason)
         if self._on_resync is not None:
             self._on_resync(worker_id, reason)
         if stream.dump is None and not self._stop.is_set():
-            stream.dump = self._fetch_dump(worker_id, stream.info)
+            stream.dump = self._fetch_dump(stream)
 
-    def _fetch_dump(self, worker_id: str, info: WorkerInfo) -> Future[WorkerDump]:
-        """The worker's dump, fetched on a daemon thread of its own (at most one per worker:
-        its stream is not read, so it cannot resync again, until the dump is in)."""
+    def _fetch_dump(self, stream: _Stream, *, delay_s: float = 0.0) -> Future[WorkerDump]:
+        """The worker's dump, fetched after ``delay_s`` on a daemon thread of its own (at most
+        one per worker: its stream is not read, so it cannot resync again, until it is in)."""
         future: Future[WorkerDump] = Future()
+        info, closed = stream.info, stream.closed
 
         def fetch() -> None:
             try:
+                if closed.wait(delay_s) or self._stop.is_set():
+                    raise RuntimeError(f"the stream of {info.worker_id} closed")
                 future.set_result(self._source.dump(self._http, info, self._api_key))
             except BaseException as exc:  # the loop reads it from the future
                 future.set_exception(exc)
 
-        name = f"kvstrata-dump-{worker_id}"
+        name = f"kvstrata-dump-{info.worker_id}"
         threading.Thread(target=fetch, name=name, daemon=True).start()
         return future
 
-    def _finish_resync(self, worker_id: str, stream: _Stream, dump: Future[WorkerDump]) -> None:
+    def _finish_dump(self, worker_id: str, stream: _Stream, dump: Future[WorkerDump]) -> None:
         stream.dump = None
         try:
             self._apply_dump(worker_id, stream, dump.result())
         except Exception as exc:  # any failure: a dump must never stop the loop
-            # Stays inconsistent (matches nothing) until its next gap or a re-attach.
-            _log.warning("resync of %s failed: %s", worker_id, exc)
+            if stream.attaching is not None:  # an attach fails as a whole, as it always did
+                attaching, stream.attaching = stream.attaching, None
+                self._detach(worker_id)
+                attaching.set_exception(exc)
+                return
+            stream.dump_failures += 1
+            self._count("dump_failed")
+            doublings = min(stream.dump_failures - 1, _DUMP_RETRY_DOUBLINGS)
+            delay = min(_DUMP_RETRY_MAX_S, _DUMP_RETRY_S * 2**doublings)
+            _log.warning("resync of %s failed (%s); retrying in %.1f s", worker_id, exc, delay)
+            with self.lock:  # a dump that failed half-way must not read as consistent
+                self.index.mark_inconsistent(worker_id)
+            if not self._stop.is_set():
+                stream.dump = self._fetch_dump(stream, delay_s=delay)
+            return
+        stream.dump_failures = 0
+        if stream.attaching is not None:
+            attaching, stream.attaching = stream.attaching, None
+            attaching.set_result(None)

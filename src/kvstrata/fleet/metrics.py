@@ -222,6 +222,11 @@ class _IndexCollector(Collector):
             ("events_replayed_batches", events.replayed_batches, "Batches recovered by replay"),
             ("events_resyncs_needed", events.resyncs_needed, "Gaps replay could not cover"),
             (
+                "events_history_truncated",
+                events.history_truncated,
+                "Rebuilds from a replay history whose oldest batches were already evicted",
+            ),
+            (
                 "events_untrusted_batches",
                 events.untrusted_batches,
                 "Live batches numbered past everything their publisher's replay holds (dropped)",
@@ -232,7 +237,8 @@ class _IndexCollector(Collector):
             yield counter
         resyncs = CounterMetricFamily(
             "kvstrata_events_resyncs",
-            "Event-plane resyncs from a worker's dump, by reason (gap, epoch, error, "
+            "Event-plane resyncs from a worker's dump, by reason (gap, epoch, error; "
+            "dump_failed: a resync's dump failed and is retried; "
             "lower_lost: a lower stream's lost events, not resynced)",
             labels=["reason"],
         )

@@ -149,7 +149,9 @@ class VllmSource:
 
     def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:
         """Nothing at sequence 0: the replay socket brings the history (module docstring)."""
-        return WorkerDump(epoch=info.epoch, next_seq=0, events=[], ts=time.time())
+        return WorkerDump(
+            epoch=info.epoch, next_seq=0, events=[], ts=time.time(), history_by_replay=True
+        )
 
 
 def _salted(event: KVEvent) -> KVEvent:

@@ -173,6 +173,9 @@ class WorkerDump:
     next_seq: int
     events: list[KVEvent]
     ts: float
+    history_by_replay: bool = False
+    """No snapshot: the stream's replay history from ``next_seq`` is the state (vLLM), so
+    what its buffer has evicted stays unknown rather than asking for this dump again."""
 
 
 def bearer(api_key: str | None) -> dict[str, str]:
