@@ -101,7 +101,7 @@ def test_a_failed_resync_dump_is_retried_until_the_worker_is_consistent() -> Non
             worker.store(first)
             wait_for(lambda: matched(index, lock, first_tokens) == 1, "the live batch applied")
             stray, _ = stored(9, seed=9)
-            publisher.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
+            worker.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
             wait_for(lambda: plane.resyncs.get("dump_failed") == 1, "the resync's dump failed")
             with lock:
                 assert not index.is_consistent("w0")  # matches nothing meanwhile
@@ -145,7 +145,7 @@ def test_a_resync_replays_the_connector_stream_it_wiped() -> None:
             lower_pub.publish([BlockStored([1], None, saved_tokens, BS, None, "host", None)])
             wait_for(lambda: matched(index, lock, saved_tokens) == 1, "the host block applied")
             stray, _ = stored(9, seed=9)
-            main_pub.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
+            worker.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
             wait_for(lambda: plane.resyncs.get("epoch") == 1, "the main stream resynced")
             wait_for(lambda: _consistent(index, lock, "w0"), "the dump is in")
             assert matched(index, lock, saved_tokens) == 0  # the dump replaced every medium
@@ -220,3 +220,43 @@ def test_a_detach_fails_an_attach_still_waiting_for_its_dump() -> None:
         finally:
             worker.release.set()
             plane.close()
+
+
+def test_a_replay_slow_to_answer_delays_no_other_workers_events() -> None:
+    """w1 loses a live batch; its replay socket is not served until w0's event is in. A replay
+    waited for on the loop thread would hold w0's event for the whole replay timeout."""
+    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    stop = threading.Event()
+    with _publisher("w0") as fast_pub, _publisher("w1", replay=True) as slow_pub:
+        fast, slow = Worker(fast_pub), Worker(slow_pub)
+        plane = EventPlane(
+            index,
+            lock,
+            source=Workers({"w0": fast, "w1": slow}),
+            subscribe_settle_s=0.3,
+            replay_timeout_s=30.0,
+        )
+        plane.start()
+        replay = threading.Thread(target=_serve_replay, args=(slow_pub, stop), daemon=True)
+        try:
+            plane.attach(info_of("w0", fast_pub))
+            plane.attach(info_of("w1", slow_pub))
+            (lost, lost_tokens), (after, after_tokens) = stored(1, seed=1), stored(2, seed=2)
+            slow_pub.drop_next(1)  # buffered for replay, never sent live
+            slow.store(lost)
+            slow.store(after)  # a gap: w1's subscriber asks for a replay nobody serves yet
+            wait_for(lambda: plane.stats.replay_requests == 1, "w1 asked for the replay")
+            held, held_tokens = stored(3, seed=3)
+            fast.store(held)
+            wait_for(lambda: matched(index, lock, held_tokens, "w0") == 1, "w0's event applied")
+            assert matched(index, lock, after_tokens, "w1") == 0  # w1 waits, in order
+            replay.start()  # now the replay is answered
+            wait_for(lambda: matched(index, lock, after_tokens, "w1") == 1, "w1 caught up")
+            assert matched(index, lock, lost_tokens, "w1") == 1  # filled by the replay
+            assert plane.stats.replayed_batches == 1 and plane.resyncs == {}
+            assert _consistent(index, lock, "w1")
+        finally:
+            stop.set()
+            plane.close()
+            if replay.is_alive():
+                replay.join(timeout=5)

@@ -40,7 +40,7 @@ def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_r
             worker.store(first)
             wait_for(lambda: matched(index, lock, first_tokens) == 1, "the live batch applied")
             stray, stray_tokens = stored(9, seed=9)  # another epoch: not what the worker holds
-            publisher.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
+            worker.publish_batch(make_batch([stray], worker_id="w0", epoch=99))
             wait_for(lambda: plane.resyncs.get("epoch") == 1, "the stray epoch made it resync")
             later, later_tokens = stored(2, seed=2)
             worker.store(later)
@@ -77,7 +77,7 @@ def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> N
             for worker_id, publisher in (("w0", fast_pub), ("w1", slow_pub)):
                 plane.attach(info_of(worker_id, publisher))
             stray, _ = stored(9, seed=9)
-            slow_pub.publish_batch(make_batch([stray], worker_id="w1", epoch=99))
+            slow.publish_batch(make_batch([stray], worker_id="w1", epoch=99))
             wait_for(lambda: slow.dumps == 2, "the stray epoch made w1 resync")
             dumping = [t for t in threading.enumerate() if t.name == "kvstrata-dump-w1"]
             assert dumping and all(t.daemon for t in dumping)  # a stalled dump never holds exit

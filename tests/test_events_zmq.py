@@ -20,6 +20,7 @@ from kvstrata.events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
+    PollResult,
     ReceivedBatch,
     ZmqEventPublisher,
     ZmqEventSubscriber,
@@ -36,6 +37,12 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@pytest.fixture(params=[False, True], ids=["replay-in-poll", "replay-in-background"])
+def background(request: pytest.FixtureRequest) -> bool:
+    """The gap tests run both ways a subscriber waits for its replay (``background_replay``)."""
+    return bool(request.param)
 
 
 def _seq(seq: int) -> bytes:
@@ -86,7 +93,11 @@ def _serving(publisher: ZmqEventPublisher) -> Iterator[None]:
 
 @contextmanager
 def _replaying_pair(
-    ctx: zmq.Context[zmq.Socket[bytes]], publish_first: int = 0, **publisher_options: int
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    publish_first: int = 0,
+    *,
+    background: bool = False,
+    **publisher_options: int,
 ) -> Iterator[tuple[ZmqEventPublisher, ZmqEventSubscriber]]:
     """A publisher with a replay socket (served on a thread), ``publish_first`` batches sent
     before anyone listens, then a subscriber whose subscription has landed."""
@@ -98,7 +109,11 @@ def _replaying_pair(
         assert publisher.replay_endpoint is not None
         with (
             ZmqEventSubscriber(
-                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
+                publisher.endpoint,
+                publisher.replay_endpoint,
+                topic=TOPIC,
+                context=ctx,
+                background_replay=background,
             ) as sub,
             _serving(publisher),
         ):
@@ -155,8 +170,10 @@ def test_publisher_round_trips_every_event(ctx: zmq.Context[zmq.Socket[bytes]]) 
     assert not received.replayed
 
 
-def test_late_subscriber_fills_gap_by_replay(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    with _replaying_pair(ctx, publish_first=3) as (publisher, sub):
+def test_late_subscriber_fills_gap_by_replay(
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
+) -> None:
+    with _replaying_pair(ctx, publish_first=3, background=background) as (publisher, sub):
         publisher.publish([_stored(3)], ts=3.0)
         resync: list[bool] = []
         received = _receive(sub, 4, resync=resync)
@@ -173,9 +190,11 @@ def test_late_subscriber_fills_gap_by_replay(ctx: zmq.Context[zmq.Socket[bytes]]
     assert (stats.replayed_batches, stats.resyncs_needed, stats.duplicates) == (3, 0, 0)
 
 
-def test_gap_older_than_buffer_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_gap_older_than_buffer_needs_resync(
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
+) -> None:
     # seq 0..4 before anyone listens; seq 5 will evict all but 4
-    with _replaying_pair(ctx, publish_first=5, buffer_steps=2) as (publisher, sub):
+    with _replaying_pair(ctx, 5, background=background, buffer_steps=2) as (publisher, sub):
         publisher.publish([_stored(5)])
         resync: list[bool] = []
         received = _receive(sub, 2, resync=resync)
@@ -185,13 +204,13 @@ def test_gap_older_than_buffer_needs_resync(ctx: zmq.Context[zmq.Socket[bytes]])
 
 
 def test_a_live_number_its_publisher_never_sent_is_not_trusted(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
 ) -> None:
     """A frame on the publisher's socket numbered far ahead (forged, or a corrupt sequence
     frame): the replay shows the publisher never sent it, so it is dropped and the stream goes
     on. Before, the subscriber jumped to it and dropped every real batch after it as a
     duplicate until a resync."""
-    with _replaying_pair(ctx) as (publisher, sub):
+    with _replaying_pair(ctx, background=background) as (publisher, sub):
         for block_hash in range(2):
             publisher.publish([_stored(block_hash)])
         assert [batch.seq for batch in _receive(sub, 2)] == [0, 1]
@@ -212,7 +231,7 @@ def test_a_live_number_its_publisher_never_sent_is_not_trusted(
 
 
 def test_a_publisher_without_a_replay_buffer_is_trusted_on_its_next_frame(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
 ) -> None:
     """A replay socket over an empty buffer (vLLM accepts a zero ``buffer_steps``) answers
     nothing for any gap: the first frame past the gap looks untrusted and is dropped, its
@@ -234,7 +253,10 @@ def test_a_publisher_without_a_replay_buffer_is_trusted_on_its_next_frame(
     thread.start()
     try:
         with ZmqEventSubscriber(
-            f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", context=ctx
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{replay_port}",
+            context=ctx,
+            background_replay=background,
         ) as sub:
             _wait_subscribed(xpub)
             for seq in (3, 4, 5):  # 0..2 were sent before anyone listened
@@ -272,7 +294,9 @@ def test_gap_without_replay_socket_needs_resync(ctx: zmq.Context[zmq.Socket[byte
     assert (sub.stats.gaps, sub.stats.missed_batches, sub.stats.replay_requests) == (1, 1, 0)
 
 
-def test_unanswered_replay_times_out_into_resync(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_unanswered_replay_times_out_into_resync(
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
+) -> None:
     xpub = ctx.socket(zmq.XPUB)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")
     mute_router = ctx.socket(zmq.ROUTER)
@@ -283,6 +307,7 @@ def test_unanswered_replay_times_out_into_resync(ctx: zmq.Context[zmq.Socket[byt
         f"tcp://127.0.0.1:{replay_port}",
         replay_timeout_s=0.2,
         context=ctx,
+        background_replay=background,
     ) as sub:
         _wait_subscribed(xpub)
         xpub.send_multipart([b"", _seq(4), payload])
@@ -292,6 +317,41 @@ def test_unanswered_replay_times_out_into_resync(ctx: zmq.Context[zmq.Socket[byt
         socket.close(linger=0)
     assert received[0].seq == 4 and resync == [True]
     assert sub.stats.replay_requests == 1
+
+
+def test_a_background_replay_never_holds_poll_past_its_own_timeout(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A mute replay socket: the waiting path would hold ``poll`` for the whole replay timeout;
+    in the background each ``poll`` returns within its own timeout until the replay times out
+    into a resync."""
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    mute_router = ctx.socket(zmq.ROUTER)
+    replay_port = mute_router.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(make_batch([], ts=0.0))
+    replay_timeout_s = 2.0
+    with ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{replay_port}",
+        replay_timeout_s=replay_timeout_s,
+        context=ctx,
+        background_replay=True,
+    ) as sub:
+        _wait_subscribed(xpub)
+        xpub.send_multipart([b"", _seq(4), payload])
+        started = time.monotonic()
+        longest, result = 0.0, PollResult()
+        while not result.batches and time.monotonic() - started < 3 * replay_timeout_s:
+            before = time.monotonic()
+            result = sub.poll(timeout_ms=50)
+            longest = max(longest, time.monotonic() - before)
+        waited = time.monotonic() - started
+    for socket in (xpub, mute_router):
+        socket.close(linger=0)
+    assert [batch.seq for batch in result.batches] == [4] and result.resync_needed
+    assert longest < replay_timeout_s / 2  # no poll waited out the replay
+    assert waited >= replay_timeout_s * 0.9 and sub.stats.replay_requests == 1
 
 
 def test_replay_socket_ignores_bad_requests(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -11,6 +11,14 @@ counted in :class:`EventPlaneStats` and skipped.
 
 With ``curve`` (a :class:`~kvstrata.events.curve.CurveClient`: the publisher's public key and
 this subscriber's own key pair) the SUB socket and every replay DEALER are CURVE clients.
+
+A replay request waits for its answer (up to ``replay_timeout_s``) inside ``poll`` unless
+``background_replay``: then ``poll`` sends the request and returns; each later ``poll`` reads
+what has arrived on the request's DEALER (waiting at most its own ``timeout_ms``) and reads no
+further live frames until the answer or the timeout is in, then settles the gap exactly as the
+waiting path does. A consumer that serves many streams from one thread (the router's event
+plane) sets it, so a worker whose replay socket does not answer delays no other worker's
+events. Either way the DEALER belongs to the polling thread.
 """
 
 from __future__ import annotations
@@ -32,6 +40,27 @@ from kvstrata.events.schema import (
 )
 
 _SEQ_BYTES: Final = 8
+
+
+@dataclass(slots=True)
+class _Replay:
+    """One replay request, on a DEALER of its own (closed when settled, so a late answer to a
+    timed-out request can never be mistaken for the answer to the next one)."""
+
+    dealer: zmq.Socket[bytes]
+    deadline: float
+    replies: list[tuple[int, bytes]] = field(default_factory=list)
+    answered: bool = False
+    """The end marker came: ``replies`` is all the publisher holds from the start seq."""
+
+
+@dataclass(slots=True)
+class _PendingGap:
+    """A live frame past a gap, held until its replay (``background_replay``) settles."""
+
+    seq: int
+    payload: bytes
+    replay: _Replay
 
 
 @dataclass
@@ -98,6 +127,7 @@ class ZmqEventSubscriber:
         stats: EventPlaneStats | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         curve: CurveClient | None = None,
+        background_replay: bool = False,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -114,6 +144,8 @@ class ZmqEventSubscriber:
         """The number after the last live frame dropped as untrusted (see ``_fill_gap``)."""
         self._history = False
         """Rebuilding from the replay history until the first accepted batch (``resume_from``)."""
+        self._background = background_replay
+        self._pending: _PendingGap | None = None
 
     @property
     def endpoint(self) -> str:
@@ -137,6 +169,7 @@ class ZmqEventSubscriber:
         self._expected = seq
         self._untrusted_next = None
         self._history = history
+        self._drop_pending()  # a gap relative to the old position: the dump supersedes it
 
     def start(self) -> Self:
         sub = self._socket(zmq.SUB)
@@ -153,6 +186,7 @@ class ZmqEventSubscriber:
         return self
 
     def close(self) -> None:
+        self._drop_pending()
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -174,10 +208,17 @@ class ZmqEventSubscriber:
         if sub is None:
             raise RuntimeError("subscriber is not started")
         result = PollResult()
+        pending = self._pending
+        if pending is not None:
+            if not self._read_replay(pending.replay, timeout_ms):
+                return result  # the live frames wait in the socket, in order
+            self._pending = None
+            self._settle_gap(pending.seq, pending.payload, self._settled(pending.replay), result)
+            timeout_ms = 0  # deliver what the replay brought without waiting for more
         if not sub.poll(timeout_ms):
             return result
         handled = 0
-        while handled < self._max_batches and sub.poll(0):
+        while handled < self._max_batches and self._pending is None and sub.poll(0):
             self._handle_live(sub.recv_multipart(), result)
             handled += 1
         return result
@@ -192,17 +233,34 @@ class ZmqEventSubscriber:
             self.stats.duplicates += 1
             return
         if self._expected is not None and seq > self._expected:
-            if seq == self._untrusted_next:
-                # it follows the frame just dropped: a real stream whose publisher's replay
-                # does not hold what it sends (a zero-length buffer); replay cannot help
-                self._skip_to(seq, result)
-            elif not self._fill_gap(seq, result):
-                self.stats.untrusted_batches += 1  # its publisher never sent that number
-                self._untrusted_next = seq + 1
+            if seq != self._untrusted_next:
+                if self._background and self._replay_endpoint is not None:
+                    replay = self._open_replay(self._replay_endpoint, self._expected)
+                    self._pending = _PendingGap(seq, payload, replay)
+                    return
+                self._settle_gap(seq, payload, self._request_replay(self._expected), result)
                 return
-            if seq < self._expected:
-                self.stats.duplicates += 1  # replay already delivered it
-                return
+            # it follows the frame just dropped: a real stream whose publisher's replay does
+            # not hold what it sends (a zero-length buffer); replay cannot help
+            self._skip_to(seq, result)
+        self._accept(seq, payload, result, replayed=False)
+
+    def _settle_gap(
+        self,
+        seq: int,
+        payload: bytes,
+        replies: list[tuple[int, bytes]] | None,
+        result: PollResult,
+    ) -> None:
+        """The live frame ``seq`` after a gap, once its replay is answered (or timed out)."""
+        if not self._fill_gap(seq, replies, result):
+            self.stats.untrusted_batches += 1  # its publisher never sent that number
+            self._untrusted_next = seq + 1
+            return
+        assert self._expected is not None  # _fill_gap moved it to at least ``seq``'s gap
+        if seq < self._expected:
+            self.stats.duplicates += 1  # replay already delivered it
+            return
         self._accept(seq, payload, result, replayed=False)
 
     def _accept(self, seq: int, payload: bytes, result: PollResult, *, replayed: bool) -> None:
@@ -226,8 +284,11 @@ class ZmqEventSubscriber:
             self.stats.replayed_batches += 1
         result.batches.append(ReceivedBatch(seq=seq, batch=decoded.batch, replayed=replayed))
 
-    def _fill_gap(self, live_seq: int, result: PollResult) -> bool:
-        """Replay ``[expected, live_seq)``; flag a resync for whatever replay cannot cover.
+    def _fill_gap(
+        self, live_seq: int, replies: list[tuple[int, bytes]] | None, result: PollResult
+    ) -> bool:
+        """Deliver the replay of ``[expected, live_seq)``; flag a resync for whatever it cannot
+        cover (``replies`` None: unanswered).
 
         False when the publisher's replay answered and holds nothing at or past ``live_seq``:
         it has not sent that number (a publisher buffers a batch before sending it), so the
@@ -237,7 +298,6 @@ class ZmqEventSubscriber:
         looks the same for one frame; its next frame (``live_seq + 1``) is then trusted."""
         assert self._expected is not None
         history = self._history
-        replies = self._request_replay(self._expected)
         trusted = replies is None or any(seq >= live_seq for seq, _ in replies)
         if trusted:
             self.stats.gaps += 1
@@ -271,36 +331,56 @@ class ZmqEventSubscriber:
         result.resync_needed = True
 
     def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
-        """Ask the ROUTER for batches from ``start_seq``; ``None`` if unanswered in time.
-
-        A fresh DEALER per request, closed afterwards, so a late answer to a timed-out request
-        can never be mistaken for the answer to the next one.
-        """
+        """Ask the ROUTER for batches from ``start_seq`` and wait; ``None`` if unanswered."""
         if self._replay_endpoint is None:
             return None
+        replay = self._open_replay(self._replay_endpoint, start_seq)
+        self._read_replay(replay, int(self._replay_timeout_s * 1000) + 1)
+        return self._settled(replay)
+
+    def _open_replay(self, endpoint: str, start_seq: int) -> _Replay:
         self.stats.replay_requests += 1
         dealer = self._socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's buffer
+        replay = _Replay(dealer, time.monotonic() + self._replay_timeout_s)
         try:
-            dealer.connect(self._replay_endpoint)
+            dealer.connect(endpoint)
             dealer.send_multipart((b"", start_seq.to_bytes(_SEQ_BYTES, "big")))
-            replies: list[tuple[int, bytes]] = []
-            deadline = time.monotonic() + self._replay_timeout_s
-            while (remaining := deadline - time.monotonic()) > 0:
-                if not dealer.poll(int(remaining * 1000) + 1):
-                    break
-                frames = dealer.recv_multipart()
-                if len(frames) == 4:  # vLLM's replies carry the topic: ["", topic, seq, data]
-                    frames = [frames[0], frames[2], frames[3]]
-                if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
-                    self.stats.malformed_messages += 1
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == END_SEQ:
-                    return replies
-                replies.append((seq, frames[2]))
-            return None
-        finally:
+        except BaseException:
             dealer.close(linger=0)
+            raise
+        return replay
+
+    def _read_replay(self, replay: _Replay, wait_ms: int) -> bool:
+        """Read the replay's frames that arrive within ``wait_ms`` (never past its deadline);
+        True once it is settled: the end marker came, or the deadline passed."""
+        until = min(replay.deadline, time.monotonic() + wait_ms / 1000)
+        while not replay.answered:
+            remaining_ms = max(0, int((until - time.monotonic()) * 1000))
+            if not replay.dealer.poll(remaining_ms):
+                return time.monotonic() >= replay.deadline
+            frames = replay.dealer.recv_multipart()
+            if len(frames) == 4:  # vLLM's replies carry the topic: ["", topic, seq, data]
+                frames = [frames[0], frames[2], frames[3]]
+            if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+                self.stats.malformed_messages += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq == END_SEQ:
+                replay.answered = True
+            else:
+                replay.replies.append((seq, frames[2]))
+        return True
+
+    @staticmethod
+    def _settled(replay: _Replay) -> list[tuple[int, bytes]] | None:
+        replay.dealer.close(linger=0)
+        return replay.replies if replay.answered else None
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.replay.dealer.close(linger=0)
+            self._pending = None
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         socket = (self._context or zmq.Context.instance()).socket(kind)

@@ -14,9 +14,11 @@ loop's thread: an attach's (after the subscription's settle time) and a resync's
 daemon thread of their own, so neither a slow worker nor shutdown waits on another. A worker
 whose stream waits for its dump is not read meanwhile (its frames wait in the SUB socket; any
 lost to its high-water mark are a gap once the dump is in); the other workers' events flow.
-``attach`` returns when the dump is applied. A resync's dump that fails is retried with
-backoff (0.5 s doubling to 30 s, counted in ``resyncs["dump_failed"]``) until it succeeds or
-the worker is detached; the worker matches nothing until then.
+``attach`` returns when the dump is applied. Gap replays run in the background too
+(``ZmqEventSubscriber(background_replay=True)``): a worker whose replay socket does not answer
+holds only its own stream, for up to ``replay_timeout_s``. A resync's dump that fails is
+retried with backoff (0.5 s doubling to 30 s, counted in ``resyncs["dump_failed"]``) until it
+succeeds or the worker is detached; the worker matches nothing until then.
 
 A vLLM worker has no snapshot: its "dump" is empty at seq 0 (``WorkerDump.history_by_replay``)
 and the replay buffer brings the history; its connector stream (``lower``) likewise starts at
@@ -64,6 +66,8 @@ _log = logging.getLogger(__name__)
 _DUMP_RETRY_S = 0.5
 _DUMP_RETRY_MAX_S = 30.0
 _DUMP_RETRY_DOUBLINGS = 6
+_APPLY_CHUNK = 256
+"""Batches applied per hold of the fleet lock (routing waits at most that long)."""
 
 
 @dataclass
@@ -230,6 +234,7 @@ class EventPlane:
             expected_seq=None,
             replay_timeout_s=self._replay_timeout_s,
             stats=self.stats,
+            background_replay=True,
             curve=curve,
         ).start()
         lower = None
@@ -241,6 +246,7 @@ class EventPlane:
                 expected_seq=0,
                 replay_timeout_s=self._replay_timeout_s,
                 stats=self.stats,
+                background_replay=True,
             ).start()
         stream = _Stream(info, subscriber, lower, attaching=done)
         # the settle time lets the subscription reach the publisher before the dump is taken
@@ -290,13 +296,14 @@ class EventPlane:
         unknown (routing misses, never wrong KV), counted in ``resyncs["lower_lost"]``, and
         the device entries are kept."""
         epoch_changed = False
-        if result.batches:
+        batches = result.batches
+        for start in range(0, len(batches), _APPLY_CHUNK):  # a replay can bring thousands
             with self.lock:
                 before = self.index.epoch(worker_id)
-                for received in result.batches:
+                for received in batches[start : start + _APPLY_CHUNK]:
                     batch = received.batch if transform is None else transform(received.batch)
                     self.index.apply_batch(worker_id, batch, seq=received.seq)
-                epoch_changed = self.index.epoch(worker_id) != before and before is not None
+                epoch_changed |= self.index.epoch(worker_id) != before and before is not None
         if epoch_changed and not lower:
             # A batch of an epoch never seen reads as a restart and retires the live epoch;
             # the worker's dump says which is live (a stray or forged epoch must not wedge
