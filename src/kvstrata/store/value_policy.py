@@ -132,6 +132,10 @@ def use_class(uses: int) -> int:
     return min((uses - 2).bit_length() + 1, USE_CLASSES - 1)
 
 
+_CLASS_OF_USES = tuple(use_class(uses) for uses in range(64))
+"""``use_class`` for small counts, looked up on the sampling path (64 and up: the top class)."""
+
+
 def value_per_byte(
     meta: KVObjectMeta, fetch_s_per_byte: float | None = None, seconds_weight: float = 1.0
 ) -> float:
@@ -302,9 +306,10 @@ class ValuePolicy(LeafHeapPolicy):
 
     def score(self, key: BlockKey, now: float) -> float:
         """Expected prefill seconds saved per second and per byte by keeping ``key``."""
-        age = now - self._last_use[key]
-        cls = use_class(self._uses[key])
-        return self.density.at(cls, age) * self._value_per_byte[key]
+        uses = self._uses[key]
+        cls = _CLASS_OF_USES[uses] if uses < 64 else USE_CLASSES - 1
+        bucket = age_bucket(now - self._last_use[key])
+        return self.density.density[cls][bucket] * self._value_per_byte[key]
 
     # ---- LeafHeapPolicy hooks ------------------------------------------------------------
     def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
@@ -387,22 +392,33 @@ class ValuePolicy(LeafHeapPolicy):
         total = sum(sizes)
         if total == 0:
             return None
-        randrange = self._rng.randrange
+        # Uniform draws on [0, total) by rejection on ``getrandbits``: the very sampling
+        # ``Random.randrange(total)`` does, without its argument checks, so a seeded replay
+        # draws what it always drew (this loop is the policy's hot path).
+        getrandbits, bits = self._rng.getrandbits, total.bit_length()
+        only = pools[0] if len(pools) == 1 else None
+        score, last_use = self.score, self._last_use
         best_key: BlockKey | None = None
-        best = (math.inf, 0.0)
+        best_score, best_last = math.inf, 0.0
         found = 0
         for _ in range(self._samples * _SAMPLE_TRIES):
-            draw = randrange(total)
-            for pool, size in zip(pools, sizes, strict=True):
-                if draw < size:
-                    key = pool[draw]
-                    break
-                draw -= size
+            draw = getrandbits(bits)
+            while draw >= total:
+                draw = getrandbits(bits)
+            if only is not None:
+                key = only[draw]
+            else:
+                for pool, size in zip(pools, sizes, strict=True):
+                    if draw < size:
+                        key = pool[draw]
+                        break
+                    draw -= size
             if can_evict is not None and not can_evict(key):
                 continue
-            rank = (self.score(key, now), self._last_use[key])
-            if rank < best:
-                best, best_key = rank, key
+            value, last = score(key, now), last_use[key]
+            # the lowest (score, last use): ties go to the least recently used
+            if value < best_score or (value == best_score and last < best_last):
+                best_score, best_last, best_key = value, last, key
             found += 1
             if found >= self._samples:
                 break
