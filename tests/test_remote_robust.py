@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -374,3 +375,56 @@ def test_a_stored_object_is_not_taken_for_lost(full_tier: RemoteTier) -> None:
     assert t.prepare_store(meta) is None  # exists, bytes present: nothing dropped
     assert "lost" not in t.remote_counters.evicted
     assert load_bytes(t, meta.key) == payload
+
+
+# ------------------------------------------------------------------ wrong-typed ledger indexes
+
+
+@pytest.mark.parametrize("damaged", ["z", "e", "p", "t:t0", "z+t:t0"])
+def test_a_wrong_typed_ledger_index_is_rebuilt_from_what_is_left(
+    full_tier: RemoteTier, damaged: str
+) -> None:
+    """``z`` and a tenant set rebuild each other (same members, same scores), ``e`` comes from
+    the entries; what only a lost index held (a pending reservation's deadline; a score when
+    both ``z`` and its tenant set are lost) is dropped as corrupt. Before, every script that
+    met the wrong type failed, so the tier refused every store until someone cleaned up."""
+    t = full_tier
+    conn, prefix = _conn(t), t._prefix
+    objects = _full(t, 2)
+    expiring = make_object(3, created_at=time.time(), ttl=3600.0)
+    assert store(t, *expiring)
+    last, last_payload = make_object(4, created_at=time.time())
+    pending = t.prepare_store(last)  # the tier is now full
+    assert pending is not None
+    pending.buffer[:] = last_payload
+    scores = dict(conn.zrange(prefix + "z", 0, -1, withscores=True))
+    expiry = dict(conn.zrange(prefix + "e", 0, -1, withscores=True))
+    for name in damaged.split("+"):
+        conn.delete(prefix + name)
+        conn.rpush(prefix + name, "not a sorted set")
+    # The commit meets p, z and the tenant set, the usage sweep e: one of them fails with
+    # WRONGTYPE, the index is repaired, the call retried. A commit that failed half-way (Redis
+    # keeps a failed script's earlier writes) has marked its entry committed: kept when one
+    # index still scores it (then the writer, told "gone", never writes its bytes: the lost
+    # entry is forgotten by the first read that misses them), dropped when none does.
+    kept = t.complete_store(pending, True)
+    t.refresh_usage(["t0"])
+    assert t.remote_counters.errors == {} and not t.breaker_open()
+    assert t.remote_counters.ledger_repairs == 1
+    assert kept is (damaged == "e")
+    dropped = {"z": 1, "p": 1, "e": 0, "t:t0": 0, "z+t:t0": 4}[damaged]
+    assert t.remote_counters.evicted == ({"corrupt": dropped} if dropped else {})
+    committed = [meta for meta, _ in objects] + [expiring[0]]
+    for meta in committed:
+        name = meta.key.hex()
+        if damaged == "z+t:t0":  # no score was left anywhere: those entries went, bytes too
+            assert conn.exists(t.meta_key(meta.key)) == 0
+            continue
+        assert conn.zscore(prefix + "z", name) == scores[name.encode()]
+        assert conn.zscore(prefix + "t:t0", name) == scores[name.encode()]
+        assert conn.zscore(prefix + "e", name) == expiry.get(name.encode())
+        assert load_bytes(t, meta.key) is not None
+    _ledger_is_consistent(t)
+    assert store(t, *_valued(10, 100.0))  # admissions and evictions work again
+    assert t.remote_counters.errors == {} and t.remote_counters.ledger_repairs == 1
+    _ledger_is_consistent(t)

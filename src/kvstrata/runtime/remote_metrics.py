@@ -63,6 +63,11 @@ class RemoteTierCollector(Collector):
         yield open_family
         yield trips
         yield CounterMetricFamily(
+            "kvstrata_remote_ledger_repairs",
+            "Ledger indexes of the wrong type found and rebuilt",
+            value=counters.ledger_repairs,
+        )
+        yield CounterMetricFamily(
             "kvstrata_remote_read_ahead_bytes",
             "Bytes fetched ahead of a promotion",
             value=counters.read_ahead_bytes,

@@ -64,8 +64,16 @@ script does its reads, checks and encoding before its first write (its arguments
 - a tombstone that is no finite number still marks a deletion: it covers every object of its
   key until it expires or a deletion replaces it (never resurrect deleted data).
 
-Keys of the wrong type among ``z``, ``e``, ``p`` and the tenant sets are not repaired: such a
-script fails (a ``RemoteReplyError``, which does not count against the node's breaker).
+An index of the wrong type (``z``, ``e``, ``p`` or a tenant set: another program wrote a string
+or a list there) fails the script that meets it with ``WRONGTYPE`` (a ``RemoteReplyError``,
+which does not count against the node's breaker); the writer then runs ``REPAIR`` once and
+retries the call. ``REPAIR`` deletes every wrong-typed index and rebuilds it from what is
+still right: ``z`` from the tenant sets and a tenant set from ``z`` (the same members and
+scores, so prefix closure holds as it did), ``e`` from the entries' expiry. What nothing else
+holds is dropped and reported as a ``corrupt`` victim: a committed entry whose score was in
+the lost index only (``z`` and its tenant set both wrong), and every PENDING reservation when
+``p`` was lost (its deadline is kept nowhere else; its writer's commit then finds no entry,
+a refused store). ``info`` itself of the wrong type is not repaired.
 """
 
 from __future__ import annotations
@@ -246,6 +254,75 @@ for i = #ARGV, 3, -1 do
   end
 end
 return reply('ok')
+"""
+)
+
+# ARGV: prefix, now. Status "repaired" (or "ok": nothing was wrong-typed); victims "corrupt".
+REPAIR = (
+    LEDGER_LUA
+    + r"""
+NOW = num(ARGV[2]) or 0
+local function wrong(k)
+  local t = redis.call('TYPE', k)
+  if type(t) == 'table' then t = t.ok end
+  return t ~= 'zset' and t ~= 'none'
+end
+local all = redis.call('HGETALL', INFO)
+local recs, tbad, corrupt = {}, {}, false
+local any = wrong(Z) or wrong(E) or wrong(PEND)
+for i = 1, #all, 2 do
+  local rec = decode(all[i], all[i + 1])
+  local ok, t = true, rec and rec.t
+  if not rec then  -- a corrupt entry's tenant set is cleaned by `discard`: check it too
+    ok, t = pcall(function() return cjson.decode(all[i + 1]).t end)
+  end
+  if rec then recs[all[i]] = rec end
+  if ok and type(t) == 'string' and tbad[t] == nil then
+    tbad[t] = wrong(P..'t:'..t)
+    any = any or tbad[t]
+  end
+end
+if not any then return reply('ok') end
+local zbad, ebad, pbad = wrong(Z), wrong(E), wrong(PEND)
+for _, k in ipairs({Z, E, PEND}) do
+  if wrong(k) then redis.call('DEL', k) end
+end
+for t, bad in pairs(tbad) do
+  if bad then redis.call('DEL', P..'t:'..t) end
+end
+for i = 1, #all, 2 do  -- every index takes ZREM again: drop what was never an entry
+  if not recs[all[i]] then
+    discard(all[i], all[i + 1])
+    corrupt = true
+  end
+end
+local lost = {}
+for k, rec in pairs(recs) do
+  if rec.st == 'C' then
+    local score
+    if not zbad then
+      score = num(redis.call('ZSCORE', Z, k))
+    elseif not tbad[rec.t] then
+      score = num(redis.call('ZSCORE', P..'t:'..rec.t, k))
+    end
+    if score then
+      if zbad then redis.call('ZADD', Z, score, k) end
+      if tbad[rec.t] then redis.call('ZADD', P..'t:'..rec.t, score, k) end
+      if ebad and rec.x ~= -1 then redis.call('ZADD', E, rec.x, k) end
+    else
+      lost[#lost + 1] = k
+    end
+  elseif pbad then
+    lost[#lost + 1] = k
+  end
+end
+if corrupt then recount() end
+for _, k in ipairs(lost) do
+  drop(k, recs[k])
+  victim(k, recs[k].t, 'corrupt')
+end
+bump()
+return reply('repaired')
 """
 )
 

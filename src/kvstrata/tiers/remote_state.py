@@ -23,6 +23,7 @@ server may have lost them).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -34,13 +35,19 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.base import TierCounters, TierError
-from kvstrata.tiers.remote_client import RemoteClient, RemoteConfig, RemoteUnavailable
+from kvstrata.tiers.remote_client import (
+    RemoteClient,
+    RemoteConfig,
+    RemoteReplyError,
+    RemoteUnavailable,
+)
 from kvstrata.tiers.remote_format import data_key, key_of_hex, meta_key
 from kvstrata.tiers.remote_ledger import (
     COMMIT,
     ERASE,
     FORGET_LOST,
     REMOVE,
+    REPAIR,
     RESERVE,
     TOUCH,
     USAGE,
@@ -59,6 +66,9 @@ TOUCH_BATCH = 256
 _TOUCH_INTERVAL_S = 0.05
 
 
+_log = logging.getLogger(__name__)
+
+
 @dataclass
 class RemoteCounters:
     """What only a remote medium has: outages, refusals, the breaker, server evictions."""
@@ -70,6 +80,7 @@ class RemoteCounters:
     foreign_keys: int = 0  # names in the namespace a survey or scan skipped: not the tier's
     read_ahead_bytes: int = 0
     read_ahead_unused_bytes: int = 0
+    ledger_repairs: int = 0  # wrong-typed ledger indexes rebuilt (``remote_ledger.REPAIR``)
 
     def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
         table[key] = table.get(key, 0) + n
@@ -141,6 +152,7 @@ class RemoteState:
                 ("erase", ERASE),
                 ("write", WRITE),
                 ("erase_object", ERASE_OBJECT),
+                ("repair", REPAIR),
             )
         }
         self._wake = threading.Event()
@@ -376,15 +388,28 @@ class RemoteState:
 
     def _script(self, name: str, args: Sequence[Any]) -> LedgerReply:
         """Run a ledger script and delete the object keys of the victims it reports (any
-        script may drop a corrupt entry, not only an admission), outside ``_lock``."""
-        script = self._scripts[name]
-        node = self.ledger_node
-        raw = self._client.call(
-            node, lambda conn: script(keys=[self._ledger_key], args=list(args), client=conn)
-        )
+        script may drop a corrupt entry, not only an admission), outside ``_lock``. A ledger
+        index of the wrong type (``WRONGTYPE``) is repaired once and the call retried
+        (``remote_ledger``: ``REPAIR``)."""
+        try:
+            raw = self._run_script(name, args)
+        except RemoteReplyError as exc:
+            if "WRONGTYPE" not in str(exc) or name == "repair":
+                raise
+            repaired = self._script("repair", [self._prefix, repr(self._clock())])
+            _log.warning("remote ledger %s: %s; repaired (%s)", self._prefix, exc, repaired.status)
+            self.remote_counters.ledger_repairs += 1
+            raw = self._run_script(name, args)
         reply = LedgerReply.parse(raw)
         self._delete_victims(reply.victims, reply.version)
         return reply
+
+    def _run_script(self, name: str, args: Sequence[Any]) -> Any:
+        script = self._scripts[name]
+        return self._client.call(
+            self.ledger_node,
+            lambda conn: script(keys=[self._ledger_key], args=list(args), client=conn),
+        )
 
     def _touch_loop(self) -> None:
         while not self._closed:
