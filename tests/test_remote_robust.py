@@ -387,7 +387,9 @@ def test_a_wrong_typed_ledger_index_is_rebuilt_from_what_is_left(
     """``z`` and a tenant set rebuild each other (same members, same scores), ``e`` comes from
     the entries; what only a lost index held (a pending reservation's deadline; a score when
     both ``z`` and its tenant set are lost) is dropped as corrupt. Before, every script that
-    met the wrong type failed, so the tier refused every store until someone cleaned up."""
+    met the wrong type failed, so the tier refused every store until someone cleaned up; a
+    script that failed half-way kept its earlier writes, which is why scripts now check their
+    indexes before writing."""
     t = full_tier
     conn, prefix = _conn(t), t._prefix
     objects = _full(t, 2)
@@ -402,18 +404,19 @@ def test_a_wrong_typed_ledger_index_is_rebuilt_from_what_is_left(
     for name in damaged.split("+"):
         conn.delete(prefix + name)
         conn.rpush(prefix + name, "not a sorted set")
-    # The commit meets p, z and the tenant set, the usage sweep e: one of them fails with
-    # WRONGTYPE, the index is repaired, the call retried. A commit that failed half-way (Redis
-    # keeps a failed script's earlier writes) has marked its entry committed: kept when one
-    # index still scores it (then the writer, told "gone", never writes its bytes: the lost
-    # entry is forgotten by the first read that misses them), dropped when none does.
+    # The commit checks its indexes before writing anything: it answers "wrongtype", the
+    # indexes are repaired, the commit runs again.
     kept = t.complete_store(pending, True)
     t.refresh_usage(["t0"])
     assert t.remote_counters.errors == {} and not t.breaker_open()
     assert t.remote_counters.ledger_repairs == 1
-    assert kept is (damaged == "e")
-    dropped = {"z": 1, "p": 1, "e": 0, "t:t0": 0, "z+t:t0": 4}[damaged]
+    assert kept is (damaged != "p")  # a lost p drops the reservation: its deadline was only there
+    dropped = {"z": 0, "p": 1, "e": 0, "t:t0": 0, "z+t:t0": 3}[damaged]
     assert t.remote_counters.evicted == ({"corrupt": dropped} if dropped else {})
+    if kept:
+        assert load_bytes(t, last.key) == last_payload
+        name = last.key.hex()
+        assert conn.zscore(prefix + "z", name) == conn.zscore(prefix + "t:t0", name) is not None
     committed = [meta for meta, _ in objects] + [expiring[0]]
     for meta in committed:
         name = meta.key.hex()
@@ -427,4 +430,37 @@ def test_a_wrong_typed_ledger_index_is_rebuilt_from_what_is_left(
     _ledger_is_consistent(t)
     assert store(t, *_valued(10, 100.0))  # admissions and evictions work again
     assert t.remote_counters.errors == {} and t.remote_counters.ledger_repairs == 1
+    _ledger_is_consistent(t)
+
+
+def test_a_removal_through_a_wrong_typed_tenant_set_keeps_the_usage_exact(
+    full_tier: RemoteTier,
+) -> None:
+    """Before scripts checked their indexes first, this removal failed after deleting the
+    entry and before fixing the usage figures: ``used`` stayed 4 KiB too high for good."""
+    t = full_tier
+    conn, prefix = _conn(t), t._prefix
+    objects = _full(t, 3)
+    conn.delete(prefix + "t:t0")
+    conn.rpush(prefix + "t:t0", "not a sorted set")
+    assert t.remove(objects[0][0].key)
+    assert t.remote_counters.ledger_repairs == 1 and t.remote_counters.errors == {}
+    info = _ledger_is_consistent(t)
+    assert set(info) == {meta.key.hex() for meta, _ in objects[1:]}
+    t.refresh_usage(["t0"])
+    assert t.used_bytes == 2 * OBJ == t.tenant_bytes("t0")
+
+
+def test_a_wrong_typed_set_of_a_tenant_with_no_entries_is_found_and_rebuilt(
+    full_tier: RemoteTier,
+) -> None:
+    t = full_tier
+    conn, prefix = _conn(t), t._prefix
+    _full(t, 2)
+    conn.rpush(prefix + "t:newcomer", "not a sorted set")  # no entry, no usage figure names it
+    meta, payload = make_object(9, tenant="newcomer")
+    assert store(t, meta, payload)
+    assert t.remote_counters.ledger_repairs == 1 and t.remote_counters.errors == {}
+    assert conn.type(prefix + "t:newcomer") == b"zset"
+    assert load_bytes(t, meta.key) == payload
     _ledger_is_consistent(t)

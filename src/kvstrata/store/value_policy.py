@@ -133,7 +133,7 @@ def use_class(uses: int) -> int:
 
 
 _CLASS_OF_USES = tuple(use_class(uses) for uses in range(64))
-"""``use_class`` for small counts, looked up on the sampling path (64 and up: the top class)."""
+"""``use_class`` of the small counts, looked up on the sampling path."""
 
 
 def value_per_byte(
@@ -307,7 +307,7 @@ class ValuePolicy(LeafHeapPolicy):
     def score(self, key: BlockKey, now: float) -> float:
         """Expected prefill seconds saved per second and per byte by keeping ``key``."""
         uses = self._uses[key]
-        cls = _CLASS_OF_USES[uses] if uses < 64 else USE_CLASSES - 1
+        cls = _CLASS_OF_USES[uses] if 0 <= uses < 64 else use_class(uses)
         bucket = age_bucket(now - self._last_use[key])
         return self.density.density[cls][bucket] * self._value_per_byte[key]
 

@@ -65,9 +65,12 @@ script does its reads, checks and encoding before its first write (its arguments
   key until it expires or a deletion replaces it (never resurrect deleted data).
 
 An index of the wrong type (``z``, ``e``, ``p`` or a tenant set: another program wrote a string
-or a list there) fails the script that meets it with ``WRONGTYPE`` (a ``RemoteReplyError``,
-which does not count against the node's breaker); the writer then runs ``REPAIR`` once and
-retries the call. ``REPAIR`` deletes every wrong-typed index and rebuilds it from what is
+or a list there) is checked for before a script's first write (``indexes_wrong``: Redis keeps
+a failed script's earlier writes, so meeting it half-way would leave a half-done change); the
+script then answers ``wrongtype`` with nothing written (one it still meets half-way, a tenant
+set no usage figure names, fails with ``WRONGTYPE``), and the writer runs ``REPAIR`` once and
+retries the call. ``REPAIR`` deletes every wrong-typed index (tenant sets found by the entries
+and by a ``SCAN`` of the ledger's slot), recounts ``u`` and rebuilds each index from what is
 still right: ``z`` from the tenant sets and a tenant set from ``z`` (the same members and
 scores, so prefix closure holds as it did), ``e`` from the entries' expiry. What nothing else
 holds is dropped and reported as a ``corrupt`` victim: a committed entry whose score was in
@@ -100,6 +103,7 @@ if not (hex(key) and size and size >= 0 and value and quota and capacity and now
         and expires and created and (parent == '' or hex(parent))) then
   return reply('invalid')
 end
+if indexes_wrong(tenant) then return wrongtype() end
 local rec = {s = size, t = tenant, st = 'P', u = 1, x = expires, p = parent, v = value}
 local encoded = cjson.encode(rec)
 touched[tenant] = true
@@ -152,6 +156,7 @@ COMMIT = (
     + r"""
 local key, now = ARGV[2], num(ARGV[3]) or 0
 NOW = now
+if indexes_wrong(nil) then return wrongtype() end
 local rec = get(key)
 if not rec or rec.st ~= 'P' then return reply('gone') end
 touched[rec.t] = true
@@ -181,6 +186,7 @@ FORGET_LOST = (
 local key, now, grace = ARGV[2], num(ARGV[3]), num(ARGV[4])
 NOW = now or 0
 if not (hex(key) and now and grace) then return reply('invalid') end
+if indexes_wrong(nil) then return wrongtype() end
 local rec = get(key)
 if not rec or rec.st ~= 'C' or (finite(rec.c) and now - rec.c < grace) then
   return reply('ok', {0})
@@ -196,6 +202,7 @@ REMOVE = (
     LEDGER_LUA
     + r"""
 NOW = num(ARGV[2]) or 0
+if indexes_wrong(nil) then return wrongtype() end
 local present = {}
 for i = 3, #ARGV do
   local rec = get(ARGV[i])
@@ -217,6 +224,7 @@ for i = 3, #ARGV, 3 do
   local ttl = int(ARGV[i + 2])
   if not (num(ARGV[i + 1]) and ttl and ttl > 0) then return reply('invalid') end
 end
+if indexes_wrong(nil) then return wrongtype() end
 local out = {}
 for i = 3, #ARGV, 3 do
   local k, deleted = ARGV[i], num(ARGV[i + 1])
@@ -236,6 +244,7 @@ TOUCH = (
     LEDGER_LUA
     + r"""
 NOW = num(ARGV[2]) or 0
+if indexes_wrong(nil) then return wrongtype() end
 local L = clock()
 for i = #ARGV, 3, -1 do
   local k = ARGV[i]
@@ -262,39 +271,39 @@ REPAIR = (
     LEDGER_LUA
     + r"""
 NOW = num(ARGV[2]) or 0
-local function wrong(k)
-  local t = redis.call('TYPE', k)
-  if type(t) == 'table' then t = t.ok end
-  return t ~= 'zset' and t ~= 'none'
-end
+local function wrong(k) return not zset_or_none(k) end
 local all = redis.call('HGETALL', INFO)
-local recs, tbad, corrupt = {}, {}, false
-local any = wrong(Z) or wrong(E) or wrong(PEND)
-for i = 1, #all, 2 do
-  local rec = decode(all[i], all[i + 1])
-  local ok, t = true, rec and rec.t
-  if not rec then  -- a corrupt entry's tenant set is cleaned by `discard`: check it too
-    ok, t = pcall(function() return cjson.decode(all[i + 1]).t end)
-  end
-  if rec then recs[all[i]] = rec end
-  if ok and type(t) == 'string' and tbad[t] == nil then
+local recs, tbad = {}, {}
+local zbad, ebad, pbad = wrong(Z), wrong(E), wrong(PEND)
+local any = zbad or ebad or pbad
+local function check(t)
+  if type(t) == 'string' and tbad[t] == nil then
     tbad[t] = wrong(P..'t:'..t)
     any = any or tbad[t]
   end
 end
+for i = 1, #all, 2 do
+  local rec = decode(all[i], all[i + 1])
+  if rec then
+    recs[all[i]] = rec
+    check(rec.t)
+  else  -- a corrupt entry's tenant set is cleaned by `discard`: check it too
+    local ok, t = pcall(function() return cjson.decode(all[i + 1]).t end)
+    if ok then check(t) end
+  end
+end
+local cursor = '0'
+repeat  -- tenant sets no entry names any more (a tenant whose last entry went)
+  local page = redis.call('SCAN', cursor, 'MATCH', P..'t:*', 'COUNT', 1000)
+  cursor = page[1]
+  for _, name in ipairs(page[2]) do check(string.sub(name, #P + 3)) end
+until cursor == '0'
 if not any then return reply('ok') end
-local zbad, ebad, pbad = wrong(Z), wrong(E), wrong(PEND)
 for _, k in ipairs({Z, E, PEND}) do
   if wrong(k) then redis.call('DEL', k) end
 end
 for t, bad in pairs(tbad) do
   if bad then redis.call('DEL', P..'t:'..t) end
-end
-for i = 1, #all, 2 do  -- every index takes ZREM again: drop what was never an entry
-  if not recs[all[i]] then
-    discard(all[i], all[i + 1])
-    corrupt = true
-  end
 end
 local lost = {}
 for k, rec in pairs(recs) do
@@ -308,7 +317,7 @@ for k, rec in pairs(recs) do
     if score then
       if zbad then redis.call('ZADD', Z, score, k) end
       if tbad[rec.t] then redis.call('ZADD', P..'t:'..rec.t, score, k) end
-      if ebad and rec.x ~= -1 then redis.call('ZADD', E, rec.x, k) end
+      if ebad and rec.x >= 0 then redis.call('ZADD', E, rec.x, k) end
     else
       lost[#lost + 1] = k
     end
@@ -316,12 +325,11 @@ for k, rec in pairs(recs) do
     lost[#lost + 1] = k
   end
 end
-if corrupt then recount() end
+recount()  -- U from INFO (dropping corrupt entries): a failed script may have left it off
 for _, k in ipairs(lost) do
   drop(k, recs[k])
   victim(k, recs[k].t, 'corrupt')
 end
-bump()
 return reply('repaired')
 """
 )
@@ -331,6 +339,7 @@ USAGE = (
     LEDGER_LUA
     + r"""
 NOW = num(ARGV[2]) or 0
+if indexes_wrong(nil) then return wrongtype() end
 sweep(NOW)
 for i = 3, #ARGV do touched[ARGV[i]] = true end
 return reply('ok')

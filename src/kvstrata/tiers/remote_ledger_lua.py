@@ -60,7 +60,6 @@ end
 -- Remove a corrupt entry from every index (its size is unknown: `recount` fixes the usage);
 -- it is reported as a victim ('corrupt') so its writer-side keys are deleted like an eviction.
 local function discard(k, raw)
-  redis.call('HDEL', INFO, k)
   redis.call('ZREM', Z, k)
   redis.call('ZREM', E, k)
   redis.call('ZREM', PEND, k)
@@ -70,7 +69,41 @@ local function discard(k, raw)
     tenant = rec.t
     redis.call('ZREM', P..'t:'..tenant, k)
   end
+  redis.call('HDEL', INFO, k)  -- last: a failure above leaves the entry for REPAIR to find
   victim(k, tenant, 'corrupt')
+end
+
+-- ---- wrong-typed indexes: checked before a script's first write ----------------------------
+-- Redis keeps the writes a script made before it failed, so an index of the wrong type met
+-- half-way (another program wrote a string or a list there) would leave a half-done change.
+-- Every writing script asks first and answers `wrongtype()` (nothing written); the writer
+-- then runs REPAIR and calls again (`remote_ledger`).
+local function zset_or_none(k)
+  local t = redis.call('TYPE', k)
+  if type(t) == 'table' then t = t.ok end
+  return t == 'zset' or t == 'none'
+end
+
+local function indexes_wrong(tenant)
+  if not (zset_or_none(Z) and zset_or_none(E) and zset_or_none(PEND)) then return true end
+  if tenant and not zset_or_none(P..'t:'..tenant) then return true end
+  local fields = redis.pcall('HKEYS', U)
+  if type(fields) ~= 'table' or fields.err then  -- U unreadable: INFO names the tenants
+    fields = {}
+    local all = redis.call('HGETALL', INFO)
+    for i = 2, #all, 2 do
+      local ok, t = pcall(function() return cjson.decode(all[i]).t end)
+      if ok and type(t) == 'string' then fields[#fields + 1] = 't:'..t end
+    end
+  end
+  for _, f in ipairs(fields) do
+    if string.sub(f, 1, 2) == 't:' and not zset_or_none(P..f) then return true end
+  end
+  return false
+end
+
+local function wrongtype()  -- the reply shape LedgerReply parses, with nothing in it
+  return {'wrongtype', 0, 0, 0, 0, 0}
 end
 
 -- U is derived data (the sums over INFO): when it cannot be read (a wrong type, a field that
@@ -152,11 +185,11 @@ end
 
 local function drop(k, rec)
   ucheck({'used', 'n', 'ver', 't:'..rec.t})
-  redis.call('HDEL', INFO, k)
   redis.call('ZREM', Z, k)
   redis.call('ZREM', P..'t:'..rec.t, k)
   redis.call('ZREM', E, k)
   redis.call('ZREM', PEND, k)
+  redis.call('HDEL', INFO, k)  -- after the indexes: a failure there leaves a whole entry
   redis.call('HINCRBY', U, 'used', -rec.s)
   redis.call('HINCRBY', U, 'n', -1)
   if redis.call('HINCRBY', U, 't:'..rec.t, -rec.s) <= 0 then

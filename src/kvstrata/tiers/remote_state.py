@@ -389,20 +389,38 @@ class RemoteState:
     def _script(self, name: str, args: Sequence[Any]) -> LedgerReply:
         """Run a ledger script and delete the object keys of the victims it reports (any
         script may drop a corrupt entry, not only an admission), outside ``_lock``. A ledger
-        index of the wrong type (``WRONGTYPE``) is repaired once and the call retried
-        (``remote_ledger``: ``REPAIR``)."""
-        try:
-            raw = self._run_script(name, args)
-        except RemoteReplyError as exc:
-            if "WRONGTYPE" not in str(exc) or name == "repair":
-                raise
-            repaired = self._script("repair", [self._prefix, repr(self._clock())])
-            _log.warning("remote ledger %s: %s; repaired (%s)", self._prefix, exc, repaired.status)
-            self.remote_counters.ledger_repairs += 1
-            raw = self._run_script(name, args)
-        reply = LedgerReply.parse(raw)
+        index of the wrong type is repaired once and the call retried (``remote_ledger``:
+        ``REPAIR``)."""
+        reply = self._unless_wrongtype(name, args)
+        if reply is None:
+            self._repair()
+            reply = self._unless_wrongtype(name, args)
+            if reply is None:
+                raise RemoteReplyError(f"ledger {self._prefix}: wrong-typed index after REPAIR")
         self._delete_victims(reply.victims, reply.version)
         return reply
+
+    def _unless_wrongtype(self, name: str, args: Sequence[Any]) -> LedgerReply | None:
+        """The script's reply; None when it met a ledger index of the wrong type (answered
+        ``wrongtype`` before writing, or failed with ``WRONGTYPE`` half-way)."""
+        try:
+            reply = LedgerReply.parse(self._run_script(name, args))
+        except RemoteReplyError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return None
+        return None if reply.status == "wrongtype" else reply
+
+    def _repair(self) -> None:
+        reply = LedgerReply.parse(self._run_script("repair", [self._prefix, repr(self._clock())]))
+        self._delete_victims(reply.victims, reply.version)
+        if reply.status == "repaired":
+            self.remote_counters.ledger_repairs += 1
+            _log.warning(
+                "remote ledger %s: indexes of the wrong type rebuilt (%d entries dropped)",
+                self._prefix,
+                len(reply.victims),
+            )
 
     def _run_script(self, name: str, args: Sequence[Any]) -> Any:
         script = self._scripts[name]
