@@ -123,3 +123,8 @@ def info_of(
         lower_events_endpoint=None if lower is None else lower.endpoint,
         lower_replay_endpoint=None if lower is None else lower.replay_endpoint,
     )
+
+
+def fresh_index() -> tuple[GlobalIndex, threading.Lock]:
+    """An empty index on the wall clock and the lock that owns it (the fleet's, in a router)."""
+    return GlobalIndex(FP, BS, clock=time.time), threading.Lock()

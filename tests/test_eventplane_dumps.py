@@ -15,11 +15,11 @@ import pytest
 
 from eventplane_helpers import (
     BS,
-    FP,
     LIVE_EPOCH,
     ScriptedWorker,
     Worker,
     Workers,
+    fresh_index,
     info_of,
     matched,
     stored,
@@ -42,7 +42,7 @@ def _publisher(worker_id: str, *, replay: bool = False) -> ZmqEventPublisher:
 
 
 def test_an_attach_slow_to_dump_delays_no_other_workers_events() -> None:
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     with _publisher("w0") as fast_pub, _publisher("w1") as slow_pub:
         fast, slow = Worker(fast_pub), ScriptedWorker(slow_pub, stall=frozenset({1}))
         plane = EventPlane(
@@ -71,7 +71,7 @@ def test_an_attach_slow_to_dump_delays_no_other_workers_events() -> None:
 
 
 def test_an_attach_whose_dump_fails_raises_and_leaves_no_stream() -> None:
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     with _publisher("w0") as publisher:
         worker = ScriptedWorker(publisher, fail=frozenset({1}))
         plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.05)
@@ -90,7 +90,7 @@ def test_an_attach_whose_dump_fails_raises_and_leaves_no_stream() -> None:
 
 
 def test_a_failed_resync_dump_is_retried_until_the_worker_is_consistent() -> None:
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     with _publisher("w0") as publisher:
         worker = ScriptedWorker(publisher, fail=frozenset({2, 3}))
         plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
@@ -131,7 +131,7 @@ def test_a_resync_replays_the_connector_stream_it_wiped() -> None:
     """vLLM: device blocks come on the main stream (whose dump is empty at seq 0, the replay
     brings the history), host blocks on the connector's. A main-stream resync replaces every
     medium's entries, so the connector's history must be replayed again."""
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     stop = threading.Event()
     with _publisher("w0") as main_pub, _publisher("w0-lower", replay=True) as lower_pub:
         worker = Worker(main_pub)
@@ -171,7 +171,7 @@ def test_a_history_rebuild_past_the_replay_buffer_keeps_what_it_holds_without_re
     """A worker without a snapshot whose buffer has evicted seq 0: the rebuild takes what the
     buffer holds (counted as truncated). Flagging a resync instead would fetch the same empty
     dump, rewind to 0, find the same buffer, and never become consistent."""
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     stop = threading.Event()
     publisher = ZmqEventPublisher(
         "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=4, worker_id="w0", epoch=LIVE_EPOCH
@@ -201,7 +201,7 @@ def test_a_history_rebuild_past_the_replay_buffer_keeps_what_it_holds_without_re
 
 
 def test_a_detach_fails_an_attach_still_waiting_for_its_dump() -> None:
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     with _publisher("w0") as publisher:
         worker = ScriptedWorker(publisher, stall=frozenset({1}))
         plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.05)
@@ -225,7 +225,7 @@ def test_a_detach_fails_an_attach_still_waiting_for_its_dump() -> None:
 def test_a_replay_slow_to_answer_delays_no_other_workers_events() -> None:
     """w1 loses a live batch; its replay socket is not served until w0's event is in. A replay
     waited for on the loop thread would hold w0's event for the whole replay timeout."""
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     stop = threading.Event()
     with _publisher("w0") as fast_pub, _publisher("w1", replay=True) as slow_pub:
         fast, slow = Worker(fast_pub), Worker(slow_pub)

@@ -5,17 +5,16 @@ from a source object standing in for the worker's ``/kv/dump``)."""
 from __future__ import annotations
 
 import threading
-import time
 
 from prometheus_client import generate_latest
 
 from eventplane_helpers import (
     BS,
-    FP,
     LIVE_EPOCH,
     ScriptedWorker,
     Worker,
     Workers,
+    fresh_index,
     info_of,
     matched,
     stored,
@@ -25,11 +24,10 @@ from kvstrata.events import ZmqEventPublisher
 from kvstrata.events.schema import BlockStored, make_batch
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
-from kvstrata.index import GlobalIndex
 
 
 def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_restart() -> None:
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     with ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as publisher:
         worker = Worker(publisher)
         plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
@@ -63,7 +61,7 @@ def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_r
 
 
 def test_a_worker_slow_to_dump_in_a_resync_delays_no_other_workers_events() -> None:
-    index, lock = GlobalIndex(FP, BS, clock=time.time), threading.Lock()
+    index, lock = fresh_index()
     with (
         ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as fast_pub,
         ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w1", epoch=LIVE_EPOCH) as slow_pub,
