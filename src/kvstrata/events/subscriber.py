@@ -234,11 +234,15 @@ class ZmqEventSubscriber:
             return
         if self._expected is not None and seq > self._expected:
             if seq != self._untrusted_next:
-                if self._background and self._replay_endpoint is not None:
-                    replay = self._open_replay(self._replay_endpoint, self._expected)
-                    self._pending = _PendingGap(seq, payload, replay)
+                if self._replay_endpoint is None:
+                    self._settle_gap(seq, payload, None, result)  # nobody to ask
                     return
-                self._settle_gap(seq, payload, self._request_replay(self._expected), result)
+                gap = _PendingGap(seq, payload, self._open_replay(self._replay_endpoint))
+                if self._background:
+                    self._pending = gap  # settled by a later poll
+                    return
+                self._read_replay(gap.replay, int(self._replay_timeout_s * 1000) + 1)
+                self._settle_gap(seq, payload, self._settled(gap.replay), result)
                 return
             # it follows the frame just dropped: a real stream whose publisher's replay does
             # not hold what it sends (a zero-length buffer); replay cannot help
@@ -330,15 +334,10 @@ class ZmqEventSubscriber:
         self._expected = live_seq
         result.resync_needed = True
 
-    def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
-        """Ask the ROUTER for batches from ``start_seq`` and wait; ``None`` if unanswered."""
-        if self._replay_endpoint is None:
-            return None
-        replay = self._open_replay(self._replay_endpoint, start_seq)
-        self._read_replay(replay, int(self._replay_timeout_s * 1000) + 1)
-        return self._settled(replay)
-
-    def _open_replay(self, endpoint: str, start_seq: int) -> _Replay:
+    def _open_replay(self, endpoint: str) -> _Replay:
+        """Ask the ROUTER for the batches from the one expected next; read by ``_read_replay``."""
+        assert self._expected is not None
+        start_seq = self._expected
         self.stats.replay_requests += 1
         dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's buffer

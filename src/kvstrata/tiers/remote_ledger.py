@@ -288,8 +288,7 @@ for i = 1, #all, 2 do
     recs[all[i]] = rec
     check(rec.t)
   else  -- a corrupt entry's tenant set is cleaned by `discard`: check it too
-    local ok, t = pcall(function() return cjson.decode(all[i + 1]).t end)
-    if ok then check(t) end
+    check(tenant_of(all[i + 1]))
   end
 end
 local cursor = '0'
@@ -299,8 +298,8 @@ repeat  -- tenant sets no entry names any more (a tenant whose last entry went)
   for _, name in ipairs(page[2]) do check(string.sub(name, #P + 3)) end
 until cursor == '0'
 if not any then return reply('ok') end
-for _, k in ipairs({Z, E, PEND}) do
-  if wrong(k) then redis.call('DEL', k) end
+for k, bad in pairs({[Z] = zbad, [E] = ebad, [PEND] = pbad}) do
+  if bad then redis.call('DEL', k) end
 end
 for t, bad in pairs(tbad) do
   if bad then redis.call('DEL', P..'t:'..t) end

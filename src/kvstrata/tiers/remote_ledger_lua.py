@@ -84,6 +84,12 @@ local function zset_or_none(k)
   return t == 'zset' or t == 'none'
 end
 
+local function tenant_of(raw)  -- the tenant an entry names, even one `decode` refuses
+  local ok, t = pcall(function() return cjson.decode(raw).t end)
+  if ok and type(t) == 'string' then return t end
+  return nil
+end
+
 local function indexes_wrong(tenant)
   if not (zset_or_none(Z) and zset_or_none(E) and zset_or_none(PEND)) then return true end
   if tenant and not zset_or_none(P..'t:'..tenant) then return true end
@@ -92,8 +98,8 @@ local function indexes_wrong(tenant)
     fields = {}
     local all = redis.call('HGETALL', INFO)
     for i = 2, #all, 2 do
-      local ok, t = pcall(function() return cjson.decode(all[i]).t end)
-      if ok and type(t) == 'string' then fields[#fields + 1] = 't:'..t end
+      local t = tenant_of(all[i])
+      if t then fields[#fields + 1] = 't:'..t end
     end
   end
   for _, f in ipairs(fields) do
