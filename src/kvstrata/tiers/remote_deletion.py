@@ -40,7 +40,7 @@ class RemoteDeletion(RemoteState):
         except RemoteUnavailable as exc:
             self._count_error("remove")
             raise TierError(f"removing {key.hex()} failed: {exc}") from exc
-        if not self._delete_objects([key]):
+        if not self._delete_objects([key], reply.version):
             self._count_error("remove")
             raise TierError(f"removing {key.hex()} failed: its shard did not answer")
         present = bool(int(reply.extra[0]))  # type: ignore[call-overload]

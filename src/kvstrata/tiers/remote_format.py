@@ -5,8 +5,11 @@ one slot (one ``MGET`` reads both, one ``MULTI`` writes both) and objects spread
 
     ns:{<key hex>}:m   u64 xxh3-64(meta JSON) little endian | meta JSON (``KVObjectMeta``)
     ns:{<key hex>}:d   the payload (``meta.size`` bytes; its xxh3-128 digest is in the meta)
+    ns:{<key hex>}:g   the generation: the ledger version at which these bytes were committed
 
 The meta checksum rejects garbage and torn metas, which the payload digest does not cover.
+The generation lets a writer that removed or evicted an entry delete only the bytes of that
+entry, never those of a store of the same key committed after it (``DROP_OBJECT``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ def meta_key(namespace: str, key: BlockKey) -> str:
 
 def data_key(namespace: str, key: BlockKey) -> str:
     return f"{namespace}:{{{key.hex()}}}:d"
+
+
+def gen_key(namespace: str, key: BlockKey) -> str:
+    return f"{namespace}:{{{key.hex()}}}:g"
 
 
 def meta_pattern(namespace: str) -> str:

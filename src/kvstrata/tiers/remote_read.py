@@ -206,7 +206,7 @@ class RemoteReads(RemoteState):
             else:
                 self._counters.invalidated += 1
             self._dropped.append(key)
-        if not self._delete_objects([key]):
+        if not self._delete_objects([key], None):  # corrupt bytes: whatever generation
             self._count_error("invalidate")
         try:
             reply = self._script("remove", [self._prefix, repr(self._clock()), key.hex()])

@@ -41,7 +41,7 @@ from kvstrata.tiers.remote_client import (
     RemoteReplyError,
     RemoteUnavailable,
 )
-from kvstrata.tiers.remote_format import data_key, key_of_hex, meta_key
+from kvstrata.tiers.remote_format import data_key, gen_key, key_of_hex, meta_key
 from kvstrata.tiers.remote_ledger import (
     COMMIT,
     ERASE,
@@ -54,7 +54,7 @@ from kvstrata.tiers.remote_ledger import (
     LedgerReply,
     Victim,
 )
-from kvstrata.tiers.remote_tombstones import ERASE_OBJECT, WRITE
+from kvstrata.tiers.remote_tombstones import DROP_OBJECT, ERASE_OBJECT, WRITE
 
 ValueOf = Callable[[KVObjectMeta], float]
 """Saved prefill seconds per byte of an object: the store's value formula, injected."""
@@ -152,6 +152,7 @@ class RemoteState:
                 ("erase", ERASE),
                 ("write", WRITE),
                 ("erase_object", ERASE_OBJECT),
+                ("drop_object", DROP_OBJECT),
                 ("repair", REPAIR),
             )
         }
@@ -335,20 +336,28 @@ class RemoteState:
                 if len(self._gone_at) > 4096:
                     self._gone_at.popitem(last=False)
                 self._evicted.append((key, victim.tenant))
-        deleted = self._delete_objects(keys)
+        deleted = self._delete_objects(keys, version)
         with self._lock:  # a read may have fetched one between the eviction and the delete
             for key in keys:
                 self._forget(key, after=version)
         if not deleted:
             self._count_error("evict")  # their server TTL or a later read catches them
 
-    def _delete_objects(self, keys: Sequence[BlockKey]) -> bool:
-        """Delete the meta and payload keys of ``keys`` (one pipeline per shard); False when
-        a shard did not answer."""
+    def _delete_objects(self, keys: Sequence[BlockKey], upto: int | None) -> bool:
+        """Delete the object keys of ``keys`` whose generation is at most ``upto`` (the ledger
+        version at which their entries left; None: any generation), one pipeline per shard.
+        Bytes of a later commit of the same key — a store that raced past the removal — stay
+        (``DROP_OBJECT``). False when a shard did not answer."""
+        script = self._scripts["drop_object"]
         by_name = {self.meta_key(k): k for k in keys}
-        replies = self._client.pipelined(
-            list(by_name), lambda pipe, name: pipe.delete(name, self.data_key(by_name[name]))
-        )
+        bound = "" if upto is None else str(upto)
+
+        def drop(pipe: Any, name: str) -> None:
+            key = by_name[name]
+            names = [name, self.data_key(key), gen_key(self._ns, key)]
+            script(keys=names, args=[bound], client=pipe)
+
+        replies = self._client.pipelined(list(by_name), drop)
         return not any(isinstance(r, RemoteUnavailable) for r in replies.values())
 
     def refresh_usage(self, tenants: Sequence[str] = ()) -> None:

@@ -37,6 +37,7 @@ from kvstrata.tiers.remote_client import RemoteClient, RemoteUnavailable
 from kvstrata.tiers.remote_format import (
     data_key,
     decode_meta,
+    gen_key,
     key_of_hex,
     key_of_meta,
     meta_key,
@@ -70,25 +71,57 @@ local function covers(raw, created)
 end
 """
 
-# KEYS: meta, data, tombstone.  ARGV: payload, meta bytes, ttl ms ("" for none), created_at.
-# 1: written; 0: a tombstone covers the object (nothing written): one at or after its
-# creation, or one that cannot be read (see ``TOMB_LUA``), never a script error.
+# Reads the generation key of an object (``remote_format``): its commit's ledger version, or
+# nil when it is absent or garbage (garbage never protects bytes).
+GEN_LUA = r"""
+local function generation(key)
+  local raw = redis.pcall('GET', key)
+  if type(raw) ~= 'string' then return nil end
+  return tonumber(raw)
+end
+"""
+
+# KEYS: meta, data, tombstone, generation.  ARGV: payload, meta bytes, ttl ms ("" for none),
+# created_at, generation (the ledger version of this store's commit).
+# 1: written, or bytes of a later commit of the same key are there already (they stand: the
+# same key names the same content, and the generation never goes back); 0: a tombstone covers
+# the object (nothing written): one at or after its creation, or one that cannot be read (see
+# ``TOMB_LUA``), never a script error.
 WRITE = (
     TOMB_LUA
+    + GEN_LUA
     + r"""
 if covers(redis.pcall('GET', KEYS[3]), tonumber(ARGV[4])) then return 0 end
+local there = generation(KEYS[4])
+if there and there > tonumber(ARGV[5]) then return 1 end
 if ARGV[3] == '' then
   redis.call('SET', KEYS[2], ARGV[1])
   redis.call('SET', KEYS[1], ARGV[2])
+  redis.call('SET', KEYS[4], ARGV[5])
 else
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  redis.call('SET', KEYS[4], ARGV[5], 'PX', ARGV[3])
 end
 return 1
 """
 )
 
-# KEYS: meta, data, tombstone.  ARGV: deleted_at, ttl ms.  Returns the object keys deleted.
+# KEYS: meta, data, generation.  ARGV: the ledger version at which the entry left (a removal,
+# an eviction), or "" for any generation.  Deletes the object's keys unless their generation
+# is later: a store of the same key committed after the entry left wrote them, and its own
+# entry accounts for them. Returns the keys deleted.
+DROP_OBJECT = (
+    GEN_LUA
+    + r"""
+local there = generation(KEYS[3])
+if ARGV[1] ~= '' and there and there > tonumber(ARGV[1]) then return 0 end
+return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+"""
+)
+
+# KEYS: meta, data, tombstone, generation.  ARGV: deleted_at, ttl ms.  Returns the object keys
+# deleted (a deletion removes every generation).
 # A later deletion extends the tombstone; one that cannot be read is replaced. A deleted_at
 # that is no finite number (the caller checks) leaves the tombstone as it is.
 ERASE_OBJECT = (
@@ -98,7 +131,7 @@ local old, deleted = deleted_at(redis.pcall('GET', KEYS[3])), tonumber(ARGV[1])
 if finite(deleted) and (not old or deleted > old) then
   redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
 end
-return redis.call('DEL', KEYS[1], KEYS[2])
+return redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
 """
 )
 
@@ -192,7 +225,8 @@ def erase_objects(
 
     def build(pipe: object, name: str) -> None:
         mark = by_name[name]
-        keys = [name, data_key(namespace, mark.key), tomb_key(namespace, mark.key)]
+        key = mark.key
+        keys = [name, data_key(namespace, key), tomb_key(namespace, key), gen_key(namespace, key)]
         script(keys=keys, args=[repr(mark.deleted_at), ttl_ms(mark, now)], client=pipe)  # type: ignore[operator]
 
     replies = client.pipelined(list(by_name), build)

@@ -28,7 +28,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.base import StoreSlot, TierError, slot_digest
 from kvstrata.tiers.remote_client import RemoteUnavailable
-from kvstrata.tiers.remote_format import encode_meta
+from kvstrata.tiers.remote_format import encode_meta, gen_key
 from kvstrata.tiers.remote_ledger import LedgerReply
 from kvstrata.tiers.remote_state import RemoteState
 from kvstrata.tiers.remote_tombstones import tomb_key
@@ -115,7 +115,7 @@ class RemoteWrites(RemoteState):
                 self._counters.store_failures += 1
             return False
         try:
-            written = self._write_object(meta, slot.buffer)
+            written = self._write_object(meta, slot.buffer, reply.version)
         except RemoteUnavailable as exc:
             self._count_error("write")
             self._release(meta, "write")
@@ -127,7 +127,7 @@ class RemoteWrites(RemoteState):
             self._release(meta, "tombstoned")
             return False
         if not self._still_in_ledger(meta.key):  # evicted between its commit and its write
-            deleted = self._delete_objects([meta.key])
+            deleted = self._delete_objects([meta.key], reply.version)  # ours, no later one
             with self._lock:
                 self._pending.pop(meta.key, None)
                 self._forget(meta.key)
@@ -192,17 +192,18 @@ class RemoteWrites(RemoteState):
             return True
         return bool(held)
 
-    def _write_object(self, meta: KVObjectMeta, payload: memoryview) -> bool:
-        """Meta and payload in one script on the object's slot (readers see both or
-        neither); False when the object's tombstone covers it (nothing written)."""
+    def _write_object(self, meta: KVObjectMeta, payload: memoryview, version: int) -> bool:
+        """Meta, payload and generation (``version``: the commit's ledger version) in one
+        script on the object's slot (readers see both or neither); False when the object's
+        tombstone covers it (nothing written)."""
         mkey, dkey = self.meta_key(meta.key), self.data_key(meta.key)
         expires = meta.expires_at()
         ttl = ""
         if expires is not None:
             ttl = str(max(1, int((expires - self._clock() + self.config.expiry_grace_s) * 1000)))
         script = self._scripts["write"]
-        keys = [mkey, dkey, tomb_key(self._ns, meta.key)]
-        args = [payload, encode_meta(meta), ttl, repr(float(meta.created_at))]
+        keys = [mkey, dkey, tomb_key(self._ns, meta.key), gen_key(self._ns, meta.key)]
+        args = [payload, encode_meta(meta), ttl, repr(float(meta.created_at)), str(version)]
 
         def write(conn: Any) -> object:
             return script(keys=keys, args=args, client=conn)
