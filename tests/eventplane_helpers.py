@@ -31,6 +31,7 @@ class Worker:
     def __init__(self, publisher: ZmqEventPublisher) -> None:
         self.publisher = publisher
         self.held: list[KVEvent] = []
+        self.epoch = LIVE_EPOCH
         self.lock = threading.Lock()
 
     def store(self, event: BlockStored) -> None:
@@ -50,7 +51,7 @@ class Worker:
 
     def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:
         with self.lock:
-            return WorkerDump(LIVE_EPOCH, self.publisher.next_seq, list(self.held), time.time())
+            return WorkerDump(self.epoch, self.publisher.next_seq, list(self.held), time.time())
 
 
 def matched(index: GlobalIndex, lock: threading.Lock, tokens: list[int], worker: str = "w0") -> int:

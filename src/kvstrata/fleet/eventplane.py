@@ -8,6 +8,10 @@ Attach protocol (also how a restarted router rebuilds its index from the workers
 3. expect ``S`` next: older batches that were queued meanwhile are duplicates of the dump,
    and a later one is a gap that the replay socket fills.
 
+Attaching a worker already read at the same sockets (the health round, after a restart at
+fixed endpoints) keeps its stream (``_reattach``): the new epoch's dump may be in already
+(its first batch made the stream resync), or one is fetched, never two.
+
 A gap that replay cannot fill marks the worker inconsistent at once (its entries stop counting
 in lookups: when unsure, recompute) and is repaired by a new dump. No dump is fetched on the
 loop's thread: an attach's (after the subscription's settle time) and a resync's each run on a
@@ -94,6 +98,31 @@ class _Stream:
             self.attaching.set_exception(
                 WorkerProtocolError(f"{self.info.worker_id} was detached before its dump was in")
             )
+
+
+def _same_sockets(old: WorkerInfo, new: WorkerInfo) -> bool:
+    """Whether a stream subscribed for ``old`` reads ``new``'s events (its sockets and key)."""
+    return (
+        old.events_endpoint,
+        old.replay_endpoint,
+        old.lower_events_endpoint,
+        old.lower_replay_endpoint,
+        old.curve_public_key,
+    ) == (
+        new.events_endpoint,
+        new.replay_endpoint,
+        new.lower_events_endpoint,
+        new.lower_replay_endpoint,
+        new.curve_public_key,
+    )
+
+
+def _copy_outcome(source: Future[object], target: Future[object]) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
 
 
 def _without_epoch(batch: KVEventBatch) -> KVEventBatch:
@@ -222,6 +251,10 @@ class EventPlane:
                     future.set_exception(exc)
 
     def _attach(self, info: WorkerInfo, done: Future[object]) -> None:
+        current = self._streams.get(info.worker_id)
+        if current is not None and _same_sockets(current.info, info):
+            self._reattach(info, current, done)
+            return
         self._detach(info.worker_id)
         curve = None
         if info.curve_public_key is not None:
@@ -252,6 +285,30 @@ class EventPlane:
         # the settle time lets the subscription reach the publisher before the dump is taken
         stream.dump = self._fetch_dump(stream, delay_s=self._settle_s)
         self._streams = {**self._streams, info.worker_id: stream}
+
+    def _reattach(self, info: WorkerInfo, stream: _Stream, done: Future[object]) -> None:
+        """Attach a worker this plane already reads at the same sockets (a restart at fixed
+        endpoints, seen by the health round): the stream stays. Its own epoch resync may have
+        brought the new epoch's dump already (done), or be on its way (done with it);
+        otherwise the old epoch's entries stop counting and one dump replaces them. Before,
+        the stream was torn down and a second dump fetched, and the worker matched nothing
+        in between."""
+        worker_id = info.worker_id
+        stream.info = info
+        if stream.attaching is not None:  # an earlier attach still waits: finish with it
+            stream.attaching.add_done_callback(lambda first: _copy_outcome(first, done))
+            return
+        if stream.dump is None:
+            with self.lock:
+                in_step = self.index.epoch(worker_id) == info.epoch
+                in_step = in_step and self.index.is_consistent(worker_id)
+                if not in_step:
+                    self.index.mark_inconsistent(worker_id)
+            if in_step:
+                done.set_result(None)
+                return
+            stream.dump = self._fetch_dump(stream)
+        stream.attaching = done
 
     def _detach(self, worker_id: str) -> None:
         stream = self._streams.get(worker_id)
