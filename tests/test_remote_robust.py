@@ -464,3 +464,54 @@ def test_a_wrong_typed_set_of_a_tenant_with_no_entries_is_found_and_rebuilt(
     assert conn.type(prefix + "t:newcomer") == b"zset"
     assert load_bytes(t, meta.key) == payload
     _ledger_is_consistent(t)
+
+
+def test_a_wrong_typed_ledger_is_rebuilt_from_the_objects_on_the_server(
+    full_tier: RemoteTier,
+) -> None:
+    """``info`` itself of the wrong type: the entries (sizes, tenants, parents) are lost.
+    The repair clears every index and the writer accounts for the objects on the server again
+    from their metas, parents first; a meta that is garbage has its bytes deleted. Before,
+    every script failed with ``WRONGTYPE`` and the tier refused every store for good."""
+    t = full_tier
+    conn, prefix = _conn(t), t._prefix
+    root, root_payload = _valued(1, 1.0)
+    leaf = KVObjectMeta(**{**_valued(2, 5.0)[0].__dict__, "parent": root.key, "position": 1})
+    other, other_payload = make_object(3, tenant="t1")
+    for meta, payload in ((root, root_payload), (leaf, _valued(2, 5.0)[1]), (other, other_payload)):
+        assert store(t, meta, payload)
+    torn = make_object(4)[0]
+    conn.set(t.meta_key(torn.key), b"garbage")  # bytes nobody can read: not adopted, deleted
+    conn.set(t.data_key(torn.key), b"x" * 16)
+    conn.delete(prefix + "info")
+    conn.set(prefix + "info", "not a hash")
+    new, new_payload = _valued(10, 100.0)
+    assert store(t, new, new_payload)  # repaired, rebuilt, then stored
+    assert t.remote_counters.ledger_repairs == 1 and t.remote_counters.errors == {}
+    info = _ledger_is_consistent(t)
+    assert set(info) == {m.key.hex() for m in (root, leaf, other, new)}
+    assert all(rec["st"] == "C" for rec in info.values())
+    assert info[leaf.key.hex()]["p"] == root.key.hex()
+    assert conn.zscore(prefix + "z", root.key.hex()) >= conn.zscore(prefix + "z", leaf.key.hex())
+    assert conn.exists(t.meta_key(torn.key), t.data_key(torn.key)) == 0
+    assert load_bytes(t, other.key) == other_payload and load_bytes(t, root.key) == root_payload
+    t.refresh_usage(["t0", "t1"])
+    assert t.used_bytes == 4 * OBJ and t.tenant_bytes("t1") == OBJ
+    assert t.remove(leaf.key) and t.remove(root.key)  # the adopted entries are whole
+    _ledger_is_consistent(t)
+
+
+def test_a_tenant_deletion_through_a_wrong_typed_ledger_finds_every_object(
+    full_tier: RemoteTier,
+) -> None:
+    t = full_tier
+    conn, prefix = _conn(t), t._prefix
+    mine = [make_object(i, tenant="t1") for i in range(2)]
+    for meta, payload in mine:
+        assert store(t, meta, payload)
+    conn.delete(prefix + "info")
+    conn.rpush(prefix + "info", "not a hash")
+    refs = t.objects_of("t1")  # the survey's HSCAN met the wrong type: repaired, asked again
+    assert {ref.key for ref in refs} == {meta.key for meta, _ in mine}
+    assert t.remote_counters.ledger_repairs == 1
+    _ledger_is_consistent(t)

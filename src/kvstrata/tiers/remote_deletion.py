@@ -19,10 +19,10 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects.tombstone import ObjectRef, Tombstone
 from kvstrata.tiers.base import TierError
-from kvstrata.tiers.remote_client import RemoteUnavailable
-from kvstrata.tiers.remote_format import key_of_meta, meta_pattern
+from kvstrata.tiers.remote_client import RemoteReplyError, RemoteUnavailable
+from kvstrata.tiers.remote_format import key_of_meta
 from kvstrata.tiers.remote_state import RemoteState
-from kvstrata.tiers.remote_tombstones import erase_objects, survey, ttl_ms
+from kvstrata.tiers.remote_tombstones import erase_objects, meta_names, survey, ttl_ms
 
 
 class RemoteDeletion(RemoteState):
@@ -105,7 +105,13 @@ class RemoteDeletion(RemoteState):
         the ledger and of every primary's meta keys: I/O, call without locks)."""
         self._check_open()
         try:
-            found = survey(self._client, self._ns, self._ledger_key, tenant)
+            try:
+                found = survey(self._client, self._ns, self._ledger_key, tenant)
+            except RemoteReplyError as exc:  # a ledger of the wrong type: repaired, asked again
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                self._repair()
+                found = survey(self._client, self._ns, self._ledger_key, tenant)
         except RemoteUnavailable:
             self._count_error("survey")
             raise
@@ -121,17 +127,12 @@ class RemoteDeletion(RemoteState):
         pattern matches that are no meta key of this tier are skipped (``foreign_keys``)."""
         out: list[BlockKey] = []
         foreign = 0
-        pattern = meta_pattern(self._ns)
-        for node in self._client.nodes():
-            names = self._client.call(
-                node, lambda conn: list(conn.scan_iter(match=pattern, count=1000))
-            )
-            for name in names:
-                key = key_of_meta(self._ns, _text(name))
-                if key is None:
-                    foreign += 1
-                else:
-                    out.append(key)
+        for name in meta_names(self._client, self._ns):
+            key = key_of_meta(self._ns, name)
+            if key is None:
+                foreign += 1
+            else:
+                out.append(key)
         with self._lock:
             self.remote_counters.foreign_keys += foreign
         return out

@@ -76,14 +76,57 @@ scores, so prefix closure holds as it did), ``e`` from the entries' expiry. What
 holds is dropped and reported as a ``corrupt`` victim: a committed entry whose score was in
 the lost index only (``z`` and its tenant set both wrong), and every PENDING reservation when
 ``p`` was lost (its deadline is kept nowhere else; its writer's commit then finds no entry,
-a refused store). ``info`` itself of the wrong type is not repaired.
+a refused store). ``info`` itself of the wrong type holds the only copy of the entries'
+sizes, tenants and parents: ``REPAIR`` then clears every index (``rebuilt``) and the writer
+that ran it accounts for the objects on the server again from their metas, in order of
+depth, through ``RESERVE`` and ``COMMIT`` as any store (``RemoteState._adopt``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
+from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.remote_ledger_lua import LEDGER_LUA
+
+
+def reserve_args(
+    prefix: str,
+    meta: KVObjectMeta,
+    *,
+    value: float,
+    quota: int | None,
+    capacity: int,
+    now: float,
+    pending_timeout_s: float,
+) -> list[Any] | None:
+    """``RESERVE``'s ARGV for ``meta``; None when one of its numbers is not finite (e.g.
+    ``recompute_s`` = inf: no score to rank it by), which the script would refuse as
+    ``invalid``."""
+    expires = meta.expires_at()
+    deadline = now + pending_timeout_s
+    numbers = [value, now, deadline, float(meta.created_at)]
+    if expires is not None:
+        numbers.append(expires)
+    if not all(math.isfinite(x) for x in numbers):
+        return None
+    return [
+        prefix,
+        meta.key.hex(),
+        meta.size,
+        meta.tenant,
+        repr(value),
+        -1 if quota is None else quota,
+        capacity,
+        repr(now),
+        repr(deadline),
+        -1 if expires is None else repr(expires),
+        meta.parent.hex() if meta.parent is not None else "",
+        repr(float(meta.created_at)),
+    ]
+
 
 # ARGV: prefix, key, size, tenant, value, quota (-1: none), capacity, now, pending_deadline,
 #       expires_at (-1: none), parent ("" for none), created_at.
@@ -266,12 +309,29 @@ return reply('ok')
 """
 )
 
-# ARGV: prefix, now. Status "repaired" (or "ok": nothing was wrong-typed); victims "corrupt".
+# ARGV: prefix, now. Status "repaired" (or "ok": nothing was wrong-typed); victims "corrupt";
+# "rebuilt": ``info`` was of the wrong type, every index is cleared and the writer accounts
+# for the objects on the server again from their metas (``remote_state``: ``_adopt``).
 REPAIR = (
     LEDGER_LUA
     + r"""
 NOW = num(ARGV[2]) or 0
 local function wrong(k) return not zset_or_none(k) end
+local function tenant_sets()
+  local names, cursor = {}, '0'
+  repeat  -- tenant sets no entry names any more too (a tenant whose last entry went)
+    local page = redis.call('SCAN', cursor, 'MATCH', P..'t:*', 'COUNT', 1000)
+    cursor = page[1]
+    for _, name in ipairs(page[2]) do names[#names + 1] = name end
+  until cursor == '0'
+  return names
+end
+if info_wrong() then  -- the entries are lost: nothing else knows sizes, tenants or parents
+  redis.call('DEL', INFO, Z, E, PEND)
+  for _, name in ipairs(tenant_sets()) do redis.call('DEL', name) end
+  recount()  -- to zero, the version going on (or from the clock when U is garbage too)
+  return reply('rebuilt')
+end
 local all = redis.call('HGETALL', INFO)
 local recs, tbad = {}, {}
 local zbad, ebad, pbad = wrong(Z), wrong(E), wrong(PEND)
@@ -291,12 +351,7 @@ for i = 1, #all, 2 do
     check(tenant_of(all[i + 1]))
   end
 end
-local cursor = '0'
-repeat  -- tenant sets no entry names any more (a tenant whose last entry went)
-  local page = redis.call('SCAN', cursor, 'MATCH', P..'t:*', 'COUNT', 1000)
-  cursor = page[1]
-  for _, name in ipairs(page[2]) do check(string.sub(name, #P + 3)) end
-until cursor == '0'
+for _, name in ipairs(tenant_sets()) do check(string.sub(name, #P + 3)) end
 if not any then return reply('ok') end
 for k, bad in pairs({[Z] = zbad, [E] = ebad, [PEND] = pbad}) do
   if bad then redis.call('DEL', k) end

@@ -78,10 +78,20 @@ end
 -- half-way (another program wrote a string or a list there) would leave a half-done change.
 -- Every writing script asks first and answers `wrongtype()` (nothing written); the writer
 -- then runs REPAIR and calls again (`remote_ledger`).
-local function zset_or_none(k)
+local function type_of(k)
   local t = redis.call('TYPE', k)
   if type(t) == 'table' then t = t.ok end
+  return t
+end
+
+local function zset_or_none(k)
+  local t = type_of(k)
   return t == 'zset' or t == 'none'
+end
+
+local function info_wrong()  -- INFO itself: a REPAIR rebuilds the ledger from the objects
+  local t = type_of(INFO)
+  return not (t == 'hash' or t == 'none')
 end
 
 local function tenant_of(raw)  -- the tenant an entry names, even one `decode` refuses
@@ -91,6 +101,7 @@ local function tenant_of(raw)  -- the tenant an entry names, even one `decode` r
 end
 
 local function indexes_wrong(tenant)
+  if info_wrong() then return true end
   if not (zset_or_none(Z) and zset_or_none(E) and zset_or_none(PEND)) then return true end
   if tenant and not zset_or_none(P..'t:'..tenant) then return true end
   local fields = redis.pcall('HKEYS', U)

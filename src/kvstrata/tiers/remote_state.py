@@ -430,6 +430,20 @@ class RemoteState:
                 self._prefix,
                 len(reply.victims),
             )
+        elif reply.status == "rebuilt":
+            self.remote_counters.ledger_repairs += 1
+            adopted = self._adopt()
+            _log.warning(
+                "remote ledger %s: its entries were of the wrong type; rebuilt from the %d "
+                "objects' metas on the server",
+                self._prefix,
+                adopted,
+            )
+
+    def _adopt(self) -> int:
+        """Account again for the objects on the server after a ``rebuilt`` repair (the write
+        path's, ``RemoteWrites._adopt``). Returns the objects adopted."""
+        raise NotImplementedError
 
     def _run_script(self, name: str, args: Sequence[Any]) -> Any:
         script = self._scripts[name]

@@ -193,13 +193,8 @@ def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> 
             if parent_hex and parent is None:
                 foreign += 1
             refs[key] = ObjectRef(key, parent, tenant)
-    pattern = meta_pattern(namespace)
-    names: list[str] = []
-    for node in client.nodes():
-        found = client.call(node, lambda conn: list(conn.scan_iter(match=pattern, count=1000)))
-        names += [_text(name) for name in found]
     wanted: dict[str, BlockKey] = {}
-    for name in names:
+    for name in meta_names(client, namespace):
         key = key_of_meta(namespace, name)
         if key is None:
             foreign += 1
@@ -214,6 +209,48 @@ def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> 
         if meta is not None and meta.tenant == tenant:
             refs[key] = ObjectRef(key, meta.parent, tenant, meta.created_at)
     return SurveyResult(list(refs.values()), foreign)
+
+
+def meta_names(client: RemoteClient, namespace: str) -> list[str]:
+    """The name of every key ``meta_pattern`` matches, on every primary (a ``SCAN`` each)."""
+    pattern = meta_pattern(namespace)
+    names: list[str] = []
+    for node in client.nodes():
+        found = client.call(node, lambda conn: list(conn.scan_iter(match=pattern, count=1000)))
+        names += [_text(name) for name in found]
+    return names
+
+
+@dataclass
+class MetasOnServer:
+    """Every object's meta on the server, the keys whose meta is garbage (torn, another key's,
+    not a string), and how many names were no meta key of the tier."""
+
+    metas: list[KVObjectMeta]
+    garbage: list[BlockKey]
+    foreign: int = 0
+
+
+def metas_on_server(client: RemoteClient, namespace: str) -> MetasOnServer:
+    """Every object's meta on the server (``MetasOnServer``). I/O; raises
+    ``RemoteUnavailable`` when a node fails."""
+    wanted: dict[str, BlockKey] = {}
+    found = MetasOnServer([], [])
+    for name in meta_names(client, namespace):
+        key = key_of_meta(namespace, name)
+        if key is None:
+            found.foreign += 1
+        else:
+            wanted[name] = key
+    for name, reply in client.pipelined(list(wanted), lambda pipe, name: pipe.get(name)).items():
+        if isinstance(reply, RemoteUnavailable):
+            raise reply
+        meta = decode_meta(reply, wanted[name]) if isinstance(reply, bytes) else None
+        if meta is None:
+            found.garbage.append(wanted[name])
+        else:
+            found.metas.append(meta)
+    return found
 
 
 def erase_objects(

@@ -19,7 +19,6 @@ Two-phase store, as the ``Tier`` contract asks:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +28,9 @@ from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.base import StoreSlot, TierError, slot_digest
 from kvstrata.tiers.remote_client import RemoteUnavailable
 from kvstrata.tiers.remote_format import encode_meta, gen_key
-from kvstrata.tiers.remote_ledger import LedgerReply
+from kvstrata.tiers.remote_ledger import LedgerReply, reserve_args
 from kvstrata.tiers.remote_state import RemoteState
-from kvstrata.tiers.remote_tombstones import tomb_key
+from kvstrata.tiers.remote_tombstones import metas_on_server, tomb_key
 
 
 @dataclass
@@ -50,33 +49,11 @@ class RemoteWrites(RemoteState):
         with self._lock:
             if meta.key in self._pending:
                 return None
-        now = self._clock()
-        expires = meta.expires_at()
-        quota = self._quota_of(meta.tenant)
-        value = float(self._value_of(meta))
-        numbers = [value, now, now + self.config.pending_timeout_s, float(meta.created_at)]
-        if expires is not None:
-            numbers.append(expires)
-        if not all(math.isfinite(x) for x in numbers):
-            # e.g. recompute_s = inf or nan: no score to rank it by, and the ledger's script
-            # refuses it too ("invalid"). Refused here, before any I/O.
+        args = self._reserve_args(meta, self._clock())
+        if args is None:  # refused here, before any I/O (the script refuses it too)
             with self._lock:
                 self.remote_counters.count(self.remote_counters.refused, "invalid")
             return None
-        args = [
-            self._prefix,
-            meta.key.hex(),
-            meta.size,
-            meta.tenant,
-            repr(value),
-            -1 if quota is None else quota,
-            self.capacity_bytes,
-            repr(now),
-            repr(numbers[2]),
-            -1 if expires is None else repr(expires),
-            meta.parent.hex() if meta.parent is not None else "",
-            repr(numbers[3]),
-        ]
         reply = self._reserve(args)
         if reply.status == "exists" and self._lost(meta.key):  # stored, but its bytes are
             reply = self._reserve(args)  # gone: the entry was dropped, so store it again
@@ -143,6 +120,45 @@ class RemoteWrites(RemoteState):
                 self._learn_commit(meta, reply.version)
             self._counters.stores += 1
         return True
+
+    def _adopt(self) -> int:
+        """Account again for every object on the server after ``REPAIR`` cleared a ledger
+        whose entries were lost (``rebuilt``, ``RemoteState._repair``): each meta's object is
+        reserved and committed as a store would be, parents first; one refused (no room,
+        quota, a tombstone) or whose meta is garbage is deleted, as it would be unaccounted
+        bytes. Another writer may
+        adopt at the same time (then ``exists``). Returns the objects adopted. I/O;
+        ``RemoteUnavailable`` stops it half-way (the rest stays unaccounted until stored
+        again or its server TTL)."""
+        found = metas_on_server(self._client, self._ns)
+        with self._lock:
+            self.remote_counters.foreign_keys += found.foreign
+        if found.garbage:  # unreadable (a reader would invalidate them): nothing to account
+            self._delete_objects(found.garbage, None)
+        adopted = 0
+        for meta in sorted(found.metas, key=lambda m: m.position):
+            now = self._clock()
+            if meta.expired(now):
+                continue  # its server TTL collects it
+            args = self._reserve_args(meta, now)
+            reply = None if args is None else self._script("reserve", args)
+            if reply is not None and reply.status == "ok":
+                reply = self._script("commit", [self._prefix, meta.key.hex(), repr(now)])
+                adopted += reply.status == "ok"
+            elif reply is None or reply.status != "exists":
+                self._delete_objects([meta.key], None if reply is None else reply.version)
+        return adopted
+
+    def _reserve_args(self, meta: KVObjectMeta, now: float) -> list[Any] | None:
+        return reserve_args(
+            self._prefix,
+            meta,
+            value=float(self._value_of(meta)),
+            quota=self._quota_of(meta.tenant),
+            capacity=self.capacity_bytes,
+            now=now,
+            pending_timeout_s=self.config.pending_timeout_s,
+        )
 
     def _reserve(self, args: list[Any]) -> LedgerReply:
         try:
