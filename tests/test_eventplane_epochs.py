@@ -5,8 +5,10 @@ from a source object standing in for the worker's ``/kv/dump``)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from prometheus_client import generate_latest
 
@@ -26,6 +28,8 @@ from kvstrata.events import ZmqEventPublisher
 from kvstrata.events.schema import BlockStored, make_batch
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
+from kvstrata.fleet.workers import WorkerInfo
+from kvstrata.index import GlobalIndex
 
 
 def test_a_batch_of_an_unseen_epoch_is_checked_against_the_dump_not_taken_as_a_restart() -> None:
@@ -111,13 +115,24 @@ def _store_at(worker: Worker, epoch: int, event: BlockStored) -> None:
         worker.publisher.publish_batch(make_batch([event], worker_id="w0", epoch=epoch))
 
 
-def test_a_restart_at_the_same_sockets_is_reattached_without_a_second_dump() -> None:
-    """The health round attaches a restarted worker again. When the plane already reads its
-    sockets and its epoch resync brought the new epoch's dump, the stream stays and the worker
-    keeps matching: no second dump, no window where it matches nothing."""
+@dataclass
+class _Running:
+    index: GlobalIndex
+    lock: threading.Lock
+    worker: ScriptedWorker
+    plane: EventPlane
+    restarted: WorkerInfo
+    """The worker's ``/kv/info`` after its restart (same sockets, the next epoch)."""
+    before_tokens: list[int]
+    """A block of the first epoch, matched."""
+
+
+@contextmanager
+def _attached(stall: frozenset[int] = frozenset()) -> Iterator[_Running]:
+    """A plane reading one worker that holds one block of its first epoch."""
     index, lock = fresh_index()
     with ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as publisher:
-        worker = ScriptedWorker(publisher)
+        worker = ScriptedWorker(publisher, stall=stall)
         plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
         plane.start()
         try:
@@ -125,51 +140,48 @@ def test_a_restart_at_the_same_sockets_is_reattached_without_a_second_dump() -> 
             before, before_tokens = stored(1, seed=1)
             worker.store(before)
             wait_for(lambda: matched(index, lock, before_tokens) == 1, "the first epoch's block")
-            after, after_tokens = stored(2, seed=2)
-            _restart(worker, LIVE_EPOCH + 1, after)
-            worker.publish_batch(make_batch([after], worker_id="w0", epoch=LIVE_EPOCH + 1))
-            wait_for(lambda: matched(index, lock, after_tokens) == 1, "the new epoch's dump")
-            assert worker.dumps == 2 and plane.resyncs == {"epoch": 1}
             restarted = replace(info_of("w0", publisher), epoch=LIVE_EPOCH + 1)
-            plane.attach(restarted)  # what the health round does on seeing the new epoch
-            assert worker.dumps == 2 and matched(index, lock, after_tokens) == 1
-            assert matched(index, lock, before_tokens) == 0
-            later, later_tokens = stored(3, seed=3)
-            _store_at(worker, LIVE_EPOCH + 1, later)
-            wait_for(lambda: matched(index, lock, later_tokens) == 1, "the stream still read")
+            yield _Running(index, lock, worker, plane, restarted, before_tokens)
         finally:
+            worker.release.set()
             plane.close()
+
+
+def test_a_restart_at_the_same_sockets_is_reattached_without_a_second_dump() -> None:
+    """The health round attaches a restarted worker again. When the plane already reads its
+    sockets and its epoch resync brought the new epoch's dump, the stream stays and the worker
+    keeps matching: no second dump, no window where it matches nothing."""
+    with _attached() as run:
+        index, lock, worker = run.index, run.lock, run.worker
+        after, after_tokens = stored(2, seed=2)
+        _restart(worker, LIVE_EPOCH + 1, after)
+        worker.publish_batch(make_batch([after], worker_id="w0", epoch=LIVE_EPOCH + 1))
+        wait_for(lambda: matched(index, lock, after_tokens) == 1, "the new epoch's dump")
+        assert worker.dumps == 2 and run.plane.resyncs == {"epoch": 1}
+        run.plane.attach(run.restarted)  # what the health round does on seeing the new epoch
+        assert worker.dumps == 2 and matched(index, lock, after_tokens) == 1
+        assert matched(index, lock, run.before_tokens) == 0
+        later, later_tokens = stored(3, seed=3)
+        _store_at(worker, LIVE_EPOCH + 1, later)
+        wait_for(lambda: matched(index, lock, later_tokens) == 1, "the stream still read")
 
 
 def test_a_restart_seen_first_by_the_health_round_drops_the_old_epoch_and_dumps_once() -> None:
     """No batch of the new epoch has arrived (or it was dropped as a duplicate: a restarted
     publisher counts from 0 again): the old epoch's entries stop counting at once, and one
     dump brings the new epoch's."""
-    index, lock = fresh_index()
-    with ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as publisher:
-        worker = ScriptedWorker(publisher, stall=frozenset({2}))
-        plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
-        plane.start()
-        try:
-            plane.attach(info_of("w0", publisher))
-            before, before_tokens = stored(1, seed=1)
-            worker.store(before)
-            wait_for(lambda: matched(index, lock, before_tokens) == 1, "the first epoch's block")
-            after, after_tokens = stored(2, seed=2)
-            _restart(worker, LIVE_EPOCH + 1, after)
-            with ThreadPoolExecutor(1) as pool:
-                attached = pool.submit(
-                    plane.attach, replace(info_of("w0", publisher), epoch=LIVE_EPOCH + 1)
-                )
-                wait_for(lambda: worker.dumps == 2, "the re-attach asked for a dump")
-                assert matched(index, lock, before_tokens) == 0  # stale at once
-                assert not attached.done()  # returns when the dump is in
-                worker.release.set()
-                attached.result(timeout=10)
-            assert matched(index, lock, after_tokens) == 1 and worker.dumps == 2
-            with lock:
-                assert index.epoch("w0") == LIVE_EPOCH + 1 and index.is_consistent("w0")
-            assert plane.resyncs == {}
-        finally:
+    with _attached(stall=frozenset({2})) as run:
+        index, lock, worker = run.index, run.lock, run.worker
+        after, after_tokens = stored(2, seed=2)
+        _restart(worker, LIVE_EPOCH + 1, after)
+        with ThreadPoolExecutor(1) as pool:
+            attached = pool.submit(run.plane.attach, run.restarted)
+            wait_for(lambda: worker.dumps == 2, "the re-attach asked for a dump")
+            assert matched(index, lock, run.before_tokens) == 0  # stale at once
+            assert not attached.done()  # returns when the dump is in
             worker.release.set()
-            plane.close()
+            attached.result(timeout=10)
+        assert matched(index, lock, after_tokens) == 1 and worker.dumps == 2
+        with lock:
+            assert index.epoch("w0") == LIVE_EPOCH + 1 and index.is_consistent("w0")
+        assert run.plane.resyncs == {}
