@@ -158,7 +158,9 @@ def test_a_restart_at_the_same_sockets_is_reattached_without_a_second_dump() -> 
         worker.publish_batch(make_batch([after], worker_id="w0", epoch=LIVE_EPOCH + 1))
         wait_for(lambda: matched(index, lock, after_tokens) == 1, "the new epoch's dump")
         assert worker.dumps == 2 and run.plane.resyncs == {"epoch": 1}
+        stream = run.plane._streams["w0"]
         run.plane.attach(run.restarted)  # what the health round does on seeing the new epoch
+        assert run.plane._streams["w0"] is stream  # kept, not torn down and subscribed again
         assert worker.dumps == 2 and matched(index, lock, after_tokens) == 1
         assert matched(index, lock, run.before_tokens) == 0
         later, later_tokens = stored(3, seed=3)
@@ -174,6 +176,7 @@ def test_a_restart_seen_first_by_the_health_round_drops_the_old_epoch_and_dumps_
         index, lock, worker = run.index, run.lock, run.worker
         after, after_tokens = stored(2, seed=2)
         _restart(worker, LIVE_EPOCH + 1, after)
+        stream = run.plane._streams["w0"]
         with ThreadPoolExecutor(1) as pool:
             attached = pool.submit(run.plane.attach, run.restarted)
             wait_for(lambda: worker.dumps == 2, "the re-attach asked for a dump")
@@ -182,6 +185,7 @@ def test_a_restart_seen_first_by_the_health_round_drops_the_old_epoch_and_dumps_
             worker.release.set()
             attached.result(timeout=10)
         assert matched(index, lock, after_tokens) == 1 and worker.dumps == 2
+        assert run.plane._streams["w0"] is stream
         with lock:
             assert index.epoch("w0") == LIVE_EPOCH + 1 and index.is_consistent("w0")
         assert run.plane.resyncs == {}

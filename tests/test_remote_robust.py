@@ -480,9 +480,10 @@ def test_a_wrong_typed_ledger_is_rebuilt_from_the_objects_on_the_server(
     other, other_payload = make_object(3, tenant="t1")
     for meta, payload in ((root, root_payload), (leaf, _valued(2, 5.0)[1]), (other, other_payload)):
         assert store(t, meta, payload)
-    torn = make_object(4)[0]
+    torn, hashed = make_object(4)[0], make_object(5)[0]
     conn.set(t.meta_key(torn.key), b"garbage")  # bytes nobody can read: not adopted, deleted
     conn.set(t.data_key(torn.key), b"x" * 16)
+    conn.hset(t.meta_key(hashed.key), "not", "a meta")  # nor a meta key of another type
     conn.delete(prefix + "info")
     conn.set(prefix + "info", "not a hash")
     new, new_payload = _valued(10, 100.0)
@@ -493,7 +494,7 @@ def test_a_wrong_typed_ledger_is_rebuilt_from_the_objects_on_the_server(
     assert all(rec["st"] == "C" for rec in info.values())
     assert info[leaf.key.hex()]["p"] == root.key.hex()
     assert conn.zscore(prefix + "z", root.key.hex()) >= conn.zscore(prefix + "z", leaf.key.hex())
-    assert conn.exists(t.meta_key(torn.key), t.data_key(torn.key)) == 0
+    assert conn.exists(t.meta_key(torn.key), t.data_key(torn.key), t.meta_key(hashed.key)) == 0
     assert load_bytes(t, other.key) == other_payload and load_bytes(t, root.key) == root_payload
     t.refresh_usage(["t0", "t1"])
     assert t.used_bytes == 4 * OBJ and t.tenant_bytes("t1") == OBJ
@@ -514,4 +515,27 @@ def test_a_tenant_deletion_through_a_wrong_typed_ledger_finds_every_object(
     refs = t.objects_of("t1")  # the survey's HSCAN met the wrong type: repaired, asked again
     assert {ref.key for ref in refs} == {meta.key for meta, _ in mine}
     assert t.remote_counters.ledger_repairs == 1
+    _ledger_is_consistent(t)
+
+
+@pytest.mark.parametrize("lost", ["usage", "whole_ledger"])
+def test_a_lost_ledger_version_never_goes_back(full_tier: RemoteTier, lost: str) -> None:
+    """Objects' generations are ledger versions, and a removal deletes bytes only up to its
+    own version. A ledger whose usage figures (with the version) or all of whose keys were lost
+    (a failover, an outside ``DEL``) must not count from 1 again: bytes stored before would
+    then outrank every later removal and stay on the server for good."""
+    t = full_tier
+    conn, prefix = _conn(t), t._prefix
+    for seed in range(2, 6):  # the ledger's version moves on
+        assert store(t, *make_object(seed)) and t.remove(make_object(seed)[0].key)
+    meta, payload = make_object(1)
+    assert store(t, meta, payload)
+    doomed = [prefix + "u"] if lost == "usage" else list(conn.scan_iter(match=prefix + "*"))
+    conn.delete(*doomed)
+    if lost == "whole_ledger":
+        assert store(t, meta, payload)  # the entry went with the ledger: stored again
+    assert t.remove(meta.key)
+    assert conn.exists(t.meta_key(meta.key), t.data_key(meta.key)) == 0
+    t.refresh_usage(["t0"])
+    assert t.used_bytes == 0
     _ledger_is_consistent(t)

@@ -289,8 +289,9 @@ class EventPlane:
     def _reattach(self, info: WorkerInfo, stream: _Stream, done: Future[object]) -> None:
         """Attach a worker this plane already reads at the same sockets (a restart at fixed
         endpoints, seen by the health round): the stream stays. Its own epoch resync may have
-        brought the new epoch's dump already (done), or be on its way (done with it);
-        otherwise the old epoch's entries stop counting and one dump replaces them. Before,
+        brought the new epoch's dump already (done), or be on its way (done with it; one held
+        back by a failed dump's backoff is asked for now); otherwise the old epoch's entries
+        stop counting and one dump replaces them. Before,
         the stream was torn down and a second dump fetched, and the worker matched nothing
         in between."""
         worker_id = info.worker_id
@@ -307,6 +308,9 @@ class EventPlane:
             if in_step:
                 done.set_result(None)
                 return
+            stream.dump = self._fetch_dump(stream)
+        elif stream.dump_failures:  # a resync dump held back by its retry's backoff: ask now
+            stream.dump_failures = 0
             stream.dump = self._fetch_dump(stream)
         stream.attaching = done
 
@@ -396,17 +400,18 @@ class EventPlane:
         """The worker's dump, fetched after ``delay_s`` on a daemon thread of its own (at most
         one per worker: its stream is not read, so it cannot resync again, until it is in)."""
         future: Future[WorkerDump] = Future()
-        info, closed = stream.info, stream.closed
+        worker_id, closed = stream.info.worker_id, stream.closed
 
         def fetch() -> None:
             try:
                 if closed.wait(delay_s) or self._stop.is_set():
-                    raise RuntimeError(f"the stream of {info.worker_id} closed")
-                future.set_result(self._source.dump(self._http, info, self._api_key))
+                    raise RuntimeError(f"the stream of {worker_id} closed")
+                # the info of now: a re-attach may have brought a new epoch meanwhile
+                future.set_result(self._source.dump(self._http, stream.info, self._api_key))
             except BaseException as exc:  # the loop reads it from the future
                 future.set_exception(exc)
 
-        name = f"kvstrata-dump-{info.worker_id}"
+        name = f"kvstrata-dump-{worker_id}"
         threading.Thread(target=fetch, name=name, daemon=True).start()
         return future
 

@@ -187,7 +187,7 @@ redis.call('ZADD', PEND, deadline, key)
 redis.call('HINCRBY', U, 'used', size)
 redis.call('HINCRBY', U, 'n', 1)
 redis.call('HINCRBY', U, 't:'..tenant, size)
-redis.call('HINCRBY', U, 'ver', 1)
+bump()
 return reply('ok')
 """
 )

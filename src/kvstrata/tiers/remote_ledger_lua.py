@@ -125,9 +125,17 @@ end
 
 -- U is derived data (the sums over INFO): when it cannot be read (a wrong type, a field that
 -- is not an integer) or an entry of unknown size was dropped, rebuild it from INFO, dropping
--- every corrupt entry met on the way. O(entries), so only after corruption. The version goes
--- on from its old value, or, when that is unreadable too, from the caller's clock in ms (above
--- any count of events a ledger reaches, so readers' version order still holds).
+-- every corrupt entry met on the way. O(entries), so only after corruption.
+
+-- The ledger's version after a change: one more than `current`, and at least the caller's clock
+-- in microseconds. So it never goes back, not even when U is lost or unreadable (up to the
+-- writers' clock skew): readers order replies by it, and objects' generations (`remote_format`)
+-- are versions that a removal's must exceed to delete them. As a string: Lua would print a
+-- number this large in exponent form.
+local function next_version(current)
+  return string.format('%d', math.max((current or 0) + 1, math.floor(NOW * 1e6)))
+end
+
 local function recount()
   local ver = nil
   local old = redis.pcall('HGETALL', U)
@@ -153,7 +161,7 @@ local function recount()
   end
   recounted = true
   redis.call('DEL', U)
-  redis.call('HSET', U, 'used', used, 'n', n, 'ver', (ver or math.floor(NOW * 1000)) + 1)
+  redis.call('HSET', U, 'used', used, 'n', n, 'ver', next_version(ver))
   for t, bytes in pairs(by) do
     redis.call('HSET', U, 't:'..t, bytes)
     touched[t] = true
@@ -162,11 +170,14 @@ end
 
 -- Make sure U is a hash whose `fields` are integers HINCRBY takes (or absent) before they are
 -- read or incremented: a repair happens here, before the caller's next write, never half-way.
+-- A U without a version while INFO holds entries was lost (a failover, an outside DEL): its
+-- sums are rebuilt too.
 local function ucheck(fields)
   if recounted then return end
-  local got = redis.pcall('HMGET', U, unpack(fields))
+  local got = redis.pcall('HMGET', U, 'ver', unpack(fields))
   if type(got) == 'table' and got.err then recount() return end
-  for i = 1, #fields do
+  if not got[1] and redis.call('HLEN', INFO) > 0 then recount() return end
+  for i = 1, #got do
     local v = got[i]
     if v and not (string.match(v, '^-?%d+$') and #v <= 16) then recount() return end
   end
@@ -177,8 +188,8 @@ local function uget(field)
 end
 
 local function bump()
-  ucheck({'ver'})
-  redis.call('HINCRBY', U, 'ver', 1)
+  ucheck({})
+  redis.call('HSET', U, 'ver', next_version(tonumber(redis.call('HGET', U, 'ver'))))
 end
 
 -- GDSF's inflation value L. Garbage (a wrong type, not a finite number) is replaced by the
@@ -213,7 +224,7 @@ local function drop(k, rec)
     redis.call('HDEL', U, 't:'..rec.t)
   end
   touched[rec.t] = true
-  redis.call('HINCRBY', U, 'ver', 1)
+  bump()
 end
 
 -- The entry of k, or nil. A corrupt entry is dropped here (and the usage recounted), so no

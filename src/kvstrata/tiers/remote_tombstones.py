@@ -72,19 +72,23 @@ end
 """
 
 # Reads the generation key of an object (``remote_format``): its commit's ledger version, or
-# nil when it is absent or garbage (garbage never protects bytes).
+# nil when it is absent or garbage, ``inf`` included (garbage never protects bytes). Needs
+# ``TOMB_LUA``'s ``finite``.
 GEN_LUA = r"""
 local function generation(key)
   local raw = redis.pcall('GET', key)
   if type(raw) ~= 'string' then return nil end
-  return tonumber(raw)
+  local x = tonumber(raw)
+  if finite(x) then return x end
+  return nil
 end
 """
 
 # KEYS: meta, data, tombstone, generation.  ARGV: payload, meta bytes, ttl ms ("" for none),
 # created_at, generation (the ledger version of this store's commit).
-# 1: written, or bytes of a later commit of the same key are there already (they stand: the
-# same key names the same content, and the generation never goes back); 0: a tombstone covers
+# 1: written, or the whole object of a later commit of the same key is there already (it
+# stands: the same key names the same content, and the generation never goes back); 0: a
+# tombstone covers
 # the object (nothing written): one at or after its creation, or one that cannot be read (see
 # ``TOMB_LUA``), never a script error.
 WRITE = (
@@ -93,7 +97,9 @@ WRITE = (
     + r"""
 if covers(redis.pcall('GET', KEYS[3]), tonumber(ARGV[4])) then return 0 end
 local there = generation(KEYS[4])
-if there and there > tonumber(ARGV[5]) then return 1 end
+if there and there > tonumber(ARGV[5]) and redis.call('EXISTS', KEYS[1], KEYS[2]) == 2 then
+  return 1
+end
 if ARGV[3] == '' then
   redis.call('SET', KEYS[2], ARGV[1])
   redis.call('SET', KEYS[1], ARGV[2])
@@ -112,7 +118,8 @@ return 1
 # is later: a store of the same key committed after the entry left wrote them, and its own
 # entry accounts for them. Returns the keys deleted.
 DROP_OBJECT = (
-    GEN_LUA
+    TOMB_LUA
+    + GEN_LUA
     + r"""
 local there = generation(KEYS[3])
 if ARGV[1] ~= '' and there and there > tonumber(ARGV[1]) then return 0 end
@@ -120,8 +127,8 @@ return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 """
 )
 
-# KEYS: meta, data, tombstone, generation.  ARGV: deleted_at, ttl ms.  Returns the object keys
-# deleted (a deletion removes every generation).
+# KEYS: meta, data, tombstone, generation.  ARGV: deleted_at, ttl ms.  Returns how many of meta
+# and payload were deleted (a deletion removes every generation).
 # A later deletion extends the tombstone; one that cannot be read is replaced. A deleted_at
 # that is no finite number (the caller checks) leaves the tombstone as it is.
 ERASE_OBJECT = (
@@ -131,7 +138,8 @@ local old, deleted = deleted_at(redis.pcall('GET', KEYS[3])), tonumber(ARGV[1])
 if finite(deleted) and (not old or deleted > old) then
   redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
 end
-return redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
+redis.call('DEL', KEYS[4])
+return redis.call('DEL', KEYS[1], KEYS[2])
 """
 )
 
@@ -200,15 +208,25 @@ def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> 
             foreign += 1
         elif key in refs or key not in known:
             wanted[name] = key
-    replies = client.pipelined(list(wanted), lambda pipe, name: pipe.get(name))
-    for name, reply in replies.items():
-        if isinstance(reply, RemoteUnavailable):
-            raise reply
-        key = wanted[name]
-        meta = decode_meta(reply, key) if isinstance(reply, bytes) else None
+    for key, meta in read_metas(client, wanted).items():
         if meta is not None and meta.tenant == tenant:
             refs[key] = ObjectRef(key, meta.parent, tenant, meta.created_at)
     return SurveyResult(list(refs.values()), foreign)
+
+
+def read_metas(
+    client: RemoteClient, names: dict[str, BlockKey]
+) -> dict[BlockKey, KVObjectMeta | None]:
+    """The meta under each name (None: garbage, torn, another key's, or a key of another
+    type — an ``MGET`` reads that as absent, where a ``GET`` would fail the whole pipeline).
+    Pipelined per shard; raises ``RemoteUnavailable`` when a shard fails."""
+    out: dict[BlockKey, KVObjectMeta | None] = {}
+    for name, reply in client.pipelined(list(names), lambda pipe, name: pipe.mget(name)).items():
+        if isinstance(reply, RemoteUnavailable):
+            raise reply
+        raw, key = reply[0], names[name]
+        out[key] = decode_meta(raw, key) if isinstance(raw, bytes) else None
+    return out
 
 
 def meta_names(client: RemoteClient, namespace: str) -> list[str]:
@@ -242,12 +260,9 @@ def metas_on_server(client: RemoteClient, namespace: str) -> MetasOnServer:
             found.foreign += 1
         else:
             wanted[name] = key
-    for name, reply in client.pipelined(list(wanted), lambda pipe, name: pipe.get(name)).items():
-        if isinstance(reply, RemoteUnavailable):
-            raise reply
-        meta = decode_meta(reply, wanted[name]) if isinstance(reply, bytes) else None
+    for key, meta in read_metas(client, wanted).items():
         if meta is None:
-            found.garbage.append(wanted[name])
+            found.garbage.append(key)
         else:
             found.metas.append(meta)
     return found
