@@ -3,9 +3,11 @@
 The ledger and an object live on different slots, so a writer drops an entry (one script on
 the ledger) and deletes its bytes (one on the object's slot) in two steps. Another writer can
 store the key again in between. Its bytes must survive the first writer's delete: the ledger
-accounts for them. Each race is forced here by running the second writer's whole store inside
-the first writer's delete step, against the real ``valkey-server`` of the ``remote_server``
-fixture, each test in its own namespace.
+accounts for them; and a writer whose write arrives after its entry was evicted and the key
+stored again must not overwrite or orphan the later object. Each race is forced here by
+running the other writers' whole calls inside one writer's step (its delete, its write),
+against the real ``valkey-server`` of the ``remote_server`` fixture, each test in its own
+namespace.
 """
 
 from __future__ import annotations
@@ -38,16 +40,21 @@ def writers(remote_server: ValkeyServer, remote_namespace: str) -> Iterator[list
         tier.close()
 
 
-def _before_delete(tier: RemoteTier, step: Callable[[], None]) -> None:
-    """Run ``step`` once, right before ``tier`` deletes object keys (after its ledger call)."""
-    original = tier._delete_objects
+def _before(tier: RemoteTier, method: str, step: Callable[[], None]) -> None:
+    """Run ``step`` once, right before ``tier`` next calls its ``method`` (then the method)."""
+    original = getattr(tier, method)
 
-    def delete(keys: Any, upto: int | None) -> bool:
-        tier._delete_objects = original  # type: ignore[method-assign]
+    def hooked(*args: Any) -> Any:
+        setattr(tier, method, original)
         step()
-        return original(keys, upto)
+        return original(*args)
 
-    tier._delete_objects = delete  # type: ignore[method-assign]
+    setattr(tier, method, hooked)
+
+
+def _before_delete(tier: RemoteTier, step: Callable[[], None]) -> None:
+    """Run ``step`` right before ``tier`` deletes object keys (after its ledger call)."""
+    _before(tier, "_delete_objects", step)
 
 
 def _loads(tier: RemoteTier, meta: KVObjectMeta) -> bytes | None:
@@ -91,6 +98,34 @@ def test_a_store_racing_an_eviction_keeps_its_bytes(writers: list[RemoteTier]) -
     assert _loads(c, restored[0]) == dict(objects)[restored[0]]
     c.refresh_usage(["t0"])
     assert c.used_bytes == 3 * OBJ and c.object_count == 3
+
+
+def test_a_late_write_after_an_eviction_and_a_restore_leaves_nothing_unaccounted(
+    writers: list[RemoteTier],
+) -> None:
+    """``b`` commits, then ``a``'s admissions evict the entry and ``c`` stores the key again,
+    all before ``b``'s write arrives: ``b``'s write keeps ``c``'s later generation, and the one
+    object left is ``c``'s entry's, removed whole."""
+    a, b, c = writers
+    meta, payload = make_object(1)
+    slot = b.prepare_store(meta)
+    assert slot is not None
+    slot.buffer[:] = payload
+
+    def evict_and_restore() -> None:
+        for seed in (2, 3):  # a holds two objects: the second admission evicts the oldest
+            assert store(a, *make_object(seed))
+        assert not _in_ledger(a, meta)
+        assert store(c, meta, payload)
+
+    _before(b, "_write_object", evict_and_restore)
+    assert b.complete_store(slot, True)  # the ledger holds the key (c's entry): stored
+    assert _loads(b, meta) == payload and _loads(a, meta) == payload
+    assert c.remove(meta.key)
+    conn = c.client.single
+    assert conn is not None
+    assert conn.exists(c.meta_key(meta.key), c.data_key(meta.key)) == 0
+    assert _loads(b, meta) is None
 
 
 def _stored(tier: RemoteTier, meta: KVObjectMeta, payload: bytes) -> None:
