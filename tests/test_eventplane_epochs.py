@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import pytest
 from prometheus_client import generate_latest
 
 from eventplane_helpers import (
@@ -26,6 +27,7 @@ from eventplane_helpers import (
 )
 from kvstrata.events import ZmqEventPublisher
 from kvstrata.events.schema import BlockStored, make_batch
+from kvstrata.fleet import eventplane
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
 from kvstrata.fleet.workers import WorkerInfo
@@ -128,11 +130,13 @@ class _Running:
 
 
 @contextmanager
-def _attached(stall: frozenset[int] = frozenset()) -> Iterator[_Running]:
+def _attached(
+    stall: frozenset[int] = frozenset(), fail: frozenset[int] = frozenset()
+) -> Iterator[_Running]:
     """A plane reading one worker that holds one block of its first epoch."""
     index, lock = fresh_index()
     with ZmqEventPublisher("tcp://127.0.0.1:*", worker_id="w0", epoch=LIVE_EPOCH) as publisher:
-        worker = ScriptedWorker(publisher, stall=stall)
+        worker = ScriptedWorker(publisher, stall=stall, fail=fail)
         plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
         plane.start()
         try:
@@ -189,3 +193,22 @@ def test_a_restart_seen_first_by_the_health_round_drops_the_old_epoch_and_dumps_
         with lock:
             assert index.epoch("w0") == LIVE_EPOCH + 1 and index.is_consistent("w0")
         assert run.plane.resyncs == {}
+
+
+def test_a_restart_during_a_failed_dumps_backoff_is_attached_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker died: its resync dump failed and the retry waits out a backoff. It comes
+    back at the same sockets and the health round attaches it: the dump is asked for now, not
+    after the backoff (before, the attach waited on the held-back retry, up to 30 s)."""
+    monkeypatch.setattr(eventplane, "_DUMP_RETRY_S", 60.0)
+    with _attached(fail=frozenset({2})) as run:
+        index, lock, worker = run.index, run.lock, run.worker
+        after, after_tokens = stored(2, seed=2)
+        _restart(worker, LIVE_EPOCH + 1, after)
+        worker.publish_batch(make_batch([after], worker_id="w0", epoch=LIVE_EPOCH + 1))
+        wait_for(lambda: run.plane.resyncs.get("dump_failed") == 1, "the resync dump failed")
+        run.plane.attach(run.restarted, timeout_s=5.0)
+        assert worker.dumps == 3 and matched(index, lock, after_tokens) == 1
+        with lock:
+            assert index.epoch("w0") == LIVE_EPOCH + 1 and index.is_consistent("w0")
