@@ -184,3 +184,23 @@ def test_running_out_of_descriptors_is_a_miss_that_keeps_the_object(
     blind.close()
     with DiskTier(tmp_path, CAPACITY) as again:  # the next start reads it
         assert load_bytes(again, meta.key) == payload
+
+
+def test_a_symlinked_fan_out_directory_is_neither_followed_nor_written_through(
+    tmp_path: Path,
+) -> None:
+    """Objects live in ``objects/<first two hex digits>/``. A link in place of such a
+    directory would take the tier's writes outside its root, where recovery never looks and
+    a deletion never reaches: the link is counted as foreign, then replaced by a directory."""
+    meta, payload = make_object(1)
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    with DiskTier(root, CAPACITY) as tier:
+        fan_out = tier.path_of(meta.key).parent
+    outside.mkdir()
+    fan_out.symlink_to(outside, target_is_directory=True)
+    with DiskTier(root, CAPACITY) as tier:
+        assert tier.recovery.foreign == 1
+        assert store(tier, meta, payload)
+        assert load_bytes(tier, meta.key) == payload
+    assert not fan_out.is_symlink() and fan_out.is_dir()
+    assert list(outside.iterdir()) == []

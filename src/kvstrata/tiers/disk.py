@@ -298,8 +298,10 @@ class DiskTier(IndexedTierViews):
         found: list[tuple[KVObjectMeta, int]] = []
         scratch = bytearray()
         for subdir in sorted(self._entries(self._objects), key=lambda e: e.name):
-            # A symlink is not followed: recovery deletes files, and only below the root.
+            # A symlink is not followed: recovery deletes files, and only below the root (a
+            # store that needs the name replaces the link with a directory).
             if not subdir.is_dir(follow_symlinks=False):
+                report.foreign += subdir.is_symlink()
                 continue
             self._known_dirs.add(subdir.name)
             for entry in sorted(self._entries(Path(subdir.path)), key=lambda e: e.name):
@@ -365,6 +367,8 @@ class DiskTier(IndexedTierViews):
         final = self.path_of(meta.key)
         directory = final.parent
         if directory.name not in self._known_dirs:
+            if directory.is_symlink():  # never write through a link to outside the root
+                directory.unlink()
             directory.mkdir(exist_ok=True)
             if self.durable:
                 fsync_dir(self._objects)
