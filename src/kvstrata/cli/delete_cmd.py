@@ -140,7 +140,10 @@ def run_delete(args: argparse.Namespace) -> int:
     emit(
         answer,
         as_json=args.json,
-        title=f"deleted from {args.tenant!r} ({status}): {answer.get('deleted_keys', 0)} keys",
+        title=(
+            f"deleted from {args.tenant!r} ({status}): {answer.get('deleted_keys', 0)} keys "
+            f"tombstoned, {_replicas(answer)} replicas removed"
+        ),
         columns=("worker", "tier", "removed"),
         rows=_rows(answer),
     )
@@ -155,6 +158,13 @@ def run_delete(args: argparse.Namespace) -> int:
                     )
         return 1
     return 0
+
+
+def _replicas(answer: dict[str, Any]) -> int:
+    removed = answer.get("removed")
+    if not isinstance(removed, dict):
+        return 0
+    return sum(n for n in removed.values() if isinstance(n, int))
 
 
 def _rows(answer: dict[str, Any]) -> list[tuple[str, str, Any]]:
