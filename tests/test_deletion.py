@@ -35,6 +35,7 @@ from kvstrata.store.levels import RequestScope
 from kvstrata.store.policies import LRUPolicy, SharedLedgerPolicy
 from kvstrata.store.tiered import TieredStore
 from kvstrata.store.tombstones import Tombstones
+from kvstrata.tiers.base import TierError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.disk_tombstones import FILE_NAME, TombstoneFile, encode_line
 from kvstrata.tiers.host import HostTier
@@ -275,6 +276,43 @@ def test_a_pinned_replica_is_invisible_at_once_and_goes_when_released(
         assert bytes(lease.buffer) == payload  # the reader finishes with its bytes
     assert not store.levels[0].tier.reserved(meta.key)
     assert held_keys(store) == {"host": set(), "disk": set()}
+    store.close()
+
+
+def test_a_replica_that_cannot_go_yet_is_retried_when_the_key_is_stored_again(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """The disk cannot delete the file once (a read-only remount): the delete reports it
+    pending, the key stays invisible, and the next store of the key (a fresh computation)
+    retries the removal, announces it, and then caches the fresh object. Before, the disk
+    dropped the object from its index before the failed unlink, so the removal was never
+    announced, and the key stayed pending for good: every later store of it was refused."""
+    store = two_level_store(tmp_path, clock, record_events=True)
+    ((meta, payload),) = chain_of([1], "acme", clock.now)
+    assert put(store, meta, payload)
+    store.take_events()
+    disk = store.levels[1].tier
+    assert isinstance(disk, DiskTier)
+    unlink, failures = disk._unlink, [1]
+
+    def read_only_once(path: str | Path) -> None:
+        if failures:
+            failures.pop()
+            raise TierError(f"cannot delete {path}: read-only file system (simulated)")
+        unlink(path)
+
+    disk._unlink = read_only_once  # type: ignore[method-assign]
+    result = store.delete_keys([meta.key])
+    assert result.removed == {"host": 1, "disk": 0} and result.pending == 1
+    assert disk.contains(meta.key)  # still indexed: the retry finds it
+    assert store.lookup([meta.key], RequestScope("acme")) == []
+    assert [(type(e).__name__, e.tier) for e in store.take_events()] == [("ObjectRemoved", "host")]
+    clock.now += 1
+    fresh = replace(meta, created_at=clock.now)
+    assert put(store, fresh, payload)
+    events = [(type(e).__name__, e.tier) for e in store.take_events()]
+    assert events[0] == ("ObjectRemoved", "disk") and ("ObjectStored", "host") in events
+    assert store.lookup([meta.key], RequestScope("acme")) != []
     store.close()
 
 

@@ -124,6 +124,8 @@ class AdmittingCore(ErasingCore):
         level = self.levels[index]
         tier, name, key = level.tier, level.name, meta.key
         if key in self._pending_delete:
+            self._finish_delete(key)  # touched again: retry what could not go before
+        if key in self._pending_delete:
             self.metrics.rejections.labels(tier=name, reason="being_deleted").inc()
             return False
         if self._buried(level, meta):

@@ -12,8 +12,9 @@ and no replica can come back:
 3. locked: the local replicas are removed; those pinned by a reader (or still in flight) go
    when it finishes — they are reported as ``pending``.
 
-A medium that fails in step 2 is reported in ``unreachable``; its replicas stay invisible here
-and are retried when the key is next touched. ``objects_of(tenant)`` surveys what a deletion
+A medium that fails in step 2 is reported in ``unreachable``; its replicas, and any that step 3
+could not remove (a medium down, a file that cannot be unlinked), stay invisible here and
+are retried when the key is next stored or deleted. ``objects_of(tenant)`` surveys what a deletion
 selects from: every level's objects of that tenant (the remote tier asks its server), outside
 the store lock. ``delete_selected(selector)`` is survey + ``store.deletion.select`` +
 ``delete_keys`` for a caller without a device pool of its own (the engine adds its pool's).

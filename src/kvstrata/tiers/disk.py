@@ -253,10 +253,12 @@ class DiskTier(IndexedTierViews):
         with self._lock:
             if self._index.removable(key) is None:
                 return False
+            # Under the lock: a re-store of the same key must not race with this unlink. The
+            # file goes first: one that cannot (a read-only remount) raises with the object
+            # still indexed, so the caller's retry finds it, and learns when it is gone.
+            self._unlink(self._path(key))
             self._index.drop(key)
             self._index.counters.removed += 1
-            # Under the lock: a re-store of the same key must not race with this unlink.
-            self._unlink(self._path(key))
             return True
 
     def bury(self, marks: Sequence[Tombstone]) -> list[tuple[BlockKey, str]]:
