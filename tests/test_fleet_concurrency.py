@@ -153,3 +153,29 @@ def test_a_worker_salting_tenants_with_another_secret_is_refused() -> None:
         assert refused >= 2
     finally:
         fleet.close()
+
+
+def test_a_second_live_worker_with_the_same_id_is_refused() -> None:
+    """Two workers started by hand from one config share ``events.worker_id``: both in one
+    table entry, each health round re-attached them in turn (each attach resetting the other's
+    index entries) and one never got traffic, without a word. Now the second is refused with
+    the reason; once the first is dead, its id may move."""
+
+    def same_id(request: httpx.Request) -> httpx.Response:
+        response = _info(request)
+        body = {**response.json(), "worker_id": "twin"}
+        return httpx.Response(200, json=body)
+
+    config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=["http://a", "http://b"])
+    http = httpx.Client(transport=httpx.MockTransport(same_id))
+    fleet = Fleet(cast(FleetTokenizer, object()), config, http=http)
+    try:
+        fleet.attach("http://a")
+        with pytest.raises(WorkerProtocolError, match="already served by http://a"):
+            fleet.attach("http://b")
+        assert [view.url for view in fleet.worker_views()] == ["http://a"]
+        fleet.mark_dead("twin")
+        fleet.attach("http://b")
+        assert [view.url for view in fleet.worker_views()] == ["http://b"]
+    finally:
+        fleet.close()

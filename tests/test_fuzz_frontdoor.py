@@ -25,7 +25,12 @@ from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import ApiError
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.frontdoor import _only_role_preamble, _parse, create_frontdoor_app
+from kvstrata.fleet.frontdoor import (
+    _only_role_preamble,
+    _parse,
+    _usage_of,
+    create_frontdoor_app,
+)
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
 from kvstrata.index.model import ConsistencyMode
 from kvstrata.runtime.config import ServeLimits
@@ -151,6 +156,16 @@ def test_parse_raises_only_api_errors(raw: bytes) -> None:
             assert exc.status == 400
 
 
+FLOAT_LAYOUT = {
+    "num_layers": 2.0,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "block_size": 16,
+    "dtype": "float32",
+}
+"""A layout with a size that is no integer: it passed, then failed every disaggregated
+request to that worker with a ``TypeError`` (a 500) when its KV bytes were priced."""
+
 INFO = {
     "worker_id": "w1",
     "epoch": 1,
@@ -174,6 +189,7 @@ INFO = {
 @example(changes={"epoch": float("inf")}, body=None)
 @example(changes={"fetch_s_per_block": [1]}, body=None)
 @example(changes={"fetch_s_per_block": {"host": 10**400}}, body=None)
+@example(changes={"transfer": {"host": "h", "port": 1, "layout": FLOAT_LAYOUT}}, body=None)
 def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
     """What a worker's ``/kv/info`` says: a ``WorkerInfo`` or a ``WorkerProtocolError``."""
     try:
@@ -182,6 +198,25 @@ def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
         return
     assert len(info.fingerprint) == 32 and info.block_size > 0 and info.events_endpoint
     assert all(f is None or (math.isfinite(f) and f >= 0) for f in info.fetch_s_per_block)
+    if info.transfer is not None:  # what pricing a transfer to this worker needs
+        assert type(info.transfer.layout.block_bytes()) is int
+
+
+@FUZZ
+@given(usage=json_value)
+@example(usage={"completion_tokens": float("inf")})
+@example(usage={"completion_tokens": 10**400})
+@example(usage={"completion_tokens": 3, "prompt_tokens_details": None})
+@example(usage={"completion_tokens": True})
+def test_a_workers_usage_is_whole_counts_in_range_or_nothing(usage: Any) -> None:
+    """The front door learns output lengths and cached tokens from a worker's answer. A broken
+    worker's ``Infinity`` failed the answer with a 500 and left the request in flight for
+    good; a huge count overflowed the running mean of every later answer from that worker."""
+    found = _usage_of(dumps({"usage": usage}))
+    if found is not None:
+        assert all(type(n) is int and 0 <= n < 1 << 31 for n in found)
+    if usage == {"completion_tokens": 3, "prompt_tokens_details": None}:
+        assert found == (3, 0)
 
 
 @pytest.mark.parametrize("path", ENDPOINTS)

@@ -48,6 +48,9 @@ def test_metrics_give_load_and_start_time() -> None:
     assert load == ScrapedLoad(waiting=4, running=2, kv_usage=0.25)
     assert started == pytest.approx(1.7646e9)
     assert parse_metrics("garbage line\n")[1] is None
+    broken = METRICS.replace("1.7646e+09", "NaN").replace(" 3.0", " +Inf")
+    load, started = parse_metrics(broken)  # a figure that is no number is no figure
+    assert started is None and load == ScrapedLoad(waiting=1, running=2, kv_usage=0.25)
 
 
 def test_worker_argument() -> None:

@@ -173,6 +173,15 @@ class Fleet(FleetRouting):
         while it talks to the worker or waits on the event plane.
         """
         info = self._source.info(self._http, base_url, self.config.api_key)
+        holder = self._table.by_id.get(info.worker_id)
+        if holder is not None and holder.healthy and holder.info.base_url != info.base_url:
+            # two live workers with one id would take turns in one index slot, each attach
+            # resetting the other's entries (workers started by hand from one config)
+            self.metrics.worker_events.labels(info.worker_id, "refused_duplicate_id").inc()
+            raise WorkerProtocolError(
+                f"worker {info.worker_id} at {base_url}: that id is already served by "
+                f"{holder.info.base_url}; give every worker its own events.worker_id"
+            )
         if info.secret_digest != self._secret_digest:
             self.metrics.worker_events.labels(info.worker_id, "refused_secret").inc()
             raise WorkerProtocolError(
@@ -237,6 +246,9 @@ class Fleet(FleetRouting):
         try:
             return self._source.info(self._probe_http, url, self.config.api_key)
         except (httpx.HTTPError, WorkerProtocolError):
+            return None
+        except Exception:  # any garbage: this worker is unreachable, the round goes on
+            _log.exception("probing %s failed", url)
             return None
 
     def check_health(self) -> None:

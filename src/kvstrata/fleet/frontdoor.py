@@ -447,15 +447,22 @@ def _learn_prefill(fleet: Fleet, reservation: Reservation, headers: httpx.Header
     fleet.observe_prefill(reservation, matched, prefill_s)
 
 
+_MAX_USAGE_TOKENS = 1 << 31
+"""Above any context a worker serves: a larger count (or inf, NaN) is a broken answer."""
+
+
 def _usage_of(content: bytes) -> tuple[int, int] | None:
-    """(completion_tokens, cached_tokens) from a worker's JSON answer, if it has usage."""
+    """(completion_tokens, cached_tokens) from a worker's JSON answer, if it has a usage that
+    makes sense (whole counts in range: a broken worker's garbage must not reach the fits)."""
     try:
         usage = json.loads(content).get("usage")
-        return int(usage["completion_tokens"]), int(
-            usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        )
-    except (ValueError, AttributeError, KeyError, TypeError):
+        details = usage.get("prompt_tokens_details") or {}  # vLLM may send null
+        counts = (usage["completion_tokens"], details.get("cached_tokens") or 0)
+    except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
         return None
+    if not all(type(n) is int and 0 <= n < _MAX_USAGE_TOKENS for n in counts):
+        return None
+    return counts[0], counts[1]
 
 
 def _usage_in_sse(chunk: bytes) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ vLLM serves no ``/kv/info`` or ``/kv/dump``, so :class:`VllmSource` builds both:
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -86,11 +87,17 @@ class VllmWorker:
         )
 
 
+_MAX_METRIC = 1e12
+"""Above any request count, usage fraction or Unix time in seconds a server reports."""
+
+
 def parse_metrics(text: str) -> tuple[ScrapedLoad, float | None]:
     """vLLM's load figures (summed over label sets) and the process start time, if shown."""
     sums = {"waiting": 0.0, "running": 0.0, "kv_usage": 0.0}
     started: float | None = None
     for name, _, number in samples(text):
+        if not (math.isfinite(number) and 0 <= number < _MAX_METRIC):
+            continue  # NaN, inf, negative or absurd: no figure rather than a wrong one
         if name in _LOAD_METRICS:
             sums[_LOAD_METRICS[name]] += number
         elif name == _START:

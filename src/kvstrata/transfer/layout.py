@@ -81,6 +81,14 @@ class KVLayout:
 
     def problem(self) -> Refusal | None:
         """Why this layout is not valid on its own, or None."""
+        counts = (
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+            self.codec_version, self.tp_size, self.tp_rank, self.pp_size, self.pp_stage,
+        )  # fmt: skip
+        if not all(type(n) is int for n in counts):  # parsed JSON: 2.0, "2", true are not sizes
+            return Refusal(RefuseReason.INVALID_LAYOUT, f"a size that is not an integer in {self}")
+        if not (isinstance(self.dtype, str) and isinstance(self.order, str)):
+            return Refusal(RefuseReason.INVALID_LAYOUT, f"dtype or order not a string in {self}")
         sizes = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size)
         if min(sizes) <= 0 or self.tp_size <= 0 or self.pp_size <= 0:
             return Refusal(RefuseReason.INVALID_LAYOUT, f"non-positive size in {self}")
