@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -18,8 +20,10 @@ from kvstrata.connectors.vllm_settings import connector_config
 from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from kvstrata.events.subscriber import ZmqEventSubscriber
 from kvstrata.fleet.engine_load import ScrapedLoad
+from kvstrata.fleet.frontdoor import _engine_tenant
 from kvstrata.fleet.vllm_servers import VllmServerSpec
 from kvstrata.fleet.vllm_workers import (
+    DEFAULT_TENANT,
     VllmSource,
     VllmWorker,
     parse_metrics,
@@ -30,6 +34,8 @@ from kvstrata.fleet.vllm_workers import (
 from kvstrata.fleet.workers import WorkerInfo, WorkerState, default_profile
 from kvstrata.index import GlobalIndex, PrefixMatch
 from kvstrata.router import KvstrataPolicy, RouteRequest
+from kvstrata.security import Role
+from kvstrata.security.keys import ANONYMOUS, Principal
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -265,3 +271,26 @@ def test_a_restarted_server_is_a_new_epoch_and_drops_its_old_entries() -> None:
     dump = source.dump(http, second, None)
     index.replace_worker("v0", dump.epoch, dump.events, next_seq=dump.next_seq)
     assert index.blocks_held("v0") == (0, 0, 0, 0)
+
+
+def test_with_keys_the_front_door_salts_a_vllm_request_with_the_keys_namespace() -> None:
+    """vLLM namespaces KV by ``cache_salt`` alone. With keys, the front door sets the salt from
+    the key's namespace (folding in the client's), so a tenant that sends another tenant's
+    salt, or none, shares nobody's KV. Before, the salt went through as sent."""
+    fleet = cast(Any, SimpleNamespace(config=SimpleNamespace(engine="vllm")))
+    acme = Principal("k1", "acme", frozenset({Role.TENANT}))
+    globex = Principal("k2", "globex", frozenset({Role.TENANT}))
+
+    def namespace(principal: Principal, salt: str | None) -> tuple[str, object]:
+        payload: dict[str, Any] = {} if salt is None else {"cache_salt": salt}
+        return _engine_tenant(fleet, principal, principal.tenant, payload), payload["cache_salt"]
+
+    acme_salted, sent = namespace(acme, "s1")
+    assert isinstance(sent, str) and "acme" in sent and "s1" in sent
+    assert namespace(globex, "s1")[0] != acme_salted  # acme's salt, another key: apart
+    assert namespace(acme, "s1")[0] == acme_salted  # the same key and salt: shared
+    assert namespace(acme, None)[0] not in (DEFAULT_TENANT, namespace(globex, None)[0])
+    assert namespace(acme, "s2")[0] != acme_salted  # a salt still splits within a tenant
+    # one tenant, no keys: the client's salt is its namespace, as vLLM itself has it
+    assert namespace(ANONYMOUS, "s1") == (tenant_of_body({"cache_salt": "s1"}), "s1")
+    assert _engine_tenant(fleet, ANONYMOUS, ANONYMOUS.tenant, {}) == DEFAULT_TENANT

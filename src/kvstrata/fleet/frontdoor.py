@@ -110,12 +110,19 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
     return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
 
 
-def _engine_tenant(fleet: Fleet, tenant: str, payload: dict[str, Any]) -> str:
-    """The namespace the worker will key the request in. A vLLM worker (and its kvstrata
-    connector) knows only ``cache_salt``: its tenant, else the default one — whatever the
-    client's key says (the key still decides whether the request is allowed at all)."""
+def _engine_tenant(fleet: Fleet, principal: Principal, tenant: str, payload: dict[str, Any]) -> str:
+    """The namespace the worker will key the request in (``tenant``: the one the caller's key
+    allows). A vLLM worker (and its kvstrata connector) knows only ``cache_salt``. With keys,
+    the front door sets it from the key's namespace, folding in any salt the client sent, so
+    no tenant can share another's KV by sending its salt, or the default namespace by sending
+    none. Without keys (one tenant), the client's salt is its tenant, else the default one."""
     if fleet.config.engine != "vllm":
         return tenant
+    if not principal.open_namespaces:
+        sent = payload.get("cache_salt")
+        payload["cache_salt"] = json.dumps(
+            ["kvstrata-namespace", tenant, sent if isinstance(sent, str) else None]
+        )
     return tenant_of_body(payload) or DEFAULT_TENANT
 
 
@@ -155,7 +162,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             principal = guard.check(request, {Role.TENANT}, "run completions")
             body, payload = _parse(endpoint, await request.body())
             tenant = _engine_tenant(
-                fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload
+                fleet, principal, guard.namespace(request, principal, body.kvstrata_tenant), payload
             )
             tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
         except ApiError as exc:
@@ -190,7 +197,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
             body, payload = _parse(None, await request.body())
             endpoint = CHAT if isinstance(body, ChatCompletionRequest) else COMPLETIONS
             tenant = _engine_tenant(
-                fleet, guard.namespace(request, principal, body.kvstrata_tenant), payload
+                fleet, principal, guard.namespace(request, principal, body.kvstrata_tenant), payload
             )
             tokens = await asyncio.to_thread(_tokens, fleet, endpoint, body)
             decision = fleet.route("debug", tenant, tokens, body.requested_max_tokens(), False)
