@@ -98,8 +98,11 @@ def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str,
 
 
 def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
+    tokenizer = fleet.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return fleet.tokenizer.encode_chat(body.template_messages())
+        messages = body.template_messages()
+        tokenizer.refuse_if_it_cannot_fit([str(m.get("content", "")) for m in messages], "messages")
+        return tokenizer.encode_chat(messages)
     assert isinstance(body, CompletionRequest)
     prompt = body.prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -107,7 +110,9 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
         if any(not 0 <= t < _TOKEN_ID_LIMIT for t in ids):  # no tokenizer makes these; the
             raise ApiError(400, "token ids must be in [0, 2**32)", param="prompt")  # worker
         return ids  # checks its own vocabulary
-    return fleet.tokenizer.encode_prompt(prompt if isinstance(prompt, str) else str(prompt[0]))
+    text = prompt if isinstance(prompt, str) else str(prompt[0])
+    tokenizer.refuse_if_it_cannot_fit([text], "prompt")
+    return tokenizer.encode_prompt(text)
 
 
 def _engine_tenant(fleet: Fleet, principal: Principal, tenant: str, payload: dict[str, Any]) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstrata.errors import ApiError
+
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
@@ -64,3 +66,19 @@ def cannot_fit(text_bytes: int, context_tokens: int, token_bytes: int) -> bool:
     few characters). Lets a server refuse a prompt far too long for its context before it
     spends seconds tokenizing it."""
     return text_bytes > 2 * context_tokens * token_bytes
+
+
+def refuse_if_it_cannot_fit(
+    texts: Sequence[str], context_tokens: int, token_bytes: int, param: str
+) -> None:
+    """A 400 (``context_length_exceeded``) before tokenizing text far too long for a context
+    window of ``context_tokens`` (megabytes of it would hold a tokenizer thread for seconds);
+    ``cannot_fit`` is the rule."""
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    if cannot_fit(size, context_tokens, token_bytes):
+        raise ApiError(
+            400,
+            f"{size} bytes of text cannot fit the context window of {context_tokens} tokens",
+            code="context_length_exceeded",
+            param=param,
+        )

@@ -218,15 +218,9 @@ class _Service:
     def _refuse_if_it_cannot_fit(self, texts: list[str], param: str) -> None:
         """A 400 before tokenizing text far too long for the context window (megabytes of it
         would hold a tokenizer thread for seconds)."""
-        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
-        context = self.engine.max_model_len
-        if tokenization.cannot_fit(size, context, self._token_bytes):
-            raise ApiError(
-                400,
-                f"{size} bytes of text cannot fit the context window of {context} tokens",
-                code="context_length_exceeded",
-                param=param,
-            )
+        tokenization.refuse_if_it_cannot_fit(
+            texts, self.engine.max_model_len, self._token_bytes, param
+        )
 
     def _check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
