@@ -291,9 +291,8 @@ class EventPlane:
         endpoints, seen by the health round): the stream stays. Its own epoch resync may have
         brought the new epoch's dump already (done), or be on its way (done with it; one held
         back by a failed dump's backoff is asked for now); otherwise the old epoch's entries
-        stop counting and one dump replaces them. Before,
-        the stream was torn down and a second dump fetched, and the worker matched nothing
-        in between."""
+        stop counting and one dump replaces them. Before, the stream was torn down and a
+        second dump fetched, and the worker matched nothing in between."""
         worker_id = info.worker_id
         stream.info = info
         if stream.attaching is not None:  # an earlier attach still waits: finish with it

@@ -20,9 +20,8 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects.tombstone import ObjectRef, Tombstone
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.remote_client import RemoteReplyError, RemoteUnavailable
-from kvstrata.tiers.remote_format import key_of_meta
-from kvstrata.tiers.remote_state import RemoteState
-from kvstrata.tiers.remote_tombstones import erase_objects, meta_names, survey, ttl_ms
+from kvstrata.tiers.remote_state import RemoteState, wrongtype
+from kvstrata.tiers.remote_tombstones import erase_objects, meta_keys, survey, ttl_ms
 
 
 class RemoteDeletion(RemoteState):
@@ -108,7 +107,7 @@ class RemoteDeletion(RemoteState):
             try:
                 found = survey(self._client, self._ns, self._ledger_key, tenant)
             except RemoteReplyError as exc:  # a ledger of the wrong type: repaired, asked again
-                if "WRONGTYPE" not in str(exc):
+                if not wrongtype(exc):
                     raise
                 self._repair()
                 found = survey(self._client, self._ns, self._ledger_key, tenant)
@@ -125,17 +124,10 @@ class RemoteDeletion(RemoteState):
     def scan_keys(self) -> list[BlockKey]:
         """Every committed object in the shared tier (a ``SCAN`` of every primary); keys the
         pattern matches that are no meta key of this tier are skipped (``foreign_keys``)."""
-        out: list[BlockKey] = []
-        foreign = 0
-        for name in meta_names(self._client, self._ns):
-            key = key_of_meta(self._ns, name)
-            if key is None:
-                foreign += 1
-            else:
-                out.append(key)
+        named, foreign = meta_keys(self._client, self._ns)
         with self._lock:
             self.remote_counters.foreign_keys += foreign
-        return out
+        return list(named.values())
 
 
 def _text(value: object) -> str:

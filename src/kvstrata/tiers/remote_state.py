@@ -86,6 +86,11 @@ class RemoteCounters:
         table[key] = table.get(key, 0) + n
 
 
+def wrongtype(exc: RemoteReplyError) -> bool:
+    """Whether the server refused a call for a key of the wrong type (a ledger index)."""
+    return "WRONGTYPE" in str(exc)
+
+
 class RemoteState:
     """What this process knows of the shared tier, and the calls every path shares."""
 
@@ -415,7 +420,7 @@ class RemoteState:
         try:
             reply = LedgerReply.parse(self._run_script(name, args))
         except RemoteReplyError as exc:
-            if "WRONGTYPE" not in str(exc):
+            if not wrongtype(exc):
                 raise
             return None
         return None if reply.status == "wrongtype" else reply

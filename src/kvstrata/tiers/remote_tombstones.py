@@ -88,9 +88,8 @@ end
 # created_at, generation (the ledger version of this store's commit).
 # 1: written, or the whole object of a later commit of the same key is there already (it
 # stands: the same key names the same content, and the generation never goes back); 0: a
-# tombstone covers
-# the object (nothing written): one at or after its creation, or one that cannot be read (see
-# ``TOMB_LUA``), never a script error.
+# tombstone covers the object (nothing written): one at or after its creation, or one that
+# cannot be read (see ``TOMB_LUA``), never a script error.
 WRITE = (
     TOMB_LUA
     + GEN_LUA
@@ -201,13 +200,9 @@ def survey(client: RemoteClient, namespace: str, info_key: str, tenant: str) -> 
             if parent_hex and parent is None:
                 foreign += 1
             refs[key] = ObjectRef(key, parent, tenant)
-    wanted: dict[str, BlockKey] = {}
-    for name in meta_names(client, namespace):
-        key = key_of_meta(namespace, name)
-        if key is None:
-            foreign += 1
-        elif key in refs or key not in known:
-            wanted[name] = key
+    named, skipped = meta_keys(client, namespace)
+    foreign += skipped
+    wanted = {name: key for name, key in named.items() if key in refs or key not in known}
     for key, meta in read_metas(client, wanted).items():
         if meta is not None and meta.tenant == tenant:
             refs[key] = ObjectRef(key, meta.parent, tenant, meta.created_at)
@@ -229,14 +224,22 @@ def read_metas(
     return out
 
 
-def meta_names(client: RemoteClient, namespace: str) -> list[str]:
-    """The name of every key ``meta_pattern`` matches, on every primary (a ``SCAN`` each)."""
+def meta_keys(client: RemoteClient, namespace: str) -> tuple[dict[str, BlockKey], int]:
+    """Every meta key on the server (a ``SCAN`` of each primary) by name, and how many names
+    ``meta_pattern`` matched that are no meta key of the tier (``ns:{backup}:m``)."""
     pattern = meta_pattern(namespace)
-    names: list[str] = []
+    named: dict[str, BlockKey] = {}
+    foreign = 0
     for node in client.nodes():
         found = client.call(node, lambda conn: list(conn.scan_iter(match=pattern, count=1000)))
-        names += [_text(name) for name in found]
-    return names
+        for raw in found:
+            name = _text(raw)
+            key = key_of_meta(namespace, name)
+            if key is None:
+                foreign += 1
+            else:
+                named[name] = key
+    return named, foreign
 
 
 @dataclass
@@ -252,14 +255,8 @@ class MetasOnServer:
 def metas_on_server(client: RemoteClient, namespace: str) -> MetasOnServer:
     """Every object's meta on the server (``MetasOnServer``). I/O; raises
     ``RemoteUnavailable`` when a node fails."""
-    wanted: dict[str, BlockKey] = {}
-    found = MetasOnServer([], [])
-    for name in meta_names(client, namespace):
-        key = key_of_meta(namespace, name)
-        if key is None:
-            found.foreign += 1
-        else:
-            wanted[name] = key
+    wanted, foreign = meta_keys(client, namespace)
+    found = MetasOnServer([], [], foreign)
     for key, meta in read_metas(client, wanted).items():
         if meta is None:
             found.garbage.append(key)

@@ -126,10 +126,9 @@ class RemoteWrites(RemoteState):
         whose entries were lost (``rebuilt``, ``RemoteState._repair``): each meta's object is
         reserved and committed as a store would be, parents first; one refused (no room,
         quota, a tombstone) or whose meta is garbage is deleted, as it would be unaccounted
-        bytes. Another writer may
-        adopt at the same time (then ``exists``). Returns the objects adopted. I/O;
-        ``RemoteUnavailable`` stops it half-way (the rest stays unaccounted until stored
-        again or its server TTL)."""
+        bytes. Another writer may adopt at the same time (then ``exists``). Returns the
+        objects adopted. I/O; ``RemoteUnavailable`` stops it half-way (the rest stays
+        unaccounted until stored again or its server TTL)."""
         found = metas_on_server(self._client, self._ns)
         with self._lock:
             self.remote_counters.foreign_keys += found.foreign
