@@ -13,6 +13,7 @@ from kvstrata.cli import (
     bench_eviction,
     bench_hash,
     bench_index,
+    bench_prefill,
     bench_reuse,
     bench_serving,
     bench_tiers,
@@ -33,6 +34,7 @@ def register(sub: Any) -> None:
     bench_vllm.register(bench_sub)
     bench_serving.register(bench_sub)
     bench_calibrate.register(bench_sub)
+    bench_prefill.register(bench_sub)
     bench_dynamo.register(bench_sub)
     bench_disagg.register(bench_sub)
     bench_all.register(bench_sub)

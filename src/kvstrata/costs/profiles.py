@@ -15,11 +15,19 @@ cannot pin three unknowns, so the ratio b / a is fixed from the architecture and
 
 ``smollm2_cpu_worker`` — the same engine as one fleet worker that owns one core: one torch
 thread pinned to it, as ``kvstrata up --workers 2 --pin-cpus`` runs two workers on two cores
-(the ``reference-cpu`` simulator profile). Same ratio and solution; its timings, measured on
-2026-12-02 on a 2-core Intel Xeon (Sapphire Rapids) with ``OMP_NUM_THREADS=1 taskset -c 0
-kvstrata bench ttft --tokens 2048 --repeat 3``: a fresh 2,048-token prefill 5.17 s and a
-1-token forward over 2,047 cached tokens 0.084 s (the hit that bench times). Other machines
-differ: ``kvstrata bench calibrate`` reports the live fleet's own fit beside it.
+(the ``reference-cpu`` simulator profile). Fitted (:func:`kvstrata.costs.fit`, the fleet's own
+least-squares fit) to ten timings, not to two: measured on 2026-12-05 on a 2-core Intel Xeon
+(Sapphire Rapids) with ``OMP_NUM_THREADS=1 taskset -c 0 kvstrata bench prefill --repeat 3
+--points 16,64,128,256,512,1024,2048,2032+16,1536+512,512+256`` (fresh prefills of 16 to 2,048
+tokens and three forwards after a hit; minimum of 3 each). Until 2026-12-05 it was fitted to
+two timings with b / a fixed from the FLOP counts, as ``smollm2_cpu`` is (81 ms + 1.97 ms per
+token + 0.51 µs per token²): that shape, and a machine running 1.18× faster than on the day
+of those timings, priced a 400-token prompt 1.3× above what the fleet measured (``kvstrata
+bench calibrate``'s ``measured`` fit). The curve's fit (54 ms + 1.52 ms per token + 0.66 µs
+per token²) is within 7 % of every fresh length from 64 to 2,048 tokens. It still
+under-prices a few new tokens after a long hit (16 after 2,032: 0.10 s for 0.15 s measured),
+the paged gather that the three-term model does not have. Other machines differ: ``kvstrata bench calibrate`` reports the live
+fleet's own fit beside it.
 
 ``per_token`` — a base model without its attention term or overhead: every prompt token
 costs the same, so maximising saved seconds maximises saved tokens (what ``bench eviction``
@@ -38,15 +46,26 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Final
 
-from kvstrata.costs.model import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel
+from kvstrata.costs.model import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
 
 SMOLLM2_ATTENTION_TO_LINEAR: Final = (4 * 576 * 30) / (2 * (106_168_320 + 49_152 * 576))
 """b / a from FLOP counts of SmolLM2-135M (see the module docstring): about 2.57e-4."""
 
 _REF_FRESH_TOKENS, _REF_FRESH_S = 2048, 3.9
 _REF_STEP_TOKENS, _REF_STEP_CONTEXT, _REF_STEP_S = 16, 2032, 0.14
-_WORKER_FRESH_TOKENS, _WORKER_FRESH_S = 2048, 5.17
-_WORKER_STEP_TOKENS, _WORKER_STEP_CONTEXT, _WORKER_STEP_S = 1, 2047, 0.084
+SMOLLM2_WORKER_TIMINGS: Final[tuple[tuple[int, int, float], ...]] = (
+    (16, 0, 0.0978),
+    (64, 0, 0.1534),
+    (128, 0, 0.2413),
+    (256, 0, 0.4384),
+    (512, 0, 0.8935),
+    (1024, 0, 1.9862),
+    (2048, 0, 4.5529),
+    (16, 2032, 0.1494),
+    (512, 1536, 1.4213),
+    (256, 512, 0.5334),
+)
+"""``(new_tokens, cached_tokens, seconds)`` of one pinned worker (docstring), 2026-12-05."""
 
 
 def _from_two_timings(
@@ -81,11 +100,7 @@ def smollm2_cpu() -> PrefillModel:
 
 def smollm2_cpu_worker() -> PrefillModel:
     """SmolLM2-135M fp32 as a fleet worker owning one core (see the module docstring)."""
-    return _from_two_timings(
-        "smollm2-cpu-worker",
-        (_WORKER_FRESH_TOKENS, _WORKER_FRESH_S),
-        (_WORKER_STEP_TOKENS, _WORKER_STEP_CONTEXT, _WORKER_STEP_S),
-    )
+    return fit(SMOLLM2_WORKER_TIMINGS, name="smollm2-cpu-worker")
 
 
 DEFAULT_PREFILL_MODEL: Final = smollm2_cpu()

@@ -37,12 +37,13 @@ efficiency assumptions named:
 worker that owns one CPU core (``kvstrata up --workers 2 --pin-cpus`` on the 2-core machine:
 each worker one core, one torch thread), from the measurements in ``kvstrata.costs.profiles``:
 
-* Prefill: ``kvstrata.costs.smollm2_cpu_worker()`` — fitted to ``kvstrata bench ttft``'s fresh
-  2,048-token prefill (5.17 s) and a 1-token forward over 2,047 cached tokens (0.084 s), both
-  pinned to one core, with the attention/linear ratio from the architecture's FLOP counts:
-  81 ms fixed, 1.97 ms per token, 0.51 µs per token². (Until 2026-12-02 this profile used
-  ``smollm2_cpu()``, one engine owning both cores: a 2-worker fleet runs each prefill about
-  3× slower than that, and ``bench calibrate`` found the simulator 0.3× the live fleet.)
+* Prefill: ``kvstrata.costs.smollm2_cpu_worker()`` — the three-term model fitted to ten
+  ``kvstrata bench prefill`` timings of one worker pinned to one core (fresh prefills of 16
+  to 2,048 tokens, three forwards after a hit; 2026-12-05): 54 ms fixed, 1.52 ms per token,
+  0.66 µs per token². (Until 2026-12-02 this profile used ``smollm2_cpu()``, one engine
+  owning both cores: a 2-worker fleet runs each prefill about 3× slower than that, and
+  ``bench calibrate`` found the simulator 0.3× the live fleet; until 2026-12-05 two timings
+  with the FLOP-count ratio, which overpriced short prompts.)
 * Decode step: ``a`` = that fit's fixed cost per forward, ``b`` = one more token in the
   batch = the per-token cost + attention over ~1k context tokens (same fit; the reference
   engine itself does not batch decodes, so this describes a batched engine at its speed).

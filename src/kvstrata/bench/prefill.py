@@ -1,0 +1,90 @@
+"""The reference engine's prefill cost over several (new, cached) points, and its fit.
+
+Each point ``(n, c)`` times one forward that computes ``n`` new tokens after ``c`` cached
+ones and samples one token (a TTFT without queueing). ``c > 0`` points first store the
+``c``-token prefix in the engine's emptied device pool (not timed) and check the timed run matched
+exactly ``c`` tokens; ``c = 0`` points look nothing up. No timed run stores anything, so a
+point never turns the next one into a hit. Every point is timed ``repeats`` times and the
+minimum kept (as :func:`kvstrata.costs.calibrate` does: background load only adds time).
+
+The fitted model is :func:`kvstrata.costs.fit`, the one least-squares fit the fleet's online
+refit and ``bench calibrate`` use, so a profile built from these samples prices a forward
+exactly as a fleet that measured the same timings would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.bench.ttft import synthetic_prompt
+from kvstrata.costs import PrefillModel, fit
+from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.sampling import SamplingParams
+from kvstrata.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class PrefillCurve:
+    model: str
+    repeats: int
+    samples: tuple[tuple[int, int, float], ...]
+    """``(new_tokens, cached_tokens, seconds)``, the minimum over the repeats."""
+    fitted: PrefillModel
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "repeats": self.repeats,
+            "samples": [
+                {"new_tokens": n, "cached_tokens": c, "seconds": s} for n, c, s in self.samples
+            ],
+            "fit": {
+                "overhead_s": self.fitted.overhead_s,
+                "per_token_s": self.fitted.per_token_s,
+                "per_token_ctx_s": self.fitted.per_token_ctx_s,
+                "spread": self.fitted.spread,
+            },
+        }
+
+
+def _forward_s(engine: ReferenceEngine, ids: list[int], cached: int) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    generation = engine.generate(ids, params, lookup=cached > 0, store=False).run()
+    seconds = time.perf_counter() - started
+    matched = sum(generation.record.matched_by_tier.values())
+    if matched != cached:
+        raise InvalidInput(f"expected {cached} cached tokens, the engine matched {matched}")
+    return seconds
+
+
+def run_prefill_curve(
+    engine: ReferenceEngine,
+    points: tuple[tuple[int, int], ...],
+    *,
+    model: str,
+    repeats: int,
+) -> PrefillCurve:
+    """Time every point ``repeats`` times (minimum kept) and fit the three-term model."""
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
+    block = engine.config.block_size
+    for n, c in points:
+        if n < 1 or c < 0 or c % block:
+            raise InvalidInput(
+                f"point ({n}, {c}): need new tokens >= 1 and cached tokens a multiple of {block}"
+            )
+    prompt = synthetic_prompt(engine, max(n + c for n, c in points))
+    warm = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate(prompt[:64], warm, lookup=False, store=False).run()  # first-call costs
+
+    def measure(n: int, c: int) -> float:
+        engine.pool.clear()  # no longer prefix stored for an earlier point may match
+        if c:  # the prefix as a hit (stored, untimed); the same tokens every time
+            engine.generate(prompt[:c], warm, lookup=False, store=True).run()
+        return _forward_s(engine, prompt[: c + n], c)
+
+    samples = tuple((n, c, min(measure(n, c) for _ in range(repeats))) for n, c in points)
+    return PrefillCurve(model, repeats, samples, fit(samples, name=f"{model}-measured"))

@@ -1,0 +1,86 @@
+"""``kvstrata bench prefill``: the reference engine's prefill cost curve and its fitted model.
+
+Run pinned to one core (``OMP_NUM_THREADS=1 taskset -c 0 kvstrata bench prefill``) it
+measures what one ``kvstrata up --pin-cpus`` worker costs: the samples the ``reference-cpu``
+simulator profile is fitted to (:mod:`kvstrata.costs.profiles`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvstrata.cli.output import emit
+from kvstrata.errors import InvalidInput
+
+
+def _points(text: str) -> tuple[tuple[int, int], ...]:
+    """``NEW`` or ``CACHED+NEW`` items → ``(new_tokens, cached_tokens)`` points."""
+    points: list[tuple[int, int]] = []
+    for item in text.split(","):
+        first, sep, second = item.strip().partition("+")
+        try:
+            points.append((int(second), int(first)) if sep else (int(first), 0))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: want NEW (a fresh prefill) or CACHED+NEW (new tokens after a hit)"
+            ) from exc
+    return tuple(points)
+
+
+def register(sub: Any) -> None:
+    from kvstrata.costs import DEFAULT_CALIBRATION_POINTS
+
+    default = ",".join(f"{c}+{n}" if c else str(n) for n, c in DEFAULT_CALIBRATION_POINTS)
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "prefill", help="the reference engine's prefill cost at several lengths, and its fit"
+    )
+    parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model directory")
+    parser.add_argument(
+        "--points",
+        type=_points,
+        default=DEFAULT_CALIBRATION_POINTS,
+        help=f"NEW or CACHED+NEW, comma-separated (default {default})",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="timings per point (minimum kept)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.bench.prefill import run_prefill_curve
+    from kvstrata.engine.engine import EngineConfig
+    from kvstrata.engine.factory import build_engine
+    from kvstrata.engine.model_loader import load_model
+
+    if not args.points:
+        raise InvalidInput("--points: give at least 3 points")
+    longest = max(n + c for n, c in args.points)
+    loaded = load_model(args.model)
+    pool_blocks = 2 * (longest + args.block_size) // args.block_size + 8
+    engine = build_engine(loaded, EngineConfig(block_size=args.block_size, pool_blocks=pool_blocks))
+    try:
+        curve = run_prefill_curve(engine, args.points, model=args.model, repeats=args.repeat)
+    finally:
+        engine.close()
+    data = curve.to_dict()
+    fitted = data["fit"]
+    rows: list[tuple[str, str]] = [
+        (f"{c}+{n}" if c else f"{n}", f"{s:.4f} s  (model {curve.fitted.seconds(n, c):.4f} s)")
+        for n, c, s in curve.samples
+    ]
+    rows += [
+        ("fit overhead", f"{fitted['overhead_s'] * 1e3:.1f} ms"),
+        ("fit per token", f"{fitted['per_token_s'] * 1e3:.3f} ms"),
+        ("fit per token²", f"{fitted['per_token_ctx_s'] * 1e6:.3f} µs"),
+        ("fit spread (RMS log)", f"{fitted['spread']:.3f}"),
+    ]
+    emit(
+        data,
+        as_json=args.json,
+        title=f"kvstrata bench prefill ({args.model}, min of {args.repeat})",
+        columns=("point (cached+new)", "seconds"),
+        rows=rows,
+    )
+    return 0

@@ -1,0 +1,45 @@
+"""``kvstrata bench prefill``: timed points on the real (tiny) engine, and the fit of them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvstrata.bench.prefill import run_prefill_curve
+from kvstrata.cli.bench_prefill import _points
+from kvstrata.cli.main import main
+from kvstrata.costs import fit
+from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.errors import InvalidInput
+
+
+def test_points_parse_fresh_and_after_a_hit() -> None:
+    assert _points("16, 2032+16,512") == ((16, 0), (16, 2032), (512, 0))
+    with pytest.raises(argparse.ArgumentTypeError, match="CACHED\\+NEW"):
+        _points("16,x+3")
+
+
+def test_each_point_is_timed_with_exactly_its_hit(tiny_model: LoadedModel) -> None:
+    engine = ReferenceEngine(tiny_model, EngineConfig(block_size=16, pool_blocks=32))
+    try:
+        points = ((16, 0), (48, 0), (16, 32), (16, 64), (32, 16))
+        curve = run_prefill_curve(engine, points, model="tiny", repeats=2)
+        with pytest.raises(InvalidInput, match="multiple of 16"):
+            run_prefill_curve(engine, ((16, 8),), model="tiny", repeats=1)
+    finally:
+        engine.close()
+    # a stored prefix longer than a later point's would have raised (matched != cached)
+    assert [(n, c) for n, c, _ in curve.samples] == list(points)
+    assert all(s > 0 for *_, s in curve.samples)
+    assert curve.fitted == fit(curve.samples, name="tiny-measured")
+
+
+def test_cli_prints_the_samples_and_the_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "prefill", "--model", "tiny", "--repeat", "1", "--points",
+                 "16,32,16+16", "--json"]) == 0  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert [s["cached_tokens"] for s in data["samples"]] == [0, 0, 16]
+    assert set(data["fit"]) == {"overhead_s", "per_token_s", "per_token_ctx_s", "spread"}
