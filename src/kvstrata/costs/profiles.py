@@ -26,8 +26,8 @@ of those timings, priced a 400-token prompt 1.3× above what the fleet measured 
 bench calibrate``'s ``measured`` fit). The curve's fit (54 ms + 1.52 ms per token + 0.66 µs
 per token²) is within 7 % of every fresh length from 64 to 2,048 tokens. It still
 under-prices a few new tokens after a long hit (16 after 2,032: 0.10 s for 0.15 s measured),
-the paged gather that the three-term model does not have. Other machines differ: ``kvstrata bench calibrate`` reports the live
-fleet's own fit beside it.
+the paged gather that the three-term model does not have. Other machines differ: ``kvstrata
+bench calibrate`` reports the live fleet's own fit beside it.
 
 ``per_token`` — a base model without its attention term or overhead: every prompt token
 costs the same, so maximising saved seconds maximises saved tokens (what ``bench eviction``
