@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.factory import build_engine
@@ -16,7 +17,7 @@ from kvstrata.engine.sampling import SamplingParams
 from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.serve.transfer_receiver import DecodeTransfers
-from kvstrata.serve.transfer_sender import prefill_and_send
+from kvstrata.serve.transfer_sender import _same, prefill_and_send
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SECRET = b"in-process-secret"
@@ -69,6 +70,33 @@ def test_chunked_prefill_streams_every_block_to_its_place(
         sender.stop_loop()
 
 
+def test_a_chunk_ending_inside_the_last_full_block_ships_its_final_content(
+    tiny_model: LoadedModel, decode: tuple[ReferenceEngine, DecodeTransfers]
+) -> None:
+    """24-token chunks over 40 tokens: the first step ends 8 tokens into block 1, the last
+    full block. Block 1 must not be shipped (and committed as a hit) half computed."""
+    engine, receiver = decode
+    scheduler = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24)
+    sender = ReferenceEngine(
+        tiny_model,
+        EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET, scheduler=scheduler),
+    )
+    sender.start_loop()
+    try:
+        prompt = _tokens(40, seed=24)
+        address = (receiver.host, receiver.port)
+        sent = prefill_and_send(sender, prompt, "default", "mid", address, tenant_secret=SECRET)
+        assert sent.outcome == "sent" and sent.blocks == 2, sent
+        status = receiver.wait("mid", 10)
+        assert status is not None and status.committed and status.blocks == 2
+        hit = engine.generate(prompt, GREEDY).run()
+        assert hit.record.matched_tokens == 32
+        fresh = engine.generate(prompt, GREEDY, use_cache=False).run()
+        assert hit.output_ids == fresh.output_ids
+    finally:
+        sender.stop_loop()
+
+
 def test_wrong_secret_is_refused_and_nothing_stored(
     tiny_model: LoadedModel, decode: tuple[ReferenceEngine, DecodeTransfers]
 ) -> None:
@@ -86,3 +114,14 @@ def test_wrong_secret_is_refused_and_nothing_stored(
         assert engine.generate(prompt, GREEDY).run().record.matched_tokens == 0
     finally:
         sender.stop_loop()
+
+
+def test_the_final_check_compares_what_was_shipped_not_the_feeds_latest_copy() -> None:
+    final = torch.zeros(2, 3, 4)  # [blocks, layers, …]
+    shipped = {layer: [final[0, layer].clone(), final[1, layer].clone()] for layer in range(3)}
+    assert _same(shipped, final)
+    shipped[1][1] = shipped[1][1] + 1  # a block shipped before its step had finished it
+    assert not _same(shipped, final)
+    del shipped[2]
+    shipped[1][1] = final[1, 1].clone()
+    assert not _same(shipped, final)  # a layer never shipped

@@ -72,7 +72,7 @@ def test_listener_fires_per_layer_per_step_in_order_and_sees_final_contents(
     assert result.matched_tokens == 0
     assert len(result.keys) == len(prompt) // B
     assert result.committed == len(prompt) // B
-    # a block written over two steps is seen twice; the last sighting is its final content
+    # each block is named once, by the step that completes it, and holds its final content
     for layer in range(layers):
         for block in result.block_ids:
             final = engine.pool.kv[layer, :, :, block]

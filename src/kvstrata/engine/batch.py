@@ -305,9 +305,10 @@ class BatchRunner:
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             n_blocks = math.ceil(stop / block_size)
-            if seq.on_layer is not None:
-                written = tuple(seq.table[start // block_size : n_blocks])
-                listeners.append((_guarded(seq, seq.on_layer), written))
+            if seq.on_layer is not None:  # each block once: when it is full, or at the end
+                named_end = n_blocks if stop == len(seq.tokens) else stop // block_size
+                named = tuple(seq.table[start // block_size : named_end])
+                listeners.append((_guarded(seq, seq.on_layer), named))
             if count == 1:  # one token: batched with every other such sequence
                 decode_rows.append(len(ids) - 1)
                 decode_tables.append(seq.table[:n_blocks])

@@ -248,7 +248,8 @@ class ReferenceEngine(StepLoop):
         ``lookup`` and ``store`` override the two halves separately. Raises ``QueueFull``
         when ``max_waiting`` requests are queued already. ``on_layer(layer, block_ids)`` is
         called on the step thread after each layer of each step of this request has written
-        its K/V (``paged_attention``); ``hold`` receives the blocks of a request that
+        its K/V, naming the blocks that step completed (``paged_attention.LayerListener``);
+        ``hold`` receives the blocks of a request that
         finished normally instead of their release (``prefill`` uses both).
         """
         params = params or SamplingParams()

@@ -47,7 +47,11 @@ PAGED_ATTENTION = "kvstrata_paged"
 BATCH_KWARG = "kvstrata_batch"
 
 LayerListener = Callable[[int, tuple[int, ...]], None]
-"""``on_layer(layer, block_ids)``: layer ``layer`` has written its K/V into ``block_ids``."""
+"""``on_layer(layer, block_ids)``: layer ``layer`` has written its K/V into ``block_ids``,
+the blocks this step filled, in order. A block is named in the step that completes it, never
+while a later step still has rows of it to write (a chunk that ends mid-block names that block
+in the next step), except the sequence's partial last block, named by the step that computes
+its last token: what a listener copies when a block is named is that block's final content."""
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,15 @@ nothing else) and a sender thread ships layer ``l`` of every block (``TransferSe
 soon as it has it, while layers ``l+1…`` compute — the layer-wise overlap. Blocks the prompt
 matched in the pool at admission are exported before the prefill is queued.
 
-Block positions of a listener call: the first step starts at the block of the request's
-``matched_tokens``; each later step starts at the previous step's last block when it names
-the same block again (a chunk that ended mid-block), else just after it. After the prefill,
-every block is read back from the pool (still pinned) and compared with what was sent, layer
-by layer: a preemption or a chunk that ended mid-block would make them differ, and the
-transfer is then cancelled (the decode worker computes locally) rather than finished. The
-blocks are released in every case.
+Block positions of a listener call: the engine names each block once, in the step that
+completes it (``paged_attention.LayerListener``: a chunk that ends mid-block leaves that
+block to the next step), so the first naming step starts at the block of the request's
+``matched_tokens`` and each later one just after the last block named. After the prefill,
+every block is read back from the pool (still pinned) and compared, layer by layer, with the
+very tensors the sender thread shipped (not with the feed's latest copy): anything that made
+them differ — a preemption that recomputed the prompt, a listener contract broken — cancels
+the transfer (the decode worker computes locally) rather than finishing it. The blocks are
+released in every case.
 
 ``overlap`` is the share of the sender's busy time (layer frames on the wire) that passed
 before the prefill finished: what the compute hid.
@@ -87,8 +89,7 @@ class _LayerFeed:
         self.ready: queue.Queue[int] = queue.Queue()
         self._sent_layers = 0
         self._step_first = 0
-        self._prev_last: tuple[int, int] | None = None  # (index, block id) ending last step
-        self._step_last: tuple[int, int] | None = None
+        self._last_index: int | None = None  # the last block index a step named
 
     def preload(self, exported: torch.Tensor) -> None:
         for index in range(min(int(exported.shape[0]), self.blocks)):
@@ -114,15 +115,13 @@ class _LayerFeed:
 
     def _new_step(self, block_ids: tuple[int, ...]) -> None:
         generation = self.handle.generation if self.handle is not None else None
-        if self._step_last is None:
+        if self._last_index is None:
             matched = generation.record.matched_tokens if generation is not None else 0
             self._step_first = matched // self.block_size
         else:
-            last_index, last_id = self._step_last
-            same = bool(block_ids) and block_ids[0] == last_id
-            self._step_first = last_index if same else last_index + 1
+            self._step_first = self._last_index + 1
         if block_ids:
-            self._step_last = (self._step_first + len(block_ids) - 1, block_ids[-1])
+            self._last_index = self._step_first + len(block_ids) - 1
 
     def fill_missing(self, final: torch.Tensor) -> None:
         """After the prefill: blocks no listener call named (matched at admission)."""
@@ -259,7 +258,7 @@ def _run(
         worker.join()
         if worker.error is not None:
             return SendOutcome("failed", reason=str(worker.error)[:200])
-        if not _same(feed, final):
+        if not _same(worker.sent, final):
             sender.cancel()
             return SendOutcome("inconsistent", blocks, worker.payload_bytes)
         sender.finish()
@@ -287,12 +286,15 @@ def _pool_blocks(engine: ReferenceEngine, block_ids: tuple[int, ...]) -> torch.T
     return engine.call(run).result()
 
 
-def _same(feed: _LayerFeed, final: torch.Tensor) -> bool:
-    for layer, row in enumerate(feed.data):
-        for index, sent in enumerate(row):
-            if sent is None or not torch.equal(sent, final[index, layer]):
-                return False
-    return True
+def _same(sent: dict[int, list[torch.Tensor]], final: torch.Tensor) -> bool:
+    """Whether every layer was shipped and every shipped block equals the pool's final one."""
+    layers, blocks = int(final.shape[1]), int(final.shape[0])
+    if sorted(sent) != list(range(layers)):
+        return False
+    return all(
+        len(row) == blocks and all(torch.equal(row[i], final[i, layer]) for i in range(blocks))
+        for layer, row in sent.items()
+    )
 
 
 class _SendThread(threading.Thread):
@@ -303,6 +305,7 @@ class _SendThread(threading.Thread):
         self.sender, self.feed, self.delay_s = sender, feed, delay_s
         self.error: BaseException | None = None
         self.payload_bytes = 0
+        self.sent: dict[int, list[torch.Tensor]] = {}  # layer → the tensors shipped for it
         self.busy: list[tuple[float, float]] = []
         self._stopped = threading.Event()
 
@@ -320,11 +323,12 @@ class _SendThread(threading.Thread):
                 if self.delay_s > 0 and self._stopped.wait(self.delay_s):
                     return
                 began = time.monotonic()
-                row = self.feed.data[layer]
+                row = list(self.feed.data[layer])  # these tensors, whatever the feed does next
                 views = []
                 for tensor in row:
                     assert tensor is not None
                     views.append(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+                self.sent[layer] = [t for t in row if t is not None]
                 self.sender.send_layer(layer, views)
                 self.payload_bytes += sum(v.nbytes for v in views)
                 self.busy.append((began, time.monotonic()))
