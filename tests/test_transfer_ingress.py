@@ -117,3 +117,49 @@ def test_receiver_into_the_store_commits_whole_or_nothing() -> None:
     result = receiver.receive(whole, metas, timeout_s=5)
     assert result.outcome == "committed", result.detail
     assert _visible(store, [m.key for m in metas]) == 2
+
+
+def _transfer_frames(metas: Sequence[KVObjectMeta], payloads: list[bytes]) -> list[bytes]:
+    half = OBJ // 2
+    out = [frames.encode_begin("r", len(metas), 2, half)]
+    for block, payload in enumerate(payloads):
+        for layer in range(2):
+            piece = payload[layer * half : (layer + 1) * half]
+            out.append(bytes(frames.layer_header("r", block, layer, payload_digest(piece))) + piece)
+    out.append(frames.encode_complete("r", [payload_digest(p) for p in payloads]))
+    return out
+
+
+class _DeleteAtComplete(_Scripted):
+    """Delivers the frames; just before COMPLETE, a delete of ``key`` reaches the store."""
+
+    def __init__(self, frames_: list[bytes], store: TieredStore, key: BlockKey) -> None:
+        super().__init__(frames_)
+        self.store, self.key = store, key
+
+    def recv_frame(self, *, timeout_s: float | None = None) -> Buffer:
+        frame = super().recv_frame(timeout_s=timeout_s)
+        if not self.frames:
+            self.store.delete([self.key])
+        return frame
+
+
+def test_a_commit_refused_midway_keeps_what_was_there_and_what_verified() -> None:
+    """Block 0 is in the store before the transfer (the ingress commits it "again" without a
+    write); a delete of block 1 wins at COMPLETE. The transfer fails, and block 0 — which it
+    never wrote — is still there: no unwind may delete another request's block."""
+    clock = FakeClock()
+    store = _store(clock)
+    metas, payloads = _chain(3)
+    ingress = StoreIngress(store)
+    slot = ingress.prepare_store(metas[0])
+    assert slot is not None
+    slot.buffer[:] = payloads[0]
+    assert ingress.complete_store(slot, True)
+    conn = _DeleteAtComplete(_transfer_frames(metas, payloads), store, metas[1].key)
+    result = TransferReceiver(ingress).receive(conn, metas, timeout_s=5)
+    assert result.outcome == "digest_mismatch" and not result.ok
+    assert result.committed == (metas[0].key,)
+    assert _visible(store, [metas[0].key]) == 1
+    assert _visible(store, [m.key for m in metas]) == 1  # the chain stops where the delete won
+    assert store.levels[0].tier.meta(metas[2].key) is None  # aborted, not committed

@@ -1,7 +1,7 @@
 """Receiving a transfer into a ``TieredStore``'s level through the store's own two-phase path.
 
 ``TransferReceiver`` writes into a ``PendingSink`` (``stream.py``): ``prepare_store`` → fill
-the slot's buffer → ``complete_store(ok)``, and ``remove`` to unwind. ``StoreIngress`` is that
+the slot's buffer → ``complete_store(ok)``. ``StoreIngress`` is that
 sink over one level of a ``TieredStore`` (the first: the host tier), so the store stays the
 single owner of its bookkeeping: a reservation is the store's admission (quotas, eviction,
 demotion, tombstones, a delete in flight wins), the commit is the store's registration (the
@@ -14,7 +14,6 @@ slot whose completion reports success without touching the store (the block is t
 
 from __future__ import annotations
 
-from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.tiered import TieredStore
 from kvstrata.tiers.base import StoreSlot
@@ -43,7 +42,3 @@ class StoreIngress:
         if slot.token is _PRESENT:
             return success
         return self.store.complete_external(self.level, slot, success)
-
-    def remove(self, key: BlockKey) -> bool:
-        """Unwind one committed block of a transfer that failed at a later commit."""
-        return self.store.delete([key]) > 0

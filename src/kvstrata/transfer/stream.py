@@ -75,8 +75,6 @@ class PendingSink(Protocol):
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool: ...
 
-    def remove(self, key: BlockKey) -> bool: ...
-
 
 class TransferSender:
     """Sends one request's KV, layer by layer, over one connection (one thread drives it)."""
@@ -426,6 +424,11 @@ class _Session:
         return [payload_digest(slot.buffer) for slot in self.pending]
 
     def _commit_all(self, digests: list[bytes]) -> None:
+        """Commit parents first. A commit the tier refuses ends the transfer there: what
+        committed before it stays (each block verified, and a prefix of a chain is a valid
+        cache entry), the rest is aborted. Nothing is taken back: a key the sink held before
+        the transfer committed "again" without a write, and removing it would delete a block
+        this transfer never wrote."""
         for slot, digest in zip(self.pending, digests, strict=True):
             slot.meta = replace(slot.meta, digest=digest)
             slot.written_digest = digest  # verified over the slot's bytes (``_on_complete``)
@@ -435,19 +438,11 @@ class _Session:
                 ok = self.owner.tier.complete_store(slot, True)
             except TierError as exc:
                 self.pending.pop(0)
-                self._unwind()
                 raise _End("refused", f"tier failed at commit: {exc}") from exc
             self.pending.pop(0)
             if not ok:
-                self._unwind()
                 raise _End("digest_mismatch", "tier rejected a verified block at commit")
             self.committed.append(slot.meta.key)
-
-    def _unwind(self) -> None:
-        """A commit failed midway: drop what committed so the transfer is all or nothing."""
-        for key in self.committed:
-            self.owner.tier.remove(key)
-        self.committed.clear()
 
     def abort(self) -> None:
         for slot in self.pending:
