@@ -25,11 +25,23 @@ from kvstrata.connectors.vllm_identity import (
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
-from kvstrata.connectors.vllm_plan import RequestLoad, ScheduledRequest, SchedulerPlanner
+from kvstrata.connectors.vllm_plan import (
+    BlockSave,
+    RequestLoad,
+    RequestSave,
+    ScheduledRequest,
+    SchedulerPlanner,
+)
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
-from kvstrata.identity import ModelFacts, ModelFingerprint, ReuseDisabled, ReuseDisabledReason
+from kvstrata.identity import (
+    BlockKey,
+    ModelFacts,
+    ModelFingerprint,
+    ReuseDisabled,
+    ReuseDisabledReason,
+)
 from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.runtime.valkey_server import ValkeyServer
@@ -205,12 +217,17 @@ def _reason() -> ReuseDisabledReason:
 
 # ---- worker over a real store ----------------------------------------------------------------
 def _worker(
-    tmp_path: Path, layers: dict[str, torch.Tensor], *, record_events: bool = False, **extra: object
+    tmp_path: Path,
+    layers: dict[str, torch.Tensor],
+    *,
+    record_events: bool = False,
+    num_blocks: int = BLOCKS,
+    **extra: object,
 ) -> ConnectorWorker:
     settings = connector_config(
         {"disk_dir": str(tmp_path / "disk"), "disk_gib": 0.01, "durable": False, **extra}
     )
-    codec = BlockCodec(layers, BLOCKS, BS)
+    codec = BlockCodec(layers, num_blocks, BS)
     audit = connector_audit(settings).start()
     store = build_store(
         codec.block_bytes, settings, CollectorRegistry(), record_events=record_events, audit=audit
@@ -317,6 +334,63 @@ def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None
         "vllm-connector",
     )
     assert line["objects"] == [key.hex()]
+
+
+def test_nothing_computed_on_a_failed_load_is_saved(tmp_path: Path) -> None:
+    """Request c loads 3 blocks (block 1 tampered: 1 and 2 fail) and computes 3 more in the
+    same step, attending to what the failed loads left in vLLM's cache. None of those may be
+    saved: vLLM rewinds c to block 1, recomputes, and the re-save is what a later request
+    loads — never the KV computed on garbage."""
+    blocks = 10
+    layers = {
+        f"l{i}": torch.randn(
+            blocks, HEADS, BS, 2 * HEAD, generator=torch.Generator().manual_seed(i)
+        ).to(torch.bfloat16)
+        for i in range(2)
+    }
+    worker = _worker(tmp_path, layers, num_blocks=blocks)
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    a = list(range(1, 3 * BS + 2))
+    planner.matched_tokens("a", a, None, 0)
+    planner.after_alloc("a", [0, 1, 2, 3], 0)
+    worker.save(planner.build([ScheduledRequest("a", [0, 1, 2, 3], True, 0, len(a))]).saves)
+    key1 = planner.request_keys(a, None, 2)[1][1]
+    (victim,) = [f for f in (tmp_path / "disk" / "objects").rglob("*.kv") if f.stem == key1.hex()]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    c = a[: 3 * BS] + list(range(500, 500 + 3 * BS)) + [7]
+    assert planner.matched_tokens("c", c, None, 0) == 3 * BS
+    ids = [4, 5, 6, 7, 8, 9, 0]
+    planner.after_alloc("c", ids, 3 * BS)
+    plan = planner.build([ScheduledRequest("c", ids, True, 3 * BS, len(c) - 3 * BS)])
+    failed = worker.load(plan.loads)
+    assert failed == {5, 6}
+    for t in layers.values():
+        t[7:10] = 99.0  # this step's blocks 3…5, computed over the garbage in 5 and 6
+    worker.save(plan.saves, skip=failed)  # what wait_for_save does after the forward
+    c_keys = planner.request_keys(c, None, 6)[1]
+    assert not any(worker.holds(BlockKey(k)) for k in c_keys[3:])
+    assert worker.stats.save_skipped_failed_load == 5  # ids 5…9; id 4 loaded fine (held)
+    for t in layers.values():  # vLLM rewinds c to block 1 and recomputes 1…5
+        t[5:10] = 1.0
+    worker.save(planner.build([ScheduledRequest("c", [], False, BS, len(c) - BS)]).saves)
+    assert all(worker.holds(BlockKey(k)) for k in c_keys)
+    assert planner.matched_tokens("e", c, None, 0) == 6 * BS
+    targets = [1, 2, 3, 4, 5, 6, 0]
+    planner.after_alloc("e", targets, 6 * BS)
+    eplan = planner.build([ScheduledRequest("e", targets, True, 6 * BS, 1)])
+    assert worker.load(eplan.loads) == set()
+    for t in layers.values():
+        assert torch.all(t[2:7] == 1.0)  # positions 1…5: the recomputed KV
+    # A request whose load failed but whose planned saves begin after its loads saves none;
+    # another request with the same blocks planned is unaffected.
+    other = planner.request_keys(list(range(900, 900 + 2 * BS)), None, 2)[1]
+    planned = tuple(BlockSave(8 + i, k, None, i * BS, ()) for i, k in enumerate(other))
+    saves = [RequestSave("x", "t", planned), RequestSave("y", "t", planned)]
+    chosen = worker.select_saves(saves, skip={5}, tainted={"x"})
+    assert [len(r.blocks) for r in chosen] == [0, 2]
+    worker.close()
 
 
 def test_worker_publishes_kvstrata_events_with_the_tier_as_medium(tmp_path: Path) -> None:

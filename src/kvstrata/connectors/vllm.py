@@ -244,11 +244,15 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is None:
             self._saver.submit(plan.saves)  # tracked only: reported finished at once
             return
+        tainted: set[str] = set()
         if self._load is not None:
-            self._failed |= self._worker.finish_load(self._load)
+            failed = self._worker.finish_load(self._load)
+            tainted = {load.req_id for load in self._load.loads if failed & set(load.block_ids)}
+            self._failed |= failed
             self._last_load, self._load = self._load, None
-        if plan.saves:
-            self._saver.submit(self._worker.select_saves(plan.saves, skip=self._failed))
+        if plan.saves:  # nothing computed on a failed load is saved (``select_saves``)
+            chosen = self._worker.select_saves(plan.saves, skip=self._failed, tainted=tainted)
+            self._saver.submit(chosen)
         self._copy_saver_counts()
         self._worker.end_step()
 

@@ -31,6 +31,7 @@ _HELP = {
     "save_dropped": "KV blocks not saved: the saver's queue was full",
     "save_rejected": "KV blocks the store refused (quota, space) or failed to store",
     "save_skipped_present": "KV blocks not saved again: kvstrata already held them",
+    "save_skipped_failed_load": "KV blocks not saved: computed on a block whose load failed",
     "lookups": "scheduler lookups answered by the worker's store",
     "pd_offers_sent": "kv_producer: kvstrata offers returned in kv_transfer_params",
     "pd_offers_accepted": "kv_consumer: producer offers the handshake accepted",

@@ -114,6 +114,7 @@ class ConnectorStats:
     blocks_saved: int = 0
     bytes_saved: int = 0
     save_skipped_present: int = 0
+    save_skipped_failed_load: int = 0  # computed on a block whose load failed: never saved
     save_rejected: int = 0
     save_dropped: int = 0  # beyond the saver's queue bound: not saved (only reuse is lost)
     save_failed: int = 0  # background save jobs that raised
@@ -261,26 +262,40 @@ class ConnectorWorker:
 
     # ---- saves: chosen on the step thread, written by the saver thread ----------------------
     def select_saves(
-        self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
+        self,
+        saves: Sequence[RequestSave],
+        skip: set[int] | frozenset[int] = frozenset(),
+        tainted: set[str] | frozenset[str] = frozenset(),
     ) -> list[RequestSave]:
-        """The blocks worth saving (bookkeeping only: no bytes move here)."""
+        """The blocks worth saving (bookkeeping only: no bytes move here).
+
+        ``skip``: block ids whose load failed. A request's blocks from the first of them on
+        are not saved: the step computed the later ones attending to what the failed load
+        left in vLLM's cache (vLLM rewinds the request there and plans them again).
+        ``tainted``: requests whose load failed this step although none of their planned
+        saves is a failed block (their saves begin after their loads): none is saved."""
         chosen = []
-        skipped = 0
+        skipped = dropped = 0
         for request in saves:
             todo = []
-            for block in request.blocks:
-                if block.block_id in skip:
-                    continue
+            failed_here = any(block.block_id in skip for block in request.blocks)
+            drop_all = request.req_id in tainted and not failed_here
+            for index, block in enumerate(request.blocks):
+                if drop_all or block.block_id in skip:
+                    dropped += len(request.blocks) - index  # this one and all computed on it
+                    break
                 if block.key in self._suspect:
                     self._suspect.discard(block.key)
                     self.store.delete([BlockKey(block.key)])  # e.g. bytes not yet read
                 elif self.holds(BlockKey(block.key)):
                     continue
                 todo.append(block)
-            skipped += len(request.blocks) - len(todo)
             chosen.append(RequestSave(request.req_id, request.tenant, tuple(todo)))
-        if skipped:
-            self._count(save_skipped_present=skipped)
+            skipped += len(request.blocks) - len(todo)
+        if skipped - dropped:
+            self._count(save_skipped_present=skipped - dropped)
+        if dropped:
+            self._count(save_skipped_failed_load=dropped)
         return chosen
 
     def save_request(self, request: RequestSave) -> None:
@@ -295,10 +310,13 @@ class ConnectorWorker:
         self._count(save_seconds=time.perf_counter() - started)
 
     def save(
-        self, saves: Sequence[RequestSave], skip: set[int] | frozenset[int] = frozenset()
+        self,
+        saves: Sequence[RequestSave],
+        skip: set[int] | frozenset[int] = frozenset(),
+        tainted: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         """Select and write now, on the calling thread."""
-        for request in self.select_saves(saves, skip):
+        for request in self.select_saves(saves, skip, tainted):
             self.save_request(request)
 
     def _put(self, tenant: str, block: BlockSave, row: np.ndarray) -> None:
