@@ -66,7 +66,11 @@ class StepLoop:
         with self._wake:
             self._calls.append((fn, future))
             self._wake.notify()
-        if not self.loop_running:
+            # A stopping loop may have drained its calls for the last time already: run it
+            # here, after the loop's last step (or on the loop thread itself: the lock is
+            # reentrant), rather than queue it where nothing will ever run it.
+            inline = self._loop is None or self._stopping
+        if inline:
             with self._step_lock:
                 self._run_calls()
         return future
