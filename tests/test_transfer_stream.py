@@ -33,7 +33,7 @@ from kvstrata.tiers.base import TierError
 from kvstrata.tiers.host import HostTier
 from kvstrata.transfer import frames
 from kvstrata.transfer.nixl_transport import available as nixl_missing
-from kvstrata.transfer.stream import TransferReceiver, TransferResult, TransferSender
+from kvstrata.transfer.stream import Conversion, TransferReceiver, TransferResult, TransferSender
 from kvstrata.transfer.tcp import TcpConnection, TcpTransport, raw_socket_gbps
 from kvstrata.transfer.transport import Listener, Transport
 from transfer_sender import payload
@@ -408,13 +408,46 @@ def test_conversion_hook_runs_after_verification(tier: HostTier) -> None:
     sender.send_layer(0, [source[: BLOCK_BYTES // 2]])
     sender.send_layer(1, [source[BLOCK_BYTES // 2 :]])
     sender.finish()
-    result = TransferReceiver(tier, convert=convert).receive(receiver_conn, metas(1), timeout_s=10)
+    conversion = Conversion(convert, 1, BLOCK_BYTES)
+    result = TransferReceiver(tier, convert=conversion).receive(
+        receiver_conn, metas(1), timeout_s=10
+    )
     sender_conn.close()
     receiver_conn.close()
     assert result.ok and seen == [1]
     lease = tier.prepare_load(metas(1)[0].key)
     assert lease is not None and bytes(lease.buffer) == source[::-1]
     tier.complete_load(lease)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "layers", "layer_bytes", "detail"),
+    [
+        (4096, 1024, 64, "the handshake agreed 1 of"),  # staging sized by the sender: refused
+        (1, 1, 3, "conversion failed"),  # agreed sizes, bytes the converter cannot take
+    ],
+)
+def test_a_conversion_takes_only_what_the_handshake_agreed_and_never_raises(
+    tier: HostTier, blocks: int, layers: int, layer_bytes: int, detail: str
+) -> None:
+    def convert(sources: Sequence[bytes]) -> list[bytes]:
+        return [bytes(memoryview(bytearray(src)).cast("f")) for src in sources]  # 4-byte items
+
+    agreed = Conversion(convert, 1, 3 if layer_bytes == 3 else BLOCK_BYTES)
+    raw = [_framed(frames.encode_begin("r", blocks, layers, layer_bytes))]
+    if layer_bytes == 3:
+        piece = b"abc"
+        raw.append(_framed(frames.layer_header("r", 0, 0, payload_digest(piece)) + piece))
+        raw.append(_framed(frames.encode_complete("r", [payload_digest(piece)])))
+    a, b = socket.socketpair()
+    sender_conn, receiver_conn = TcpConnection(a), TcpConnection(b)
+    for frame in raw:
+        a.sendall(frame)
+    result = TransferReceiver(tier, convert=agreed).receive(receiver_conn, metas(1), timeout_s=5)
+    sender_conn.close()
+    receiver_conn.close()
+    assert result.outcome == "refused" and detail in result.detail, result.detail
+    assert_nothing_visible(tier)
 
 
 def test_streamed_block_digest_is_payload_digest() -> None:

@@ -35,7 +35,7 @@ import torch
 
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.transfer_io import pool_layout
-from kvstrata.errors import ConfigError, KvstrataError
+from kvstrata.errors import ConfigError
 from kvstrata.identity import ModelFingerprint
 from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
@@ -60,7 +60,7 @@ from kvstrata.transfer.handshake import (
 from kvstrata.transfer.ingress import StoreIngress
 from kvstrata.transfer.intro import TransferIntro, decode_intro, intro_authentic
 from kvstrata.transfer.layout import ConversionPlan, RefuseReason, plan_conversion
-from kvstrata.transfer.stream import Converter, TransferReceiver
+from kvstrata.transfer.stream import Conversion, Converter, TransferReceiver
 from kvstrata.transfer.transport import (
     Buffer,
     Connection,
@@ -248,7 +248,7 @@ class DecodeTransfers:
         started: list[str] = []  # the request id, once the intro named it
         try:
             self._serve_one(conn, started)
-        except (KvstrataError, OSError) as exc:
+        except Exception as exc:  # a connection's failure is its own, never the worker's
             logger.exception("transfer connection failed")
             if started:
                 self._finish(TransferStatus(started[0], "failed", 0, 0, 0.0, detail=str(exc)))
@@ -282,7 +282,7 @@ class DecodeTransfers:
             self._ingress,
             metrics=self.metrics,
             audit=self.audit,
-            convert=None if plan.identity else self._converter(plan),
+            convert=None if plan.identity else self._conversion(plan, len(offer.blocks)),
         )
         result = receiver.receive(
             conn, metas, timeout_s=self.receive_timeout_s, request_id=intro.request_id
@@ -339,6 +339,9 @@ class DecodeTransfers:
             parent = keys[i - 1] if i else None
             metas.append(engine.bridge.bridge.make_meta(key, parent, info, memoryview(b"")))
         return metas
+
+    def _conversion(self, plan: ConversionPlan, source_blocks: int) -> Conversion:
+        return Conversion(self._converter(plan), source_blocks, plan.source.block_bytes())
 
     def _converter(self, plan: ConversionPlan) -> Converter:
         source_shape = plan.source.block_shape()

@@ -54,6 +54,20 @@ from kvstrata.transfer.transport import (
 
 _T = TypeVar("_T")
 Converter = Callable[[Sequence[bytes]], Sequence[Buffer]]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """How a transfer in the sender's layout becomes this receiver's blocks: ``convert`` maps
+    the verified source blocks to target payloads; the sender must announce exactly
+    ``source_blocks`` blocks of ``source_block_bytes`` each (what the handshake agreed), so
+    nothing it claims in BEGIN sizes the receiver's staging."""
+
+    convert: Converter
+    source_blocks: int
+    source_block_bytes: int
+
+
 DEFAULT_RUN_BYTES = 512 * 1024
 """A RUN's bytes at most: one layer of many blocks per frame, not one per block — per-frame
 costs (headers, a syscall, a Python round) dominated small slices — and no more than stays in
@@ -183,7 +197,7 @@ class TransferReceiver:
         *,
         metrics: TransferMetrics | None = None,
         audit: AuditLog = NULL_AUDIT,
-        convert: Converter | None = None,
+        convert: Conversion | None = None,
         poll_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -319,11 +333,21 @@ class _Session:
         if self.begin is not None:
             raise _End("refused", "second BEGIN")
         source_size = begin.layers * begin.layer_bytes
-        if self.owner.convert is None:
+        conversion = self.owner.convert
+        if conversion is None:
             if begin.blocks != len(self.metas):
                 raise _End("refused", f"{begin.blocks} blocks announced, {len(self.metas)} asked")
             if any(m.size != source_size for m in self.metas):
                 raise _End("refused", f"block of {source_size} bytes does not match the metas")
+        elif (begin.blocks, source_size) != (
+            conversion.source_blocks,
+            conversion.source_block_bytes,
+        ):
+            raise _End(
+                "refused",
+                f"{begin.blocks} blocks of {source_size} bytes announced, the handshake agreed "
+                f"{conversion.source_blocks} of {conversion.source_block_bytes}",
+            )
         self.begin = begin
         self.seen = [bytearray(begin.blocks) for _ in range(begin.layers)]
         self.hashers = [payload_hasher() for _ in range(begin.blocks)]
@@ -410,9 +434,12 @@ class _Session:
         self._commit_all(digests)
 
     def _store_converted(self) -> list[bytes]:
-        convert = self.owner.convert
-        assert convert is not None
-        targets = convert([bytes(b) for b in self.staged])
+        conversion = self.owner.convert
+        assert conversion is not None
+        try:
+            targets = conversion.convert([bytes(b) for b in self.staged])
+        except Exception as exc:  # the sender's bytes in a shape the converter cannot take
+            raise _End("refused", f"conversion failed: {exc}"[:300]) from exc
         if len(targets) != len(self.metas):
             raise _End("refused", f"conversion gave {len(targets)} of {len(self.metas)} blocks")
         for meta, data in zip(self.metas, targets, strict=True):
