@@ -4,6 +4,7 @@ engine hits exactly what it received."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import numpy as np
@@ -16,8 +17,10 @@ from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.scheduler import SchedulerConfig
+from kvstrata.serve import transfer_receiver
 from kvstrata.serve.transfer_receiver import DecodeTransfers
 from kvstrata.serve.transfer_sender import _same, prefill_and_send
+from kvstrata.transfer.tcp import GREETING
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SECRET = b"in-process-secret"
@@ -125,3 +128,25 @@ def test_the_final_check_compares_what_was_shipped_not_the_feeds_latest_copy() -
     del shipped[2]
     shipped[1][1] = final[1, 1].clone()
     assert not _same(shipped, final)  # a layer never shipped
+
+
+def test_connections_beyond_the_cap_are_closed_at_accept(
+    decode: tuple[ReferenceEngine, DecodeTransfers], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peers that connect and say nothing hold a thread each until their handshake times
+    out: beyond ``MAX_CONNECTIONS`` the receiver closes a new connection at once."""
+    _, receiver = decode
+    monkeypatch.setattr(transfer_receiver, "MAX_CONNECTIONS", 2)
+    peers = [socket.create_connection((receiver.host, receiver.port)) for _ in range(3)]
+    try:
+        for peer in peers:
+            peer.settimeout(5)
+            assert peer.recv(len(GREETING), socket.MSG_WAITALL) == GREETING
+        assert peers[2].recv(1) == b""  # closed by the receiver
+        for peer in peers[:2]:  # still waiting for their intro
+            peer.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                peer.recv(1)
+    finally:
+        for peer in peers:
+            peer.close()

@@ -80,6 +80,22 @@ def test_a_reuse_bug_would_be_caught(engine: ReferenceEngine) -> None:
     assert diff > 1e-2
 
 
+def test_verify_reports_the_whole_difference_from_a_truly_fresh_run(
+    engine: ReferenceEngine,
+) -> None:
+    """``verify_tokens``'s reference must read no cached block: a reference that stores would
+    adopt the corrupted block at publication and carry it into its own later steps, hiding
+    part of the difference (the command would under-report)."""
+    prompt = tokens(64, seed=7)
+    engine.generate(prompt, SamplingParams(max_tokens=1)).run()
+    held = engine.pool.lookup_prefix(engine.block_keys(prompt)[:3])
+    engine.pool.kv[:, :, :, held[1]] += 1.0
+    matched, reported, _ = verify_tokens(engine, prompt, tenant="default", max_tokens=32)
+    _, _, whole, _ = fresh_and_cached(engine, prompt)  # use_cache=False against the same pool
+    assert matched == 63
+    assert reported == pytest.approx(whole, rel=1e-6) and whole > 1e-2
+
+
 def test_sampled_decoding_with_a_seed_matches_fresh(engine: ReferenceEngine) -> None:
     prompt = tokens(90, seed=3)
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=11)

@@ -35,7 +35,7 @@ from kvstrata.transfer import frames
 from kvstrata.transfer.nixl_transport import available as nixl_missing
 from kvstrata.transfer.stream import Conversion, TransferReceiver, TransferResult, TransferSender
 from kvstrata.transfer.tcp import TcpConnection, TcpTransport, raw_socket_gbps
-from kvstrata.transfer.transport import Listener, Transport
+from kvstrata.transfer.transport import Listener, Transport, TransportTimeout
 from transfer_sender import payload
 
 HERE = Path(__file__).parent
@@ -303,6 +303,28 @@ def test_oversized_and_truncated_frames(tier: HostTier, extra: int, cut: int) ->
     assert_nothing_visible(tier)
 
 
+def test_an_announced_frame_costs_only_the_bytes_that_came() -> None:
+    """A 4-byte header announcing 6 MiB and 10 bytes behind it: the receiver holds about
+    1 MiB, not 6 (a peer before any authentication could otherwise make each connection
+    allocate ``max_frame``); the frame still arrives whole, resumed across timeouts."""
+    a, b = socket.socketpair()
+    receiver = TcpConnection(b, max_frame=8 << 20)
+    body = os.urandom(6 << 20)
+    a.sendall(struct.pack(">I", len(body)) + body[:10])
+    with pytest.raises(TransportTimeout):
+        receiver.recv_frame(timeout_s=0.2)
+    assert len(receiver._buffer) <= 1 << 20
+    sender = threading.Thread(target=a.sendall, args=(body[10:],))
+    sender.start()
+    got = bytes(receiver.recv_frame(timeout_s=10))
+    sender.join()
+    assert got == body and len(receiver._buffer) == len(body)
+    a.sendall(struct.pack(">I", 3) + b"abc")  # a smaller frame reuses the grown buffer
+    assert bytes(receiver.recv_frame(timeout_s=5)) == b"abc"
+    a.close()
+    receiver.close()
+
+
 def test_a_layer_goes_as_runs_of_blocks_within_the_frame_limit(tier: HostTier) -> None:
     """A layer goes as RUN frames of consecutive blocks, each followed by its bytes as a frame
     of their own, never past ``max_frame``; a spoilt byte in a run is caught by the block's
@@ -340,6 +362,36 @@ def test_a_layer_goes_as_runs_of_blocks_within_the_frame_limit(tier: HostTier) -
     result = _receive_raw(tier, short, max_frame=1 << 16, blocks=BLOCKS)
     assert result.outcome == "refused" and "expected" in result.detail
     assert_nothing_visible(tier)
+
+
+def test_a_slice_larger_than_a_run_goes_alone_and_commits(tier: HostTier) -> None:
+    """Large blocks: one layer slice over ``run_bytes`` (but within the frame limit) is a RUN
+    of its own, not an error that fails every transfer."""
+    sent: list[bytes] = []
+
+    class Recording:
+        path, max_frame = "tcp", 1 << 20
+
+        def send_frame(self, *parts: object, timeout_s: float | None = None) -> None:
+            sent.append(b"".join(bytes(memoryview(p)) for p in parts))  # type: ignore[arg-type]
+
+    sender = TransferSender(
+        Recording(),  # type: ignore[arg-type]
+        "r",
+        blocks=BLOCKS,
+        layers=LAYERS,
+        layer_bytes=LAYER_BYTES,
+        run_bytes=LAYER_BYTES // 2,
+    )
+    for layer in range(LAYERS):
+        sender.send_layer(layer, [payload(5, b, layer, LAYER_BYTES) for b in range(BLOCKS)])
+    sender.finish()
+    runs = [frames.decode(f) for f in sent[1:-1:2]]
+    assert [(r.first, r.count) for r in runs if isinstance(r, frames.Run)] == [
+        (b, 1) for b in range(BLOCKS)
+    ] * LAYERS
+    result = _receive_raw(tier, [_framed(f) for f in sent], max_frame=1 << 20, blocks=BLOCKS)
+    assert result.ok and len(result.committed) == BLOCKS
 
 
 def test_layers_frames_with_a_spoilt_slice_are_refused_at_that_slice(tier: HostTier) -> None:

@@ -58,10 +58,19 @@ def test_the_queue_is_bounded_and_close_drains_it() -> None:
     saved: list[str] = []
     saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=3)  # not started
     saver.submit([_save("a", 2), _save("b", 2), _save("c", 1)])
-    assert saver.dropped_blocks == 2 and saver.queued_blocks == 3
-    assert saver.take_finished({"b"}) == {"b"}  # dropped: nothing pins its blocks any more
+    assert saver.dropped_blocks == 2 and saver.queued_blocks == 3  # b's first block fits
+    assert saver.take_finished({"c"}) == {"c"}  # dropped: nothing pins its blocks any more
     saver.close()
-    assert saved == ["a", "c"] and saver.idle()
+    assert saved == ["a", "b"] and saver.idle()
+
+
+def test_a_job_larger_than_the_queue_saves_its_first_blocks() -> None:
+    saved: list[tuple[str, int]] = []
+    saver = BackgroundSaver(lambda r: saved.append((r.req_id, len(r.blocks))), max_blocks=2)
+    saver.submit([_save("big", 3)])
+    assert saver.dropped_blocks == 1 and saver.queued_blocks == 2
+    saver.close()
+    assert saved == [("big", 2)]
 
 
 def test_preempted_requests_are_saved_before_their_blocks_go() -> None:

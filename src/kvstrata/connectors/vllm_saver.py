@@ -111,7 +111,9 @@ class BackgroundSaver:
 
     # ---- step thread ------------------------------------------------------------------------
     def submit(self, requests: Iterable[RequestSave]) -> None:
-        """Queue the step's saves (never blocks on the saver)."""
+        """Queue the step's saves (never blocks on the saver). Beyond ``max_blocks`` queued, a
+        request's first blocks that fit are queued (a prefix of its chain is reusable) and the
+        rest dropped (counted; only reuse is lost)."""
         with self._lock:
             for request in requests:
                 if request.req_id in self._gone:
@@ -120,10 +122,14 @@ class BackgroundSaver:
                 self._tracked.add(request.req_id)
                 if not request.blocks:
                     continue
-                job = SaveJob(request)
-                if self._queued_blocks + job.blocks > self.max_blocks:
-                    self.dropped_blocks += job.blocks
+                room = self.max_blocks - self._queued_blocks
+                if room <= 0:
+                    self.dropped_blocks += len(request.blocks)
                     continue
+                if len(request.blocks) > room:  # the chain's first blocks: still a prefix
+                    self.dropped_blocks += len(request.blocks) - room
+                    request = RequestSave(request.req_id, request.tenant, request.blocks[:room])
+                job = SaveJob(request)
                 self._queue.append(job)
                 self._queued_blocks += job.blocks
                 self._pending[request.req_id] = self._pending.get(request.req_id, 0) + 1

@@ -158,6 +158,7 @@ class ReferenceEngine(StepLoop):
         wire(pool=self.pool, store=store, demotion=self.bridge, emitter=events)
         self.eos_token_ids = self._eos_ids()
         self._roots: OrderedDict[str, NamespaceRoot] = OrderedDict()
+        self._roots_lock = threading.Lock()  # ``generate`` runs on any thread
         self.batch = BatchRunner(
             model=self.model,
             pool=self.pool,
@@ -357,15 +358,17 @@ class ReferenceEngine(StepLoop):
     def _root(self, tenant: str) -> NamespaceRoot | None:
         if isinstance(self.fingerprint, ReuseDisabled):
             return None
-        root = self._roots.get(tenant)
-        if root is None:
-            namespace = TenantNamespace.for_tenant(tenant, self.config.tenant_secret)
-            root = namespace_root(self.fingerprint.digest(), namespace)
+        with self._roots_lock:
+            root = self._roots.get(tenant)
+            if root is not None:
+                self._roots.move_to_end(tenant)
+                return root
+        namespace = TenantNamespace.for_tenant(tenant, self.config.tenant_secret)
+        root = namespace_root(self.fingerprint.digest(), namespace)
+        with self._roots_lock:
             self._roots[tenant] = root
             if len(self._roots) > _MAX_CACHED_ROOTS:  # tenant names come from clients
                 self._roots.popitem(last=False)
-        else:
-            self._roots.move_to_end(tenant)
         return root
 
     def _is_stop(self, token: int, params: SamplingParams) -> bool:

@@ -1,14 +1,17 @@
 """Exactness verification: does cached prefill reproduce a fresh prefill on *this* model?
 
-For operators who must know before turning caching on. Each prompt runs twice on the same
-engine: first a fresh prefill (no lookup; its blocks are stored), then a run that reuses the
-longest cached prefix. Both decode greedily; we compare the logits of every step and the
-greedy tokens.
+For operators who must know before turning caching on. Each prompt runs on the same engine:
+first a fresh reference (no lookup and no store: a run that stores would adopt a block the
+pool already holds under its key at publication, and read that from then on — not fresh), then
+the same run again storing its blocks (computed fresh; a block already held stays the held
+one), then a run that reuses the longest cached prefix. Reference and cached run
+decode greedily; we compare the logits of every step and the greedy tokens.
 
 With ``concurrency`` N > 1 the fresh reference of every prompt still runs alone, and then the
-prompts are replayed N at a time in shared engine steps, each as a fresh run and a cached run
-side by side: mixed batches of cached and uncached sequences, prefill chunks and decodes of
-different lengths. Both batched runs are compared with the reference run alone.
+prompts are replayed N at a time in shared engine steps, each as a fresh run (no store either)
+and a cached run side by side: mixed batches of cached and uncached sequences, prefill chunks
+and decodes of different lengths. Both batched runs are compared with the reference run
+alone.
 """
 
 from __future__ import annotations
@@ -113,12 +116,28 @@ def verify_tokens(
 ) -> tuple[int, float, bool]:
     """(matched tokens, max |Δlogit| over all steps, greedy tokens equal) for one prompt."""
     params = _greedy(max_tokens)
-    fresh = engine.generate(
-        token_ids, params, tenant=tenant, lookup=False, store=True, keep_logits=True
-    ).run()
+    fresh = _reference(engine, token_ids, tenant, params)
+    _store_blocks(engine, token_ids, tenant, params)
     cached = engine.generate(token_ids, params, tenant=tenant, keep_logits=True).run()
     diff, equal = _compare(fresh, cached)
     return cached.record.matched_tokens, diff, equal
+
+
+def _reference(
+    engine: ReferenceEngine, token_ids: Sequence[int], tenant: str, params: SamplingParams
+) -> Generation:
+    """A fresh run: reads no cached block and adopts none (module docstring)."""
+    return engine.generate(
+        token_ids, params, tenant=tenant, lookup=False, store=False, keep_logits=True
+    ).run()
+
+
+def _store_blocks(
+    engine: ReferenceEngine, token_ids: Sequence[int], tenant: str, params: SamplingParams
+) -> None:
+    """The run's blocks, computed fresh, stored for the cached run to reuse: with the same
+    greedy answer, so the block that continues the prompt is there for its tail."""
+    engine.generate(token_ids, params, tenant=tenant, lookup=False, store=True).run()
 
 
 def run_together(generations: Sequence[Generation]) -> None:
@@ -157,14 +176,16 @@ def verify_prompts(
         group = prompts[start : start + concurrency]
         encoded = [_encode(engine, item) for item in group]
         references = [
-            engine.generate(
-                ids, params, tenant=item.tenant, lookup=False, store=True, keep_logits=True
-            ).run()
+            _reference(engine, ids, item.tenant, params)
             for item, ids in zip(group, encoded, strict=True)
         ]
+        for item, ids in zip(group, encoded, strict=True):
+            _store_blocks(engine, ids, item.tenant, params)
         batched: list[tuple[Generation, Generation]] = []
         for item, ids in zip(group, encoded, strict=True):
-            fresh = engine.generate(ids, params, tenant=item.tenant, lookup=False, keep_logits=True)
+            fresh = engine.generate(
+                ids, params, tenant=item.tenant, lookup=False, store=False, keep_logits=True
+            )
             cached = engine.generate(ids, params, tenant=item.tenant, keep_logits=True)
             batched.append((fresh, cached))
         run_together([g for pair in batched for g in pair])

@@ -237,7 +237,8 @@ KEYS: Final[tuple[Key, ...]] = (
         "connector.save_queue_blocks",
         "int",
         1024,
-        "vLLM: blocks queued for the background saver at most (beyond: not saved, counted)",
+        "vLLM: blocks queued for the background saver at most (beyond: a request's first "
+        "blocks that fit are queued, the rest not saved, counted)",
     ),
     Key(
         "connector.pd_wait_ms",

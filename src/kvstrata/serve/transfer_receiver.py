@@ -74,6 +74,9 @@ logger = logging.getLogger("kvstrata.serve.transfer")
 _HANDSHAKE_TIMEOUT_S = 10.0
 _KEEP_S = 300.0  # how long a finished transfer's status waits for its decode request
 _MAX_TRACKED = 4096
+MAX_CONNECTIONS = 64
+"""Transfer connections served at once; one beyond is closed at accept (each holds a thread
+and, until its handshake ends, up to a frame's worth of bytes its peer sent)."""
 
 
 @dataclass(frozen=True)
@@ -240,11 +243,17 @@ class DecodeTransfers:
                 conn = self._listener.accept(timeout_s=0.2)
             except TransportError:
                 continue
+            with self._lock:
+                full = self._active >= MAX_CONNECTIONS
+                self._active += 0 if full else 1
+            if full:
+                logger.warning("transfer: %d connections open, one more closed", MAX_CONNECTIONS)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
-        with self._lock:
-            self._active += 1
+        """One connection, counted in ``_active`` from its accept to its end."""
         started: list[str] = []  # the request id, once the intro named it
         try:
             self._serve_one(conn, started)

@@ -148,10 +148,13 @@ class TransferSender:
         self._next_layer += 1
 
     def _run_slices(self) -> int:
-        """Slices per RUN: as many as ``run_bytes`` and the frame limit allow."""
+        """Slices per RUN: as many as ``run_bytes`` and the frame limit allow; one slice larger
+        than ``run_bytes`` (large blocks) goes alone, within the frame limit."""
+        if self.layer_bytes > self.conn.max_frame:
+            raise InvalidInput(
+                f"a {self.layer_bytes}-byte layer slice is over {self.conn.max_frame} per frame"
+            )
         limit = min(self.run_bytes, self.conn.max_frame)
-        if self.layer_bytes > limit:
-            raise InvalidInput(f"a {self.layer_bytes}-byte layer slice is over {limit} per frame")
         return max(1, min(self.blocks, MAX_RUN_SLICES, limit // self.layer_bytes))
 
     def finish(self) -> list[bytes]:

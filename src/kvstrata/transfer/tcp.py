@@ -29,6 +29,9 @@ from kvstrata.transfer.transport import (
 
 _LENGTH = struct.Struct(">I")
 _IOV_MAX = 1024
+_FIRST_ALLOCATION: Final = 1 << 20
+"""``recv_frame``'s buffer starts at most this large and doubles as a frame's bytes arrive:
+what a peer makes the receiver hold is what it sent, not what its 4-byte header announced."""
 GREETING: Final = b"kvstrata-transfer/1\n"
 """What a listener sends on every accepted connection before anything else, and what
 ``connect`` waits for before it sends a byte (``transport`` module docstring): a worker told
@@ -46,7 +49,7 @@ class TcpConnection:
         self._header = bytearray(_LENGTH.size)
         self._header_got = 0
         self._buffer = bytearray()  # reused for every frame (grown to the largest one)
-        self._body: memoryview | None = None
+        self._want: int | None = None  # the length of the frame being received
         self._body_got = 0
         self._scatter: list[memoryview] | None = None  # recv_frame_into's buffers, in progress
         self._scatter_at = 0
@@ -86,20 +89,24 @@ class TcpConnection:
         deadline = self._usable(timeout_s)
         try:
             length = self._length(deadline)
-            if self._body is None:
-                if len(self._buffer) < length:
-                    self._buffer = bytearray(length)  # a frame still held keeps the old one
-                self._body = memoryview(self._buffer)[:length]
-                self._body_got = 0
-            while self._body_got < len(self._body):
-                view = self._body[self._body_got :]
+            if self._want is None:
+                self._want, self._body_got = length, 0
+                if len(self._buffer) < min(length, _FIRST_ALLOCATION):
+                    self._buffer = bytearray(min(length, _FIRST_ALLOCATION))
+            while self._body_got < self._want:
+                if self._body_got == len(self._buffer):  # full: double (a held frame keeps
+                    grown = bytearray(min(self._want, 2 * len(self._buffer)))  # the old one)
+                    grown[: self._body_got] = memoryview(self._buffer)[: self._body_got]
+                    self._buffer = grown
+                end = min(len(self._buffer), self._want)
+                view = memoryview(self._buffer)[self._body_got : end]
                 self._body_got += self._recv_into(view, deadline, mid=True)
         except TimeoutError as exc:
             raise TransportTimeout("no whole frame arrived in time") from exc
         except OSError as exc:
             raise PeerLost(f"peer gone: {exc}") from exc
-        body = self._body
-        self._body = None
+        body = memoryview(self._buffer)[: self._want]
+        self._want = None
         self._header_got = 0
         return body
 
