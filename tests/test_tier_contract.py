@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -142,6 +142,25 @@ def test_slot_completes_once(case: Case) -> None:
     assert case.tier.complete_store(slot, True)
     with pytest.raises(TierError):
         case.tier.complete_store(slot, True)
+
+
+def test_a_final_meta_of_another_key_or_size_is_refused_and_frees_its_reservation(
+    case: Case,
+) -> None:
+    """``complete_store`` with a final meta that changes the key or size (a caller's bug)
+    raises, and leaves no reservation behind: the room and the key are free again."""
+    meta, payload = make_object(1)
+    other, _ = make_object(2)
+    for final in (replace(meta, key=other.key), replace(meta, size=meta.size - 1)):
+        slot = case.tier.prepare_store(meta)
+        assert slot is not None
+        slot.buffer[:] = payload
+        slot.meta = final
+        with pytest.raises(TierError, match="key, size and tenant"):
+            case.tier.complete_store(slot, True)
+        assert case.tier.used_bytes == 0
+        assert not case.tier.contains(meta.key) and not case.tier.contains(other.key)
+    assert store(case.tier, meta, payload)  # the key is free again
 
 
 def test_duplicate_key_returns_none(case: Case) -> None:

@@ -12,7 +12,8 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   and makes the object COMMITTED (returns True); on a mismatch or ``success=False`` nothing is
   left behind (returns False). A writer that learns the digest only once the payload is
   whole (a layer-wise transfer) prepares with a provisional digest and, before completing,
-  sets ``slot.meta`` to the final meta — same key, size and tenant (``final_meta``); the
+  sets ``slot.meta`` to the final meta — same key, size and tenant (``final_meta_problem``, else
+  ``TierError`` and the reservation released); the
   host and disk tiers verify against and keep the slot's meta (``adopt_meta``). A writer
   that hashed the payload where it lies, after its last write to ``slot.buffer`` (a
   layer-wise receiver feeds each slice to a running hash as it lands), may hand that digest
@@ -172,13 +173,20 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+def final_meta_problem(reserved: KVObjectMeta, final: KVObjectMeta) -> str | None:
+    """Why ``final`` cannot replace the meta a slot was reserved with, or None. Every tier
+    asks this first in ``complete_store`` and, on a problem, releases the reservation as a
+    cancelled write before raising ``TierError`` (nothing reserved is left behind)."""
+    if final is reserved:
+        return None
+    if (final.key, final.size, final.tenant) != (reserved.key, reserved.size, reserved.tenant):
+        return "a slot's final meta must keep its key, size and tenant"
+    return None
+
+
 def adopt_meta(record: ObjectRecord, final: KVObjectMeta) -> None:
-    """Make ``final`` the committed meta of a pending record (see ``complete_store``)."""
-    current = record.meta
-    if final is current:
-        return
-    if (final.key, final.size, final.tenant) != (current.key, current.size, current.tenant):
-        raise TierError("a slot's final meta must keep its key, size and tenant")
+    """Make ``final`` (checked by ``final_meta_problem``) the committed meta of a pending
+    record (see ``complete_store``)."""
     record.meta = final
 
 

@@ -73,6 +73,7 @@ from kvstrata.tiers.base import (
     TierError,
     TierIndex,
     adopt_meta,
+    final_meta_problem,
     slot_digest,
 )
 from kvstrata.tiers.disk_format import (
@@ -191,6 +192,10 @@ class DiskTier(IndexedTierViews):
         handle = self._claim(slot.token)
         meta = slot.meta
         try:
+            problem = final_meta_problem(handle.record.meta, meta)
+            if problem is not None:
+                self._abort(handle, corrupt=False)
+                raise TierError(problem)
             if not success or slot_digest(slot) != meta.digest:
                 self._abort(handle, corrupt=success)
                 return False

@@ -46,6 +46,7 @@ from kvstrata.tiers.base import (
     TierError,
     TierIndex,
     adopt_meta,
+    final_meta_problem,
     slot_digest,
 )
 
@@ -150,9 +151,11 @@ class HostTier(IndexedTierViews):
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
         handle = self._claim(slot.token)
+        problem = final_meta_problem(handle.record.meta, slot.meta)
+        success = success and problem is None
         verified = success and slot_digest(slot) == slot.meta.digest
         with self._lock:
-            key = slot.meta.key
+            key = handle.record.meta.key
             if self._index.records.get(key) is not handle.record:
                 raise TierError("slot no longer reserved in this tier")
             if verified:
@@ -166,7 +169,9 @@ class HostTier(IndexedTierViews):
                 handle.record.transition(ObjectState.INVALID)
                 self._index.drop(key)
             self._free.append(handle.slot)
-            return False
+        if problem is not None:
+            raise TierError(problem)
+        return False
 
     # ---------------------------------------------------------------- load
 

@@ -25,7 +25,7 @@ from typing import Any
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
-from kvstrata.tiers.base import StoreSlot, TierError, slot_digest
+from kvstrata.tiers.base import StoreSlot, TierError, final_meta_problem, slot_digest
 from kvstrata.tiers.remote_client import RemoteUnavailable
 from kvstrata.tiers.remote_format import encode_meta, gen_key
 from kvstrata.tiers.remote_ledger import LedgerReply, reserve_args
@@ -72,6 +72,11 @@ class RemoteWrites(RemoteState):
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
         self._claim_slot(slot.token)
+        assert isinstance(slot.token, _Slot)
+        problem = final_meta_problem(slot.token.meta, slot.meta)
+        if problem is not None:
+            self._release(slot.token.meta, "cancelled")
+            raise TierError(problem)
         meta = slot.meta
         if not success or slot_digest(slot) != meta.digest:
             with self._lock:
