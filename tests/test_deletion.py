@@ -261,6 +261,39 @@ def test_a_write_back_queued_before_the_delete_never_lands_and_late_writes_are_r
     assert refused[0]["tenant"] == "acme" and refused[0]["reason"] == "late_write"
 
 
+@pytest.mark.parametrize("point", ["prepare_store", "complete_store"])
+def test_a_write_back_in_flight_when_the_delete_lands_never_lands(
+    tmp_path: Path, clock: FakeClock, point: str
+) -> None:
+    """The flusher has read the host copy and is writing the disk one when the delete comes
+    (before the disk reservation, or between it and the commit): its write is refused by
+    the tombstone, and the object is in no level afterwards. (The test above deletes before
+    the flush, when the write-back finds no source at all.)"""
+    store = two_level_store(tmp_path, clock, write_back=True)  # flusher not started
+    ((meta, payload),) = chain_of([1], "acme", clock.now)
+    assert put(store, meta, payload)
+    disk = store.levels[1].tier
+    real = getattr(disk, point)
+    deleted: list[int] = []
+    seen_after: list[object] = []
+
+    def delete_then(*args: object) -> object:
+        if not deleted:
+            clock.now += 1
+            deleted.append(store.delete([meta.key]))
+        result = real(*args)
+        seen_after.append(store.lookup([meta.key], RequestScope("acme")))
+        return result
+
+    setattr(disk, point, delete_then)
+    store.flush()
+    assert deleted  # the delete came while the write-back ran
+    assert seen_after and all(found == [] for found in seen_after)  # never visible again
+    assert held_keys(store) == {"host": set(), "disk": set()}
+    assert not any(disk.contains(meta.key) for disk in [store.levels[1].tier])
+    store.close()
+
+
 def test_a_pinned_replica_is_invisible_at_once_and_goes_when_released(
     tmp_path: Path, clock: FakeClock
 ) -> None:
