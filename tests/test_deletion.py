@@ -228,6 +228,9 @@ def test_all_and_older_than_select_the_tenants_objects(tmp_path: Path, clock: Fa
 def test_a_write_back_queued_before_the_delete_never_lands_and_late_writes_are_refused(
     tmp_path: Path, clock: FakeClock
 ) -> None:
+    """The delete removes the host copy before the flush, so the queued write-back finds no
+    source (the race with a write-back under way is the next test); a late put of the old
+    object is refused by the tombstone, a recomputed one is not."""
     audit_path = tmp_path / "audit.jsonl"
     audit = AuditLog(audit_path).start()
     store = two_level_store(tmp_path, clock, write_back=True, audit=audit)  # flusher not started
