@@ -115,6 +115,10 @@ def test_wrong_secret_is_refused_and_nothing_stored(
         )
         assert (sent.outcome, sent.reason) == ("refused", "tenant_forbidden")
         assert engine.generate(prompt, GREEDY).run().record.matched_tokens == 0
+        # an unauthenticated peer records no status under the id it names: it could
+        # otherwise end (or crowd out) the wait of the real transfer of that request
+        assert receiver.wait("rx", 0.3) is None
+        assert receiver.metrics.count("tcp", "refused") == 1
     finally:
         sender.stop_loop()
 

@@ -274,6 +274,14 @@ class DecodeTransfers:
         except HandshakeError as error:
             conn.send_frame(encode(refuse(error.reason, error.detail)))
             return  # no request id we can trust: nobody waits on it
+        if not intro_authentic(intro, self.tenant_secret):
+            # Not our fleet's sender: its request id is not trusted either, so no status is
+            # recorded under it (a peer could otherwise cancel others' transfers or flood
+            # the status table); counted and audited all the same.
+            detail = "intro MAC does not verify"
+            conn.send_frame(encode(refuse(RefuseReason.TENANT_FORBIDDEN, detail)))
+            self._refused(intro, conn, RefuseReason.TENANT_FORBIDDEN.value, 0.0, record=False)
+            return
         started.append(intro.request_id)
         answer = answer_offer(raw_offer, self.capabilities, max_bytes=MAX_MESSAGE_BYTES)
         offer: TransferOffer | None = None
@@ -313,10 +321,8 @@ class DecodeTransfers:
         offer: TransferOffer,
         answer: TransferAnswer,
     ) -> tuple[TransferAnswer, ConversionPlan | None]:
-        """What the pure negotiation cannot know: the intro's MAC and agreement with the
-        offer, the tokens covering the blocks, one source rank per connection."""
-        if not intro_authentic(intro, self.tenant_secret):
-            return refuse(RefuseReason.TENANT_FORBIDDEN, "intro MAC does not verify"), None
+        """What the pure negotiation cannot know (the intro's MAC was checked already): its
+        agreement with the offer, the tokens covering the blocks, one source rank per connection."""
         if offer.request_id != intro.request_id or offer.tenant != intro.tenant:
             return refuse(RefuseReason.MALFORMED, "offer and intro disagree"), None
         source = offer.layout.layout()
@@ -366,7 +372,15 @@ class DecodeTransfers:
 
         return convert
 
-    def _refused(self, intro: TransferIntro, conn: Connection, reason: str, seconds: float) -> None:
+    def _refused(
+        self,
+        intro: TransferIntro,
+        conn: Connection,
+        reason: str,
+        seconds: float,
+        *,
+        record: bool = True,
+    ) -> None:
         path = getattr(conn, "path", "tcp")
         self.metrics.observe(path, "refused", 0, seconds)
         self.audit.record(
@@ -376,4 +390,5 @@ class DecodeTransfers:
             request_id=intro.request_id,
             tier=self._ingress.name,
         )
-        self._finish(TransferStatus(intro.request_id, "refused", 0, 0, seconds, reason))
+        if record:
+            self._finish(TransferStatus(intro.request_id, "refused", 0, 0, seconds, reason))
