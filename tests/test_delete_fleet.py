@@ -389,6 +389,22 @@ def test_cli_prints_the_counts_and_fails_on_a_partial_delete(
     assert partial["workers"][2]["error"]["code"] == "unreachable"
 
 
+def test_cli_against_one_worker_fails_when_a_tier_was_unreachable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker's own answer has no ``status``: a tier it could not reach may still hold
+    replicas, so the exit status is 1 (run it again), as behind a front door."""
+    answer = {"removed": {"device": 3, "host": 3, "remote": 0}, "deleted_keys": 3, "pending": 0}
+    for unreachable, code in (([], 0), (["remote"], 1)):
+        reply = {**answer, "unreachable": unreachable}
+        monkeypatch.setattr(
+            httpx, "post", lambda *a, reply=reply, **k: httpx.Response(200, json=reply)
+        )
+        argv = ["delete", "--url", "http://w1", "--tenant", "acme", "--all", "--json"]
+        assert cli_main(argv) == code
+        assert json.loads(capsys.readouterr().out)["unreachable"] == unreachable
+
+
 def _closed_port() -> int:
     import socket
 

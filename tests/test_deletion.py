@@ -297,6 +297,29 @@ def test_a_write_back_in_flight_when_the_delete_lands_never_lands(
     store.close()
 
 
+def test_older_than_reaches_a_block_demoted_after_it_was_computed(
+    tiny_model: LoadedModel,
+) -> None:
+    """A block computed long ago and demoted just now keeps its compute time: the demotion
+    stamped the copy's time, so ``older_than`` missed it (and TTLs restarted)."""
+    block = pool_config_for(tiny_model, 16, 1).bytes_per_block
+    config = TierConfig("host", write_policy=WritePolicy.WRITE_BACK)
+    store = TieredStore([(HostTier(64 * block, block), LRUPolicy(), config)])
+    engine = ReferenceEngine(tiny_model, EngineConfig(block_size=16, pool_blocks=32), store=store)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(1).integers(10, 4000, size=3 * 16 + 1)]
+        engine.generate(prompt, SamplingParams(max_tokens=1), tenant="acme").run()
+        keys = engine.block_keys(prompt, "acme")
+        time.sleep(0.4)  # the KV is now 0.4 s old
+        engine.call(engine.pool.clear).result()  # evicted: demoted into the host level now
+        assert all(store.levels[0].tier.contains(k) for k in keys)
+        selector = DeleteSelector("acme", older_than_s=0.3)
+        engine.call(lambda: engine.delete(selector)).result()
+        assert [k for k in keys if store.levels[0].tier.contains(k)] == []
+    finally:
+        engine.close()
+
+
 def test_a_pinned_replica_is_invisible_at_once_and_goes_when_released(
     tmp_path: Path, clock: FakeClock
 ) -> None:

@@ -188,6 +188,30 @@ def test_https_round_trip_and_plain_http_fails(tiny_model: LoadedModel, tmp_path
             httpx.get(base.replace("https://", "http://") + "/health", timeout=5)
 
 
+def test_front_door_delete_reaches_https_workers_signed_by_the_fleet_ca(
+    tiny_model: LoadedModel, tmp_path: Path
+) -> None:
+    """The deletion fan-out trusts ``tls_ca_file`` as every other client of the workers does
+    (it used the system CAs: every worker "unreachable", nothing deleted, a 502)."""
+    cert, private = _self_signed(tmp_path)
+    with worker_app(tiny_model, tmp_path, tls=(cert, private)) as worker:
+        url = str(worker.client.base_url).rstrip("/")
+        config = FleetConfig(worker_urls=[url], api_key=key("FLEET"), tls_ca_file=cert)
+        fleet = Fleet(FleetTokenizer(ensure_checkpoint("tiny")), config)
+        fleet.attach(url)
+        guard = HttpAuth(Authenticator(write_keys(tmp_path / "front.toml")))
+        with serving(create_frontdoor_app(fleet, guard)) as front:
+            answer = front.post(
+                "/admin/delete",
+                json={"tenant": "tenantA", "all": True},
+                headers=auth("ADMIN"),
+                timeout=60,
+            )
+        assert answer.status_code == 200, answer.json()
+        assert answer.json()["status"] == "ok"
+        fleet.close()
+
+
 # ---- CLI --------------------------------------------------------------------------------------
 def test_keys_add_appends_a_hash_and_prints_the_key_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

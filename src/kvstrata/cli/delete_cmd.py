@@ -72,6 +72,12 @@ def register(sub: Any) -> None:
         "--api-key-file", type=Path, default=None, help=f"admin API key (default: ${API_KEY_ENV})"
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="HTTP timeout")
+    parser.add_argument(
+        "--ca-file",
+        type=Path,
+        default=None,
+        help="CA bundle that signed the server's HTTPS certificate (default: the system CAs)",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.set_defaults(func=run_delete)
 
@@ -111,6 +117,8 @@ def api_key(args: argparse.Namespace) -> str | None:
 def run_delete(args: argparse.Namespace) -> int:
     import httpx
 
+    from kvstrata.fleet.workers import worker_tls
+
     body = request_body(args)
     headers = {}
     key = api_key(args)
@@ -118,8 +126,10 @@ def run_delete(args: argparse.Namespace) -> int:
         headers["Authorization"] = f"Bearer {key}"
     url = args.url.rstrip("/") + "/admin/delete"
     try:
-        response = httpx.post(url, json=body, headers=headers, timeout=args.timeout_s)
-    except httpx.HTTPError as exc:
+        response = httpx.post(
+            url, json=body, headers=headers, timeout=args.timeout_s, verify=worker_tls(args.ca_file)
+        )
+    except (httpx.HTTPError, OSError) as exc:  # OSError: an unreadable --ca-file
         print(f"kvstrata delete: cannot reach {url}: {exc}", file=sys.stderr)
         return 2
     try:
@@ -136,7 +146,9 @@ def run_delete(args: argparse.Namespace) -> int:
         if args.json:
             emit(answer, as_json=True, title="", columns=(), rows=())
         return 1
-    status = str(answer.get("status", "ok" if response.status_code == 200 else "failed"))
+    # A worker's own answer has no status: a tier it could not reach may still hold replicas.
+    confirmed = response.status_code == 200 and not answer.get("unreachable")
+    status = str(answer.get("status", "ok" if confirmed else "partial"))
     emit(
         answer,
         as_json=args.json,

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvstrata.errors import ApiError
 from kvstrata.fleet.fleet import Fleet
+from kvstrata.fleet.workers import worker_tls
 from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.index.tombstones import StreamPosition
@@ -96,7 +97,10 @@ def register_deletion(
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
         forwarded = _forwarded(body, prompt)
-        async with httpx.AsyncClient(timeout=fleet.config.request_timeout_s) as client:
+        verify = worker_tls(fleet.config.tls_ca_file)  # as every other client of the workers
+        async with httpx.AsyncClient(
+            timeout=fleet.config.request_timeout_s, verify=verify
+        ) as client:
             outcomes = await asyncio.gather(
                 *(
                     _ask(client, worker_id, url, forwarded, headers)

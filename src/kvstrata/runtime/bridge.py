@@ -83,7 +83,9 @@ class StoreBridge:
             representation=self.representation,
             size=self.block_bytes,
             digest=payload_digest(payload),
-            created_at=time.time(),
+            # The KV's age, not the copy's: a block that waited in the device pool is not
+            # made younger by its demotion (older_than deletes, TTLs and tombstones see it).
+            created_at=info.created_at if info.created_at is not None else time.time(),
             position=info.position,
             recompute_s=self.recompute_estimate(block_tokens, info.position),
             model=self.model_id,
