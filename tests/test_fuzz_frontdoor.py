@@ -24,13 +24,9 @@ from http_helpers import serving
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import ApiError
+from kvstrata.fleet.answers import only_role_preamble, usage_of
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.frontdoor import (
-    _only_role_preamble,
-    _parse,
-    _usage_of,
-    create_frontdoor_app,
-)
+from kvstrata.fleet.frontdoor import _parse, create_frontdoor_app
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
 from kvstrata.index.model import ConsistencyMode
 from kvstrata.runtime.config import ServeLimits
@@ -212,7 +208,7 @@ def test_a_workers_usage_is_whole_counts_in_range_or_nothing(usage: Any) -> None
     """The front door learns output lengths and cached tokens from a worker's answer. A broken
     worker's ``Infinity`` failed the answer with a 500 and left the request in flight for
     good; a huge count overflowed the running mean of every later answer from that worker."""
-    found = _usage_of(dumps({"usage": usage}))
+    found = usage_of(dumps({"usage": usage}))
     if found is not None:
         assert all(type(n) is int and 0 <= n < 1 << 31 for n in found)
     if usage == {"completion_tokens": 3, "prompt_tokens_details": None}:
@@ -260,9 +256,9 @@ def test_a_chat_streams_opening_role_event_is_not_taken_for_its_first_token(
     with front_door.client.stream("POST", ENDPOINTS[1], json=body) as response:
         events = [line.encode() for line in response.iter_lines() if line.startswith("data:")]
     assert len(events) >= 3 and events[-1] == b"data: [DONE]"
-    assert _only_role_preamble(events[0] + b"\n\n")  # the worker's bytes, as relayed
-    assert not any(_only_role_preamble(event + b"\n\n") for event in events[1:])
-    assert not _only_role_preamble(events[0] + b"\n\n" + events[1] + b"\n\n")
+    assert only_role_preamble(events[0] + b"\n\n")  # the worker's bytes, as relayed
+    assert not any(only_role_preamble(event + b"\n\n") for event in events[1:])
+    assert not only_role_preamble(events[0] + b"\n\n" + events[1] + b"\n\n")
 
 
 def test_the_front_door_still_routes(front_door: FrontDoor) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,6 +22,14 @@ T = TypeVar("T")
 
 class WorkerGone(Exception):
     """The worker a request waited on was declared dead."""
+
+
+class ClientGone(Exception):
+    """The client of a request that waited on a worker disconnected."""
+
+
+CLIENT_POLL_S = 0.25
+"""How often a wait on a worker checks whether its client is still there."""
 
 
 class WorkerDeaths:
@@ -78,3 +86,28 @@ async def until_dead(gone: asyncio.Event, chunks: AsyncIterator[bytes]) -> Async
         except StopAsyncIteration:
             return
         yield chunk
+
+
+async def unless_client_left(
+    is_disconnected: Callable[[], Awaitable[bool]], awaitable: Awaitable[T]
+) -> T:
+    """``await awaitable``, unless the client disconnects first (polled every
+    ``CLIENT_POLL_S``): then it is cancelled — closing the connection to the worker, whose
+    own watcher then stops the generation — and ``ClientGone`` raised. A non-streamed answer
+    arrives whole at its end: without this, a client that left kept the worker generating
+    (and the request counted in flight) to ``max_tokens``."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                break
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone

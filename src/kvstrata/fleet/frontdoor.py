@@ -39,7 +39,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -51,8 +51,16 @@ from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
 from kvstrata.fleet import disagg_proxy
+from kvstrata.fleet.answers import chained, stream_head, usage_in_sse, usage_of
 from kvstrata.fleet.deletion import register_deletion
-from kvstrata.fleet.failover import WorkerDeaths, WorkerGone, unless_dead, until_dead
+from kvstrata.fleet.failover import (
+    ClientGone,
+    WorkerDeaths,
+    WorkerGone,
+    unless_client_left,
+    unless_dead,
+    until_dead,
+)
 from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.fleet.vllm_workers import tenant_of_body
 from kvstrata.fleet.workers import worker_tls
@@ -177,7 +185,17 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         # unique in the fleet's in-flight table even when a client repeats its request id
         flight_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         response = await _forward(
-            fleet, client, deaths, endpoint, flight_id, tenant, tokens, body, payload, headers
+            fleet,
+            client,
+            deaths,
+            endpoint,
+            flight_id,
+            tenant,
+            tokens,
+            body,
+            payload,
+            headers,
+            request.is_disconnected,
         )
         fleet.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
@@ -291,11 +309,13 @@ async def _forward(
     body: SamplingRequest,
     payload: dict[str, Any],
     headers: httpx.Headers,
+    left: Callable[[], Awaitable[bool]],
 ) -> Response:
     """Reserve and proxy; on a connection failure, flag the worker and try the next best; the
     same when the health round declares the worker dead before the client got anything
     (``failover``). ``headers``: what the worker needs of the client's (credential,
-    namespace, request id)."""
+    namespace, request id). ``left``: whether the client disconnected — then the wait on the
+    worker is abandoned (``unless_client_left``) and the reservation released."""
     max_tokens = body.requested_max_tokens()
     for _attempt in range(fleet.config.max_attempts):
         try:
@@ -318,7 +338,10 @@ async def _forward(
         )
         try:
             upstream_request = client.build_request("POST", url, json=sent, headers=headers)
-            upstream = await unless_dead(gone, client.send(upstream_request, stream=True))
+            sending = client.send(upstream_request, stream=True)
+            upstream = await unless_dead(gone, unless_client_left(left, sending))
+        except ClientGone:
+            return _client_left(fleet, reservation, request_id)
         except (httpx.TransportError, WorkerGone) as exc:
             _re_route(fleet, reservation, "", exc, request_id)
             continue
@@ -328,7 +351,7 @@ async def _forward(
         if body.stream and upstream.status_code == 200:
             chunks = until_dead(gone, upstream.aiter_raw())
             try:  # hold the client's headers until the first token: until then, a worker
-                head, first_at = await _stream_head(chunks)  # that dies costs the client nothing
+                head, first_at = await stream_head(chunks)  # that dies costs the client nothing
             except (httpx.HTTPError, WorkerGone) as exc:
                 await upstream.aclose()
                 _re_route(fleet, reservation, " before its first token", exc, request_id)
@@ -338,13 +361,15 @@ async def _forward(
             # even if the client left and Starlette never iterates the body
             primed = [chunk for chunk in [await anext(relay, None)] if chunk is not None]
             return StreamingResponse(
-                _chained(primed, relay),
+                chained(primed, relay),
                 status_code=200,
                 media_type="text/event-stream",
                 headers=extra,
             )
         try:
-            content = await unless_dead(gone, upstream.aread())
+            content = await unless_dead(gone, unless_client_left(left, upstream.aread()))
+        except ClientGone:
+            return _client_left(fleet, reservation, request_id)
         except (httpx.HTTPError, WorkerGone) as exc:  # it failed after its headers: nothing
             _re_route(fleet, reservation, " mid-answer", exc, request_id)  # was relayed yet
             continue
@@ -352,7 +377,7 @@ async def _forward(
             await upstream.aclose()
         now = time.time()
         _learn_prefill(fleet, reservation, upstream.headers)
-        completion = _usage_of(content)
+        completion = usage_of(content)
         if completion is not None:
             fleet.metrics.matched.labels(worker_id).inc(completion[1])
         fleet.finish(reservation, now, None if completion is None else completion[0], None)
@@ -363,6 +388,16 @@ async def _forward(
             headers=extra,
         )
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
+
+
+def _client_left(fleet: Fleet, reservation: Reservation, request_id: str) -> Response:
+    """The client disconnected while its request waited on a worker: the connection to the
+    worker is closed (it stops generating), the reservation released; nobody reads the
+    answer (499, nginx's "client closed request", for the metrics)."""
+    fleet.finish(reservation, time.time(), None, None)
+    _log.info("client of %s left before its answer; worker %s told", request_id,
+              reservation.worker_id)  # fmt: skip
+    return Response(status_code=499)
 
 
 def _re_route(
@@ -390,24 +425,6 @@ def _worker_headers(request: Request, body: SamplingRequest, request_id: str) ->
     return httpx.Headers(headers, encoding="latin-1")
 
 
-async def _stream_head(chunks: AsyncIterator[bytes]) -> tuple[list[bytes], float | None]:
-    """A stream's chunks up to and including its first token (or its end, if it ends first),
-    and when that token came: what the front door reads before it answers the client."""
-    head: list[bytes] = []
-    async for chunk in chunks:
-        head.append(chunk)
-        if not _only_role_preamble(chunk):
-            return head, time.time()
-    return head, None
-
-
-async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for chunk in head:
-        yield chunk
-    async for chunk in rest:
-        yield chunk
-
-
 async def _relay(
     fleet: Fleet,
     reservation: Reservation,
@@ -427,26 +444,15 @@ async def _relay(
             if predicted > 0:
                 fleet.metrics.ttft_ratio.observe(ttft / predicted)
     try:
-        async for chunk in _chained(head, rest):
+        async for chunk in chained(head, rest):
             if b'"usage"' in chunk:
-                completion = _usage_in_sse(chunk) or completion
+                completion = usage_in_sse(chunk) or completion
             yield chunk
     finally:
         await upstream.aclose()
         if completion is not None:
             fleet.metrics.matched.labels(reservation.worker_id).inc(completion[1])
         fleet.finish(reservation, time.time(), None if completion is None else completion[0], ttft)
-
-
-_ROLE_PREAMBLE = b'"delta":{"role":"assistant","content":""}'
-
-
-def _only_role_preamble(chunk: bytes) -> bool:
-    """Is ``chunk`` nothing but a chat stream's opening event — the assistant role with empty
-    content, which workers (kvstrata's and vLLM's) send before the prefill? It is not the first
-    token: taken for one, the router believed every streamed chat's prefill done at once, and
-    its queue estimates and TTFT metrics were wrong for them."""
-    return chunk.count(b"data:") == 1 and _ROLE_PREAMBLE in chunk
 
 
 def _learn_prefill(fleet: Fleet, reservation: Reservation, headers: httpx.Headers) -> None:
@@ -457,30 +463,3 @@ def _learn_prefill(fleet: Fleet, reservation: Reservation, headers: httpx.Header
     except (KeyError, ValueError):
         return
     fleet.observe_prefill(reservation, matched, prefill_s)
-
-
-_MAX_USAGE_TOKENS = 1 << 31
-"""Above any context a worker serves: a larger count (or inf, NaN) is a broken answer."""
-
-
-def _usage_of(content: bytes) -> tuple[int, int] | None:
-    """(completion_tokens, cached_tokens) from a worker's JSON answer, if it has a usage that
-    makes sense (whole counts in range: a broken worker's garbage must not reach the fits)."""
-    try:
-        usage = json.loads(content).get("usage")
-        details = usage.get("prompt_tokens_details") or {}  # vLLM may send null
-        counts = (usage["completion_tokens"], details.get("cached_tokens") or 0)
-    except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
-        return None
-    if not all(type(n) is int and 0 <= n < _MAX_USAGE_TOKENS for n in counts):
-        return None
-    return counts[0], counts[1]
-
-
-def _usage_in_sse(chunk: bytes) -> tuple[int, int] | None:
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and b'"usage"' in line:
-            found = _usage_of(line[len(b"data: ") :])
-            if found is not None:
-                return found
-    return None
