@@ -332,6 +332,7 @@ def test_a_pinned_replica_is_invisible_at_once_and_goes_when_released(
         result = store.delete_keys([meta.key])
         assert result.removed == {"host": 0, "disk": 1} and result.pending == 1
         assert store.lookup([meta.key], RequestScope("acme")) == []
+        assert held_keys(store) == {"host": set(), "disk": set()}  # no snapshot announces it
         assert bytes(lease.buffer) == payload  # the reader finishes with its bytes
     assert not store.levels[0].tier.reserved(meta.key)
     assert held_keys(store) == {"host": set(), "disk": set()}

@@ -160,6 +160,11 @@ def test_a_final_meta_of_another_key_or_size_is_refused_and_frees_its_reservatio
             case.tier.complete_store(slot, True)
         assert case.tier.used_bytes == 0
         assert not case.tier.contains(meta.key) and not case.tier.contains(other.key)
+        slot = case.tier.prepare_store(meta)  # an abort never raises: it releases
+        assert slot is not None
+        slot.meta = final
+        assert not case.tier.complete_store(slot, False)
+        assert case.tier.used_bytes == 0
     assert store(case.tier, meta, payload)  # the key is free again
 
 

@@ -268,6 +268,47 @@ def test_ttl_hides_expired_objects(tmp_path: Path, clock: Clock) -> None:
     store.close()
 
 
+def test_an_object_older_than_a_levels_ttl_evicts_nothing_there(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """An object already past a level's TTL (a block that waited in the device pool, a
+    demotion into a level with a shorter TTL) is refused there before any victim goes: it
+    used to evict a live object and then be dropped as expired on sight."""
+    host = HostTier(2 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, LRUPolicy(), TierConfig("host", ttl_s=60.0))], clock=clock)
+    live = chain("live", 2, created_at=clock.now)
+    put_all(store, live)
+    clock.now += 30  # the live objects have 30 s left
+    ((old, payload),) = chain("old", 1, created_at=clock.now - 100)
+    assert not store.put(old, filler(payload))
+    assert len(store.lookup(keys_of(live), RequestScope("t0"))) == 2
+    rejected = store.metrics.value(
+        "kvstrata_tier_admission_rejections_total", {"tier": "host", "reason": "expired"}
+    )
+    assert rejected == 1
+    store.close()
+
+    store = make_store(
+        tmp_path, clock, host_objects=3, disk_objects=2, disk=TierConfig("disk", ttl_s=60.0)
+    )
+    ((hot, hot_payload),) = chain("hot", 1, created_at=clock.now)
+    assert store.put(hot, filler(hot_payload))  # host and disk (write-through)
+    clock.now += 100  # hot stays in host; its disk copy expired
+    store.resident()  # sweeps the expired disk copy
+    fresh = [chain(tag, 1, created_at=clock.now)[0] for tag in ("l1", "l2", "n")]
+    put_all(store, fresh[:2])  # host [hot l1 l2], disk [l1 l2]
+    assert store.put(fresh[2][0], filler(fresh[2][1]))  # host evicts hot: too old for disk
+    disk = store.levels[1].tier
+    assert not disk.contains(hot.key)
+    refused = {"tier": "disk", "reason": "expired"}
+    assert store.metrics.value("kvstrata_tier_admission_rejections_total", refused) == 1
+    # the only disk victim is the one n's own write-through needed (l1), none for hot
+    dropped = {"tier": "disk", "outcome": "dropped"}
+    assert store.metrics.value("kvstrata_tier_evictions_total", dropped) == 1
+    assert disk.contains(fresh[1][0].key) and disk.contains(fresh[2][0].key)
+    store.close()
+
+
 def test_bit_flip_on_disk_is_detected_and_counted(tmp_path: Path, clock: Clock) -> None:
     store = make_store(tmp_path, clock)
     objs = chain("n", 2)

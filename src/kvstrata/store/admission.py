@@ -143,6 +143,9 @@ class AdmittingCore(ErasingCore):
             self.metrics.rejections.labels(tier=name, reason="busy").inc()
             return False
         meta = meta.with_ttl(level.config.ttl_s)  # each level's own TTL, not the source's
+        if meta.expired(self.clock()):  # older than this level keeps: evict nothing for it
+            self.metrics.rejections.labels(tier=name, reason="expired").inc()
+            return False
         if tier.evicts_itself:  # quotas and victims are the tier's (shared with other writers)
             self._storing.add((index, key))  # claimed: the reservation's I/O runs unlocked
             return _SelfEvicting(meta)

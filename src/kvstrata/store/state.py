@@ -131,14 +131,16 @@ class StoreCore:
         return self._lock
 
     def resident(self) -> list[tuple[str, list[KVObjectMeta]]]:
-        """Every level's name and the metas of its committed, unexpired, registered objects."""
+        """Every level's name and the metas of its committed, unexpired, registered objects
+        that no deletion is still removing (a replica a reader pins stays until released:
+        announced in a snapshot, the router would route to deleted KV)."""
         with self._lock:
             out = []
             for index, level in enumerate(self.levels):
                 metas = [
                     level.tier.meta(key)
                     for key in level.tier.keys()
-                    if (index, key) not in self._storing
+                    if (index, key) not in self._storing and key not in self._pending_delete
                 ]
                 out.append((level.name, [meta for meta in metas if meta is not None]))
                 self._sync_dropped(level)  # report what expired on sight just now

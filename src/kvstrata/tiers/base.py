@@ -175,8 +175,9 @@ class Tier(Protocol):
 
 def final_meta_problem(reserved: KVObjectMeta, final: KVObjectMeta) -> str | None:
     """Why ``final`` cannot replace the meta a slot was reserved with, or None. Every tier
-    asks this first in ``complete_store`` and, on a problem, releases the reservation as a
-    cancelled write before raising ``TierError`` (nothing reserved is left behind)."""
+    asks this first in ``complete_store(slot, True)`` and, on a problem, releases the
+    reservation as a cancelled write before raising ``TierError`` (nothing reserved is left
+    behind); an abort (``success=False``) releases the reservation whatever the meta says."""
     if final is reserved:
         return None
     if (final.key, final.size, final.tenant) != (reserved.key, reserved.size, reserved.tenant):

@@ -192,7 +192,7 @@ class DiskTier(IndexedTierViews):
         handle = self._claim(slot.token)
         meta = slot.meta
         try:
-            problem = final_meta_problem(handle.record.meta, meta)
+            problem = final_meta_problem(handle.record.meta, meta) if success else None
             if problem is not None:
                 self._abort(handle, corrupt=False)
                 raise TierError(problem)

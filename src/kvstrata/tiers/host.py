@@ -151,7 +151,7 @@ class HostTier(IndexedTierViews):
 
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
         handle = self._claim(slot.token)
-        problem = final_meta_problem(handle.record.meta, slot.meta)
+        problem = final_meta_problem(handle.record.meta, slot.meta) if success else None
         success = success and problem is None
         verified = success and slot_digest(slot) == slot.meta.digest
         with self._lock:

@@ -73,11 +73,12 @@ class RemoteWrites(RemoteState):
     def complete_store(self, slot: StoreSlot, success: bool) -> bool:
         self._claim_slot(slot.token)
         assert isinstance(slot.token, _Slot)
-        problem = final_meta_problem(slot.token.meta, slot.meta)
+        reserved = slot.token.meta
+        problem = final_meta_problem(reserved, slot.meta) if success else None
         if problem is not None:
-            self._release(slot.token.meta, "cancelled")
+            self._release(reserved, "cancelled")
             raise TierError(problem)
-        meta = slot.meta
+        meta = slot.meta if success else reserved  # an abort releases what was reserved
         if not success or slot_digest(slot) != meta.digest:
             with self._lock:
                 self._counters.store_failures += 1
