@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,12 +135,17 @@ def test_disk_recovery_of_damaged_files(
         for i, (subdir, suffix, content) in enumerate(strays):
             (Path(root) / "objects" / subdir).mkdir(exist_ok=True)
             (Path(root) / "objects" / subdir / f"{i:064x}{suffix}").write_bytes(content)
-        still_valid = parse_object(path, bytearray(), 16 * OBJ)[0] is not None  # recovery's view
+        parsed = parse_object(path, bytearray(), 16 * OBJ)[0]  # recovery's view
+        still_valid = parsed is not None
+        # a damaged TTL that makes it expired (e.g. -inf) is a valid file recovery discards
+        expired = parsed is not None and parsed[0].expired(time.time())
 
         with DiskTier(root, 16 * OBJ, durable=False) as tier:
             assert load_bytes(tier, good.key) == good_payload
             served = load_bytes(tier, victim.key)
-            if still_valid:  # e.g. a flipped bit in the unchecked flags: the bytes are intact
+            if still_valid and expired:
+                assert served is None and not path.exists() and tier.recovery.expired >= 1
+            elif still_valid:  # e.g. a flipped bit in the unchecked flags: the bytes are intact
                 assert served == victim_payload
             else:
                 assert served is None and not path.exists()

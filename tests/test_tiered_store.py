@@ -309,6 +309,24 @@ def test_an_object_older_than_a_levels_ttl_evicts_nothing_there(
     store.close()
 
 
+@pytest.mark.parametrize("quota", [None, 2 * OBJ])
+def test_a_level_full_of_expired_objects_takes_the_next_put(
+    clock: Clock, quota: int | None
+) -> None:
+    """After an idle spell longer than the TTL, the expired objects the victim search drops
+    on sight make the room (or the tenant's quota): the next put was refused as no_room /
+    quota_full."""
+    host = HostTier((2 if quota is None else 8) * OBJ, OBJ, clock=clock)
+    config = TierConfig("host", ttl_s=60.0, default_tenant_quota_bytes=quota)
+    store = TieredStore([(host, LRUPolicy(), config)], clock=clock)
+    put_all(store, chain("a", 2))
+    clock.now += 61  # both expired; nobody looked at them since
+    ((meta, payload),) = chain("b", 1, created_at=clock.now)
+    assert store.put(meta, filler(payload))
+    assert len(store.lookup([meta.key], RequestScope("t0"))) == 1
+    store.close()
+
+
 def test_bit_flip_on_disk_is_detected_and_counted(tmp_path: Path, clock: Clock) -> None:
     store = make_store(tmp_path, clock)
     objs = chain("n", 2)

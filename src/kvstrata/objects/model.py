@@ -14,6 +14,7 @@ which is never derived from the payload.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -166,7 +167,16 @@ class KVObjectMeta:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVObjectMeta:
+        """The meta ``to_dict`` wrote; ``ValueError`` (or ``KeyError``/``TypeError``) for a
+        dict no writer makes — among them a time that is not a finite number or a negative
+        TTL: a reader must count such an object invalid, never merely expired."""
         parent = data.get("parent")
+        created_at = float(data["created_at"])
+        ttl_s = None if data.get("ttl_s") is None else float(data["ttl_s"])
+        if not math.isfinite(created_at) or not (
+            ttl_s is None or (math.isfinite(ttl_s) and ttl_s >= 0)
+        ):
+            raise ValueError(f"meta times out of range: created_at {created_at}, ttl_s {ttl_s}")
         return cls(
             key=BlockKey(bytes.fromhex(data["key"])),
             parent=BlockKey(bytes.fromhex(parent)) if parent is not None else None,
@@ -174,8 +184,8 @@ class KVObjectMeta:
             representation=Representation.from_dict(data["representation"]),
             size=int(data["size"]),
             digest=bytes.fromhex(data["digest"]),
-            created_at=float(data["created_at"]),
-            ttl_s=None if data.get("ttl_s") is None else float(data["ttl_s"]),
+            created_at=created_at,
+            ttl_s=ttl_s,
             position=int(data.get("position", 0)),
             recompute_s=float(data.get("recompute_s", 0.0)),
             model=str(data.get("model", "")),

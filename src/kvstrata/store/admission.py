@@ -242,9 +242,12 @@ class AdmittingCore(ErasingCore):
     # ---- eviction ---------------------------------------------------------------------------
     def _evict_now(self, index: int, *, tenant: str | None) -> bool | _Demote:
         """Under the lock: remove one victim of level ``index`` if that needs no copy (True);
-        a victim that must be demoted first is marked moving and returned; False: none."""
+        a victim that must be demoted first is marked moving and returned; False: none.
+        True too when no victim was left but the search itself freed room: the tier drops
+        an expired object on sight (``evictable``), which the policy then skips."""
         level = self.levels[index]
         self._sync_dropped(level)
+        used = level.tier.used_bytes
 
         def can_evict(key: BlockKey) -> bool:
             return (index, key) not in self._moving and level.tier.evictable(key)
@@ -252,7 +255,8 @@ class AdmittingCore(ErasingCore):
         while True:
             victim = level.policy.victim(self.clock(), tenant=tenant, can_evict=can_evict)
             if victim is None:
-                return False
+                self._sync_dropped(level)
+                return level.tier.used_bytes < used
             meta = level.tier.meta(victim)
             if meta is None:  # expired or invalidated behind the policy
                 level.policy.on_remove(victim)
