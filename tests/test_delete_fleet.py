@@ -432,3 +432,13 @@ def test_the_front_door_forwards_where_a_chats_content_starts() -> None:
     assert forwarded.content_from == 3
     with pytest.raises(ApiError, match="content_from"):
         parse_delete_body(b'{"tenant": "acme", "prompt": "x", "content_from": 1}')
+
+
+def test_token_ids_a_router_cannot_hash_are_a_400_not_a_500() -> None:
+    from kvstrata.errors import ApiError
+    from kvstrata.serve.deletion_protocol import parse_delete_body
+
+    body = json.dumps({"tenant": "acme", "prompt_token_ids": [2**40] * 32}).encode()
+    with pytest.raises(ApiError, match=r"\[0, 2\*\*32\)") as refused:
+        parse_delete_body(body)
+    assert refused.value.status == 400

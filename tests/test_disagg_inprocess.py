@@ -154,3 +154,15 @@ def test_connections_beyond_the_cap_are_closed_at_accept(
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_a_prefill_request_id_that_cannot_be_encoded_is_refused_at_parsing() -> None:
+    """It goes into the intro's MAC (UTF-8): a lone surrogate was a 500 there."""
+    from pydantic import ValidationError
+
+    from kvstrata.serve.disagg import PrefillRequest
+
+    body = {"request_id": "\ud800", "prompt_token_ids": [1, 2], "target": {"host": "h", "port": 1}}
+    with pytest.raises(ValidationError):
+        PrefillRequest.model_validate(body)
+    assert PrefillRequest.model_validate({**body, "request_id": "r-1"}).request_id == "r-1"

@@ -67,6 +67,7 @@ from kvstrata.fleet.workers import worker_tls
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
+from kvstrata.serve.deletion_protocol import TOKEN_ID_LIMIT
 from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits
 from kvstrata.serve.protocol import (
     ChatCompletionRequest,
@@ -78,8 +79,6 @@ from kvstrata.serve.protocol import (
 )
 
 _log = logging.getLogger(__name__)
-_TOKEN_ID_LIMIT = 1 << 32
-"""Token ids the router can hash (``identity.router_hash``); above it a prompt is a 400."""
 _MODELS_TIMEOUT_S = 5.0
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -115,7 +114,7 @@ def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = [int(t) for t in prompt]
-        if any(not 0 <= t < _TOKEN_ID_LIMIT for t in ids):  # no tokenizer makes these; the
+        if any(not 0 <= t < TOKEN_ID_LIMIT for t in ids):  # no tokenizer makes these; the
             raise ApiError(400, "token ids must be in [0, 2**32)", param="prompt")  # worker
         return ids  # checks its own vocabulary
     text = prompt if isinstance(prompt, str) else str(prompt[0])

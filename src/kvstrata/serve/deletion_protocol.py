@@ -43,6 +43,11 @@ DELETE_PATH: Final = "/admin/delete"
 MAX_DELETE_TOKENS: Final = 1 << 20
 
 
+TOKEN_ID_LIMIT = 1 << 32
+"""Token ids a request may name at the front door or in a delete: [0, 2**32), what the router
+can hash (``identity.router_hash``); each worker checks its own vocabulary."""
+
+
 class SelectorKind(StrEnum):
     ALL = "all"
     PROMPT = "prompt"
@@ -82,8 +87,10 @@ class DeleteRequest(BaseModel):
             )
         if self.all is False:
             raise ValueError('"all" may only be true')
-        if self.prompt_token_ids is not None and any(t < 0 for t in self.prompt_token_ids):
-            raise ValueError("token ids must be non-negative")
+        if self.prompt_token_ids is not None and any(
+            not 0 <= t < TOKEN_ID_LIMIT for t in self.prompt_token_ids
+        ):  # no tokenizer makes others; beyond, the router's hashing refused them with a 500
+            raise ValueError("token ids must be in [0, 2**32)")
         if self.content_from is not None and self.prompt_token_ids is None:
             raise ValueError("content_from goes with prompt_token_ids only")
         return self
@@ -129,6 +136,7 @@ def parse_delete_body(raw: bytes) -> DeleteRequest:
 
 __all__ = [
     "DELETE_PATH",
+    "TOKEN_ID_LIMIT",
     "DeleteRequest",
     "SelectorKind",
     "parse_delete_body",
