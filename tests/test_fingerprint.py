@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -86,6 +87,46 @@ def test_rope_theta_and_known_scaling_move_the_digest(facts: ModelFacts) -> None
     assert isinstance(base, ModelFingerprint)
     assert isinstance(theta, ModelFingerprint) and isinstance(linear, ModelFingerprint)
     assert len({base.digest(), theta.digest(), linear.digest()}) == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rms_norm_eps": 1e-5},
+        {"hidden_act": "gelu"},
+        {"attention_bias": True},
+        {"mlp_bias": True},
+        {"pretraining_tp": 2},
+        {"intermediate_size": 4096},
+    ],
+)
+def test_config_values_that_change_the_forward_move_the_digest(
+    facts: ModelFacts, change: dict[str, Any]
+) -> None:
+    """Same weights, another epsilon / activation / bias use: other KV, so other keys (they
+    were "benign" keys that no field carried, and two such models shared every block)."""
+    base, changed = build_fingerprint(facts), build_fingerprint(with_config(facts, **change))
+    assert isinstance(base, ModelFingerprint)
+    assert isinstance(changed, ReuseDisabled) or changed.digest() != base.digest()
+    assert isinstance(changed, ReuseDisabled) or changed.model_digest() != base.model_digest()
+
+
+def test_the_bound_checkpoint_digest_follows_its_spec(facts: ModelFacts) -> None:
+    from blake3 import blake3
+
+    from kvstrata.identity.fingerprint import NUMERIC_CONFIG_KEYS
+
+    fp = build_fingerprint(facts)
+    assert isinstance(fp, ModelFingerprint)
+    numeric = {key: facts.config.get(key) for key in NUMERIC_CONFIG_KEYS}
+    body = json.dumps(numeric, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    expected = blake3(
+        b"kvstrata.checkpoint.v1\x00" + facts.checkpoint_digest.encode() + b"\x00" + body.encode()
+    ).hexdigest()
+    assert fp.checkpoint_digest == expected
+    assert build_fingerprint(dataclasses.replace(facts, checkpoint_digest="none")) == (
+        ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_CHECKPOINT, "no weight files")
+    )
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,7 @@ class ReuseDisabledReason(StrEnum):
     UNIDENTIFIED_PROCESSOR = "unidentified_multimodal_processor"
     UNIDENTIFIED_INPUT = "unidentified_model_input"
     QUANTIZED_WEIGHTS = "quantized_weights"
+    UNIDENTIFIED_CHECKPOINT = "unidentified_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,44 @@ _LLAMA_BENIGN_KEYS = frozenset(
 )
 
 
+NUMERIC_CONFIG_KEYS = (
+    "attention_bias",
+    "hidden_act",
+    "hidden_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "mlp_bias",
+    "num_attention_heads",
+    "pretraining_tp",
+    "rms_norm_eps",
+    "vocab_size",
+)
+"""Config keys that change what the same weights compute (a norm's epsilon, the activation,
+whether bias tensors are used, the shapes they are read with) and that no other fingerprint
+field carries: bound into the fingerprint's ``checkpoint_digest`` (``bound_checkpoint``)."""
+_CHECKPOINT_TAG = b"kvstrata.checkpoint.v1\x00"
+
+
+def bound_checkpoint(weights_digest: str, config: Mapping[str, Any]) -> str:
+    """The fingerprint's ``checkpoint_digest``: the weight files' digest bound to the config
+    values that decide what those weights compute. Byte-exact::
+
+        numeric = {k: config.get(k) for k in NUMERIC_CONFIG_KEYS}   (absent → null)
+        body    = json.dumps(numeric, sort_keys=True, separators=(",", ":"),
+                             ensure_ascii=True) as ASCII
+        digest  = BLAKE3-256("kvstrata.checkpoint.v1\0" ‖ weights_digest (ASCII) ‖ "\0"
+                             ‖ body), hex
+
+    Two directories with the same weights and a different ``rms_norm_eps`` or
+    ``hidden_act`` (or a runtime override of them) compute different KV: they used to share
+    keys, and one served the other's KV as an exact hit."""
+    numeric = {key: config.get(key) for key in NUMERIC_CONFIG_KEYS}
+    body = json.dumps(numeric, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    hasher = blake3(_CHECKPOINT_TAG)
+    hasher.update(weights_digest.encode("ascii") + b"\x00" + body.encode("ascii"))
+    return hasher.hexdigest()
+
+
 def _digest_text(text: str | None) -> str:
     if text is None:
         return "none"
@@ -272,6 +311,8 @@ def build_fingerprint(facts: ModelFacts) -> ModelFingerprint | ReuseDisabled:
     config = facts.config
     if facts.architecture not in SUPPORTED_ARCHITECTURES:
         return ReuseDisabled(ReuseDisabledReason.UNKNOWN_ARCHITECTURE, facts.architecture)
+    if facts.checkpoint_digest in ("", "none"):  # no weight file we know how to digest
+        return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_CHECKPOINT, "no weight files")
     unknown = sorted(k for k in config if k not in _LLAMA_BENIGN_KEYS)
     if unknown:
         return ReuseDisabled(ReuseDisabledReason.UNKNOWN_CONFIG_KEY, ",".join(unknown))
@@ -307,7 +348,7 @@ def build_fingerprint(facts: ModelFacts) -> ModelFingerprint | ReuseDisabled:
     )
     return ModelFingerprint(
         architecture=facts.architecture,
-        checkpoint_digest=facts.checkpoint_digest,
+        checkpoint_digest=bound_checkpoint(facts.checkpoint_digest, config),
         tokenizer_digest=facts.tokenizer_digest,
         special_tokens=tuple(sorted((str(k), int(v)) for k, v in facts.special_tokens.items())),
         chat_template_digest=_digest_text(facts.chat_template),
