@@ -7,17 +7,24 @@ and the same greedy continuation of 32 tokens.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from kvstrata.engine.adapter import Adapter
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
-from kvstrata.engine.model_loader import LoadedModel, load_model
+from kvstrata.engine.factory import build_engine
+from kvstrata.engine.model_loader import LoadedModel, ensure_checkpoint, load_model
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.verify import verify_tokens
 from kvstrata.identity import ReuseDisabledReason
+from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.telemetry import KvMetrics
+from tier_helpers import worker_tiers
 
 B = 16
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -226,3 +233,35 @@ def test_pool_pressure_evicts_and_stays_exact(tiny_model: LoadedModel) -> None:
     for prompt in prompts:
         _, diff, equal = verify_tokens(engine, prompt, tenant="default", max_tokens=8)
         assert diff <= 1e-4 and equal
+
+
+def test_same_weights_another_config_shares_no_block(tmp_path: Path) -> None:
+    """Two checkpoint directories with the same weight and tokenizer files whose config.json
+    differs in a value that changes the forward (a norm's epsilon, the activation): the
+    second never hits what the first stored on a shared disk tier (it did, and served it)."""
+    source = ensure_checkpoint("tiny")
+    other = tmp_path / "tiny-other-config"
+    shutil.copytree(source, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(rms_norm_eps=0.5, hidden_act="gelu")
+    (other / "config.json").write_text(json.dumps(config))
+    disk = TierConfig("disk", WritePolicy.WRITE_THROUGH)
+
+    def engine_of(model: Path) -> ReferenceEngine:
+        tiers = worker_tiers(disk_dir=tmp_path / "disk", disk_bytes=64 << 20, disk=disk)
+        return build_engine(
+            load_model(str(model)), EngineConfig(block_size=B, pool_blocks=64), tiers
+        )
+
+    prompt = tokens(150, seed=1)
+    first = engine_of(source)
+    first.generate(prompt, SamplingParams(max_tokens=1)).run()
+    first.close()
+    second = engine_of(other)
+    try:
+        fresh = second.generate(prompt, GREEDY_32, use_cache=False).run()
+        cached = second.generate(prompt, GREEDY_32).run()
+        assert cached.record.matched_tokens == 0
+        assert cached.output_ids == fresh.output_ids
+    finally:
+        second.close()
