@@ -17,6 +17,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
+from kvstrata.connectors import vllm_worker
 from kvstrata.connectors.vllm_identity import (
     KV_LAYOUT,
     VllmModelView,
@@ -336,7 +337,9 @@ def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None
     assert line["objects"] == [key.hex()]
 
 
-def test_nothing_computed_on_a_failed_load_is_saved(tmp_path: Path) -> None:
+def test_nothing_computed_on_a_failed_load_is_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Request c loads 3 blocks (block 1 tampered: 1 and 2 fail) and computes 3 more in the
     same step, attending to what the failed loads left in vLLM's cache. None of those may be
     saved: vLLM rewinds c to block 1, recomputes, and the re-save is what a later request
@@ -364,8 +367,10 @@ def test_nothing_computed_on_a_failed_load_is_saved(tmp_path: Path) -> None:
     ids = [4, 5, 6, 7, 8, 9, 0]
     planner.after_alloc("c", ids, 3 * BS)
     plan = planner.build([ScheduledRequest("c", ids, True, 3 * BS, len(c) - 3 * BS)])
+    monkeypatch.setattr(vllm_worker, "MAX_SUSPECT_KEYS", 1)  # the oldest is forgotten
     failed = worker.load(plan.loads)
     assert failed == {5, 6}
+    assert list(worker._suspect) == [planner.request_keys(c, None, 3)[1][2]]
     for t in layers.values():
         t[7:10] = 99.0  # this step's blocks 3…5, computed over the garbage in 5 and 6
     worker.save(plan.saves, skip=failed)  # what wait_for_save does after the forward

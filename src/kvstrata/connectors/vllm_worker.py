@@ -47,6 +47,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -98,6 +99,10 @@ def _touched_rows(count: int, block_bytes: int) -> torch.Tensor:
     rows = np.empty((count, block_bytes), dtype=np.uint8)
     rows.fill(0)
     return torch.from_numpy(rows)
+
+
+MAX_SUSPECT_KEYS = 1 << 16
+"""Keys of failed loads remembered for replacement at most (``ConnectorWorker._suspect``)."""
 
 
 @dataclass
@@ -155,7 +160,9 @@ class ConnectorWorker:
         self._pd_reasons: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._dirty = True
-        self._suspect: set[bytes] = set()  # keys whose load failed: replaced when recomputed
+        # keys whose load failed: replaced when recomputed (oldest forgotten beyond the bound:
+        # a request aborted before recomputing never saves its keys again)
+        self._suspect: OrderedDict[bytes, None] = OrderedDict()
         self._save_staging = Staging(codec.block_bytes)  # the saver thread's
         self._stats_stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
@@ -217,7 +224,9 @@ class ConnectorWorker:
         for request in load.loads:
             done = next((f.loaded for f in result.fetched if f.request is request), 0)
             # vLLM recomputes these blocks; their fresh KV replaces whatever the store holds.
-            self._suspect.update(request.keys[done:])
+            self._suspect.update(dict.fromkeys(request.keys[done:]))
+        while len(self._suspect) > MAX_SUSPECT_KEYS:
+            self._suspect.popitem(last=False)
         if result.timed_out:
             self._count(load_timeouts=1)
             logger.warning(
@@ -285,7 +294,7 @@ class ConnectorWorker:
                     dropped += len(request.blocks) - index  # this one and all computed on it
                     break
                 if block.key in self._suspect:
-                    self._suspect.discard(block.key)
+                    del self._suspect[block.key]
                     self.store.delete([BlockKey(block.key)])  # e.g. bytes not yet read
                 elif self.holds(BlockKey(block.key)):
                     continue
