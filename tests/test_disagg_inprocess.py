@@ -5,6 +5,8 @@ engine hits exactly what it received."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -166,3 +168,42 @@ def test_a_prefill_request_id_that_cannot_be_encoded_is_refused_at_parsing() -> 
     with pytest.raises(ValidationError):
         PrefillRequest.model_validate(body)
     assert PrefillRequest.model_validate({**body, "request_id": "r-1"}).request_id == "r-1"
+
+
+def test_close_cancels_the_transfers_in_flight(
+    tiny_model: LoadedModel, decode: tuple[ReferenceEngine, DecodeTransfers]
+) -> None:
+    """A transfer still streaming when the decode side closes is cancelled (its pending
+    objects aborted, its waiter told) before ``close`` returns: nothing reaches the store
+    afterwards (it went on for up to ``receive_timeout_s``)."""
+    engine, receiver = decode
+    sender = ReferenceEngine(
+        tiny_model, EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
+    )
+    sender.start_loop()
+    prompt = _tokens(64, seed=11)
+    address = (receiver.host, receiver.port)
+    outcome: list[object] = []
+    thread = threading.Thread(
+        target=lambda: outcome.append(
+            prefill_and_send(
+                sender, prompt, "default", "slow", address, tenant_secret=SECRET, layer_delay_s=1.0
+            )
+        )
+    )
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not receiver._receiving and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert receiver._receiving, "the transfer never started"
+        started = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - started < 3
+        assert not receiver._receiving
+        status = receiver.wait("slow", 1)
+        assert status is not None and status.outcome == "cancelled" and status.blocks == 0
+        assert engine.generate(prompt, GREEDY).run().record.matched_tokens == 0
+    finally:
+        thread.join(timeout=30)
+        sender.stop_loop()

@@ -145,6 +145,7 @@ class DecodeTransfers:
         self._lock = threading.Lock()
         self._waiters: OrderedDict[str, _Waiter] = OrderedDict()
         self._active = 0
+        self._receiving: set[TransferReceiver] = set()  # cancelled by close()
         self._listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -157,12 +158,26 @@ class DecodeTransfers:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop accepting, cancel the transfers in flight (their pending objects are aborted,
+        their waiters told ``cancelled``) and wait up to ``wait_s`` for every connection to
+        end, so that nothing is written to the store after this returns (one stuck in a
+        handshake ends at its timeout and writes nothing)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._listener is not None:
             self._listener.close()
+        with self._lock:
+            receiving = list(self._receiving)
+        for receiver in receiving:
+            receiver.cancel()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._receiving:
+                    return
+            time.sleep(0.02)
 
     def info(self) -> dict[str, object]:
         """What ``GET /kv/info`` advertises under ``"transfer"``."""
@@ -294,6 +309,9 @@ class DecodeTransfers:
             reason = answer.reason.value if isinstance(answer, Refuse) else "malformed"
             self._refused(intro, conn, reason, time.monotonic() - start)
             return
+        if self._stop.is_set():  # closing: take nothing more into the store
+            self._refused(intro, conn, "closing", time.monotonic() - start)
+            return
         metas = self._metas(intro, offer, plan)
         receiver = TransferReceiver(
             self._ingress,
@@ -301,9 +319,17 @@ class DecodeTransfers:
             audit=self.audit,
             convert=None if plan.identity else self._conversion(plan, len(offer.blocks)),
         )
-        result = receiver.receive(
-            conn, metas, timeout_s=self.receive_timeout_s, request_id=intro.request_id
-        )
+        with self._lock:
+            self._receiving.add(receiver)
+        try:
+            if self._stop.is_set():  # close() came since the check above
+                receiver.cancel()
+            result = receiver.receive(
+                conn, metas, timeout_s=self.receive_timeout_s, request_id=intro.request_id
+            )
+        finally:
+            with self._lock:
+                self._receiving.discard(receiver)
         self._finish(
             TransferStatus(
                 intro.request_id,
