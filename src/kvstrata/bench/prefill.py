@@ -40,12 +40,7 @@ class PrefillCurve:
             "samples": [
                 {"new_tokens": n, "cached_tokens": c, "seconds": s} for n, c, s in self.samples
             ],
-            "fit": {
-                "overhead_s": self.fitted.overhead_s,
-                "per_token_s": self.fitted.per_token_s,
-                "per_token_ctx_s": self.fitted.per_token_ctx_s,
-                "spread": self.fitted.spread,
-            },
+            "fit": {**self.fitted.terms(), "spread": self.fitted.spread},
         }
 
 

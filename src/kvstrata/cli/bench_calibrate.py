@@ -94,14 +94,6 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _model_dict(model: PrefillModel) -> dict[str, float]:
-    return {
-        "overhead_s": model.overhead_s,
-        "per_token_s": model.per_token_s,
-        "per_token_ctx_s": model.per_token_ctx_s,
-    }
-
-
 def device_blocks(pool_gib: float, block_tokens: int) -> int:
     """Live blocks of ``block_tokens`` SmolLM2 fp32 tokens in ``pool_gib``."""
     return int(pool_gib * GIB) // (block_tokens * SMOLLM2_KV_BYTES_PER_TOKEN)
@@ -237,8 +229,8 @@ def _report(
             for n, c, t in live.probes
         ],
         "prefill_models": {
-            HEADLINE: _model_dict(reference_cpu().cost.prefill),
-            **({"measured": _model_dict(measured)} if measured is not None else {}),
+            HEADLINE: reference_cpu().cost.prefill.terms(),
+            **({"measured": measured.terms()} if measured is not None else {}),
         },
         "source": f"{args.trace} from {args.start_s:g} s, first {args.limit}",
         "repeats": args.repeats,

@@ -103,6 +103,14 @@ class PrefillModel:
         attention = new_tokens * (cached_tokens + new_tokens / 2.0)
         return new_tokens * self.per_token_s + attention * self.per_token_ctx_s
 
+    def terms(self) -> dict[str, float]:
+        """The three fitted terms by name (what reports print of a model)."""
+        return {
+            "overhead_s": self.overhead_s,
+            "per_token_s": self.per_token_s,
+            "per_token_ctx_s": self.per_token_ctx_s,
+        }
+
     def kv_bytes(self, tokens: int) -> int:
         return self.kv_bytes_per_token * tokens
 
