@@ -43,3 +43,19 @@ def test_cli_prints_the_samples_and_the_fit(capsys: pytest.CaptureFixture[str]) 
     data = json.loads(capsys.readouterr().out)
     assert [s["cached_tokens"] for s in data["samples"]] == [0, 0, 16]
     assert set(data["fit"]) == {"overhead_s", "per_token_s", "per_token_ctx_s", "spread"}
+
+
+@pytest.mark.slow
+def test_served_points_time_a_real_fleet_and_check_each_hit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--served``: a real ``kvstrata up`` fleet of the tiny model; every cached point hit
+    exactly its prefix through the front door (``time_points`` raises otherwise)."""
+    assert main(["bench", "prefill", "--served", "--model", "tiny", "--workers", "1",
+                 "--repeat", "2", "--points", "16,48,32+16,64+32", "--json"]) == 0  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "tiny-served"
+    samples = [(s["new_tokens"], s["cached_tokens"]) for s in data["samples"]]
+    assert samples == [(16, 0), (48, 0), (16, 32), (32, 64)]
+    assert all(s["seconds"] > 0 for s in data["samples"])
+    assert data["fit"]["spread"] >= 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import sys
@@ -61,7 +62,14 @@ class LiveResult:
 
 
 def fleet_command(
-    python: str, *, workers: int, port: int, policy: str, pool_gib: float, pin_cpus: bool = True
+    python: str,
+    *,
+    workers: int,
+    port: int,
+    policy: str,
+    pool_gib: float,
+    pin_cpus: bool = True,
+    model: str = MODEL_NAME,
 ) -> list[str]:
     """``kvstrata up``'s command line; ``pin_cpus``: each worker owns its share of the CPUs
     (``--pin-cpus``), as the ``reference-cpu`` profile assumes (one core per worker)."""
@@ -69,7 +77,7 @@ def fleet_command(
         python, "-m", "kvstrata.cli.main", "up",
         "--workers", str(workers),
         "--port", str(port),
-        "--model", MODEL_NAME,
+        "--model", model,
         "--policy", policy,
         "--pool-gib", repr(pool_gib),
         "--host-gib", "0",
@@ -87,9 +95,9 @@ def _env(tmp: Path, omp_threads: int) -> dict[str, str]:
     return env
 
 
-def _body(tokens: list[int], max_tokens: int) -> dict[str, Any]:
+def _body(tokens: list[int], max_tokens: int, model: str) -> dict[str, Any]:
     return {
-        "model": MODEL_NAME,
+        "model": model,
         "prompt": tokens,
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -153,6 +161,7 @@ async def _probe(
     rounds: int,
     lengths: Sequence[int],
     say: Callable[[str], None],
+    model: str,
 ) -> list[tuple[int, int, float]]:
     rng = random.Random(0xC0FFEE)
     samples: list[tuple[int, int, float]] = []
@@ -160,11 +169,42 @@ async def _probe(
         for length in lengths:
             prompt = _random_tokens(rng, length)
             for tokens in (prompt, prompt + _random_tokens(rng, PROBE_TAIL)):
-                answer = await _send(client, base, _body(tokens, 1))
+                answer = await _send(client, base, _body(tokens, 1, model))
                 if answer.ttft_s is None:
                     raise InvalidInput(f"probe failed: {answer.error}")
                 samples.append((len(tokens) - answer.cached, answer.cached, answer.ttft_s))
                 say(f"probe: {len(tokens)} tokens, {answer.cached} cached: {answer.ttft_s:.3f} s")
+    return samples
+
+
+async def _time_points(
+    client: httpx.AsyncClient,
+    base: str,
+    points: Sequence[tuple[int, int]],
+    repeats: int,
+    say: Callable[[str], None],
+    model: str,
+) -> list[tuple[int, int, float]]:
+    rng = random.Random(0x5EED)
+    samples: list[tuple[int, int, float]] = []
+    for new, cached in points:
+        best = math.inf
+        for _ in range(repeats):  # fresh random tokens each time: no repeat hits an earlier one
+            prefix = _random_tokens(rng, cached)
+            if cached:  # stored by this untimed request, hit by the timed one
+                stored = await _send(client, base, _body(prefix, 1, model))
+                if stored.ttft_s is None:
+                    raise InvalidInput(f"point {cached}+{new}: the prefix failed: {stored.error}")
+            answer = await _send(client, base, _body(prefix + _random_tokens(rng, new), 1, model))
+            if answer.ttft_s is None:
+                raise InvalidInput(f"point {cached}+{new} failed: {answer.error}")
+            if answer.cached != cached:
+                raise InvalidInput(
+                    f"point {cached}+{new}: the worker reported {answer.cached} cached tokens"
+                )
+            best = min(best, answer.ttft_s)
+        say(f"served: {cached}+{new}: {best:.4f} s")
+        samples.append((new, cached, best))
     return samples
 
 
@@ -174,8 +214,9 @@ async def _replay(
     requests: Sequence[LiveRequest],
     block_tokens: int,
     say: Callable[[str], None],
+    model: str,
 ) -> list[_Answer]:
-    bodies = [_body(prompt_ids(r, block_tokens), r.output_tokens) for r in requests]
+    bodies = [_body(prompt_ids(r, block_tokens), r.output_tokens, model) for r in requests]
     start = time.perf_counter()
 
     async def one(i: int) -> _Answer:
@@ -190,7 +231,7 @@ async def _replay(
     return list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
 
 
-async def _wait_workers(base: str, workers: int) -> None:
+async def _wait_workers(base: str, workers: int, model: str) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -198,7 +239,7 @@ async def _wait_workers(base: str, workers: int) -> None:
                 health = (await client.get(f"{base}/health")).json()
                 if int(health.get("workers", 0)) >= workers:
                     warm = random.Random(7)
-                    bodies = [_body(_random_tokens(warm, 8), 2) for _ in range(workers)]
+                    bodies = [_body(_random_tokens(warm, 8), 2, model) for _ in range(workers)]
                     await asyncio.gather(*(_send(client, base, body) for body in bodies))
                     return
             except (httpx.HTTPError, ValueError):
@@ -213,17 +254,32 @@ def _client() -> httpx.AsyncClient:
 
 
 async def _probe_session(
-    base: str, rounds: int, lengths: Sequence[int], say: Callable[[str], None]
+    base: str, rounds: int, lengths: Sequence[int], say: Callable[[str], None], model: str
 ) -> list[tuple[int, int, float]]:
     async with _client() as client:
-        return await _probe(client, base, rounds, lengths, say)
+        return await _probe(client, base, rounds, lengths, say, model)
+
+
+async def _points_session(
+    base: str,
+    points: Sequence[tuple[int, int]],
+    repeats: int,
+    say: Callable[[str], None],
+    model: str,
+) -> list[tuple[int, int, float]]:
+    async with _client() as client:
+        return await _time_points(client, base, points, repeats, say, model)
 
 
 async def _replay_session(
-    base: str, requests: Sequence[LiveRequest], block_tokens: int, say: Callable[[str], None]
+    base: str,
+    requests: Sequence[LiveRequest],
+    block_tokens: int,
+    say: Callable[[str], None],
+    model: str,
 ) -> list[_Answer]:
     async with _client() as client:
-        return await _replay(client, base, requests, block_tokens, say)
+        return await _replay(client, base, requests, block_tokens, say, model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,13 +290,23 @@ class LiveFleet:
     workers: int
     ready_s: float
     say: Callable[[str], None]
+    model: str = MODEL_NAME
 
     def probe(self, rounds: int, max_prompt_tokens: int) -> list[tuple[int, int, float]]:
         """``(new, cached, seconds)`` samples (module docstring); [] for 0 rounds."""
         if not rounds:
             return []
         lengths = probe_lengths(max_prompt_tokens)
-        return asyncio.run(_probe_session(self.base, rounds, lengths, self.say))
+        return asyncio.run(_probe_session(self.base, rounds, lengths, self.say, self.model))
+
+    def time_points(
+        self, points: Sequence[tuple[int, int]], repeats: int
+    ) -> list[tuple[int, int, float]]:
+        """``(new, cached, seconds)`` per ``(new, cached)`` point: the TTFT of one request of
+        ``max_tokens = 1`` on the idle fleet, minimum of ``repeats``, each on fresh random
+        tokens; ``cached > 0`` points first send the ``cached``-token prefix (untimed, stored)
+        and check the timed request hit exactly that many tokens."""
+        return asyncio.run(_points_session(self.base, points, repeats, self.say, self.model))
 
     def replay(
         self,
@@ -249,7 +315,9 @@ class LiveFleet:
         probes: Sequence[tuple[int, int, float]] = (),
     ) -> LiveResult:
         started = time.perf_counter()
-        answers = asyncio.run(_replay_session(self.base, requests, block_tokens, self.say))
+        answers = asyncio.run(
+            _replay_session(self.base, requests, block_tokens, self.say, self.model)
+        )
         wall = time.perf_counter() - started
         served: dict[str, int] = {}
         for answer in answers:
@@ -276,6 +344,7 @@ def live_fleet(
     pin_cpus: bool = True,
     python: str | None = None,
     say: Callable[[str], None] | None = None,
+    model: str = MODEL_NAME,
 ) -> Iterator[LiveFleet]:
     """Start ``kvstrata up`` (module docstring), wait for every worker, warm it; always kill
     its process group on the way out."""
@@ -291,13 +360,14 @@ def live_fleet(
             policy=policy,
             pool_gib=pool_gib,
             pin_cpus=pin_cpus,
+            model=model,
         )
         started = time.perf_counter()
         with running_server(command, _env(tmp, omp_threads), log, port, name="fleet") as base:
             try:
-                asyncio.run(_wait_workers(base, workers))
+                asyncio.run(_wait_workers(base, workers, model))
             except InvalidInput as exc:
                 raise InvalidInput(f"{exc}\nfleet log:\n{tail(log)}") from exc
             ready_s = time.perf_counter() - started
             log_line(f"calibrate: fleet of {workers} up in {ready_s:.1f} s")
-            yield LiveFleet(base, workers, ready_s, log_line)
+            yield LiveFleet(base, workers, ready_s, log_line, model)

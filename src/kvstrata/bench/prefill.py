@@ -7,6 +7,15 @@ exactly ``c`` tokens; ``c = 0`` points look nothing up. No timed run stores anyt
 point never turns the next one into a hit. Every point is timed ``repeats`` times and the
 minimum kept (as :func:`kvstrata.costs.calibrate` does: background load only adds time).
 
+**Served** (:func:`run_served_curve`, ``--served``): the same points timed as the fleet sees
+a worker: a real ``kvstrata up --pin-cpus`` fleet (``bench calibrate``'s, one core and one
+torch thread per worker), one request of ``max_tokens = 1`` at a time through its front door,
+TTFT at the client. That adds what the engine alone does not pay: HTTP and routing,
+tokenizing nothing (token-id prompts) but the worker's scheduler, whose 512-token step budget
+splits a long prefill into chunks, and storing the computed blocks. A ``c > 0`` point first
+sends the ``c``-token prefix (stored) and checks the timed request hit exactly ``c`` tokens;
+every repeat uses fresh random tokens.
+
 The fitted model is :func:`kvstrata.costs.fit`, the one least-squares fit the fleet's online
 refit and ``bench calibrate`` use, so a profile built from these samples prices a forward
 exactly as a fleet that measured the same timings would.
@@ -83,3 +92,25 @@ def run_prefill_curve(
 
     samples = tuple((n, c, min(measure(n, c) for _ in range(repeats))) for n, c in points)
     return PrefillCurve(model, repeats, samples, fit(samples, name=f"{model}-measured"))
+
+
+def run_served_curve(
+    points: tuple[tuple[int, int], ...],
+    *,
+    repeats: int,
+    workers: int,
+    pool_gib: float,
+    model: str = "smollm2",
+) -> PrefillCurve:
+    """Time every point on a live fleet of ``model`` (module docstring) and fit the
+    three-term model."""
+    from kvstrata.bench.calibrate_live import live_fleet
+
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
+    for n, c in points:
+        if n < 1 or c < 0:
+            raise InvalidInput(f"point ({n}, {c}): need new tokens >= 1 and cached >= 0")
+    with live_fleet(workers=workers, policy="kvstrata", pool_gib=pool_gib, model=model) as fleet:
+        samples = tuple(fleet.time_points(points, repeats))
+    return PrefillCurve(f"{model}-served", repeats, samples, fit(samples, name=f"{model}-served"))

@@ -8,10 +8,13 @@ simulator profile is fitted to (:mod:`kvstrata.costs.profiles`).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.cli.output import emit
 from kvstrata.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from kvstrata.bench.prefill import PrefillCurve
 
 
 def _points(text: str) -> tuple[tuple[int, int], ...]:
@@ -44,26 +47,49 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="timings per point (minimum kept)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="time the points through a live `kvstrata up --pin-cpus` fleet's front door"
+        " (TTFT of one request at a time) instead of the engine alone",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="--served: the fleet's workers")
+    parser.add_argument("--pool-gib", type=float, default=1.0, help="--served: pool per worker")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _engine_curve(args: argparse.Namespace) -> PrefillCurve:
     from kvstrata.bench.prefill import run_prefill_curve
     from kvstrata.engine.engine import EngineConfig
     from kvstrata.engine.factory import build_engine
     from kvstrata.engine.model_loader import load_model
 
-    if not args.points:
-        raise InvalidInput("--points: give at least 3 points")
     longest = max(n + c for n, c in args.points)
     loaded = load_model(args.model)
     pool_blocks = 2 * (longest + args.block_size) // args.block_size + 8
     engine = build_engine(loaded, EngineConfig(block_size=args.block_size, pool_blocks=pool_blocks))
     try:
-        curve = run_prefill_curve(engine, args.points, model=args.model, repeats=args.repeat)
+        return run_prefill_curve(engine, args.points, model=args.model, repeats=args.repeat)
     finally:
         engine.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.bench.prefill import run_served_curve
+
+    if not args.points:
+        raise InvalidInput("--points: give at least 3 points")
+    if args.served:
+        curve = run_served_curve(
+            args.points,
+            repeats=args.repeat,
+            workers=args.workers,
+            pool_gib=args.pool_gib,
+            model=args.model,
+        )
+    else:
+        curve = _engine_curve(args)
     data = curve.to_dict()
     fitted = data["fit"]
     rows: list[tuple[str, str]] = [
@@ -79,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     emit(
         data,
         as_json=args.json,
-        title=f"kvstrata bench prefill ({args.model}, min of {args.repeat})",
+        title=f"kvstrata bench prefill ({curve.model}, min of {args.repeat})",
         columns=("point (cached+new)", "seconds"),
         rows=rows,
     )
