@@ -179,3 +179,44 @@ def test_a_second_live_worker_with_the_same_id_is_refused() -> None:
         assert [view.url for view in fleet.worker_views()] == ["http://b"]
     finally:
         fleet.close()
+
+
+def test_a_worker_restarted_with_another_model_gets_no_more_traffic() -> None:
+    """A worker comes back at its URL (new epoch) serving another model: the health round
+    refuses to attach it, and the incarnation the fleet knew (whose KV and model are gone)
+    must stop getting requests. It kept them (review finding, stop 35)."""
+    served = {"w0": ("ab" * 32, 1), "w1": ("ab" * 32, 1)}
+
+    def info(request: httpx.Request) -> httpx.Response:
+        fingerprint, epoch = served[request.url.host]
+        body = {**_info(request).json(), "fingerprint": fingerprint, "epoch": epoch}
+        return httpx.Response(200, json=body)
+
+    urls = ["http://w0", "http://w1"]
+    config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=urls)
+    http = httpx.Client(transport=httpx.MockTransport(info))
+    fleet = Fleet(cast(FleetTokenizer, object()), config, http=http)
+    try:
+        fleet.check_health()
+        served["w1"] = ("cd" * 32, 2)
+        fleet.check_health()
+        assert {v.worker_id: v.healthy for v in fleet.worker_views()} == {"w0": True, "w1": False}
+        chosen = {fleet.reserve(f"r{i}", "tenant", _cold_prompt(i), 8).worker_id for i in range(8)}
+        assert chosen == {"w0"}
+    finally:
+        fleet.close()
+
+
+def test_a_slow_detach_still_stops_a_dead_workers_traffic(fleet: Fleet) -> None:
+    """``mark_dead`` waits on the event thread to drop the index entries; when that wait timed
+    out, the worker stayed routable for good (the next rounds found it already detached)."""
+    assert fleet._events is not None
+
+    def slow(worker_id: str, timeout_s: float = 10.0) -> None:
+        raise TimeoutError
+
+    fleet._events.detach = slow  # type: ignore[method-assign]
+    fleet.mark_dead("w1")
+    assert not {v.worker_id: v.healthy for v in fleet.worker_views()}["w1"]
+    chosen = {fleet.reserve(f"r{i}", "t", _cold_prompt(i), 8).worker_id for i in range(12)}
+    assert "w1" not in chosen

@@ -228,7 +228,10 @@ class Fleet(FleetRouting):
                 return
             state.attached = False
         if self._events is not None:
-            self._events.detach(worker_id)  # waits on the event thread: outside the lock
+            try:  # waits on the event thread: outside the lock
+                self._events.detach(worker_id)
+            except TimeoutError:  # the detach stays queued and runs when the thread gets to it
+                _log.warning("detaching %s is slow: stopping its traffic first", worker_id)
         with self._lock:
             self._stop_traffic(state)
             listeners = list(self._dead_listeners)
@@ -283,6 +286,9 @@ class Fleet(FleetRouting):
                     self.attach(url)
                 except (httpx.HTTPError, WorkerProtocolError, TimeoutError) as exc:
                     _log.warning("attaching %s failed: %s", url, exc)
+                    if state is not None and info.epoch != state.info.epoch:
+                        # the incarnation the fleet knows is gone: its KV and its model with it
+                        self.mark_dead(state.worker_id)
                     continue
             with self._lock:
                 current = self._table.by_id.get(info.worker_id)
