@@ -17,6 +17,7 @@ from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.serve import transfer_receiver
@@ -207,3 +208,18 @@ def test_close_cancels_the_transfers_in_flight(
     finally:
         thread.join(timeout=30)
         sender.stop_loop()
+
+
+def test_a_transfer_listener_without_a_tenant_secret_refuses_to_start(
+    tiny_model: LoadedModel,
+) -> None:
+    """Intros are MACed with the tenant secret: with none, anyone who reached the port could
+    compute a valid intro for any tenant and commit KV of its choosing (a review reproduced
+    another checkpoint's KV served as a hit). The listener now refuses to start."""
+    worker = load_worker_config(raw={"tiers": [{"name": "host", "gib": 0.01}]}, source="test")
+    engine = build_engine(tiny_model, EngineConfig(block_size=16, pool_blocks=16), worker)
+    try:
+        with pytest.raises(ConfigError, match="tenant secret"):
+            DecodeTransfers(engine)
+    finally:
+        engine.close()

@@ -54,7 +54,9 @@ def attached(tmp_path: Path) -> Iterator[str]:
     ensure_checkpoint("tiny")
     security, router_flags = fleet_security(tmp_path)
     config = tmp_path / "worker.toml"
-    config.write_text(security)
+    secret = tmp_path / "tenant.secret"  # the decode worker's transfer listener needs one
+    secret.write_bytes(b"attach-disagg-secret")
+    config.write_text(f'tenant_secret_file = "{secret}"\n{security}')
     shares = split_cpus(2, sorted(os.sched_getaffinity(0)))
     specs = [
         WorkerSpec(worker_id=name, port=free_port(), pool_gib=0.05, host_gib=0.05,

@@ -11,12 +11,10 @@ remote tier at that url in one namespace, so all of them share its objects and i
 ``up`` returns, on SIGINT and on SIGTERM (whose handler here turns it into an exception, so
 the workers and the server are stopped before the process ends as SIGTERM ends it).
 
-Keys (``_fleet_key``): ``up`` always mints a fleet key for its router, in a run directory
-(0700, removed when ``up`` returns). Every worker gets it as ``--fleet-key-file`` (one more
-credential, role fleet, beside the operator's ``--keys-file`` if any, which the workers and
-the front door read in place, so editing it takes effect without a restart); the router
-presents it to read ``/kv/info`` and ``/kv/dump``. Without a keys file clients stay
-anonymous (single-tenant) while the dump still needs the fleet key.
+Keys (:mod:`kvstrata.cli.up_keys`): ``up`` always mints a fleet key for its router and the
+event streams' CURVE certificates, and a tenant secret for a fleet with decode workers that
+has none. Without a keys file clients stay anonymous (single-tenant) while the dump still
+needs the fleet key.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 from types import FrameType
@@ -35,12 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.cli import security_args
 from kvstrata.cli.disagg_args import disagg_arguments, disagg_settings
+from kvstrata.cli.up_keys import (
+    fleet_curve,
+    mint_fleet_key,
+    mint_tenant_secret,
+    security_worker_args,
+)
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB
 
 if TYPE_CHECKING:
-    from kvstrata.fleet.curve_keys import FleetKeys
     from kvstrata.fleet.source import WorkerSource
 
 _log = logging.getLogger(__name__)
@@ -242,28 +243,6 @@ def _serve_frontdoor(
         )
 
 
-def _fleet_key(cleanup: contextlib.ExitStack) -> tuple[str, Path]:
-    """A new fleet key and the file holding it, in a run directory removed at exit."""
-    from kvstrata.security import generate_api_key
-
-    run_dir = Path(tempfile.mkdtemp(prefix="kvstrata-up-"))  # mode 0700
-    cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
-    key = generate_api_key()
-    path = run_dir / "fleet.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(key + "\n")
-    return key, path
-
-
-def _security_worker_args(args: argparse.Namespace, fleet_key_file: Path) -> list[str]:
-    """What every worker of ``up`` gets: the fleet key and the operator's keys file."""
-    extra = ["--fleet-key-file", str(fleet_key_file)]
-    if args.keys_file is not None:
-        extra += ["--keys-file", str(args.keys_file.resolve())]
-    return extra
-
-
 def _check(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         raise InvalidInput("--port must lie in 1..65535")
@@ -327,9 +306,12 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     remote_url = _remote_url(args, cleanup)
-    curve = _fleet_curve(cleanup)
-    fleet_key, fleet_key_file = _fleet_key(cleanup)
+    curve = fleet_curve(cleanup)
+    fleet_key, fleet_key_file = mint_fleet_key(cleanup)
     config = worker_config(args, remote_url=remote_url)
+    if not config.tenant_secret and any(role == "decode" for _, role in _roles(args)):
+        args.tenant_secret_file = mint_tenant_secret(fleet_key_file.parent)
+        config = worker_config(args, remote_url=remote_url)
     _announce_remote(config, len(_roles(args)), embedded=args.remote == "embedded")
     disk = config.tier("disk")
     config_path = args.config.resolve() if args.config is not None else None
@@ -338,7 +320,7 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
         if args.tenant_secret_file is not None
         else []
     )
-    common += curve.worker_args() + _security_worker_args(args, fleet_key_file)
+    common += curve.worker_args() + security_worker_args(args, fleet_key_file)
     roles = _roles(args)
     shares = split_cpus(len(roles), sorted(os.sched_getaffinity(0))) if args.pin_cpus else None
 
@@ -388,15 +370,6 @@ def _roles(args: argparse.Namespace) -> list[tuple[str, str]]:
         decode = [(f"d{i}", "decode") for i in range(args.decode_workers)]
         return decode + [(f"p{i}", "prefill") for i in range(args.prefill_workers)]
     return [(f"w{i}", "colocated") for i in range(args.workers)]
-
-
-def _fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:
-    """The fleet's CURVE certificates, in a 0700 run directory removed when ``up`` exits."""
-    from kvstrata.fleet.curve_keys import FleetKeys
-
-    keys = FleetKeys.generate()
-    cleanup.callback(keys.remove)
-    return keys
 
 
 def _remote_url(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> str | None:

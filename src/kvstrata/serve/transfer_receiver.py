@@ -120,6 +120,12 @@ class DecodeTransfers:
         receive_timeout_s: float = 60.0,
         tenant_secret: bytes = b"",
     ) -> None:
+        if not tenant_secret:
+            raise ConfigError(
+                "a transfer listener needs the deployment's tenant secret: without one, anyone"
+                " who reaches its port can write KV for any tenant",
+                key="tenant_secret_file",
+            )
         if engine.bridge is None or not engine.bridge.store.levels:
             raise ConfigError("a decode worker needs a store tier to receive transfers into")
         if not isinstance(engine.fingerprint, ModelFingerprint):
