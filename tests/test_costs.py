@@ -244,3 +244,44 @@ def test_online_fit_spread_of_the_prior_until_timings_judge_it() -> None:
     for a, c, s in _noisy(40, 0.05, seed=1):
         online.observe(a, c, s)
     assert online.model().name == "online" and online.model().spread < 0.1
+
+
+def test_online_fit_needs_shapes_that_pin_all_three_terms() -> None:
+    """Eight forwards of 16 new tokens after different hits: the overhead and the per-token
+    cost are the same column there, and the minimum-norm split priced a fresh 2,048-token
+    prompt at 2.5× its cost with a spread of 0 (review finding, stop 35)."""
+    truth = smollm2_cpu_worker()
+    online = OnlinePrefillFit(PRIOR)
+    for cached in range(0, 8 * 256, 256):
+        online.observe(16, cached, truth.seconds(16, cached))
+    assert replace(online.model(), spread=0.0) == PRIOR
+    online.observe(512, 0, truth.seconds(512, 0))
+    assert online.model().seconds(2048) == pytest.approx(truth.seconds(2048), rel=1e-6)
+
+
+def test_one_stalled_forward_does_not_move_the_fit() -> None:
+    """A 120 s stall among 256 good timings multiplied a 2,048-token price by 4.4; the fit
+    now drops its outliers (more than 4× off) and refits."""
+    truth = smollm2_cpu_worker()
+    online = OnlinePrefillFit(PRIOR)
+    rng = np.random.default_rng(1)
+    for _ in range(255):
+        new, cached = int(rng.integers(16, 2048)), int(rng.integers(0, 2048))
+        online.observe(new, cached, truth.seconds(new, cached) * float(rng.uniform(0.95, 1.05)))
+    online.observe(2048, 0, 120.0)
+    assert online.model().seconds(2048) == pytest.approx(truth.seconds(2048), rel=0.03)
+    online.observe(16, 0, 1e300)  # a bad header: ignored, so nothing can overflow
+    assert online.samples == 256
+
+
+def test_a_device_that_really_slowed_down_is_followed() -> None:
+    """Outlier deletion stops after window / 16 samples: a real 5× slowdown is learned."""
+    truth = smollm2_cpu_worker()
+    slow = replace(truth, per_token_s=5 * truth.per_token_s, overhead_s=5 * truth.overhead_s)
+    online = OnlinePrefillFit(PRIOR, window=64)
+    rng = np.random.default_rng(2)
+    for model in (truth, slow):
+        for _ in range(64):
+            new, cached = int(rng.integers(16, 2048)), int(rng.integers(0, 512))
+            online.observe(new, cached, model.seconds(new, cached))
+        assert online.model().seconds(1024) == pytest.approx(model.seconds(1024), rel=0.02)

@@ -56,6 +56,9 @@ DEFAULT_RISK_Z: Final = 1.2816
 the log scale of the cost model's error), not their mean: a wrong estimate costs a request
 more when it under-states the wait (it joins a queue that is longer than believed) than
 when it over-states it."""
+MAX_LOG_RISK: Final = math.log(1e3)
+"""The risk factor ``exp(z · spread)`` stops at 1,000×: a fit poisoned by an absurd timing must
+price a worker as slow, never overflow (which failed every routing call)."""
 _REFERENCE_BUSY: Final = 0.8
 _MAX_LOAD_FACTOR: Final = 4.0
 
@@ -242,7 +245,7 @@ class KvstrataPolicy:
         still prices with a prior). Fetch (measured per block) and decode interference stay.
         """
         spread = self.estimator.profiles(estimate.worker_id).prefill.spread
-        factor = math.exp(self.risk_z * spread)
+        factor = math.exp(min(self.risk_z * spread, MAX_LOG_RISK))
         queue = estimate.queue_s * factor
         return queue, queue + prefill_s * factor + estimate.fetch_s + estimate.interference_s
 
