@@ -329,7 +329,7 @@ def test_a_target_that_is_no_transfer_listener_is_sent_nothing_and_described_to_
     with foreign_service(b"HTTP/1.1 400 Bad Request\r\n\r\n", linger_s=5) as service:
         for port in (service.address[1], closed):
             body = {
-                "request_id": "FLUSHALL\r\nSET pwned 1\r\n",
+                "request_id": "req-foreign",
                 "prompt_token_ids": _prompt(6, 2 * BLOCK),
                 "target": {"host": "127.0.0.1", "port": port},
             }
@@ -337,6 +337,11 @@ def test_a_target_that_is_no_transfer_listener_is_sent_nothing_and_described_to_
             assert response.status_code == 200, response.text
             answer = response.json()
             assert answer["outcome"] == "unreachable" and answer["reason"] == UNREACHABLE
+            # a request id is logged and audited: one that could forge a line is refused
+            forged = {**body, "request_id": "x\nINFO kvstrata.audit {}\r\nSET pwned 1"}
+            response = httpx.post(f"{workers.prefill.url}/kv/prefill", json=forged, timeout=60)
+            assert response.status_code == 400, response.text
+            assert "request_id" in response.text
     assert service.received == b""
 
 

@@ -394,3 +394,74 @@ def test_binding_subscriber_accepts_connecting_publisher(
         received += _receive(sub, 1)
         pub.close(linger=0)
     assert [batch.seq for batch in received] == [0, 1]
+
+
+def test_a_replay_longer_than_zmqs_default_queue_arrives_whole(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A ROUTER drops what its peer's queue (1,000 messages by default) cannot take: a replay
+    of 3,000 batches lost a middle run and ended in a resync (review finding, stop 35)."""
+    stored = BlockStored(list(range(256)), None, list(range(4096)), 16, None, "GPU", None)
+    with _replaying_pair(ctx, 0, buffer_steps=3010) as (publisher, _sub):
+        for _ in range(3000):
+            publisher.publish([stored])
+        assert publisher.replay_endpoint is not None
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # as the subscriber's: only the sender may drop
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", _seq(0)])
+        time.sleep(1.0)  # the publisher sends the whole replay while nobody reads it
+        seqs: list[int] = []
+        while dealer.poll(int(TIMEOUT_S * 1000)):
+            seq = int.from_bytes(dealer.recv_multipart()[1], "big", signed=True)
+            if seq < 0:
+                break
+            seqs.append(seq)
+        dealer.close(linger=0)
+    assert seqs == list(range(3000))
+
+
+def test_a_hole_inside_a_replay_is_a_resync_even_in_history_mode(
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
+) -> None:
+    """A replay buffer evicts its oldest batches first, so a hole *before* the first batch a
+    replay returns is an eviction (history mode: counted, no resync); a hole after it is a
+    lost reply. In history mode that was counted as truncation and the index kept the blocks
+    the lost batches had removed."""
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer_with_a_hole() -> None:
+        while not stop.is_set():
+            if router.poll(10):
+                client = router.recv_multipart()[0]
+                for seq in (1, 3, 4, 5):  # 0 evicted, 2 lost on the way
+                    payload = encode_batch(make_batch([_stored(seq)], ts=float(seq)))
+                    router.send_multipart([client, b"", _seq(seq), payload])
+                router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    thread = threading.Thread(target=answer_with_a_hole, name="holed-replay")
+    thread.start()
+    try:
+        with ZmqEventSubscriber(
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{replay_port}",
+            context=ctx,
+            background_replay=background,
+        ) as sub:
+            sub.resume_from(0, history=True)
+            _wait_subscribed(xpub)
+            payload = encode_batch(make_batch([_stored(5)], ts=5.0))
+            xpub.send_multipart([b"", _seq(5), payload])
+            resync: list[bool] = []
+            received = _receive(sub, 4, resync=resync)
+    finally:
+        stop.set()
+        thread.join(TIMEOUT_S)
+        for socket in (xpub, router):
+            socket.close(linger=0)
+    assert [batch.seq for batch in received] == [1, 3, 4, 5]
+    assert resync == [True] and sub.stats.resyncs_needed == 1

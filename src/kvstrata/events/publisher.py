@@ -143,6 +143,9 @@ class ZmqEventPublisher:
         self._endpoint = _bind(self._pub, self._endpoint)
         if self._replay_endpoint is not None:
             self._replay = self._socket(context, zmq.ROUTER)
+            # a ROUTER silently drops what its peer's queue cannot take (1,000 by default):
+            # one whole replay (the buffer and its end marker) must fit
+            self._replay.setsockopt(zmq.SNDHWM, (self._buffer.maxlen or 0) + 2)
             self._replay_endpoint = _bind(self._replay, self._replay_endpoint)
         return self
 

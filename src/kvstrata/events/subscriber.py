@@ -294,6 +294,9 @@ class ZmqEventSubscriber:
         """Deliver the replay of ``[expected, live_seq)``; flag a resync for whatever it cannot
         cover (``replies`` None: unanswered).
 
+        A hole *after* the first batch delivered is not an eviction (a buffer evicts its oldest
+        first) but a reply lost on the way: a resync, in history mode too.
+
         False when the publisher's replay answered and holds nothing at or past ``live_seq``:
         it has not sent that number (a publisher buffers a batch before sending it), so the
         live frame is forged or corrupt and the caller drops it. ``_expected`` does not move to
@@ -306,19 +309,23 @@ class ZmqEventSubscriber:
         if trusted:
             self.stats.gaps += 1
             self.stats.missed_batches += live_seq - self._expected
-        evicted = False
+        evicted = lost = False
+        delivered = 0
         for seq, payload in replies or []:
             if seq >= live_seq:
                 break
             if seq < self._expected:
                 continue
-            if seq > self._expected:
-                evicted = True  # the oldest missing batches were already evicted
+            if seq > self._expected:  # before the first: the oldest were evicted; later: lost
+                lost = lost or delivered > 0
+                evicted = True
             self._accept(seq, payload, result, replayed=True)
+            delivered += 1
         if trusted and self._expected < live_seq:
+            lost = lost or delivered > 0  # a buffer holding live_seq holds all after the first
             evicted = True
             self._expected = live_seq
-        if replies is None or (evicted and not history):
+        if replies is None or lost or (evicted and not history):
             self.stats.resyncs_needed += 1
             result.resync_needed = True
         elif evicted:

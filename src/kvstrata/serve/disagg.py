@@ -26,7 +26,7 @@ from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.errors import ApiError
@@ -34,7 +34,7 @@ from kvstrata.runtime.transfer_config import TransferConfig
 from kvstrata.security import Principal, Role
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
 from kvstrata.serve.auth import HttpAuth
-from kvstrata.serve.protocol import MAX_TENANT_CHARS, TransferWait, _Strict, valid_text
+from kvstrata.serve.protocol import MAX_TENANT_CHARS, TRANSFER_ID_PATTERN, TransferWait, _Strict
 from kvstrata.serve.transfer_receiver import DecodeTransfers
 from kvstrata.serve.transfer_sender import SendOutcome, prefill_and_send
 
@@ -49,15 +49,10 @@ class TransferTarget(_Strict):
 
 
 class PrefillRequest(_Strict):
-    request_id: str = Field(min_length=1, max_length=256)
+    request_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     prompt_token_ids: list[int] = Field(min_length=1, max_length=MAX_PREFILL_TOKENS)
     tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
     target: TransferTarget
-
-    @field_validator("request_id")
-    @classmethod
-    def _valid_id(cls, value: str) -> str:  # it is encoded for the intro's MAC
-        return valid_text(value)
 
 
 class DisaggMetrics:

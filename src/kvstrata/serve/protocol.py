@@ -63,17 +63,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+TRANSFER_ID_PATTERN: Final = r"^[A-Za-z0-9_.:-]{1,256}$"
+"""A transfer's request id (``/kv/prefill``, ``kvstrata_transfer``): letters, digits and
+``_.:-`` only. It is logged, audited and MACed: a newline in it forged audit lines in the
+log (review finding, stop 35)."""
+
+
 class TransferWait(_Strict):
     """``kvstrata_transfer``: wait for the KV transfer ``request_id`` (prefill → decode) to end,
     at most ``timeout_s``, then generate (a hit when it committed; local prefill otherwise)."""
 
-    request_id: str = Field(min_length=1, max_length=256)
+    request_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     timeout_s: float = Field(default=30.0, gt=0.0, le=600.0)
-
-    @field_validator("request_id")
-    @classmethod
-    def _valid_id(cls, value: str) -> str:
-        return valid_text(value)
 
 
 _NULL_IS_DEFAULT: Final = frozenset(

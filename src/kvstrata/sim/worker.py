@@ -70,9 +70,9 @@ class Job:
     start_s: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
-    compute_s: float = 0.0
-    """The prefill forward's own measured seconds (noise included, fetch and decode
-    interference excluded): what the engine reports and the router refits from."""
+    """Start → first token: fetch, compute and decode interference, noise included. What the
+    live engine reports (``X-Kvstrata-Prefill-S``: admitted → first token, the host fetch and
+    the steps shared with decodes in it) and so what the router refits from."""
     hit_tokens: int = 0
     device_hit_blocks: int = 0
     host_hit_blocks: int = 0
@@ -209,7 +209,6 @@ class SimWorker:
         duration = (fetch_s + prefill_s + interference_s) * factor
         job.start_s = now
         job.prefill_s = duration
-        job.compute_s = prefill_s * factor
         job.hit_tokens = cached
         job.device_hit_blocks = device_hits
         job.host_hit_blocks = host_hits
