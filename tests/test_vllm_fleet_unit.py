@@ -17,7 +17,7 @@ import zmq
 from kvstrata.cli.vllm_fleet import _secret_file
 from kvstrata.connectors.vllm_identity import tenant_for_salt
 from kvstrata.connectors.vllm_settings import connector_config
-from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvstrata.events.schema import BlockRemoved, BlockStored, KVEventBatch, encode_batch, make_batch
 from kvstrata.events.subscriber import ZmqEventSubscriber
 from kvstrata.fleet.engine_load import ScrapedLoad
 from kvstrata.fleet.frontdoor import _engine_tenant
@@ -32,6 +32,7 @@ from kvstrata.fleet.vllm_workers import (
     tenant_of_body,
 )
 from kvstrata.fleet.workers import WorkerInfo, WorkerState, default_profile
+from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index import GlobalIndex, PrefixMatch
 from kvstrata.router import KvstrataPolicy, RouteRequest
 from kvstrata.security import Role
@@ -294,3 +295,21 @@ def test_with_keys_the_front_door_salts_a_vllm_request_with_the_keys_namespace()
     # one tenant, no keys: the client's salt is its namespace, as vLLM itself has it
     assert namespace(ANONYMOUS, "s1") == (tenant_of_body({"cache_salt": "s1"}), "s1")
     assert _engine_tenant(fleet, ANONYMOUS, ANONYMOUS.tenant, {}) == DEFAULT_TENANT
+
+
+def test_a_salted_chain_continued_by_a_later_event_matches_and_deletes_whole() -> None:
+    """vLLM puts the salt in a chain's first block only: a later event extending the chain has
+    none. The index hashed it in the default namespace, so the tenant's 8-block prompt matched
+    4 blocks and deleting the tenant left the other 4 (review finding, stop 35)."""
+    index = GlobalIndex(FingerprintDigest(b"\x02" * 32), 4)
+    prompt, more = list(range(100, 116)), list(range(500, 516))
+    first = BlockStored([11, 12, 13, 14], None, prompt, 4, None, "GPU", None,
+                        extra_keys=[("s3cret",), None, None, None])  # fmt: skip
+    later = BlockStored([15, 16, 17, 18], 14, more, 4, None, "GPU", None)
+    index.apply_batch("w", salted_batch(make_batch([first], ts=0.0)), seq=0)
+    index.apply_batch("w", salted_batch(make_batch([later], ts=0.0)), seq=1)
+    tenant = tenant_of_body({"cache_salt": "s3cret"})
+    assert index.match(index.request_hashes(tenant, prompt + more))["w"].blocks == 8
+    assert index.match(index.request_hashes(None, prompt + more))["w"].blocks == 0
+    index.delete(tenant, everything=True)
+    assert sum(index.blocks_held("w")) == 0

@@ -176,8 +176,8 @@ def _salted(event: KVEvent) -> KVEvent:
 def salted_batch(batch: KVEventBatch) -> KVEventBatch:
     """vLLM's batch with each salted chain's first event in its salt's tenant namespace.
 
-    Only a chain's first block carries the salt; later events continue their parent's router
-    hash, which already descends from the salted root."""
+    Only a chain's first block carries the salt; the index hashes a later event in its
+    parent's namespace (``GlobalIndex``: an event without one takes its parent's)."""
     events = [_salted(e) for e in batch.events]
     if all(a is b for a, b in zip(events, batch.events, strict=True)):
         return batch

@@ -243,8 +243,11 @@ class GlobalIndex(IndexDeletions):
                 if parent is None:
                     self.stats.orphan_blocks += n
                     return
+        namespace = event.namespace
+        if namespace is None and parent is not None:  # vLLM salts only a chain's first block
+            namespace = self._lineage.namespace_of(parent)
         try:
-            router = self.hasher(event.namespace).extend(parent, event.token_ids).tolist()
+            router = self.hasher(namespace).extend(parent, event.token_ids).tolist()
         except IdentityError:  # token ids no tokenizer produces (outside [0, 2**32))
             self.stats.bad_events += 1
             return
@@ -256,7 +259,7 @@ class GlobalIndex(IndexDeletions):
                 engine, router = engine[:kept], router[:kept]
                 if not kept:
                     return
-        self._lineage.add(event.namespace or DEFAULT_TENANT, parent, router)
+        self._lineage.add(namespace or DEFAULT_TENANT, parent, router)
         self.store_hashes(worker.worker_id, router, medium, engine_hashes=engine)
 
     def _removed(self, worker: WorkerSlot, event: BlockRemoved) -> None:

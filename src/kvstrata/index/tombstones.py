@@ -130,6 +130,11 @@ class Lineage:
     def discard(self, router_hash: int) -> None:
         self._of.pop(router_hash, None)
 
+    def namespace_of(self, router_hash: int) -> str | None:
+        """The namespace ``router_hash`` was placed in; None when unknown."""
+        known = self._of.get(router_hash)
+        return None if known is None else known[0]
+
     def namespace(self, namespace: str) -> set[int]:
         """Every known entry of ``namespace``."""
         return {h for h, (ns, _parent) in self._of.items() if ns == namespace}
