@@ -181,3 +181,37 @@ def test_audit_lines_without_a_path_survive_a_warning_log_level() -> None:
         root.removeHandler(handler)
         root.setLevel(level)
     assert any('"audit":"access_denied"' in line for line in lines), lines
+
+
+def test_a_file_rewritten_in_place_is_not_half_applied_and_a_deleted_one_keeps_no_key(
+    tmp_path: Path,
+) -> None:
+    """A rewrite truncates first and an empty file is valid TOML: a reload in that gap
+    installed an empty ring (every key refused, no error counted). A deleted file kept every
+    old key working forever. Review findings, stop 35."""
+    first, second = generate_api_key(), generate_api_key()
+    entries = [
+        ("a", first, "acme", [Role.TENANT], False),
+        ("b", second, "globex", [Role.TENANT], 0),
+    ]
+    path = _keys_file(tmp_path / "keys.toml", entries)
+    auth = Authenticator(path, reload_interval_s=0.0)
+    path.write_text("")  # the writer truncated; its bytes are not there yet
+    assert not auth.maybe_reload(now=1.0)
+    assert auth.authenticate(f"Bearer {first}").tenant == "acme"
+    _keys_file(path, entries)  # the rewrite completes: the same ring, nothing lost
+    os.utime(path, ns=(1, 10**18))
+    assert auth.maybe_reload(now=2.0)
+    assert auth.authenticate(f"Bearer {second}").tenant == "globex"
+    _keys_file(path, entries[:1])  # a real revocation: applied once the file stays still
+    os.utime(path, ns=(1, 2 * 10**18))
+    assert not auth.maybe_reload(now=3.0)
+    assert auth.maybe_reload(now=4.0)
+    with pytest.raises(AuthError):
+        auth.authenticate(f"Bearer {second}")
+    path.unlink()
+    assert not auth.maybe_reload(now=5.0)
+    assert auth.authenticate(f"Bearer {first}").tenant == "acme"  # maybe being replaced
+    assert auth.maybe_reload(now=6.0) and auth.reload_errors == 1
+    with pytest.raises(AuthError):
+        auth.authenticate(f"Bearer {first}")

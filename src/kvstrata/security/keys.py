@@ -27,9 +27,14 @@ is a 403. Without a keys file the server is single-tenant: every caller is the a
 principal of the default tenant, and the header names a sub-namespace as it always did
 (one trust domain; isolation like vLLM's ``cache_salt``, not authentication).
 
-``Authenticator`` re-reads the file when its modification time changes (checked at most once
-per ``reload_interval_s``, time passed in); a file that became malformed keeps the last good
-ring and is reported, never half-applied.
+``Authenticator`` re-reads the file when it changes (its modification time, size or inode;
+checked at most once per ``reload_interval_s``, time passed in). A file that became malformed
+keeps the last good ring and is reported. A file being rewritten in place reads, mid-write,
+as a valid subset of itself (an empty file is valid TOML), so a change that *takes away*
+access (a key, a shared-namespace membership) applies only once the file has stayed the same
+for one more check; a change that only adds applies at once. A keys file that disappears
+(and stays gone for one more check) leaves no key valid, and is reported: removing it is not
+a way to keep every key working forever.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import threading
@@ -55,6 +61,16 @@ _HASH_PREFIX: Final = "sha256:"
 _DEFAULT_TENANT: Final = "default"
 ADMIN_TOKEN_ID: Final = "admin-token"
 FLEET_KEY_ID: Final = "fleet-key"
+
+
+logger = logging.getLogger("kvstrata.security")
+
+
+class _Unset(enum.Enum):
+    UNSET = 0
+
+
+_UNSET: Final = _Unset.UNSET
 
 
 class Role(enum.StrEnum):
@@ -151,6 +167,14 @@ class KeyRing:
 
     entries: tuple[KeyEntry, ...] = ()
     shared: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def grants_all_of(self, other: KeyRing) -> bool:
+        """Whether this ring keeps every key and shared-namespace membership of ``other``."""
+        if not set(other.entries) <= set(self.entries):
+            return False
+        return all(
+            members <= self.shared.get(ns, frozenset()) for ns, members in other.shared.items()
+        )
 
     def principal(self, entry: KeyEntry) -> Principal:
         member_of = frozenset(ns for ns, tenants in self.shared.items() if entry.tenant in tenants)
@@ -301,7 +325,8 @@ class Authenticator:
         )
         self._lock = threading.Lock()
         self._ring = load_keys(keys_file) if keys_file is not None else KeyRing()
-        self._mtime = self._stat()
+        self._applied = self._signature()  # of the file the ring in effect was read from
+        self._pending: tuple[int, int, int] | _Unset | None = _UNSET  # changed, not applied
         self._checked_at = float("-inf")
         self.reload_errors = 0
         self.reloads = 0
@@ -326,36 +351,50 @@ class Authenticator:
         with self._lock:
             return len({entry.tenant for entry in self._ring.entries})
 
-    def _stat(self) -> int | None:
+    def _signature(self) -> tuple[int, int, int] | None:
+        """(mtime, size, inode) of the keys file; None when it cannot be read."""
         if self.keys_file is None:
             return None
         try:
-            return os.stat(self.keys_file).st_mtime_ns
+            stat = os.stat(self.keys_file)
         except OSError:
             return None
+        return stat.st_mtime_ns, stat.st_size, stat.st_ino
 
     def maybe_reload(self, now: float) -> bool:
-        """Re-read the file if it changed; True when a new ring took effect. A bad file keeps
-        the old ring (``reload_errors`` counts it)."""
+        """Re-read the file if it changed; True when a new ring took effect (module
+        docstring). A bad file keeps the old ring (``reload_errors`` counts it)."""
         if self.keys_file is None:
             return False
         with self._lock:
             if now - self._checked_at < self.reload_interval_s:
                 return False
             self._checked_at = now
-        mtime = self._stat()  # I/O outside the lock
-        if mtime is None or mtime == self._mtime:
-            return False
-        try:
-            ring = load_keys(self.keys_file)
-        except ConfigError:
-            with self._lock:
-                self.reload_errors += 1
-                self._mtime = mtime
-            return False
+        signature = self._signature()  # I/O outside the lock
         with self._lock:
-            self._ring, self._mtime = ring, mtime
+            if signature == self._applied:
+                self._pending = _UNSET
+                return False
+            settled = signature == self._pending
+            self._pending = signature
+        if signature is None:  # gone: once it stays gone, no key is valid
+            ring, error = KeyRing(), True
+        else:
+            try:
+                ring, error = load_keys(self.keys_file), False
+            except ConfigError:
+                with self._lock:
+                    self.reload_errors += 1
+                    self._applied, self._pending = signature, _UNSET
+                return False
+        with self._lock:
+            if not settled and not ring.grants_all_of(self._ring):
+                return False  # maybe a rewrite in progress: apply once the file is still
+            self._ring, self._applied, self._pending = ring, signature, _UNSET
             self.reloads += 1
+            self.reload_errors += int(error)
+        if error:
+            logger.error("keys file %s is gone: no tenant key is valid", self.keys_file)
         return True
 
     def authenticate(self, authorization: str | None) -> Principal:
