@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+from types import MappingProxyType
+
 from kvstrata.fleet.disagg import DisaggSettings, plan
+from kvstrata.fleet.fleet_config import FleetConfig
+from kvstrata.fleet.routing import FleetRouting
+from kvstrata.fleet.table import Table
 from kvstrata.fleet.workers import TransferTarget, WorkerInfo, WorkerState, default_profile
 from kvstrata.identity.keys import FingerprintDigest
+from kvstrata.index.core import GlobalIndex
 from kvstrata.router.disagg import DisaggConfig
 from kvstrata.router.disagg_inputs import Link
 from kvstrata.transfer.layout import KVLayout
@@ -74,3 +81,48 @@ def test_the_least_loaded_prefill_worker_is_chosen() -> None:
     assert [w for w, _ in chosen.candidates] == ["p0", "p1"]
     assert chosen.candidates[0][1] > chosen.candidates[1][1]
     assert SETTINGS.min_timeout_s <= chosen.timeout_s <= SETTINGS.max_timeout_s
+
+
+def _routing(decode: WorkerState, prefill: WorkerState) -> FleetRouting:
+    """The fleet's routing state over two scripted workers (no processes, no event plane)."""
+    routing = FleetRouting.__new__(FleetRouting)
+    routing.config = FleetConfig(prefill_urls=frozenset({"http://p0"}), disagg=SETTINGS)
+    routing._lock = threading.Lock()
+    by_id = {"d0": decode, "p0": prefill}
+    routing._table = Table(
+        MappingProxyType(by_id), MappingProxyType({"http://d0": "d0", "http://p0": "p0"})
+    )
+    routing._index = GlobalIndex(FingerprintDigest(bytes(32)), 16)
+    return routing
+
+
+def test_remote_prefills_book_their_compute_on_the_prefill_worker_not_their_ttft() -> None:
+    """Each disaggregated request booked its whole predicted TTFT (which holds the prefill
+    worker's queue) as prefill seconds there, so the queue estimate doubled per request and
+    disaggregation switched off under the load it is for (review finding, stop 35)."""
+    decode, prefill = _state("d0", transfer=True), _state("p0", transfer=False)
+    _busy(decode, 8)
+    routing = _routing(decode, prefill)
+    one = prefill.profile().prefill.seconds(2048, 0)
+    for k in range(1, 4):
+        decode.begin(f"r{k}", 2048, 0, one, 8, 0.0)
+        chosen = routing.plan_disagg("d0", f"r{k}", "t", list(range(2048)), record=True)
+        assert chosen.path == "disagg", chosen.reason
+        assert abs(prefill.queued_prefill_s() - k * one) < 1e-6 * k * one
+        assert decode.queued_prefill_s() == 0.0  # the decode worker only waits for its KV
+    # and its TTFT is no sample of the decode worker's own prefill of 2,048 tokens
+    decode.first_token("r1", 0.3, alone=True)
+    assert decode.prefill_fit.samples == 0
+
+
+def test_queue_wait_is_not_learned_as_decode_interference() -> None:
+    """A TTFT behind a queued prefill, with decodes running, was charged entirely to the
+    decodes (1.4 s per decode per step where there was none)."""
+    state = _state("d0", transfer=False)
+    _busy(state, 1)
+    alone = state.prefill_fit.model().seconds(512, 0)
+    state.begin("ahead", 2048, 0, 4.7, 1, 0.0)
+    state.begin("r", 512, 0, alone, 64, 0.0)
+    state.first_token("ahead", 4.7, alone=False)
+    state.first_token("r", 4.7 + alone, alone=False)
+    assert state.interference.apply(state.profile()).interference_s(2048, 4) == 0.0

@@ -72,6 +72,14 @@ def test_router_estimates_differ_from_truth_with_noise() -> None:
     assert all(b == t for b, t in oracle.pairs)
 
 
+def _compute_only(**kwargs: object) -> SimConfig:
+    """``_config`` without host fetches or decode interference: a worker's start → first
+    token (what the router refits from, as the live engine's header) is then its prefill."""
+    config = _config(**kwargs)
+    cost = replace(config.profile.cost, decode_interference_s=0.0, prefill_chunk_tokens=0)
+    return replace(config, profile=replace(config.profile, cost=cost).with_capacities(None, 0))
+
+
 def test_the_fit_starts_from_a_wrong_prior_and_converges_toward_the_truth() -> None:
     truth = _config().profile.cost.prefill
     prior = prior_prefill(truth)
@@ -79,7 +87,7 @@ def test_the_fit_starts_from_a_wrong_prior_and_converges_toward_the_truth() -> N
 
     def errors(duration_s: float) -> tuple[list[float], list[float]]:
         sim = Simulation(
-            _requests(duration_s=duration_s), "round-robin", _config(service_noise=0.1)
+            _requests(duration_s=duration_s), "round-robin", _compute_only(service_noise=0.1)
         )
         sim.run()
         assert sim.view is not None
@@ -93,10 +101,27 @@ def test_the_fit_starts_from_a_wrong_prior_and_converges_toward_the_truth() -> N
     assert all(fit < prior / 2 for fit, prior in zip(late, prior_errors, strict=True))
     assert max(late) < 0.06
     assert sum(late) < sum(early)
-    exact = Simulation(_requests(duration_s=60.0), "round-robin", _config(service_noise=0.0))
+    exact = Simulation(_requests(duration_s=60.0), "round-robin", _compute_only(service_noise=0.0))
     exact.run()
     assert exact.view is not None
     assert _error(exact.view.fit(0).model(), truth) < 1e-6  # noiseless timings pin the model
+
+
+def test_the_router_refits_from_start_to_first_token_as_a_live_engine_reports() -> None:
+    """The live engine's prefill header runs from admission to the first token (host fetch
+    and the steps shared with running decodes in it): the simulated router must learn from
+    the same, not from the forward alone (review finding, stop 35)."""
+    requests = _requests(duration_s=60.0)
+    plain = Simulation(requests, "round-robin", _compute_only(service_noise=0.0))
+    plain.run()
+    loaded = Simulation(requests, "round-robin", _config(service_noise=0.0))
+    loaded.run()
+    assert plain.view is not None and loaded.view is not None
+    shapes = [(2048, 0), (512, 1024)]
+    assert all(
+        loaded.view.fit(0).model().seconds(n, c) > plain.view.fit(0).model().seconds(n, c)
+        for n, c in shapes
+    )
 
 
 def test_the_router_is_not_handed_the_true_profile() -> None:

@@ -28,7 +28,9 @@ from kvstrata.router.disagg_inputs import Link, disagg_cost
 from kvstrata.router.placement import shares_compute
 
 MIN_OWN_SAMPLES = 3
-Reason = Literal["cost", "no_prefill_worker", "no_transfer_port", "prefill_unreachable"]
+Reason = Literal[
+    "cost", "no_prefill_worker", "no_transfer_port", "prefill_unreachable", "plan_failed"
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from kvstrata.errors import InvalidInput
 from kvstrata.fleet.disagg import DisaggPlan
 from kvstrata.fleet.fleet import Fleet, Reservation
 
@@ -44,9 +45,13 @@ async def prepare(
     if fleet.config.disagg is None:
         return payload, None
     request_id = reservation.request_id
-    chosen = await asyncio.to_thread(
-        fleet.plan_disagg, reservation.worker_id, request_id, tenant, tokens, record=True
-    )
+    try:
+        chosen = await asyncio.to_thread(
+            fleet.plan_disagg, reservation.worker_id, request_id, tenant, tokens, record=True
+        )
+    except InvalidInput as exc:  # a cost the planner cannot price: prefill here
+        _log.warning("planning %s failed: %s", request_id, exc)
+        chosen = DisaggPlan("local", "plan_failed")
     if chosen.path == "local":
         _count(fleet, chosen)
         return payload, chosen

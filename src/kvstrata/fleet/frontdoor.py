@@ -332,9 +332,13 @@ async def _forward(
         fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
         url = f"{reservation.base_url}{endpoint}"
         gone = deaths.event(worker_id)
-        sent, _plan = await disagg_proxy.prepare(
-            fleet, client, reservation, tenant, tokens, payload, headers
-        )
+        try:
+            sent, _plan = await disagg_proxy.prepare(
+                fleet, client, reservation, tenant, tokens, payload, headers
+            )
+        except BaseException:  # cancelled (the client left) or a bug: nothing stays booked
+            fleet.finish(reservation, time.time(), None, None)
+            raise
         try:
             upstream_request = client.build_request("POST", url, json=sent, headers=headers)
             sending = client.send(upstream_request, stream=True)

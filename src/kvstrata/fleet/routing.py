@@ -142,11 +142,11 @@ class FleetRouting:
             if record and chosen.path == "disagg" and chosen.prefill_worker_id is not None:
                 remote = self._table.by_id[chosen.prefill_worker_id]
                 assert chosen.choice is not None
-                predicted = chosen.choice.ttft_disagg_s
-                remote.begin(
+                remote.begin(  # its own busy time, not the request's TTFT (which has its queue)
                     request_id, len(tokens), chosen.prefill_cached_tokens,
-                    predicted, 1, time.time(),
+                    chosen.choice.prefill_busy_s, 1, time.time(),
                 )  # fmt: skip
+                decode.prefilled_elsewhere(request_id)
             return chosen
 
     def finish_prefill(

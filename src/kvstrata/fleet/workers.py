@@ -221,7 +221,9 @@ class _InFlight:
     expected_output: int
     started: float
     active_at_start: int = 0
+    queued_ahead: int = 0  # prefills not at their first token when this one was placed
     first_token: bool = False
+    prefilled_elsewhere: bool = False  # a prefill worker computes it (disaggregation)
 
 
 @dataclass
@@ -304,7 +306,16 @@ class WorkerState:
             expected,
             now,
             active_at_start=self.active_decodes(),
+            queued_ahead=sum(1 for f in self._inflight.values() if not f.first_token),
         )
+
+    def prefilled_elsewhere(self, request_id: str) -> None:
+        """A prefill worker computes this request's prompt: this worker only waits for the KV
+        (nothing queued here for it), and its TTFT says nothing about this worker's prefill."""
+        flight = self._inflight.get(request_id)
+        if flight is not None:
+            flight.prefilled_elsewhere = True
+            flight.predicted_prefill_s = 0.0
 
     def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
         """Mark the first token; learn the prefill model from it if nothing else was running."""
@@ -313,9 +324,11 @@ class WorkerState:
             return None
         flight.first_token = True
         ttft = now - flight.started
+        if flight.prefilled_elsewhere:
+            return ttft
         if alone:
             self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)
-        elif flight.active_at_start > 0:
+        elif flight.active_at_start > 0 and flight.queued_ahead == 0:  # no queue wait in it
             alone_s = self.prefill_fit.model().seconds(flight.new_tokens, flight.cached_tokens)
             self.interference.observe(ttft, alone_s, flight.new_tokens, flight.active_at_start)
         return ttft

@@ -135,6 +135,7 @@ class Choice:
     cost_disagg_s: float
     transfer_s: float  # the link's busy time for the shipped KV (T_cached + T_comp)
     reason: str
+    prefill_busy_s: float = 0.0  # the prefill worker's own compute for it (its queue's share)
 
 
 def _steps(new_tokens: int, profile: CostProfile) -> int:
@@ -197,4 +198,5 @@ def choose(cost: DisaggCost, config: DisaggConfig | None = None) -> Choice:
         cost_disagg_s=cost_disagg,
         transfer_s=t_cached + t_comp,
         reason=reason,
+        prefill_busy_s=compute,
     )
