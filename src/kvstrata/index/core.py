@@ -201,6 +201,10 @@ class GlobalIndex(IndexDeletions):
         deletion; unknown: refused while a tombstone lives)."""
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
+        if len(self._deleted_engine) or len(self._deleted_router):  # oldest first: O(expired)
+            now = self._clock()
+            self._deleted_engine.expire(now)
+            self._deleted_router.expire(now)
         if batch.epoch is not None and batch.epoch in worker.retired_epochs:
             self.stats.stale_batches += 1  # a late batch of a dead incarnation
             return
