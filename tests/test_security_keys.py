@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.errors import AuthError, ConfigError
+from kvstrata.runtime.config import load_worker_config
 from kvstrata.security import ANONYMOUS, Action, AuditLog, Authenticator, Role
 from kvstrata.security.keys import (
     OBSERVE,
@@ -215,3 +216,21 @@ def test_a_file_rewritten_in_place_is_not_half_applied_and_a_deleted_one_keeps_n
     assert auth.maybe_reload(now=6.0) and auth.reload_errors == 1
     with pytest.raises(AuthError):
         auth.authenticate(f"Bearer {first}")
+
+
+def test_a_credential_file_every_user_may_write_is_refused(tmp_path: Path) -> None:
+    """Anyone could add a key of their own to a world-writable keys file, or replace a
+    secret with one they know; both were read silently (review finding, stop 35)."""
+    path = _keys_file(tmp_path / "keys.toml", [("a", generate_api_key(), "acme", [Role.TENANT], 0)])
+    path.chmod(0o666)
+    with pytest.raises(ConfigError, match="writable by every user"):
+        load_keys(path)
+    path.chmod(0o644)
+    assert load_keys(path).entries
+    secret = tmp_path / "tenant.secret"
+    secret.write_bytes(b"s3cret")
+    secret.chmod(0o646)
+    with pytest.raises(ConfigError, match="writable by every user"):
+        load_worker_config(raw={"tenant_secret_file": str(secret)}, source="test")
+    secret.chmod(0o600)
+    assert load_worker_config(raw={"tenant_secret_file": str(secret)}, source="test").tenant_secret

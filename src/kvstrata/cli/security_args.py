@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvstrata.errors import ConfigError
 from kvstrata.security import AuditLog, Authenticator, SecurityConfig
+from kvstrata.security.files import check_credential_file
 from kvstrata.serve.auth import HttpAuth
 
 
@@ -79,6 +80,7 @@ def tls_files(security: SecurityConfig) -> tuple[str | None, str | None]:
 
 
 def read_key_file(path: Path, what: str) -> str:
+    check_credential_file(path, f"the {what}", secret=True)
     try:
         key = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:

@@ -244,9 +244,13 @@ def _security(table: Reader) -> SecurityConfig:
     fleet_key = read_secret(fleet_key_file, "security.fleet_key_file", table.where)
     if fleet_key_file is not None and not fleet_key.strip():
         raise table.fail("fleet_key_file", "the fleet key file is empty")
+    try:
+        fleet_key_text = fleet_key.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise table.fail("fleet_key_file", "the fleet key file is not UTF-8") from None
     return SecurityConfig(
         keys_file=table.get("keys_file"),
-        fleet_key=fleet_key.decode("utf-8").strip() or None,
+        fleet_key=fleet_key_text or None,
         audit_path=table.get("audit_path"),
         tombstone_ttl_s=ttl,
         tls_cert_file=cert,

@@ -17,6 +17,7 @@ from typing import Any
 from kvstrata.errors import ConfigError
 from kvstrata.runtime.config_schema import BY_PATH, TABLES
 from kvstrata.runtime.read_layouts import READ_LAYOUTS
+from kvstrata.security.files import check_credential_file
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +133,7 @@ def _coerce(kind: str, value: Any, base: Path) -> Any:
 def read_secret(path: Path | None, key: str, where: str) -> bytes:
     if path is None:
         return b""
+    check_credential_file(path, key, secret=True)
     try:
         return path.read_bytes()
     except OSError as exc:

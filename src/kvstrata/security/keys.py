@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvstrata.errors import AuthError, ConfigError
+from kvstrata.security.files import check_credential_file
 
 MAX_NAMESPACE_CHARS: Final = 128
 KEY_PREFIX: Final = "kvs_"
@@ -271,6 +272,7 @@ def parse_keys(data: Mapping[str, Any], source: str) -> KeyRing:
 
 
 def load_keys(path: Path) -> KeyRing:
+    check_credential_file(path, "the keys file", secret=False)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
