@@ -101,7 +101,10 @@ def test_prefix_tokens_counts_partial_last_block() -> None:
         (_line(1, 10, [1]).replace('"input_length": 10', '"input_length": "10"'), "input_length"),
         (_line(1, 10, [1]).replace('"timestamp": 1', '"timestamp": true'), "timestamp"),
         (_line(1, 10, [1]).replace('"timestamp": 1', '"timestamp": 1.5'), "timestamp"),
-        (_line(1, 10, [1]).replace('"output_length": 10', '"output_length": -1'), ">= 0"),
+        (_line(1, 10, [1]).replace('"output_length": 10', '"output_length": -1'), "0.."),
+        (_line(10**400, 10, [1]), "timestamp: expected 0.."),  # was an OverflowError later
+        (_line(1, 1000, [7, 7]), "hash_ids[1] repeats hash_ids[0]"),  # crashed the simulator
+        (_line(1, 0, []), "at least one prompt token"),
         (_line(1, 10, [1]).replace("[1]", '"1"'), "hash_ids: expected a list"),
         (_line(1, 10, [1]).replace("[1]", "[1.0]"), "hash_ids[0]"),
         (_line(1, 1025, [1, 2]), "len(hash_ids) = 2"),

@@ -69,6 +69,10 @@ class TraceRequest:
         return blocks * BLOCK_TOKENS
 
 
+MAX_FIELD = 2**53
+"""Largest timestamp or length accepted: exact as a float (times are divided into seconds)."""
+
+
 def blocks_for_tokens(tokens: int) -> int:
     """Number of (possibly partial) blocks needed for ``tokens`` prompt tokens."""
     return -(-tokens // BLOCK_TOKENS)
@@ -91,15 +95,21 @@ def parse_request(record: Any) -> TraceRequest:
     raw_ids = record["hash_ids"]
     if not isinstance(raw_ids, list):
         raise ValueError(f"hash_ids: expected a list, got {type(raw_ids).__name__}")
+    seen: dict[int, int] = {}
     for position, value in enumerate(raw_ids):
         if not _is_int(value):
             raise ValueError(f"hash_ids[{position}]: expected an int, got {type(value).__name__}")
+        if value in seen:  # an id names a whole prefix: it cannot occur twice in one prompt
+            raise ValueError(f"hash_ids[{position}] repeats hash_ids[{seen[value]}] ({value})")
+        seen[value] = position
     expected_blocks = blocks_for_tokens(input_length)
     if len(raw_ids) != expected_blocks:
         raise ValueError(
             f"len(hash_ids) = {len(raw_ids)} but input_length {input_length} needs "
             f"ceil({input_length}/{BLOCK_TOKENS}) = {expected_blocks} blocks"
         )
+    if input_length == 0:
+        raise ValueError("input_length: a request needs at least one prompt token")
     return TraceRequest(
         timestamp_ms=timestamp,
         input_length=input_length,
@@ -147,6 +157,6 @@ def _non_negative_int(record: dict[str, Any], name: str) -> int:
     value = record[name]
     if not _is_int(value):
         raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}: expected >= 0, got {value}")
+    if not 0 <= value <= MAX_FIELD:
+        raise ValueError(f"{name}: expected 0..{MAX_FIELD}, got {value}")
     return int(value)
