@@ -224,9 +224,11 @@ class GlobalIndex(IndexDeletions):
             self._stored(worker, event, seq)
         elif isinstance(event, BlockRemoved):
             self._removed(worker, event)
-        elif isinstance(event, AllBlocksCleared):
-            self.stats.clears += 1
-            self._drop_entries(worker)
+        elif isinstance(event, AllBlocksCleared):  # vLLM's GPU prefix-cache reset (kvstrata's
+            self.stats.clears += 1  # workers never send it): offloaded copies stay
+            device_bit = 1 << Medium.DEVICE
+            on_device = [h for h, packed in worker.held.items() if packed & device_bit]
+            self.remove_hashes(worker.worker_id, on_device, Medium.DEVICE)
 
     def _stored(self, worker: WorkerSlot, event: BlockStored, seq: int | None) -> None:
         medium = parse_medium(event.medium)
