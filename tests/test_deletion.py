@@ -650,3 +650,24 @@ def test_delete_while_generations_run_leaves_nothing_created_before_it(
     assert leftovers(engine, root, deleted_at) == []
     # what the traffic recomputed after the delete is there again, and the scan sees it
     assert leftovers(engine, root, float("inf"))
+
+
+def test_the_first_tombstone_file_is_made_durable_with_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable tier fsyncs the tombstone file it appends to; the first append also creates
+    it, and a name is only durable once its directory is fsync'd (it was not: a crash could
+    lose the whole file, and with it deletions the recovery scan must replay)."""
+    from kvstrata.objects.tombstone import Tombstone
+    from kvstrata.tiers import disk_tombstones
+
+    synced: list[Path] = []
+    monkeypatch.setattr(disk_tombstones, "fsync_dir", synced.append)
+    marks = disk_tombstones.TombstoneFile(tmp_path, durable=True)
+    key = BlockKey(bytes(32))
+    marks.append([Tombstone(key, 1.0, 100.0)], now=2.0)
+    marks.append([Tombstone(key, 3.0, 100.0)], now=4.0)
+    assert synced == [tmp_path]
+    assert [
+        m.deleted_at for m in disk_tombstones.TombstoneFile(tmp_path, durable=True).live(5.0)
+    ] == [3.0]

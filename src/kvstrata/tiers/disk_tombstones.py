@@ -26,7 +26,7 @@ import xxhash
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects.tombstone import Tombstone
-from kvstrata.tiers.disk_format import write_atomic
+from kvstrata.tiers.disk_format import fsync_dir, write_atomic
 
 FILE_NAME = "TOMBSTONES"
 _VERSION = "t1"
@@ -110,6 +110,7 @@ class TombstoneFile:
             if self._lines + len(marks) > max(self.compact_min, 2 * len(self._marks)):
                 self._rewrite()
                 return
+            created = not self.path.exists()
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 data = b"".join(encode_line(mark) for mark in marks)
@@ -122,6 +123,8 @@ class TombstoneFile:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if created and self.durable:  # the new file's name must survive a crash too
+                fsync_dir(self.path.parent)
             self._lines += len(marks)
 
     def _rewrite(self) -> None:
