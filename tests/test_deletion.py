@@ -668,6 +668,5 @@ def test_the_first_tombstone_file_is_made_durable_with_its_directory(
     marks.append([Tombstone(key, 1.0, 100.0)], now=2.0)
     marks.append([Tombstone(key, 3.0, 100.0)], now=4.0)
     assert synced == [tmp_path]
-    assert [
-        m.deleted_at for m in disk_tombstones.TombstoneFile(tmp_path, durable=True).live(5.0)
-    ] == [3.0]
+    reread = disk_tombstones.TombstoneFile(tmp_path, durable=True).load(5.0)
+    assert [m.deleted_at for m in reread.values()] == [3.0]
