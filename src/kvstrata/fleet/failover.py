@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from starlette.responses import Response
+
+from kvstrata.fleet.fleet import Fleet, Reservation
 
 T = TypeVar("T")
+_log = logging.getLogger("kvstrata.fleet.frontdoor")
 
 
 class WorkerGone(Exception):
@@ -106,8 +113,47 @@ async def unless_client_left(
                 break
     except asyncio.CancelledError:
         task.cancel()
+        task.add_done_callback(_close_unread)  # it may have finished meanwhile: close it
         raise
     task.cancel()
     with contextlib.suppress(BaseException):
-        await task
+        await _close(await task)  # it finished while we asked: nobody will read it
     raise ClientGone
+
+
+async def _close(result: object) -> None:
+    """Close an answer nobody will read (an open streaming response holds a connection)."""
+    close = getattr(result, "aclose", None)
+    if close is not None:
+        await close()
+
+
+_CLOSING: set[asyncio.Future[None]] = set()  # held until done (the loop keeps weak refs)
+
+
+def _close_unread(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        closing = asyncio.ensure_future(_close(task.result()))
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+
+
+def client_left(fleet: Fleet, reservation: Reservation, request_id: str) -> Response:
+    """The client disconnected while its request waited on a worker: the connection to the
+    worker is closed (it stops generating), the reservation released; nobody reads the
+    answer (499, nginx's "client closed request", for the metrics)."""
+    fleet.finish(reservation, time.time(), None, None)
+    _log.info("client of %s left before its answer; worker %s told", request_id,
+              reservation.worker_id)  # fmt: skip
+    return Response(status_code=499)
+
+
+def re_route(
+    fleet: Fleet, reservation: Reservation, when: str, exc: BaseException, request_id: str
+) -> None:
+    """The worker failed (or was declared dead) before the client got anything: flag it and
+    count the retry; the caller then tries the next best worker."""
+    fleet.unreachable(reservation)
+    fleet.metrics.retries.labels(reservation.worker_id).inc()
+    _log.warning("worker %s failed%s (%r); re-routing %s",
+                 reservation.worker_id, when, exc, request_id)  # fmt: skip

@@ -205,6 +205,8 @@ class Fleet(FleetRouting):
             if previous is not None:  # keep what was learned about this machine's speed
                 state.prefill_fit = previous.prefill_fit
                 state.decode_step_s = previous.decode_step_s
+                if previous.info.epoch == info.epoch:  # the same process, back after a
+                    state.carry_requests(previous)  # failed request: its work still runs
             self._table = self._table.with_worker(state)
         self.metrics.worker_healthy.labels(info.worker_id).set(1)
         self.metrics.worker_events.labels(info.worker_id, "attached").inc()

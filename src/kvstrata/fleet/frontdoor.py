@@ -57,6 +57,8 @@ from kvstrata.fleet.failover import (
     ClientGone,
     WorkerDeaths,
     WorkerGone,
+    client_left,
+    re_route,
     unless_client_left,
     unless_dead,
     until_dead,
@@ -93,6 +95,7 @@ def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str,
     payload = parse_json(raw)
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object")
+    payload.pop("kvstrata_transfer", None)  # the router's to set (disaggregation), never a client's
     chat = endpoint == CHAT or (endpoint is None and "messages" in payload)
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
@@ -147,8 +150,10 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         nonlocal client, deaths
-        client = httpx.AsyncClient(
-            timeout=fleet.config.request_timeout_s, verify=worker_tls(fleet.config.tls_ca_file)
+        client = httpx.AsyncClient(  # no pool cap: httpx's 100 connections queued request
+            timeout=fleet.config.request_timeout_s,  # 101 and, timed out, flagged its worker
+            verify=worker_tls(fleet.config.tls_ca_file),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         deaths = WorkerDeaths(asyncio.get_running_loop())
         fleet.on_worker_dead(deaths.declare)
@@ -314,7 +319,11 @@ async def _forward(
     same when the health round declares the worker dead before the client got anything
     (``failover``). ``headers``: what the worker needs of the client's (credential,
     namespace, request id). ``left``: whether the client disconnected — then the wait on the
-    worker is abandoned (``unless_client_left``) and the reservation released."""
+    worker is abandoned (``unless_client_left``) and the reservation released.
+
+    Whatever ends an attempt — an answer, a retry, the client leaving, an exception nobody
+    expected, a cancellation — the reservation is released (``Fleet.finish`` is idempotent):
+    a leaked one made its worker look busy for good."""
     max_tokens = body.requested_max_tokens()
     for _attempt in range(fleet.config.max_attempts):
         try:
@@ -323,95 +332,101 @@ async def _forward(
             )
         except NoWorkerAvailable as exc:
             return error_response(ApiError(503, str(exc), type="server_error"))
-        decision, worker_id = reservation.decision, reservation.worker_id
-        fleet.metrics.decisions.labels(
-            worker_id, decision.policy, decision.reason.split(":")[0]
-        ).inc()
-        fleet.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
-        fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
-        fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
-        url = f"{reservation.base_url}{endpoint}"
-        gone = deaths.event(worker_id)
         try:
-            sent, _plan = await disagg_proxy.prepare(
-                fleet, client, reservation, tenant, tokens, payload, headers
-            )
-        except BaseException:  # cancelled (the client left) or a bug: nothing stays booked
+            answer = await _try_worker(
+                fleet, client, deaths, endpoint, reservation, tenant, tokens, body, payload,
+                headers, left,
+            )  # fmt: skip
+        except BaseException:
             fleet.finish(reservation, time.time(), None, None)
             raise
-        try:
-            upstream_request = client.build_request("POST", url, json=sent, headers=headers)
-            sending = client.send(upstream_request, stream=True)
-            upstream = await unless_dead(gone, unless_client_left(left, sending))
-        except ClientGone:
-            return _client_left(fleet, reservation, request_id)
-        except (httpx.TransportError, WorkerGone) as exc:
-            _re_route(fleet, reservation, "", exc, request_id)
-            continue
-        extra = {WORKER_HEADER: worker_id}
-        if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
-            extra["Retry-After"] = upstream.headers["retry-after"]
-        if body.stream and upstream.status_code == 200:
-            chunks = until_dead(gone, upstream.aiter_raw())
-            try:  # hold the client's headers until the first token: until then, a worker
-                head, first_at = await stream_head(chunks)  # that dies costs the client nothing
-            except (httpx.HTTPError, WorkerGone) as exc:
-                await upstream.aclose()
-                _re_route(fleet, reservation, " before its first token", exc, request_id)
-                continue
-            relay = _relay(fleet, reservation, upstream, head, first_at, chunks)
-            # started here, so its cleanup (finish the reservation, close the upstream) runs
-            # even if the client left and Starlette never iterates the body
-            primed = [chunk for chunk in [await anext(relay, None)] if chunk is not None]
-            return StreamingResponse(
-                chained(primed, relay),
-                status_code=200,
-                media_type="text/event-stream",
-                headers=extra,
-            )
-        try:
-            content = await unless_dead(gone, unless_client_left(left, upstream.aread()))
-        except ClientGone:
-            return _client_left(fleet, reservation, request_id)
-        except (httpx.HTTPError, WorkerGone) as exc:  # it failed after its headers: nothing
-            _re_route(fleet, reservation, " mid-answer", exc, request_id)  # was relayed yet
-            continue
-        finally:
-            await upstream.aclose()
-        now = time.time()
-        _learn_prefill(fleet, reservation, upstream.headers)
-        completion = usage_of(content)
-        if completion is not None:
-            fleet.metrics.matched.labels(worker_id).inc(completion[1])
-        fleet.finish(reservation, now, None if completion is None else completion[0], None)
-        return Response(
-            content,
-            upstream.status_code,
-            media_type=upstream.headers.get("content-type", "application/json"),
-            headers=extra,
-        )
+        if answer is not None:
+            return answer
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
 
 
-def _client_left(fleet: Fleet, reservation: Reservation, request_id: str) -> Response:
-    """The client disconnected while its request waited on a worker: the connection to the
-    worker is closed (it stops generating), the reservation released; nobody reads the
-    answer (499, nginx's "client closed request", for the metrics)."""
-    fleet.finish(reservation, time.time(), None, None)
-    _log.info("client of %s left before its answer; worker %s told", request_id,
-              reservation.worker_id)  # fmt: skip
-    return Response(status_code=499)
-
-
-def _re_route(
-    fleet: Fleet, reservation: Reservation, when: str, exc: BaseException, request_id: str
-) -> None:
-    """The worker failed (or was declared dead) before the client got anything: flag it and
-    count the retry; the caller then tries the next best worker."""
-    fleet.unreachable(reservation)
-    fleet.metrics.retries.labels(reservation.worker_id).inc()
-    _log.warning("worker %s failed%s (%r); re-routing %s",
-                 reservation.worker_id, when, exc, request_id)  # fmt: skip
+async def _try_worker(
+    fleet: Fleet,
+    client: httpx.AsyncClient,
+    deaths: WorkerDeaths,
+    endpoint: str,
+    reservation: Reservation,
+    tenant: str,
+    tokens: list[int],
+    body: SamplingRequest,
+    payload: dict[str, Any],
+    headers: httpx.Headers,
+    left: Callable[[], Awaitable[bool]],
+) -> Response | None:
+    """One worker's try (``_forward``); None: it failed before the client got anything."""
+    request_id, decision, worker_id = (
+        reservation.request_id,
+        reservation.decision,
+        reservation.worker_id,
+    )
+    fleet.metrics.decisions.labels(worker_id, decision.policy, decision.reason.split(":")[0]).inc()
+    fleet.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
+    fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
+    fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
+    url = f"{reservation.base_url}{endpoint}"
+    gone = deaths.event(worker_id)
+    sent, _plan = await disagg_proxy.prepare(
+        fleet, client, reservation, tenant, tokens, payload, headers
+    )
+    try:
+        upstream_request = client.build_request("POST", url, json=sent, headers=headers)
+        sending = client.send(upstream_request, stream=True)
+        upstream = await unless_dead(gone, unless_client_left(left, sending))
+    except ClientGone:
+        return client_left(fleet, reservation, request_id)
+    except (httpx.TransportError, WorkerGone) as exc:
+        re_route(fleet, reservation, "", exc, request_id)
+        return None
+    extra = {WORKER_HEADER: worker_id}
+    if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
+        extra["Retry-After"] = upstream.headers["retry-after"]
+    if body.stream and upstream.status_code == 200:
+        chunks = until_dead(gone, upstream.aiter_raw())
+        try:  # hold the client's headers until the first token: until then, a worker
+            head, first_at = await unless_client_left(left, stream_head(chunks))  # that dies
+        except ClientGone:  # costs the client nothing; a client gone stops the worker
+            await upstream.aclose()
+            return client_left(fleet, reservation, request_id)
+        except (httpx.HTTPError, WorkerGone) as exc:
+            await upstream.aclose()
+            re_route(fleet, reservation, " before its first token", exc, request_id)
+            return None
+        relay = _relay(fleet, reservation, upstream, head, first_at, chunks)
+        # started here, so its cleanup (finish the reservation, close the upstream) runs
+        # even if the client left and Starlette never iterates the body
+        primed = [chunk for chunk in [await anext(relay, None)] if chunk is not None]
+        return StreamingResponse(
+            chained(primed, relay),
+            status_code=200,
+            media_type="text/event-stream",
+            headers=extra,
+        )
+    try:
+        content = await unless_dead(gone, unless_client_left(left, upstream.aread()))
+    except ClientGone:
+        return client_left(fleet, reservation, request_id)
+    except (httpx.HTTPError, WorkerGone) as exc:  # it failed after its headers: nothing
+        re_route(fleet, reservation, " mid-answer", exc, request_id)  # was relayed yet
+        return None
+    finally:
+        await upstream.aclose()
+    now = time.time()
+    _learn_prefill(fleet, reservation, upstream.headers)
+    completion = usage_of(content)
+    if completion is not None:
+        fleet.metrics.matched.labels(worker_id).inc(completion[1])
+    fleet.finish(reservation, now, None if completion is None else completion[0], None)
+    return Response(
+        content,
+        upstream.status_code,
+        media_type=upstream.headers.get("content-type", "application/json"),
+        headers=extra,
+    )
 
 
 def _worker_headers(request: Request, body: SamplingRequest, request_id: str) -> httpx.Headers:

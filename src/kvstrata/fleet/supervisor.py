@@ -26,6 +26,14 @@ from kvstrata.runtime.processes import die_with_parent
 
 _log = logging.getLogger(__name__)
 
+CRASH_LOOP_S = 30.0
+"""A worker that exits sooner than this after its start is restarted after a backoff."""
+MAX_BACKOFF_S = 60.0
+
+
+def _longer(backoff_s: float) -> float:
+    return min(MAX_BACKOFF_S, 2 * backoff_s or 0.5)
+
 
 @dataclass
 class WorkerSpec:
@@ -94,6 +102,10 @@ class WorkerProcess:
         self.spec = spec
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.started_at = 0.0
+        self.backoff_s = 0.0  # before the next restart (grows while it keeps dying young)
+        self.exited_at = 0.0
+        self.exit_reported = False
 
     def start(self) -> None:
         log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -106,6 +118,8 @@ class WorkerProcess:
             preexec_fn=self._in_child,
         )
         self.starts += 1
+        self.started_at = time.monotonic()
+        self.exit_reported = False
 
     def _in_child(self) -> None:
         """``preexec_fn``: pin to the spec's CPUs, die with this process."""
@@ -177,14 +191,29 @@ class Supervisor:
         self._thread.start()
 
     def _watch(self) -> None:
+        """Until ``stop``: report each exit once, and restart (``restart``) after a backoff
+        that doubles, up to ``MAX_BACKOFF_S``, while a worker keeps dying within
+        ``CRASH_LOOP_S`` of its start. Nothing may end this thread early: the workers it
+        restarted are its children, and Linux SIGTERMs them when it exits (PDEATHSIG)."""
         while not self._stop.wait(0.5):
             for worker in self.workers:
                 if worker.alive() or self._stop.is_set():
                     continue
-                code = None if worker.process is None else worker.process.returncode
-                _log.warning("worker %s exited (%s)", worker.spec.worker_id, code)
-                if self.restart:
+                now = time.monotonic()
+                if not worker.exit_reported:
+                    code = None if worker.process is None else worker.process.returncode
+                    _log.warning("worker %s exited (%s)", worker.spec.worker_id, code)
+                    worker.exit_reported = True
+                    young = now - worker.started_at < CRASH_LOOP_S
+                    worker.backoff_s = _longer(worker.backoff_s) if young else 0.0
+                    worker.exited_at = now
+                if not self.restart or now < worker.exited_at + worker.backoff_s:
+                    continue
+                try:
                     worker.start()
+                except Exception:  # a log directory gone, no fork: try again after the backoff
+                    _log.exception("restarting worker %s failed", worker.spec.worker_id)
+                    worker.backoff_s, worker.exited_at = _longer(worker.backoff_s), now
 
     def stop(self) -> None:
         self._stop.set()

@@ -309,6 +309,13 @@ class WorkerState:
             queued_ahead=sum(1 for f in self._inflight.values() if not f.first_token),
         )
 
+    def carry_requests(self, previous: WorkerState) -> None:
+        """Take over ``previous``'s requests in flight (the same incarnation re-attached):
+        a fresh, empty table made a busy worker look idle until they ended."""
+        self._inflight = previous._inflight
+        self._recent_outputs = previous._recent_outputs
+        self.mean_output_tokens = previous.mean_output_tokens
+
     def prefilled_elsewhere(self, request_id: str) -> None:
         """A prefill worker computes this request's prompt: this worker only waits for the KV
         (nothing queued here for it), and its TTFT says nothing about this worker's prefill."""

@@ -15,6 +15,8 @@ violations, unknown routes), is answered as ``{"error": {message, type, param, c
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from typing import Any, Final, Literal
 
@@ -33,13 +35,33 @@ SEED_MAX = (1 << 64) - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> Any:
     """``raw`` as JSON; ``ApiError`` 400 ``invalid_json`` for anything else — malformed, not
     UTF-8, nested deeper than the parser recurses, an integer of more digits than Python
-    converts. Every hand-parsed body goes through here (FastAPI parses the typed ones)."""
+    converts, ``NaN`` / ``Infinity`` or a number past a float's range, a lone surrogate (an
+    escaped half of a UTF-16 pair: not text). The last three ``json.loads`` accepts, and a
+    body holding one could not be sent on (a 500 at the front door, with its reservation
+    leaked). Every hand-parsed body goes through here (FastAPI parses the typed ones)."""
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
+        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+        if _ESCAPED_SURROGATE.search(raw):  # only escapes can make a lone one: check those
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except (ValueError, RecursionError) as exc:  # UnicodeError is a ValueError
         message = f"request body is not valid JSON: {exc}"[:300]
         raise ApiError(400, message, code="invalid_json") from exc
 
