@@ -151,6 +151,8 @@ def test_bundles_merge_later_runs_replace_earlier_ones() -> None:
     assert merged["meta"] == {"cores": 4}
     names = [(b["name"], b.get("v")) for b in merged["benches"]]
     assert names == [("hash", None), ("index", 2), ("zz", None)]  # plan order, unknown last
+    # "later" is by the runs' dates, not the files' order: the page cannot depend on it
+    assert merge_bundles([second, first]) == merged
 
 
 def test_merged_benchmarks_keep_the_cpu_of_their_own_run() -> None:

@@ -400,8 +400,11 @@ def run_render(args: argparse.Namespace) -> int:
 
 def merge_bundles(bundles: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several ``bench all`` runs as one page: benchmarks in plan order (a later run of the
-    same name replaces an earlier one), the machine of the last run; each benchmark keeps the
-    date, commit and CPU of its own run (runs from several machines can share a page)."""
+    same name replaces an earlier one: runs are taken in the order of their ``meta.date``,
+    then as given, so the page does not depend on the order of the files), the machine of
+    the last run; each benchmark keeps the date, commit and CPU of its own run (runs from
+    several machines can share a page)."""
+    bundles = sorted(bundles, key=lambda bundle: str(bundle.get("meta", {}).get("date", "")))
     benches: dict[str, dict[str, Any]] = {}
     for bundle in bundles:
         cpu = bundle.get("meta", {}).get("cpu")
