@@ -80,7 +80,9 @@ def serve(spec: dict[str, Any]) -> None:
         }
 
     rng = random.Random(99)
-    timed([rng.randrange(1000, 40000) for _ in range(64)])  # warm-up (kernels, allocator)
+    # warm-up at the timed length (kernels, allocator): every side's first timed forward of
+    # that length was otherwise the fresh side's (the connectors' untimed store ran one)
+    timed([rng.randrange(1000, 40000) for _ in range(spec["tokens"])])
     llm.reset_prefix_cache()
     _reply({"op": "ready"})
     for line in sys.stdin:
