@@ -47,6 +47,7 @@ from kvstrata.store.deployed import (
 )
 from kvstrata.store.policies import BeladyPolicy, FutureAccesses
 from kvstrata.store.policy import EvictionPolicy
+from kvstrata.store.value_policy import kvstrata_policy
 from kvstrata.workloads.mooncake import BLOCK_TOKENS, TraceRequest
 
 POLICY_NAMES: tuple[str, ...] = (
@@ -56,12 +57,21 @@ POLICY_NAMES: tuple[str, ...] = (
     "kvstrata-value",
     "kvstrata-adaptive",
     "kvstrata",
+    "kvstrata-ghost1",
     "belady",
 )
 """LRU, the deployed peers (``kvstrata.store.deployed``) at their papers' defaults and at their
 tuned points (``NAME-tuned``; ``NAME:VALUE`` names any other point), kvstrata's value policy on
 seconds alone (``kvstrata-value``), the adaptive chooser it replaced (``kvstrata-adaptive``),
-kvstrata (``value_policy.kvstrata_policy``), and the oracle."""
+kvstrata (``value_policy.kvstrata_policy``), kvstrata remembering no more evicted keys than
+the peers do (``kvstrata-ghost1``: a ghost of 1× the resident keys, as ARC's and about
+S3-FIFO's, against kvstrata's 8×: the same metadata budget), and the oracle."""
+
+DEPLOYED_BASELINE = "lru"
+"""Counted among the deployed policies kvstrata is judged against: LRU is what vLLM's prefix
+cache and LMCache deploy by default."""
+
+_GHOST1 = "kvstrata-ghost1"
 
 DEFAULT_CAPACITIES: tuple[int, ...] = (10_000, 30_000, 100_000)
 """Blocks. On the Mooncake conversation trace (182,790 distinct blocks) these span the
@@ -181,6 +191,8 @@ def known_policy(name: str) -> bool:
 def make_policy(name: str, trace: SimulatedTrace) -> EvictionPolicy:
     if name == "belady":
         return _OracleBelady(FutureAccesses(trace.keys))
+    if name == _GHOST1:
+        return kvstrata_policy(ghost_factor=1.0)
     if not known_policy(name):
         raise InvalidInput(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
     return eviction_policy(name)  # the store's own construction of every other policy
@@ -198,6 +210,11 @@ def peer_parameters(policies: Sequence[str]) -> dict[str, dict[str, float]]:
         if point is not None and point[1] is not None:
             found[name] = {PEER_PARAMETERS[point[0]].keyword: point[1]}
     return found
+
+
+def deployed_peers(policies: Sequence[str]) -> list[str]:
+    """The deployed policies among ``policies``: LRU and the peers (defaults and tuned)."""
+    return [name for name in policies if name == DEPLOYED_BASELINE or is_peer_spec(name)]
 
 
 def versus_best_peer(
@@ -246,15 +263,16 @@ def run_eviction_bench(
             "from other traces and seeds, not from repeating this one)"
         ),
     }
-    peers = [name for name in policies if is_peer_spec(name)]
+    peers = deployed_peers(policies)
     if peers:
         report["peer_parameters"] = peer_parameters(peers)
-    if "kvstrata" in saved_tokens and peers:
-        report["kvstrata_vs_best_peer"] = {
-            "peers": peers,
-            "saved_prefill_s": versus_best_peer(saved_s, peers),
-            "saved_tokens": versus_best_peer(saved_tokens, peers),
-        }
+    for ours in ("kvstrata", _GHOST1):
+        if ours in saved_tokens and peers:
+            report[f"{ours.replace('-', '_')}_vs_best_peer"] = {
+                "peers": peers,
+                "saved_prefill_s": versus_best_peer(saved_s, peers, ours),
+                "saved_tokens": versus_best_peer(saved_tokens, peers, ours),
+            }
     if "kvstrata" in saved_tokens:
         for reference in ("lru", "belady"):
             if reference in saved_tokens:
@@ -291,7 +309,7 @@ def run_windows(
     """Replay consecutive disjoint windows of ``window_requests`` (each a fresh tier, its
     capacities from its own distinct blocks) and report kvstrata against the best deployed
     policy in each: the spread of item 3's ratios across a trace, not one slice's."""
-    if "kvstrata" not in policies or not any(is_peer_spec(name) for name in policies):
+    if "kvstrata" not in policies or not deployed_peers(policies):
         raise InvalidInput("windows compare kvstrata with deployed policies: name both")
     if window_requests < 1:
         raise InvalidInput(f"window requests must be >= 1, got {window_requests}")

@@ -112,11 +112,12 @@ PLAN: Final[tuple[Entry, ...]] = (
         "--trace {mooncake}",
         "Saved prefill seconds and tokens of every eviction policy (LRU; S3-FIFO, ARC, GDSF, "
         "TinyLFU at their papers' defaults and, as NAME-tuned, at the point a sweep of their "
-        "main parameter chose on the trace's first half; kvstrata) and the next-use oracle "
-        "(belady), simulated time, the whole Mooncake trace (12,031 requests, about an hour), "
-        "capacities 2/5/15% of its distinct blocks. 'kvstrata ÷ best deployed' rows: "
-        "kvstrata's saved tokens and seconds over the best deployed policy's, defaults and "
-        "tuned alike.",
+        "main parameter chose on the trace's first half; kvstrata, and kvstrata-ghost1: "
+        "kvstrata remembering 1x its resident keys once evicted, the peers' budget, not 8x) "
+        "and the next-use oracle (belady), simulated time, the whole Mooncake trace (12,031 "
+        "requests, about an hour), capacities 2/5/15% of its distinct blocks. 'NAME ÷ best "
+        "deployed' rows: its saved tokens and seconds over the best deployed policy's (LRU "
+        "and the peers, defaults and tuned alike).",
         None,
     ),
     *(

@@ -177,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
         **report,
     }
     rows: list[tuple[Any, ...]] = []
-    versus = report.get("kvstrata_vs_best_peer")
     for index, capacity in enumerate(capacities):
         for name in policies:
             rows.append(
@@ -189,12 +188,16 @@ def run(args: argparse.Namespace) -> int:
                     report["saved_prefill_s"][name][index],
                 )
             )
-        if versus is not None:
+        for label, key in (("kvstrata", "kvstrata_vs_best_peer"),
+                           ("kvstrata-ghost1", "kvstrata_ghost1_vs_best_peer")):  # fmt: skip
+            versus = report.get(key)
+            if versus is None:
+                continue
             tokens, seconds = versus["saved_tokens"][index], versus["saved_prefill_s"][index]
             rows.append(
                 (
                     capacity,
-                    "kvstrata ÷ best deployed",
+                    f"{label} ÷ best deployed",
                     None if tokens is None else round(tokens, 3),
                     "",
                     None if seconds is None else round(seconds, 3),

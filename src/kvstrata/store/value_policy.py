@@ -215,7 +215,12 @@ GHOST_FACTOR = 8.0
 SECONDS_WEIGHT = 0.4
 
 
-def kvstrata_policy(demotion_fetch_s_per_byte: float | None = None, seed: int = 0) -> ValuePolicy:
+def kvstrata_policy(
+    demotion_fetch_s_per_byte: float | None = None,
+    seed: int = 0,
+    *,
+    ghost_factor: float = GHOST_FACTOR,
+) -> ValuePolicy:
     """kvstrata's eviction policy (``"kvstrata"``): ``ValuePolicy`` with a censored ghost of
     ``GHOST_FACTOR`` × the resident keys, valuing a hit by ``saved_s^0.4 · tokens^0.6``
     (``SECONDS_WEIGHT``).
@@ -237,7 +242,7 @@ def kvstrata_policy(demotion_fetch_s_per_byte: float | None = None, seed: int = 
       shadows are not prefix-closed and rank candidates by hits the tier cannot make)."""
     return ValuePolicy(
         demotion_fetch_s_per_byte=demotion_fetch_s_per_byte,
-        ghost_factor=GHOST_FACTOR,
+        ghost_factor=ghost_factor,
         ghost_uses=True,
         ghost_censored=True,
         seconds_weight=SECONDS_WEIGHT,
