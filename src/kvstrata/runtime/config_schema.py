@@ -211,7 +211,7 @@ KEYS: Final[tuple[Key, ...]] = (
         "int",
         None,
         "`serve`: receive KV transfers (decode role) on this TCP port (0: any free one, "
-        "advertised in `/kv/info`); unset: none",
+        "advertised in `/kv/info`; needs `tenant_secret_file`); unset: none",
     ),
     Key(
         "transfer.transport",
