@@ -62,6 +62,8 @@ def test_bench_tiers_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
         )
         low, high = disk["cold_ratio_spread"]
         assert 0 < low <= high
+        low, high = disk["ratio_spread"]  # the warm rounds' paired ratios, best and median
+        assert 0 < low <= disk["ratio_median"] <= high
     assert set(result["peers"]) >= {"disk.ratio", "disk.cold_ratio", "disk.ratio_vs_os_read"}
     assert result["disk"]["verify"] is True
     for tier in ("host", "disk"):

@@ -14,10 +14,12 @@ touching every one of ``objects`` objects once):
   verify the payload digest. Its peer, ``disk.raw_readinto``: plain ``os.open`` + ``preadv``
   into one preallocated buffer (aligned like the tier's, reused, no digest) + ``close`` of the
   very same files, the cheapest way to read them; ``disk.ratio`` = read / raw_readinto, the
-  headline (goal ≥ 0.8 with verification on). ``disk.raw_read``: ``os.read``, which allocates a
-  fresh ``bytes`` per file (page faults on fresh memory can dominate), kept for comparison with
-  older figures as ``disk.ratio_vs_os_read``. ``disk.get`` adds the copy into a destination
-  tensor; ``disk.write`` is one durable (fsync'd) store round.
+  headline (goal ≥ 0.8 with verification on), with ``ratio_median`` and ``ratio_spread``
+  [min, max] of the rounds' paired ratios (a round of each, alternating) beside it.
+  ``disk.raw_read``: ``os.read``, which allocates a fresh ``bytes`` per file (page faults on
+  fresh memory can dominate), kept for comparison with older figures as
+  ``disk.ratio_vs_os_read``. ``disk.get`` adds the copy into a destination tensor;
+  ``disk.write`` is one durable (fsync'd) store round.
 - Cold cache, always measured: before every round the files are fsync'd and their pages dropped
   (``posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``), then ``cold_read`` (the tier's verified
   read) or ``cold_raw_readinto`` (its peer) runs; ``repeat`` rounds of each, alternating, the
@@ -105,13 +107,14 @@ def _metas(source: torch.Tensor, size: int) -> list[KVObjectMeta]:
 
 def _alternate(
     runs: dict[str, Callable[[], None]], repeat: int, before: Callable[[], None] | None = None
-) -> dict[str, float]:
-    """Best seconds of each run, rounds interleaved so every run sees the same conditions."""
-    best = dict.fromkeys(runs, float("inf"))
+) -> dict[str, list[float]]:
+    """Seconds of every round of each run, rounds interleaved so every run sees the same
+    conditions (callers keep the best, and the rounds for a median and a spread)."""
+    rounds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
         for name, fn in runs.items():
-            best[name] = min(best[name], _time(fn, before))
-    return best
+            rounds[name].append(_time(fn, before))
+    return rounds
 
 
 def _verify_cost(
@@ -179,7 +182,10 @@ def _host(
     get()
     if not torch.equal(dest, source):
         raise AssertionError("host get returned different bytes")
-    best = _alternate({"get": get, "memcpy": memcpy}, repeat)
+    best = {
+        name: min(times)
+        for name, times in _alternate({"get": get, "memcpy": memcpy}, repeat).items()
+    }
     total = count * size
     verify = _verify_cost(tier, get, total, repeat)
     tier.close()
@@ -188,7 +194,8 @@ def _host(
 
 
 ColdRounds = dict[str, list[tuple[int, float]]]
-"""Cold-cache rounds per metric: (bytes moved, seconds) of every round, in order."""
+"""Rounds per metric: (bytes moved, seconds) of every round, in order (the cold-cache ones
+and the warm ``read`` / ``raw_readinto`` ones)."""
 
 
 def _peers(cold: bool) -> dict[str, str]:
@@ -270,14 +277,20 @@ def _disk(
     get()
     if not torch.equal(dest, source):
         raise AssertionError("disk get returned different bytes")
-    best = _alternate(
+    warm = _alternate(
         {"read": read, "raw_read": raw_read, "raw_readinto": raw_readinto, "get": get},
         repeat,
         drop_cache if cold else None,
     )
+    best = {name: min(times) for name, times in warm.items()}
     total = count * size
     verify = _verify_cost(tier, get, total, repeat)
-    cold_rounds: ColdRounds = {"cold_read": [], "cold_raw_readinto": []}
+    cold_rounds: ColdRounds = {
+        "read": [(total, t) for t in warm["read"]],  # the warm rounds, for their median
+        "raw_readinto": [(file_bytes, t) for t in warm["raw_readinto"]],
+        "cold_read": [],
+        "cold_raw_readinto": [],
+    }
     for i in range(repeat):
         pair = [("cold_read", read, total), ("cold_raw_readinto", raw_readinto, file_bytes)]
         for name, fn, moved in pair[i % 2 :] + pair[: i % 2]:
@@ -393,19 +406,26 @@ def _run(
 def _disk_fields(
     measured: Sequence[Moved], verify: Sequence[Moved], cold: Sequence[ColdRounds]
 ) -> dict[str, Any]:
-    """The disk section over these sizes: warm rates and ratios, verification, cold cache."""
+    """The disk section over these sizes: warm rates and ratios (best rounds; the median and
+    spread of the rounds' paired ratios beside them), verification, cold cache (medians)."""
     rounds = len(cold[0]["cold_read"])
     per_round = [  # every round: (bytes, seconds) summed over the sizes, per metric
         {m: (sum(c[m][i][0] for c in cold), sum(c[m][i][1] for c in cold)) for m in cold[0]}
         for i in range(rounds)
     ]
-    ratios = [_gbps(*r["cold_read"]) / _gbps(*r["cold_raw_readinto"]) for r in per_round]
+
+    def paired(a: str, b: str) -> list[float]:
+        return [_gbps(*r[a]) / _gbps(*r[b]) for r in per_round]
+
     medians: Moved = {
         m: (per_round[0][m][0], statistics.median(r[m][1] for r in per_round)) for m in cold[0]
     }
     cold_rates = _rates([medians], ("cold_read", "cold_raw_readinto"))
+    warm, ratios = paired("read", "raw_readinto"), paired("cold_read", "cold_raw_readinto")
     return {
         **_rates(measured, ("read", "raw_readinto")),
+        "ratio_median": statistics.median(warm),
+        "ratio_spread": [min(warm), max(warm)],
         "ratio_vs_os_read": _rates(measured, ("read", "raw_read"))["ratio"],
         **_verify_fields(verify),
         "cold_read_gbps": cold_rates["cold_read_gbps"],

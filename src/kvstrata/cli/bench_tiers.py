@@ -79,13 +79,15 @@ def run(args: argparse.Namespace) -> int:
         f"{remote['put_ratio']:.2f}, read-ahead/sequential GET = "
         f"{remote['read_ahead']['read_ahead_ratio']:.2f}"
     )
+    low, high = result["disk"]["ratio_spread"]
     emit(
         result,
         as_json=args.json,
         title=(
             f"kvstrata bench tiers ({result['objects']} objects per size, GB/s): "
             f"host get/memcpy = {result['host']['ratio']:.2f}, "
-            f"disk read/readinto = {result['disk']['ratio']:.2f} (cold: "
+            f"disk read/readinto = {result['disk']['ratio']:.2f} (best rounds; median "
+            f"{result['disk']['ratio_median']:.2f}, rounds {low:.2f}–{high:.2f}; cold: "
             f"{result['disk']['cold_ratio']:.2f}, vs os.read: "
             f"{result['disk']['ratio_vs_os_read']:.2f}); read verification costs "
             f"host {result['host']['verify_cost_ratio']:.2f}x, "
