@@ -76,6 +76,7 @@ from kvstrata.serve.protocol import (
     CompletionRequest,
     SamplingRequest,
     api_error_handler,
+    check_forwardable,
     error_response,
     parse_json,
 )
@@ -104,6 +105,7 @@ def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str,
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ()))
         raise ApiError(400, f"{param}: {first.get('msg')}", param=param or None) from exc
+    check_forwardable(raw, payload)  # sent on whole: its other fields must encode too
     return body, payload
 
 

@@ -52,17 +52,28 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 def parse_json(raw: bytes) -> Any:
     """``raw`` as JSON; ``ApiError`` 400 ``invalid_json`` for anything else — malformed, not
     UTF-8, nested deeper than the parser recurses, an integer of more digits than Python
-    converts, ``NaN`` / ``Infinity`` or a number past a float's range, a lone surrogate (an
-    escaped half of a UTF-16 pair: not text). The last three ``json.loads`` accepts, and a
-    body holding one could not be sent on (a 500 at the front door, with its reservation
-    leaked). Every hand-parsed body goes through here (FastAPI parses the typed ones)."""
+    converts, ``NaN`` / ``Infinity`` or a number past a float's range (the last two
+    ``json.loads`` accepts; a body holding one could not be sent on: a 500 at the front door,
+    with its reservation leaked). Every hand-parsed body goes through here (FastAPI parses
+    the typed ones). Lone surrogates are the typed fields' to refuse (naming the field), and
+    :func:`check_forwardable`'s for a body sent on as it came."""
     try:
-        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
-        if _ESCAPED_SURROGATE.search(raw):  # only escapes can make a lone one: check those
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        return value
-    except (ValueError, RecursionError) as exc:  # UnicodeError is a ValueError
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:
         message = f"request body is not valid JSON: {exc}"[:300]
+        raise ApiError(400, message, code="invalid_json") from exc
+
+
+def check_forwardable(raw: bytes, value: Any) -> None:
+    """``ApiError`` 400 when ``value`` (parsed from ``raw``) holds a lone surrogate anywhere:
+    an escaped half of a UTF-16 pair is not text, cannot be encoded, and so a body forwarded
+    whole (the front door's) could not be sent on."""
+    if not _ESCAPED_SURROGATE.search(raw):  # only an escape can make a lone one
+        return
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        message = f"request body holds text that is not valid Unicode: {exc}"[:300]
         raise ApiError(400, message, code="invalid_json") from exc
 
 
