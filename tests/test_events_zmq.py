@@ -121,6 +121,46 @@ def _replaying_pair(
             yield publisher, sub
 
 
+@contextmanager
+def _scripted_replay(
+    ctx: zmq.Context[zmq.Socket[bytes]], seqs: tuple[int, ...], background: bool
+) -> Iterator[tuple[zmq.Socket[bytes], ZmqEventSubscriber]]:
+    """A hand-built publisher: an XPUB the test sends on, and a replay ROUTER answering every
+    request with batches ``seqs`` (one stored block each) and the end marker; a subscriber of
+    both, its subscription landed."""
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if router.poll(10):
+                client = router.recv_multipart()[0]
+                for seq in seqs:
+                    payload = encode_batch(make_batch([_stored(seq)], ts=float(seq)))
+                    router.send_multipart([client, b"", _seq(seq), payload])
+                router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    thread = threading.Thread(target=answer, name="scripted-replay")
+    thread.start()
+    try:
+        with ZmqEventSubscriber(
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{replay_port}",
+            context=ctx,
+            background_replay=background,
+        ) as sub:
+            _wait_subscribed(xpub)
+            yield xpub, sub
+    finally:
+        stop.set()
+        thread.join(TIMEOUT_S)
+        for socket in (xpub, router):
+            socket.close(linger=0)
+
+
 def test_malformed_messages_are_counted_and_skipped(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     xpub = ctx.socket(zmq.XPUB)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")
@@ -237,38 +277,12 @@ def test_a_publisher_without_a_replay_buffer_is_trusted_on_its_next_frame(
     nothing for any gap: the first frame past the gap looks untrusted and is dropped, its
     successor is trusted (a resync is flagged, as for any gap replay cannot cover) and the
     stream goes on, instead of every frame after the gap being dropped for good."""
-    xpub = ctx.socket(zmq.XPUB)
-    port = xpub.bind_to_random_port("tcp://127.0.0.1")
-    router = ctx.socket(zmq.ROUTER)
-    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-
-    def answer_nothing() -> None:
-        while not stop.is_set():
-            if router.poll(10):
-                client = router.recv_multipart()[0]
-                router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
-
-    thread = threading.Thread(target=answer_nothing, name="empty-replay")
-    thread.start()
-    try:
-        with ZmqEventSubscriber(
-            f"tcp://127.0.0.1:{port}",
-            f"tcp://127.0.0.1:{replay_port}",
-            context=ctx,
-            background_replay=background,
-        ) as sub:
-            _wait_subscribed(xpub)
-            for seq in (3, 4, 5):  # 0..2 were sent before anyone listened
-                payload = encode_batch(make_batch([_stored(seq)], ts=float(seq)))
-                xpub.send_multipart([b"", _seq(seq), payload])
-            resync: list[bool] = []
-            received = _receive(sub, 2, resync=resync)
-    finally:
-        stop.set()
-        thread.join(TIMEOUT_S)
-        for socket in (xpub, router):
-            socket.close(linger=0)
+    with _scripted_replay(ctx, (), background) as (xpub, sub):
+        for seq in (3, 4, 5):  # 0..2 were sent before anyone listened
+            payload = encode_batch(make_batch([_stored(seq)], ts=float(seq)))
+            xpub.send_multipart([b"", _seq(seq), payload])
+        resync: list[bool] = []
+        received = _receive(sub, 2, resync=resync)
     assert [(batch.seq, batch.batch.events) for batch in received] == [
         (4, [_stored(4)]),
         (5, [_stored(5)]),
@@ -428,40 +442,11 @@ def test_a_hole_inside_a_replay_is_a_resync_even_in_history_mode(
     replay returns is an eviction (history mode: counted, no resync); a hole after it is a
     lost reply. In history mode that was counted as truncation and the index kept the blocks
     the lost batches had removed."""
-    xpub = ctx.socket(zmq.XPUB)
-    port = xpub.bind_to_random_port("tcp://127.0.0.1")
-    router = ctx.socket(zmq.ROUTER)
-    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-
-    def answer_with_a_hole() -> None:
-        while not stop.is_set():
-            if router.poll(10):
-                client = router.recv_multipart()[0]
-                for seq in (1, 3, 4, 5):  # 0 evicted, 2 lost on the way
-                    payload = encode_batch(make_batch([_stored(seq)], ts=float(seq)))
-                    router.send_multipart([client, b"", _seq(seq), payload])
-                router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
-
-    thread = threading.Thread(target=answer_with_a_hole, name="holed-replay")
-    thread.start()
-    try:
-        with ZmqEventSubscriber(
-            f"tcp://127.0.0.1:{port}",
-            f"tcp://127.0.0.1:{replay_port}",
-            context=ctx,
-            background_replay=background,
-        ) as sub:
-            sub.resume_from(0, history=True)
-            _wait_subscribed(xpub)
-            payload = encode_batch(make_batch([_stored(5)], ts=5.0))
-            xpub.send_multipart([b"", _seq(5), payload])
-            resync: list[bool] = []
-            received = _receive(sub, 4, resync=resync)
-    finally:
-        stop.set()
-        thread.join(TIMEOUT_S)
-        for socket in (xpub, router):
-            socket.close(linger=0)
+    with _scripted_replay(ctx, (1, 3, 4, 5), background) as (xpub, sub):  # 0 evicted, 2 lost
+        sub.resume_from(0, history=True)
+        payload = encode_batch(make_batch([_stored(5)], ts=5.0))
+        xpub.send_multipart([b"", _seq(5), payload])
+        resync: list[bool] = []
+        received = _receive(sub, 4, resync=resync)
     assert [batch.seq for batch in received] == [1, 3, 4, 5]
     assert resync == [True] and sub.stats.resyncs_needed == 1

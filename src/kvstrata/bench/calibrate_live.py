@@ -32,10 +32,10 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import httpx
 
@@ -46,6 +46,7 @@ from kvstrata.errors import InvalidInput
 PROBE_FRESH: Final = (32, 256, 1024, 2048, 4096)
 PROBE_TAIL: Final = 16
 MODEL_NAME: Final = "smollm2"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,33 +254,10 @@ def _client() -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900.0, connect=30.0))
 
 
-async def _probe_session(
-    base: str, rounds: int, lengths: Sequence[int], say: Callable[[str], None], model: str
-) -> list[tuple[int, int, float]]:
+async def _with_client(work: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
+    """``work`` on one client (``_client``), closed when it ends."""
     async with _client() as client:
-        return await _probe(client, base, rounds, lengths, say, model)
-
-
-async def _points_session(
-    base: str,
-    points: Sequence[tuple[int, int]],
-    repeats: int,
-    say: Callable[[str], None],
-    model: str,
-) -> list[tuple[int, int, float]]:
-    async with _client() as client:
-        return await _time_points(client, base, points, repeats, say, model)
-
-
-async def _replay_session(
-    base: str,
-    requests: Sequence[LiveRequest],
-    block_tokens: int,
-    say: Callable[[str], None],
-    model: str,
-) -> list[_Answer]:
-    async with _client() as client:
-        return await _replay(client, base, requests, block_tokens, say, model)
+        return await work(client)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +275,9 @@ class LiveFleet:
         if not rounds:
             return []
         lengths = probe_lengths(max_prompt_tokens)
-        return asyncio.run(_probe_session(self.base, rounds, lengths, self.say, self.model))
+        return asyncio.run(
+            _with_client(lambda c: _probe(c, self.base, rounds, lengths, self.say, self.model))
+        )
 
     def time_points(
         self, points: Sequence[tuple[int, int]], repeats: int
@@ -306,7 +286,11 @@ class LiveFleet:
         ``max_tokens = 1`` on the idle fleet, minimum of ``repeats``, each on fresh random
         tokens; ``cached > 0`` points first send the ``cached``-token prefix (untimed, stored)
         and check the timed request hit exactly that many tokens."""
-        return asyncio.run(_points_session(self.base, points, repeats, self.say, self.model))
+        return asyncio.run(
+            _with_client(
+                lambda c: _time_points(c, self.base, points, repeats, self.say, self.model)
+            )
+        )
 
     def replay(
         self,
@@ -316,7 +300,9 @@ class LiveFleet:
     ) -> LiveResult:
         started = time.perf_counter()
         answers = asyncio.run(
-            _replay_session(self.base, requests, block_tokens, self.say, self.model)
+            _with_client(
+                lambda c: _replay(c, self.base, requests, block_tokens, self.say, self.model)
+            )
         )
         wall = time.perf_counter() - started
         served: dict[str, int] = {}

@@ -64,6 +64,21 @@ def _forward_s(engine: ReferenceEngine, ids: list[int], cached: int) -> float:
     return seconds
 
 
+FLEET_BLOCK_TOKENS = 16
+"""The block size of the fleet ``live_fleet`` starts (``kvstrata up``'s default): only whole
+blocks of a prefix are cached, so a served point's cached tokens must be a multiple of it."""
+
+
+def _check(points: tuple[tuple[int, int], ...], repeats: int, block: int) -> None:
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
+    for n, c in points:
+        if n < 1 or c < 0 or c % block:
+            raise InvalidInput(
+                f"point ({n}, {c}): need new tokens >= 1 and cached tokens a multiple of {block}"
+            )
+
+
 def run_prefill_curve(
     engine: ReferenceEngine,
     points: tuple[tuple[int, int], ...],
@@ -72,14 +87,7 @@ def run_prefill_curve(
     repeats: int,
 ) -> PrefillCurve:
     """Time every point ``repeats`` times (minimum kept) and fit the three-term model."""
-    if repeats < 1:
-        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
-    block = engine.config.block_size
-    for n, c in points:
-        if n < 1 or c < 0 or c % block:
-            raise InvalidInput(
-                f"point ({n}, {c}): need new tokens >= 1 and cached tokens a multiple of {block}"
-            )
+    _check(points, repeats, engine.config.block_size)
     prompt = synthetic_prompt(engine, max(n + c for n, c in points))
     warm = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate(prompt[:64], warm, lookup=False, store=False).run()  # first-call costs
@@ -106,11 +114,7 @@ def run_served_curve(
     three-term model."""
     from kvstrata.bench.calibrate_live import live_fleet
 
-    if repeats < 1:
-        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
-    for n, c in points:
-        if n < 1 or c < 0:
-            raise InvalidInput(f"point ({n}, {c}): need new tokens >= 1 and cached >= 0")
+    _check(points, repeats, FLEET_BLOCK_TOKENS)
     with live_fleet(workers=workers, policy="kvstrata", pool_gib=pool_gib, model=model) as fleet:
         samples = tuple(fleet.time_points(points, repeats))
     return PrefillCurve(f"{model}-served", repeats, samples, fit(samples, name=f"{model}-served"))

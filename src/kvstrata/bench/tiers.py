@@ -117,6 +117,11 @@ def _alternate(
     return rounds
 
 
+def _best(rounds: dict[str, list[float]]) -> dict[str, float]:
+    """The fastest round of each run (``_alternate``'s)."""
+    return {name: min(times) for name, times in rounds.items()}
+
+
 def _verify_cost(
     tier: HostTier | DiskTier, get: Callable[[], None], total: int, repeat: int
 ) -> Moved:
@@ -182,10 +187,7 @@ def _host(
     get()
     if not torch.equal(dest, source):
         raise AssertionError("host get returned different bytes")
-    best = {
-        name: min(times)
-        for name, times in _alternate({"get": get, "memcpy": memcpy}, repeat).items()
-    }
+    best = _best(_alternate({"get": get, "memcpy": memcpy}, repeat))
     total = count * size
     verify = _verify_cost(tier, get, total, repeat)
     tier.close()
@@ -282,7 +284,7 @@ def _disk(
         repeat,
         drop_cache if cold else None,
     )
-    best = {name: min(times) for name, times in warm.items()}
+    best = _best(warm)
     total = count * size
     verify = _verify_cost(tier, get, total, repeat)
     cold_rounds: ColdRounds = {

@@ -36,11 +36,7 @@ def mint_fleet_key(cleanup: contextlib.ExitStack) -> tuple[str, Path]:
     run_dir = Path(tempfile.mkdtemp(prefix="kvstrata-up-"))  # mode 0700
     cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
     key = generate_api_key()
-    path = run_dir / "fleet.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(key + "\n")
-    return key, path
+    return key, _write_private(run_dir / "fleet.key", key)
 
 
 def fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:
@@ -55,10 +51,7 @@ def fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:
 def mint_tenant_secret(run_dir: Path) -> Path:
     """A tenant secret for this run (decode workers' transfer listeners authenticate with it),
     when none is configured; KV that outlives the run in a shared tier is not found again."""
-    path = run_dir / "tenant.secret"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="ascii") as out:
-        out.write(secrets.token_hex(32) + "\n")
+    path = _write_private(run_dir / "tenant.secret", secrets.token_hex(32))
     print(
         "kvstrata up: no tenant_secret_file: minted one for this run's transfers (set one to"
         " find stored KV again after a restart)",
@@ -73,3 +66,11 @@ def security_worker_args(args: argparse.Namespace, fleet_key_file: Path) -> list
     if args.keys_file is not None:
         extra += ["--keys-file", str(args.keys_file.resolve())]
     return extra
+
+
+def _write_private(path: Path, text: str) -> Path:
+    """A new file readable by its owner only (0600), holding ``text`` and a newline."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text + "\n")
+    return path

@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -190,19 +191,11 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
         headers = _worker_headers(request, body, request_id)
         # unique in the fleet's in-flight table even when a client repeats its request id
         flight_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
-        response = await _forward(
-            fleet,
-            client,
-            deaths,
-            endpoint,
-            flight_id,
-            tenant,
-            tokens,
-            body,
-            payload,
-            headers,
+        forward = _Forward(
+            fleet, client, deaths, endpoint, flight_id, tenant, tokens, body, payload, headers,
             request.is_disconnected,
-        )
+        )  # fmt: skip
+        response = await _forward(forward)
         fleet.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -304,41 +297,45 @@ async def _health_loop(fleet: Fleet) -> None:
         await asyncio.sleep(fleet.config.health_interval_s)
 
 
-async def _forward(
-    fleet: Fleet,
-    client: httpx.AsyncClient,
-    deaths: WorkerDeaths,
-    endpoint: str,
-    request_id: str,
-    tenant: str,
-    tokens: list[int],
-    body: SamplingRequest,
-    payload: dict[str, Any],
-    headers: httpx.Headers,
-    left: Callable[[], Awaitable[bool]],
-) -> Response:
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """One client request on its way to a worker: what every attempt needs. ``headers``:
+    what the worker needs of the client's (credential, namespace, request id). ``left``:
+    whether the client disconnected."""
+
+    fleet: Fleet
+    client: httpx.AsyncClient
+    deaths: WorkerDeaths
+    endpoint: str
+    request_id: str
+    tenant: str
+    tokens: list[int]
+    body: SamplingRequest
+    payload: dict[str, Any]
+    headers: httpx.Headers
+    left: Callable[[], Awaitable[bool]]
+
+
+async def _forward(request: _Forward) -> Response:
     """Reserve and proxy; on a connection failure, flag the worker and try the next best; the
     same when the health round declares the worker dead before the client got anything
-    (``failover``). ``headers``: what the worker needs of the client's (credential,
-    namespace, request id). ``left``: whether the client disconnected — then the wait on the
-    worker is abandoned (``unless_client_left``) and the reservation released.
+    (``failover``). A client that left abandons the wait on the worker
+    (``unless_client_left``) and releases the reservation.
 
     Whatever ends an attempt — an answer, a retry, the client leaving, an exception nobody
     expected, a cancellation — the reservation is released (``Fleet.finish`` is idempotent):
     a leaked one made its worker look busy for good."""
-    max_tokens = body.requested_max_tokens()
+    fleet, tokens = request.fleet, request.tokens
+    max_tokens = request.body.requested_max_tokens()
     for _attempt in range(fleet.config.max_attempts):
         try:
             reservation = await asyncio.to_thread(
-                fleet.reserve, request_id, tenant, tokens, max_tokens
+                fleet.reserve, request.request_id, request.tenant, tokens, max_tokens
             )
         except NoWorkerAvailable as exc:
             return error_response(ApiError(503, str(exc), type="server_error"))
         try:
-            answer = await _try_worker(
-                fleet, client, deaths, endpoint, reservation, tenant, tokens, body, payload,
-                headers, left,
-            )  # fmt: skip
+            answer = await _try_worker(request, reservation)
         except BaseException:
             fleet.finish(reservation, time.time(), None, None)
             raise
@@ -347,20 +344,11 @@ async def _forward(
     return error_response(ApiError(503, "no worker could take the request", type="server_error"))
 
 
-async def _try_worker(
-    fleet: Fleet,
-    client: httpx.AsyncClient,
-    deaths: WorkerDeaths,
-    endpoint: str,
-    reservation: Reservation,
-    tenant: str,
-    tokens: list[int],
-    body: SamplingRequest,
-    payload: dict[str, Any],
-    headers: httpx.Headers,
-    left: Callable[[], Awaitable[bool]],
-) -> Response | None:
+async def _try_worker(request: _Forward, reservation: Reservation) -> Response | None:
     """One worker's try (``_forward``); None: it failed before the client got anything."""
+    fleet, client, body, tokens, left = (
+        request.fleet, request.client, request.body, request.tokens, request.left
+    )  # fmt: skip
     request_id, decision, worker_id = (
         reservation.request_id,
         reservation.decision,
@@ -370,13 +358,13 @@ async def _try_worker(
     fleet.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
     fleet.metrics.predicted_matched.labels(worker_id).inc(reservation.cached_tokens)
     fleet.metrics.prompt_tokens.labels(worker_id).inc(len(tokens))
-    url = f"{reservation.base_url}{endpoint}"
-    gone = deaths.event(worker_id)
+    url = f"{reservation.base_url}{request.endpoint}"
+    gone = request.deaths.event(worker_id)
     sent, _plan = await disagg_proxy.prepare(
-        fleet, client, reservation, tenant, tokens, payload, headers
+        fleet, client, reservation, request.tenant, tokens, request.payload, request.headers
     )
     try:
-        upstream_request = client.build_request("POST", url, json=sent, headers=headers)
+        upstream_request = client.build_request("POST", url, json=sent, headers=request.headers)
         sending = client.send(upstream_request, stream=True)
         upstream = await unless_dead(gone, unless_client_left(left, sending))
     except ClientGone:
