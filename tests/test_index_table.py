@@ -21,13 +21,17 @@ MEDIA = ("GPU", "CPU", "DISK")
 
 
 def _values(table: ProbeTable, keys: list[int]) -> list[int]:
-    return [int(v) for v in table.values(np.array(keys, dtype=np.uint64))]
+    words = table.values(np.array(keys, dtype=np.uint64))
+    assert words.shape == (len(keys), table.words)
+    return [int.from_bytes(row.astype("<u8").tobytes(), "little") for row in words]
 
 
-def test_table_mirrors_a_dict_through_inserts_updates_deletes_and_growth() -> None:
+@pytest.mark.parametrize("words", [1, 2, 3])
+def test_table_mirrors_a_dict_through_inserts_updates_deletes_and_growth(words: int) -> None:
     rng = random.Random(7)
     entries: dict[int, int] = {}
     table = ProbeTable()
+    table.set_words(words)
     seen: list[int] = []
     for step in range(40):
         for _ in range(rng.randrange(1, 3000)):  # up to 60k keys: several growths
@@ -38,7 +42,7 @@ def test_table_mirrors_a_dict_through_inserts_updates_deletes_and_growth() -> No
             else:
                 key = rng.choice(seen)
             if op < 0.85:
-                entries[key] = rng.getrandbits(64) | 1
+                entries[key] = rng.getrandbits(64 * words) | 1
             else:
                 entries.pop(key, None)
             table.mark(key)
@@ -77,7 +81,7 @@ def test_table_prefix_values_stop_at_the_first_block_nobody_holds() -> None:
         keys = list(range(4500))
         if miss_at is not None:
             keys[miss_at] = 10**9
-        got = table.prefix_values(np.array(keys, dtype=np.uint64)).tolist()
+        got = table.prefix_values(np.array(keys, dtype=np.uint64))[:, 0].tolist()
         assert got == [k + 1 for k in keys[: 4500 if miss_at is None else miss_at]]
 
 
@@ -109,14 +113,15 @@ def _as_pairs(index: GlobalIndex, hashes: list[int]) -> dict[str, tuple[int, lis
     return {w: (m.blocks, list(m.tier_blocks)) for w, m in index.match(hashes).items()}
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_long_lookups_equal_the_set_peer_on_random_fleets(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "most"), [(0, 16), (1, 16), (2, 16), (3, 40), (4, 40)])
+def test_long_lookups_equal_the_set_peer_on_random_fleets(seed: int, most: int) -> None:
     """Random documents stored by random workers at random depths (chunked, in several
-    media, some with a hole): every lookup, long (table) or short (dict), equals the peer's."""
+    media, some with a hole): every lookup, long (table) or short (dict), equals the peer's,
+    on fleets of up to 16 workers (one word a value) and of up to 40 (several)."""
     rng = np.random.default_rng(seed)
-    workers = [f"w{i}" for i in range(int(rng.integers(2, 17)))]
+    workers = [f"w{i}" for i in range(int(rng.integers(2 if most == 16 else 17, most + 1)))]
     index = GlobalIndex(FP, BS, clock=lambda: 0.0)
-    peer = SetIndex(index, width=16)
+    peer = SetIndex(index, width=64)
     docs = [_tokens(rng, int(rng.integers(600, 1500))) for _ in range(4)]
     next_engine = iter(range(1, 10**9))
     for _ in range(40):
@@ -146,7 +151,8 @@ def test_long_lookups_equal_the_set_peer_on_random_fleets(seed: int) -> None:
 def test_table_lookups_follow_removals_epochs_and_wide_fleets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The table path and the dict path agree after removals, a restart and past 16 slots."""
+    """The table path and the dict path agree after removals, a restart and past 16 slots
+    (where the table's values take a second word)."""
     rng = np.random.default_rng(5)
     index = GlobalIndex(FP, BS, clock=lambda: 0.0)
     doc = _tokens(rng, 1200)
@@ -170,10 +176,13 @@ def test_table_lookups_follow_removals_epochs_and_wide_fleets(
     index.apply_batch("c", KVEventBatch(ts=0.0, epoch=1, events=[]))
     index.apply_batch("c", KVEventBatch(ts=0.0, epoch=2, events=[]))  # a restart drops c
     assert both()["c"][0] == 0
-    for i in range(20):  # past 16 slots the table is off and the dict answers
-        index.store_hashes(f"x{i}", hashes[:900], Medium.DISK)
-    assert both()["x19"] == (900, [0, 0, 900, 0])
-    assert not index.sync_table()
+    for i in range(20):  # past 16 slots the table's values take two words
+        index.store_hashes(f"x{i}", hashes[: 900 - 10 * i], Medium.DISK)
+    assert index.sync_table() and index._table.words == 2
+    assert both()["x19"] == (710, [0, 0, 710, 0])
+    assert both()["a"] == (700, [700, 0, 0, 0]) and both()["x0"] == (900, [0, 0, 900, 0])
+    index.apply_batch("a", KVEventBatch(ts=0.0, events=[BlockRemoved(engine[:1], "GPU")]))
+    assert both()["a"][0] == 0 and both()["x18"][0] == 720
 
 
 def test_the_pending_backlog_stays_bounded_without_long_lookups() -> None:

@@ -21,9 +21,8 @@ from kvstrata.events.schema import BlockHash
 from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
 from kvstrata.index.matching import SLOT_MASK as _SLOT_MASK
 from kvstrata.index.model import IndexStats, Medium
-from kvstrata.index.table import MAX_SLOTS as _TABLE_SLOTS
 from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
-from kvstrata.index.table import ProbeTable
+from kvstrata.index.table import ProbeTable, words_for
 from kvstrata.index.tombstones import Lineage, Tombstones
 
 
@@ -231,12 +230,9 @@ class IndexEntries:
 
     def sync_table(self) -> bool:
         """Bring the lookup table (``index.table``) up to date with the entries; False when
-        the index cannot use it (more than 16 slots, or keys wider than 64 bits)."""
+        the index cannot use it (keys wider than 64 bits)."""
         table = self._table
-        if self._next_slot > _TABLE_SLOTS:  # values no longer fit one uint64
-            table.stale = True
-            table.dirty.clear()
-            return False
+        table.set_words(words_for(self._next_slot))  # a wider fleet: one word more a value
         table.sync(self._entries)
         return table.usable
 

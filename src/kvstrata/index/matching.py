@@ -59,16 +59,19 @@ def slot_prefixes(
 ) -> npt.NDArray[np.int64]:
     """``[4, slots]``: per slot, prefix depth and its blocks at best on device, host, disk.
 
-    ``live`` has bit ``4·slot`` set for every slot that may match. Values wider than one
-    uint64 (more than 16 slots) are split into 64-bit words through their bytes; each word is
+    ``values`` are ints, or the lookup table's ``[n, words]`` uint64 words
+    (``ProbeTable.values``). ``live`` has bit ``4·slot`` set for every slot that may match.
+    Int values wider than one uint64 (more than 16 slots) are split into 64-bit words through
+    their bytes; each word is
     then handled alike: a slot's block is present when its nibble is non-zero, a running AND
     of presence gives the prefix (prefix-closed by construction), and masked bit counts per
     nibble give the depth and the fastest-medium split. ``shared`` is the shared slot: where
     its remote bit is set, every slot with bit ``4·slot`` in ``reach`` gets its remote bit too.
     """
     words = max(1, -(-slots // _NUMPY_SLOTS))
-    if words == 1 and isinstance(values, np.ndarray):
-        packed = values.reshape(-1, 1)
+    if isinstance(values, np.ndarray):
+        packed = values.reshape(len(values), -1)
+        words = packed.shape[1]
     elif words == 1:  # array.array converts a list of ints faster than numpy does
         packed = np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
     else:

@@ -3,11 +3,12 @@
 Why: a 128k-token request is 8,192 blocks; probing a Python dict of a million entries once per
 block costs about half a microsecond each (cache misses on the dict's table, the entry and the
 key object, plus the interpreter), which is most of a lookup. This table holds the same
-mapping, router hash → packed value (uint64: up to 16 worker slots), in one array of
-``[key, value]`` rows with open addressing and linear probing, so a request's blocks are
-probed by a few vectorised passes (one row gather per probe round: key and value share a cache
-line, so a probe costs one cache miss, not one per array; a lookup runs right after other work
-has evicted the table from the caches). Key 0 marks an empty row; the hash 0 itself, possible
+mapping, router hash → packed value, in one array of ``[key, word 0, …, word W-1]`` rows
+(the value split into W little-endian uint64 words, 16 worker slots a word) with open
+addressing and linear probing, so a request's blocks are probed by a few vectorised passes
+(one row gather per probe round: key and value share a cache line, so a probe costs one cache
+miss, not one per array; a lookup runs right after other work has evicted the table from the
+caches). Key 0 marks an empty row; the hash 0 itself, possible
 but rare, is held beside the table (``_zero``).
 
 The dict (``IndexEntries._entries``) stays the source of truth: every write to it marks the
@@ -21,8 +22,9 @@ dict (at most half full after a rebuild, rebuilt past 70 %). A key's first posit
 Fibonacci hashing of it (the top bits of key × 2^64/φ), so keys that are not mixed hashes (the
 simulator's block ids) do not cluster.
 
-Only used while the index has at most 16 slots (values fit one uint64) and every key fits 64
-bits; otherwise the index keeps the dict probe (``matching.probe``).
+W follows the index's slot count (``set_words``: a fleet that grows past a multiple of 16
+slots rebuilds the table one word wider). Only used while every key fits 64 bits; otherwise
+the index keeps the dict probe (``matching.probe``).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-MAX_SLOTS: Final = 16
-"""Worker slots whose 4-bit nibbles fit one uint64 value."""
+SLOTS_PER_WORD: Final = 16
+"""Worker slots whose 4-bit nibbles fit one uint64 word of a value."""
 SYNC_BACKLOG: Final = 1024
 """Dirty hashes after which the event path syncs (bounds the sync a lookup may pay)."""
 _MIN_BITS: Final = 12
 _FIB: Final = np.uint64(0x9E3779B97F4A7C15)
 _ONE: Final = np.uint64(1)
+_ZERO: Final = np.uint64(0)
 _MAX_LOAD: Final = 0.7
 _SCALAR_TAIL: Final = 16
 """Keys still probing when the vectorised rounds stop and a scalar loop finishes them."""
@@ -48,10 +51,27 @@ _SCALAR_TAIL: Final = 16
 U64 = npt.NDArray[np.uint64]
 
 
+def words_for(slots: int) -> int:
+    """The uint64 words a packed value of ``slots`` worker slots takes (at least one)."""
+    return max(1, -(-slots // SLOTS_PER_WORD))
+
+
+def _split(values: Iterable[int], words: int) -> U64:
+    """Packed values as ``[n, words]`` little-endian uint64 words (OverflowError if one does
+    not fit, or is negative)."""
+    if words == 1:  # array.array converts ints faster than numpy or to_bytes do
+        return np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
+    width = 8 * words
+    raw = b"".join(v.to_bytes(width, "little") for v in values)
+    return np.frombuffer(raw, dtype="<u8").astype(np.uint64, copy=False).reshape(-1, words)
+
+
 class ProbeTable:
     """Router hash → packed value (0: absent), open addressing, linear probing, numpy arrays."""
 
     def __init__(self) -> None:
+        self.words = 1
+        """uint64 words per value (``set_words``)."""
         self._allocate(_MIN_BITS)
         self._zero = 0
         """The value of the key 0, which cannot live in the table (0 marks an empty row)."""
@@ -63,9 +83,9 @@ class ProbeTable:
 
     def _allocate(self, bits: int) -> None:
         capacity = 1 << bits
-        self._rows: U64 = np.zeros((capacity, 2), dtype=np.uint64)
-        """``[key, value]``; key 0: empty. A key whose value went to 0 stays (a tombstone: a
-        probe stops only at an empty row)."""
+        self._rows: U64 = np.zeros((capacity, 1 + self.words), dtype=np.uint64)
+        """``[key, word 0, …]``; key 0: empty. A key whose value went to 0 stays (a tombstone:
+        a probe stops only at an empty row)."""
         self._mask = np.uint64(capacity - 1)
         self._shift = np.uint64(64 - bits)
         self._filled = 0
@@ -73,6 +93,13 @@ class ProbeTable:
     def _home(self, keys: U64) -> U64:
         home: U64 = (keys * _FIB) >> self._shift
         return home
+
+    def set_words(self, words: int) -> None:
+        """Hold values of ``words`` uint64 words; a change rebuilds the table at the next sync."""
+        if words != self.words:
+            self.words = words
+            self.stale = True
+            self.dirty.clear()
 
     def mark(self, router_hash: int) -> None:
         self.dirty.add(router_hash)
@@ -98,9 +125,7 @@ class ProbeTable:
                 return
             keys = np.frombuffer(array.array("Q", self.dirty), dtype=np.uint64)
             get = entries.get
-            values = np.frombuffer(
-                array.array("Q", [get(k, 0) for k in self.dirty]), dtype=np.uint64
-            )
+            values = _split([get(k, 0) for k in self.dirty], self.words)
         except OverflowError:  # a key or value wider than 64 bits (or negative)
             self.usable = False
             self.dirty.clear()
@@ -108,12 +133,12 @@ class ProbeTable:
         self.dirty.clear()
         zero = keys == 0
         if zero.any():
-            self._zero = int(values[zero][0])
+            self._zero = entries.get(0, 0)
             keys, values = keys[~zero], values[~zero]
         positions = self._find(keys)
         found = positions >= 0
-        self._rows[positions[found], 1] = values[found]
-        new = ~found & (values != 0)
+        self._rows[positions[found], 1:] = values[found]
+        new = ~found & values.any(axis=1)
         if not new.any():
             return
         if self._filled + int(new.sum()) > _MAX_LOAD * len(self._rows):
@@ -130,8 +155,12 @@ class ProbeTable:
         self._zero = entries.get(0, 0)
         if not n:
             return
-        keys = np.frombuffer(array.array("Q", entries.keys()), dtype=np.uint64)
-        values = np.frombuffer(array.array("Q", entries.values()), dtype=np.uint64)
+        try:
+            keys = np.frombuffer(array.array("Q", entries.keys()), dtype=np.uint64)
+            values = _split(entries.values(), self.words)
+        except OverflowError:
+            self.usable = False
+            return
         if self._zero:
             kept = keys != 0
             keys, values = keys[kept], values[kept]
@@ -145,7 +174,7 @@ class ProbeTable:
         fits = at < len(self._rows)
         placed = order[fits]
         self._rows[at[fits], 0] = keys[placed]
-        self._rows[at[fits], 1] = values[placed]
+        self._rows[at[fits], 1:] = values[placed]
         self._filled = len(placed)
         wrapped = order[~fits]  # past the end: they wrap around to the start
         if len(wrapped):
@@ -165,7 +194,7 @@ class ProbeTable:
                 winners = np.flatnonzero(free)[first]
                 won = positions[winners]
                 rows[won, 0] = keys[order[winners]]
-                rows[won, 1] = values[order[winners]]
+                rows[won, 1:] = values[order[winners]]
                 self._filled += len(winners)
                 left = np.ones(len(order), dtype=np.bool_)
                 left[winners] = False
@@ -175,7 +204,8 @@ class ProbeTable:
         for i, at in zip(order.tolist(), positions.tolist(), strict=True):
             while rows[at, 0]:
                 at = (at + 1) & mask
-            rows[at, 0], rows[at, 1] = keys[i], values[i]
+            rows[at, 0] = keys[i]
+            rows[at, 1:] = values[i]
             self._filled += 1
 
     # ---------------------------------------------------------------- lookup
@@ -204,23 +234,27 @@ class ProbeTable:
         return result
 
     def values(self, keys: U64) -> U64:
-        """The packed value of each key (0 where nobody holds it); call after ``sync``.
+        """``[n, words]``: the packed value of each key as uint64 words (all 0 where nobody
+        holds it); call after ``sync``.
 
         The same probe as :meth:`_find`, kept separate on purpose: this is the lookup's hot
         path, and taking each value from the row the probe already gathered, rather than
         finding positions and gathering again, saves ~0.1 ms of a 128k-token lookup's p99
         (measured with ``kvstrata bench index``, 2026-12-02)."""
         rows = self._rows
+        # One word: work on 1-D values (numpy's 1-D fancy indexing is markedly faster than 2-D
+        # on this hot path); several: on [n, words]. Either way the result is [n, words].
+        cols: int | slice = 1 if self.words == 1 else slice(1, None)
         positions = self._home(keys)
         found = np.take(rows, positions, axis=0)  # the first round, for all keys at once
         hit = found[:, 0] == keys
-        out: U64 = np.where(hit, found[:, 1], np.uint64(0))
+        out: U64 = np.where(hit if self.words == 1 else hit[:, None], found[:, cols], _ZERO)
         order = np.flatnonzero((found[:, 0] != 0) & ~hit)
         positions = (positions[order] + _ONE) & self._mask
         while len(order) > _SCALAR_TAIL:
             found = np.take(rows, positions, axis=0)
             hit = found[:, 0] == keys[order]
-            out[order[hit]] = found[hit, 1]
+            out[order[hit]] = found[hit, cols]
             more = (found[:, 0] != 0) & ~hit
             order = order[more]
             positions = (positions[more] + _ONE) & self._mask
@@ -229,28 +263,31 @@ class ProbeTable:
             key = keys[i]
             while rows[at, 0]:
                 if rows[at, 0] == key:
-                    out[i] = rows[at, 1]
+                    out[i] = rows[at, cols]
                     break
                 at = (at + 1) & mask
+        out = out.reshape(len(keys), self.words)
         if self._zero:
-            out[keys == 0] = self._zero
+            zero = keys == 0
+            if zero.any():
+                out[zero] = _split([self._zero], self.words)[0]
         return out
 
     def prefix_values(self, keys: U64, first: int = 1024) -> U64:
-        """The values up to (without) the first key nobody holds, probed in chunks growing
-        8-fold from ``first`` keys (a request that misses early stops early)."""
+        """The values (``[n, words]``) up to (without) the first key nobody holds, probed in
+        chunks growing 8-fold from ``first`` keys (a request that misses early stops early)."""
         parts: list[U64] = []
         start, chunk = 0, first
         while start < len(keys):
             part = self.values(keys[start : start + chunk])
-            zero = np.flatnonzero(part == 0)
+            zero = np.flatnonzero(part[:, 0] == 0 if self.words == 1 else ~part.any(axis=1))
             if len(zero):
                 parts.append(part[: zero[0]])
                 break
             parts.append(part)
             start, chunk = start + chunk, 8 * chunk
         if not parts:
-            return np.zeros(0, dtype=np.uint64)
+            return np.zeros((0, self.words), dtype=np.uint64)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     @property
