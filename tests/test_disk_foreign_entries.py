@@ -15,7 +15,10 @@ from typing import TypeVar
 import pytest
 
 from kvstrata.objects.tombstone import Tombstone
+from kvstrata.tiers import disk as disk_module
+from kvstrata.tiers.base import TierError
 from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.disk_format import READ_CHUNK_BYTES, parse_object
 from kvstrata.tiers.disk_tombstones import encode_line
 from tier_helpers import CAPACITY, FakeClock, load_bytes, make_object, store
 
@@ -179,11 +182,58 @@ def test_running_out_of_descriptors_is_a_miss_that_keeps_the_object(
     tier.close()
     with monkeypatch.context() as patch:
         patch.setattr(os, "open", _out_of_descriptors(os.open))
-        blind = DiskTier(tmp_path, CAPACITY)
-    assert blind.recovery.unreadable == 1 and blind.recovery.invalid == 0
-    blind.close()
+        patch.setattr(disk_module, "_RECOVERY_RETRY_S", (0.0, 0.0))
+        # Started with the object unindexed, a tenant-wide deletion would miss it and a later
+        # start would serve it: the tier refuses to start instead, and releases its lock.
+        with pytest.raises(TierError, match="cannot index"):
+            DiskTier(tmp_path, CAPACITY)
     with DiskTier(tmp_path, CAPACITY) as again:  # the next start reads it
         assert load_bytes(again, meta.key) == payload
+
+
+def test_an_object_unreadable_for_a_moment_at_start_is_retried_and_indexed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meta, payload = make_object(1)
+    with DiskTier(tmp_path, CAPACITY) as tier:
+        assert store(tier, meta, payload)
+    failures = iter([True, True])
+    real_open = os.open
+
+    def flaky(path: object, *args: object, **kwargs: object) -> int:
+        if str(path).endswith(".kv") and next(failures, False):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_module, "_RECOVERY_RETRY_S", (0.0, 0.0, 0.0))
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", flaky)
+        tier = DiskTier(tmp_path, CAPACITY)
+    assert tier.recovery.unreadable_at_first == 1 and tier.recovery.recovered == 1
+    assert [m.key for m in tier.objects_of("t0")] == [meta.key]  # a deletion reaches it
+    assert load_bytes(tier, meta.key) == payload
+    tier.close()
+
+
+def test_recovery_reads_a_file_of_any_claimed_size_in_bounded_memory(tmp_path: Path) -> None:
+    """The start-up scan hashes a payload in chunks: a file claiming gigabytes (a sparse file
+    with a forged header) costs the chunk's memory, not the file's, and a corrupt one goes."""
+    big = 8 * READ_CHUNK_BYTES
+    meta, payload = make_object(1, size=big)
+    with DiskTier(tmp_path, 4 * big) as tier:
+        assert store(tier, meta, payload)
+        path = tier.path_of(meta.key)
+    parsed, scratch = parse_object(path, bytearray(), 4 * big)
+    assert parsed is not None and parsed[0] == meta and len(scratch) <= READ_CHUNK_BYTES
+    with open(path, "r+b") as f:  # one flipped byte in the last chunk
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    parsed, scratch = parse_object(path, bytearray(), 4 * big)
+    assert parsed is None and len(scratch) <= READ_CHUNK_BYTES
+    with DiskTier(tmp_path, 4 * big) as again:
+        assert again.recovery.invalid == 1 and load_bytes(again, meta.key) is None
 
 
 def test_a_symlinked_fan_out_directory_is_neither_followed_nor_written_through(

@@ -38,7 +38,9 @@ reservation and raises ``TierError`` from ``complete_store`` — the medium fail
 ``Tier`` contract says; the slot is finished either way and other objects stay readable. An
 ``OSError`` while reading an object is treated like corruption (invalidate, recompute), except
 an error of the moment (out of file descriptors or memory: ``disk_format.TRANSIENT_ERRNOS``),
-which is a miss that keeps the object.
+which is a miss that keeps the object. At start-up such an object is retried for about a
+second, then fails recovery: an object left out of the index would be out of every deletion's
+reach. The start-up scan reads a payload in chunks, so a file's claimed size costs no memory.
 
 Capacity bounds the sum of payload sizes (``meta.size``), like every other tier; each file adds
 a header and meta JSON (well under 1 KiB) on top. Buffers for stores and loads come from a
@@ -59,6 +61,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 
@@ -93,6 +96,10 @@ from kvstrata.tiers.disk_tombstones import TombstoneFile
 logger = logging.getLogger(__name__)
 
 
+_RECOVERY_RETRY_S: Final = (0.05, 0.25, 1.0)
+"""Pauses before recovery retries an object an error of the moment kept from reading."""
+
+
 @dataclass
 class RecoveryReport:
     """What ``recover()`` found: objects re-indexed, files deleted and why."""
@@ -104,7 +111,9 @@ class RecoveryReport:
     expired: int = 0
     tombstoned: int = 0  # objects a deletion's tombstone covers: removed, never served
     foreign: int = 0  # entries that are not regular files (directories, FIFOs, links): left
-    unreadable: int = 0  # objects an error of the moment kept from reading: left, not indexed
+    unreadable_at_first: int = 0
+    """Objects an error of the moment (``TRANSIENT_ERRNOS``) kept from reading at first, then
+    read on a retry (one still unreadable after the retries fails recovery)."""
 
 
 @dataclass
@@ -161,6 +170,9 @@ class DiskTier(IndexedTierViews):
         except (OSError, TierError) as exc:
             self.close()
             raise TierError(f"recovery of {self.root} failed: {exc}") from exc
+        except BaseException:  # MemoryError, KeyboardInterrupt …: never keep the lock
+            self.close()
+            raise
 
     # ---------------------------------------------------------------- read-only views
 
@@ -292,6 +304,29 @@ class DiskTier(IndexedTierViews):
 
     # ---------------------------------------------------------------- recovery
 
+    def _parse_retrying(
+        self, path: Path, scratch: bytearray, report: RecoveryReport
+    ) -> tuple[tuple[KVObjectMeta, int] | None, bytearray]:
+        """``parse_object``, retried over about a second while an error of the moment stops
+        it. An object still unreadable then fails recovery (``TierError``): left unindexed, it
+        would be out of every deletion's reach (``objects_of`` lists the index) and served by
+        a later start after its tombstone expired."""
+        attempt = 0
+        while True:
+            try:
+                return parse_object(path, scratch, self.capacity_bytes)
+            except TransientReadError as exc:
+                report.unreadable_at_first += attempt == 0
+                if attempt == len(_RECOVERY_RETRY_S):
+                    raise TierError(
+                        f"{exc}: still failing after {attempt} retries; the tier does not"
+                        " start with objects it cannot index (no deletion would reach them)"
+                    ) from exc
+                pause = _RECOVERY_RETRY_S[attempt]
+                logger.warning("disk tier recovery: %s (retrying in %.2f s)", exc, pause)
+                time.sleep(pause)
+                attempt += 1
+
     def recover(self) -> RecoveryReport:
         """Rebuild the index from disk: keep verified objects, delete temp and invalid files.
 
@@ -319,12 +354,7 @@ class DiskTier(IndexedTierViews):
                     self._discard(path)
                     report.temp_removed += 1
                 elif entry.name.endswith(OBJECT_SUFFIX):
-                    try:
-                        parsed, scratch = parse_object(path, scratch, self.capacity_bytes)
-                    except TransientReadError as exc:  # kept on disk; the next start reads it
-                        logger.warning("disk tier recovery: %s (kept, not indexed)", exc)
-                        report.unreadable += 1
-                        continue
+                    parsed, scratch = self._parse_retrying(path, scratch, report)
                     if parsed is None:
                         self._discard(path)
                         report.invalid += 1

@@ -31,7 +31,7 @@ from typing import Final
 import numpy as np
 import xxhash
 
-from kvstrata.objects import MALFORMED_META, KVObjectMeta, payload_digest
+from kvstrata.objects import MALFORMED_META, KVObjectMeta, payload_hasher
 
 MAGIC = b"KVSTRATA"
 FORMAT_VERSION = 1
@@ -219,8 +219,10 @@ def parse_object(
     The header is checked before anything else is read or allocated: a file that is not a
     regular file (:func:`open_regular`), whose sizes disagree with its length, or whose
     payload exceeds ``max_payload`` (the tier's capacity: no such object could have been
-    stored) is rejected without reading it. ``TransientReadError`` for an error of the moment
-    (the file may be intact: keep it)."""
+    stored) is rejected without reading it. Then the meta (at most 1 MiB) is read and checked,
+    and only then the payload, hashed in ``READ_CHUNK_BYTES`` chunks: ``scratch`` never grows
+    past the larger of the two, whatever size a file claims. ``TransientReadError`` for an
+    error of the moment (the file may be intact: keep it)."""
     fd = open_regular(path)
     if fd is None:
         return None, scratch
@@ -241,10 +243,32 @@ def parse_object(
             or size != offset + payload_len
         ):
             return None, scratch
-        if len(scratch) < size:
-            scratch = bytearray(size)
-        view = memoryview(scratch)[:size]
-        if not _pread_into(fd, view):
+        want = max(meta_len, min(READ_CHUNK_BYTES, payload_len))
+        if len(scratch) < want:
+            scratch = bytearray(want)
+        view = memoryview(scratch)
+        if not _pread_into(fd, view[:meta_len], HEADER.size):
+            return None, scratch
+        meta_bytes = bytes(view[:meta_len])
+        if xxhash.xxh3_64_intdigest(meta_bytes) != meta_sum:
+            return None, scratch
+        try:
+            meta = KVObjectMeta.from_dict(json.loads(meta_bytes))
+        except MALFORMED_META:  # well-checksummed nonsense
+            return None, scratch
+        if (
+            path.name != meta.key.hex() + OBJECT_SUFFIX
+            or path.parent.name != meta.key.hex()[:2]
+            or meta.size != payload_len
+        ):
+            return None, scratch
+        hasher = payload_hasher()
+        for start in range(offset, size, READ_CHUNK_BYTES):
+            part = view[: min(READ_CHUNK_BYTES, size - start)]
+            if not _pread_into(fd, part, start):
+                return None, scratch
+            hasher.update(part)
+        if hasher.digest() != meta.digest:
             return None, scratch
     except OSError as exc:
         if _transient(exc):
@@ -252,28 +276,14 @@ def parse_object(
         return None, scratch
     finally:
         os.close(fd)
-    meta_bytes = bytes(view[HEADER.size : offset])
-    if xxhash.xxh3_64_intdigest(meta_bytes) != meta_sum:
-        return None, scratch
-    try:
-        meta = KVObjectMeta.from_dict(json.loads(meta_bytes))
-    except MALFORMED_META:  # well-checksummed nonsense
-        return None, scratch
-    if (
-        path.name != meta.key.hex() + OBJECT_SUFFIX
-        or path.parent.name != meta.key.hex()[:2]
-        or meta.size != payload_len
-        or payload_digest(view[offset:]) != meta.digest
-    ):
-        return None, scratch
     return (meta, offset), scratch
 
 
-def _pread_into(fd: int, view: memoryview) -> bool:
-    """Fill ``view`` from offset 0 of ``fd``; False if the file ends first."""
+def _pread_into(fd: int, view: memoryview, at: int) -> bool:
+    """Fill ``view`` from offset ``at`` of ``fd``; False if the file ends first."""
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], done)
+        n = os.preadv(fd, [view[done:]], at + done)
         if n <= 0:
             return False
         done += n
