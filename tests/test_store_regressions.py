@@ -14,6 +14,10 @@ from kvstrata.engine.engine import EngineConfig
 from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.identity import BlockKey
+from kvstrata.objects import Representation
+from kvstrata.runtime.blocks import BlockInfo, EvictedBlock
+from kvstrata.runtime.bridge import LoadOutcome, StoreBridge
 from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.tiered import RequestScope, TieredStore
@@ -173,3 +177,81 @@ def test_delete_while_a_reader_holds_the_object(tmp_path: Path) -> None:
     fresh = replace(objs[0][0], created_at=clock())
     assert store.put(fresh, filler(objs[0][1]))  # a fresh computation may store it again
     store.close()
+
+
+def _bridge(store: TieredStore) -> StoreBridge:
+    return StoreBridge(
+        store,
+        representation=Representation("uint8", "raw", 1, (OBJ,)),
+        block_bytes=OBJ,
+        model_id="",
+        recompute_estimate=lambda n, c: 1.0,
+    )
+
+
+def test_an_incompatible_object_is_removed_and_never_booked_as_a_hit(tmp_path: Path) -> None:
+    """A verified object of another representation: no hit, no policy use, no selective copy
+    below; it leaves its level, so the next request does not fetch and reject it again."""
+    clock = FakeClock()
+    disk = TierConfig("disk", write_policy=WritePolicy.SELECTIVE, selective_min_uses=2)
+    store = make_store(tmp_path, clock, disk=disk)
+    ((meta, payload),) = chain("a", 1)
+    meta = replace(meta, representation=Representation("uint8", "raw", 2, (OBJ,)))
+    assert store.put(meta, filler(payload)) and not store.levels[1].tier.contains(meta.key)
+    located = store.lookup([meta.key], RequestScope("t0"))[0]
+    got: list[memoryview] = []
+    assert _bridge(store).load_verified(located, "t0", got.append) is LoadOutcome.INCOMPATIBLE
+    assert not got
+    assert store.metrics.value("kvstrata_tier_hits_total", {"tier": "host"}) == 0
+    assert store.lookup([meta.key], RequestScope("t0")) == []
+    assert not store.levels[1].tier.contains(meta.key)  # no selective copy of it either
+    labels = {"tier": "host", "reason": "incompatible"}
+    assert store.metrics.value("kvstrata_tier_invalidated_total", labels) == 1
+
+
+def test_a_consumer_that_raises_books_no_hit(tmp_path: Path) -> None:
+    store = make_store(tmp_path, FakeClock())
+    ((meta, payload),) = chain("a", 1)
+    assert store.put(meta, filler(payload))
+    located = store.lookup([meta.key], RequestScope("t0"))[0]
+    with pytest.raises(RuntimeError), store.load(located, "t0") as lease:
+        assert lease is not None
+        raise RuntimeError("the consumer failed")
+    assert store.metrics.value("kvstrata_tier_hits_total", {"tier": "host"}) == 0
+    assert store.lookup([meta.key], RequestScope("t0"))  # still there: not the object's fault
+
+
+def test_an_object_that_expires_under_a_reader_still_frees_its_room() -> None:
+    """Asked for again while expired and pinned, the key stays known to the policy, so its
+    room comes back once the reader leaves (it used to be forgotten and held for good)."""
+    clock = FakeClock()
+    host = HostTier(2 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, LRUPolicy(), TierConfig("host", ttl_s=10))], clock=clock)
+    ((meta, payload),) = chain("a", 1, created_at=clock())
+    assert store.put(meta, filler(payload))
+    located = store.lookup([meta.key], RequestScope("t0"))[0]
+    with store.load(located, "t0") as lease:
+        assert lease is not None
+        clock.now += 11
+        with store.load(located, "t0") as again:
+            assert again is None
+    fresh = [chain(f"n{i}", 1, created_at=clock())[0] for i in range(3)]
+    for new, data in fresh:
+        assert store.put(new, filler(data))
+    assert sum(host.contains(new.key) for new, _ in fresh) == 2  # both slots usable again
+    assert not host.reserved(meta.key)
+
+
+def test_a_refused_demotion_is_not_counted_as_demoted() -> None:
+    clock = FakeClock()
+    host = HostTier(4 * OBJ, OBJ, clock=clock)
+    quota = TierConfig("host", tenant_quota_bytes={"t0": 1})  # nothing of t0 fits
+    store = TieredStore([(host, LRUPolicy(), quota)], clock=clock)
+    bridge = _bridge(store)
+    evicted = EvictedBlock(0, BlockKey(b"k" * 32), None, 1, BlockInfo("t0", 0))
+    bridge.demote(evicted, memoryview(bytes(OBJ)))
+    assert not bridge.holds(evicted.key)
+    value = store.metrics.value
+    assert value("kvstrata_tier_evictions_total", {"tier": "device", "outcome": "demoted"}) == 0
+    labels = {"tier": "device", "outcome": "demotion_refused"}
+    assert value("kvstrata_tier_evictions_total", labels) == 1

@@ -33,7 +33,7 @@ from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.runtime.blocks import DELETED, BlockInfo, EvictedBlock
 from kvstrata.security.audit import Action
 from kvstrata.store.config import WritePolicy
-from kvstrata.store.levels import Located, RequestScope
+from kvstrata.store.levels import Located, RejectedObject, RequestScope
 from kvstrata.store.tiered import TieredStore
 
 RecomputeEstimate = Callable[[int, int], float]
@@ -138,12 +138,15 @@ class StoreBridge:
         a failing medium drops the block (counted) and never wedges the device pool."""
         assert isinstance(evicted.info, BlockInfo)
         try:
-            self.put(evicted.key, evicted.parent_key, evicted.info, payload, uses=evicted.uses)
+            kept = self.put(
+                evicted.key, evicted.parent_key, evicted.info, payload, uses=evicted.uses
+            )
         except KvstrataError:
             logger.exception("demotion of an evicted device block failed")
             self.store.metrics.evictions.labels(tier="device", outcome="demotion_failed").inc()
             return
-        self.store.metrics.evictions.labels(tier="device", outcome="demoted").inc()
+        outcome = "demoted" if kept else "demotion_refused"  # no level admitted it (room, quota …)
+        self.store.metrics.evictions.labels(tier="device", outcome=outcome).inc()
 
     # ---- store → engine ---------------------------------------------------------------------
     def plan_promotion(
@@ -190,16 +193,15 @@ class StoreBridge:
                     return LoadOutcome.MISSING
                 meta = lease.meta
                 if meta.representation != self.representation or meta.size != self.block_bytes:
-                    self.store.metrics.invalid.labels(tier=level.name, reason="incompatible").inc()
-                    self.store.audit.record(
-                        Action.INVALIDATE,
-                        "incompatible",
-                        tier=level.name,
-                        keys=[located.key],
-                        tenant=tenant,
-                    )
-                    return LoadOutcome.INCOMPATIBLE
+                    raise RejectedObject(f"{located.key.hex()}: another representation or size")
                 sink(lease.buffer)
+        except RejectedObject:  # the store removed it: the next request recomputes
+            self.store.metrics.invalid.labels(tier=level.name, reason="incompatible").inc()
+            keys = [located.key]
+            self.store.audit.record(
+                Action.INVALIDATE, "incompatible", tier=level.name, keys=keys, tenant=tenant
+            )
+            return LoadOutcome.INCOMPATIBLE
         except KvstrataError:
             logger.exception("a tier failed while loading a block")
             return LoadOutcome.TIER_ERROR

@@ -67,10 +67,9 @@ def select(selector: DeleteSelector, refs: Iterable[ObjectRef], now: float) -> l
         seeds += [ref.key for ref in mine if ref.created_at is not None and ref.created_at < cutoff]
     selected = dict.fromkeys(seeds)
     queue = list(selected)
-    while queue:  # breadth first: a parent before its children
-        key = queue.pop(0)
+    for key in queue:  # breadth first (a parent before its children); grows as it goes
         for child in children.get(key, ()):
             if child not in selected:
                 selected[child] = None
                 queue.append(child)
-    return list(selected)
+    return queue

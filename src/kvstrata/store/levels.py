@@ -6,11 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.config import TierConfig
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.tiers.base import Tier
+
+
+class RejectedObject(KvstrataError):
+    """Raised by a consumer inside ``with store.load(...)``: the object verified, but it cannot
+    be used here (another representation or size). The store books no hit, removes the object
+    from its level (as it would a corrupt one) and lets the exception through."""
 
 
 @dataclass

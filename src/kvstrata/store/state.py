@@ -302,8 +302,26 @@ class StoreCore:
         return removed
 
     def _forget_if_gone(self, level: Level, key: BlockKey) -> None:
-        if level.tier.meta(key) is None:
+        """A load found no ``key``: forget it unless the tier still holds its record (an
+        object that expired while another reader pins it keeps its room until the policy
+        evicts it: forgotten now, nothing could ever free that room)."""
+        if level.tier.meta(key) is None and not level.tier.reserved(key):
             level.policy.on_remove(key)
+            self._publish(level)
+
+    def _drop_rejected(self, index: int, key: BlockKey) -> None:
+        """A consumer rejected ``key``'s verified bytes (``RejectedObject``): remove it, so the
+        next request does not plan, fetch and reject it again (kept if pinned by another
+        reader; its last rejection removes it)."""
+        level = self.levels[index]
+        try:
+            removed = level.tier.remove(key)
+        except TierError:
+            self.metrics.write_failures.labels(tier=level.name).inc()
+            return
+        if removed:
+            level.policy.on_remove(key)
+            self._gone(level, key)
             self._publish(level)
 
     def _sync_dropped(self, level: Level) -> None:

@@ -47,14 +47,14 @@ from kvstrata.security.audit import NULL_AUDIT, AuditLog
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 from kvstrata.store.admission import AdmittingCore, PayloadFill
 from kvstrata.store.config import TierConfig, WritePolicy
-from kvstrata.store.levels import Located, RequestScope
+from kvstrata.store.levels import Located, RejectedObject, RequestScope
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.state import PREFETCH
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import LoadLease, Tier
 
-__all__ = ["PayloadFill", "RequestScope", "TieredStore"]
+__all__ = ["PayloadFill", "RejectedObject", "RequestScope", "TieredStore"]
 
 
 _FETCH_EWMA = 0.2  # weight of the newest measurement in a level's fetch-cost estimate
@@ -235,7 +235,9 @@ class TieredStore(AdmittingCore):
     def load(self, located: Located, tenant: str) -> Iterator[LoadLease | None]:
         """Pin and yield a verified object (None if it vanished or failed verification).
 
-        The tier's read and digest check run outside the store lock."""
+        The tier's read and digest check run outside the store lock. A hit is booked (policy,
+        use counts, fetch cost, selective copies) only when the consumer's body finishes; a
+        consumer that raises ``RejectedObject`` has the object removed from its level."""
         index, key = located.level, located.key
         level = self.levels[index]
         started = time.perf_counter()
@@ -262,15 +264,22 @@ class TieredStore(AdmittingCore):
             yield None
             return
         copies: list[int] = []
+        outcome = "failed"  # the consumer raised: no hit (nothing was used)
         try:
             yield lease
+            outcome = "used"
+        except RejectedObject:
+            outcome = "rejected"
+            raise
         finally:
             with self._lock:
                 level.tier.complete_load(lease)
                 if key in self._pending_delete:
                     self._finish_delete(key)
-                else:
+                elif outcome == "used":
                     copies = self._record_hit(located, lease.meta, time.perf_counter() - started)
+                elif outcome == "rejected":
+                    self._drop_rejected(index, key)
             for target in copies:
                 self._copy(index, target, key, cause="selective")
 
