@@ -74,6 +74,15 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
         result["lookup_with_hash_vs_peer_set_p99_min"]
         <= result["lookup_with_hash_vs_peer_set_p99_max"]
     )
+    # Live rounds: events between lookups leave a backlog the next lookup syncs.
+    assert result["live_batches"] == 4 and result["live_backlog_median"] > 0
+    assert result["live_lookup_with_hash_p99_ms"] > 0
+    assert result["peer_set_live_lookup_with_hash_p99_ms"] > 0
+    assert (
+        result["live_lookup_with_hash_vs_peer_set_p99_min"]
+        <= result["live_lookup_with_hash_vs_peer_set_p99"]
+        <= result["live_lookup_with_hash_vs_peer_set_p99_max"]
+    )
 
 
 def test_bench_index_table_without_peer(capsys: pytest.CaptureFixture[str]) -> None:

@@ -196,3 +196,16 @@ def test_the_pending_backlog_stays_bounded_without_long_lookups() -> None:
         index.match(hashes[:10])  # short: the dict answers, nothing syncs here
         assert index._table.pending < SYNC_BACKLOG + 300
     assert index.sync_table() and not index._table.pending
+
+
+def test_the_event_path_takes_every_rebuild_so_no_lookup_pays_one() -> None:
+    """Growth past the load limit and a fleet past 16 slots rebuild the table: both happen
+    while events are applied, never in the sync a lookup runs."""
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    rng = random.Random(11)
+    for step in range(400):  # ~60k hashes: several growths; 20 workers: a second word
+        hashes = [rng.getrandbits(64) for _ in range(150)]
+        index.store_hashes(f"w{step % 20}", hashes, Medium.DEVICE)
+        table = index._table
+        assert not table.would_rebuild and table.words == (1 if step < 16 else 2), step
+        assert table.pending < SYNC_BACKLOG

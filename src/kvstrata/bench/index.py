@@ -33,9 +33,14 @@ Figures:
 - Every lookup figure is the median over ``rounds`` (≥ 5 by default) rounds of ``repeats``
   alternating lookups of that round's p50 / p99; ``p99_spread_ms`` gives each p99's lowest and
   highest round, ``lookup_with_hash_vs_peer_set_p99_min`` / ``_max`` the per-round ratios'.
-- ``apply_s`` includes keeping the index's lookup table (``index.table``) in sync. The timed
-  lookups find it synced (no events between them); in a live fleet a lookup also pays the sync
-  of the hashes changed since the last one (at most ``index.table.SYNC_BACKLOG``).
+- ``apply_s`` includes keeping the index's lookup table (``index.table``) in sync. The rounds
+  above find it synced (no events between lookups); in a live fleet a lookup also pays the
+  sync of the hashes changed since the last one (at most ``index.table.SYNC_BACKLOG``). The
+  live rounds measure that: ``live_lookup_with_hash_p99_ms`` and the set peer's
+  ``peer_set_live_lookup_with_hash_p99_ms`` with ``live_batches`` batches of events applied
+  to every index (untimed) before each lookup, their per-round ratio
+  ``live_lookup_with_hash_vs_peer_set_p99`` (median, ``_min``, ``_max``), and the hashes
+  each lookup found pending (``live_backlog_median`` / ``_max``).
 - ``index_blocks`` (placements: a block held by two workers counts twice), ``index_entries``
   (distinct blocks), ``rss_mb`` (resident memory the index added while it was filled: an upper
   bound, as freed event objects stay in the allocator's pools) and ``bytes_per_block``.
@@ -88,12 +93,17 @@ class IndexBenchConfig:
     seed: int = 0
     naive: bool = True
     peer_set: bool = True
+    live_batches: int = 4
+    """Live rounds: event batches (engine steps, ~1,000 blocks for 4) applied to every index
+    between two lookups; 0 skips the live rounds."""
 
     def check(self) -> None:
         if min(self.block_size, self.workers, self.repeats, self.rounds) <= 0 or self.blocks < 0:
             raise InvalidInput("block size, workers, repeats and rounds must be positive")
         if self.request_tokens < self.block_size:
             raise InvalidInput("the request needs at least one full block of tokens")
+        if self.live_batches < 0:
+            raise InvalidInput("live batches must be ≥ 0")
         if self.step_tokens < self.block_size or self.running_requests <= 0:
             raise InvalidInput("an engine step must store at least one block")
 
@@ -271,14 +281,12 @@ def _rss_bytes() -> int:
 
 def _fill(
     apply: Callable[[str, KVEventBatch], None],
-    workload: _Workload,
-    workers: list[str],
+    steps: Iterator[tuple[str, KVEventBatch]],
     done: Callable[[int], bool],
 ) -> tuple[float, int, int, int]:
     """Apply batches until ``done(batches)``; returns apply seconds, batches, events, blocks."""
     seconds = 0.0
     batches = events = blocks = 0
-    steps = workload.batches(workers)
     while not done(batches):
         worker, batch = next(steps)
         start = time.perf_counter()
@@ -288,6 +296,58 @@ def _fill(
         events += len(batch.events)
         blocks += sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
     return seconds, batches, events, blocks
+
+
+def _live_rounds(
+    config: IndexBenchConfig,
+    index: GlobalIndex,
+    steps: Iterator[tuple[str, KVEventBatch]],
+    requests: list[npt.NDArray[np.uint32]],
+    naive: NaiveIndex | None,
+    peer_set: SetIndex | None,
+) -> tuple[dict[str, float], bool | None]:
+    """Lookups with events in between, as in a live fleet: before each repeat the next
+    ``live_batches`` batches of the fill's workload are applied (untimed) to the index and to
+    every peer, so each lookup also pays what its index defers from the event path to the
+    lookup (kvstrata: syncing the lookup table's backlog; the peers defer nothing). The index
+    grows by those events (about ``rounds × repeats × live_batches × 250`` blocks)."""
+    backlog: list[int] = []
+
+    def between() -> None:
+        for _ in range(config.live_batches):
+            worker, batch = next(steps)
+            index.apply_batch(worker, batch)
+            if naive is not None:
+                naive.apply_batch(worker, batch)
+            if peer_set is not None:
+                peer_set.apply_batch(worker, batch)
+        backlog.append(index.table_backlog)
+
+    rounds = [
+        time_lookups(config.repeats, config.block_size, index, requests, naive, peer_set, between)
+        for _ in range(config.rounds)
+    ]
+    p99 = {  # per round
+        name: [_round_quantiles_ms(samples[name])[1] for samples, *_ in rounds]
+        for name in ("both", "set_both")
+        if rounds[0][0][name]
+    }
+    figures = {
+        "live_lookup_with_hash_p99_ms": float(np.median(p99["both"])),
+        "live_backlog_median": float(np.median(backlog)),
+        "live_backlog_max": float(max(backlog)),
+        "live_batches": float(config.live_batches),
+    }
+    if "set_both" in p99:
+        ratios = [ours / max(theirs, 1e-9) for ours, theirs in zip(*p99.values(), strict=True)]
+        figures.update(
+            peer_set_live_lookup_with_hash_p99_ms=float(np.median(p99["set_both"])),
+            live_lookup_with_hash_vs_peer_set_p99=float(np.median(ratios)),
+            live_lookup_with_hash_vs_peer_set_p99_min=min(ratios),
+            live_lookup_with_hash_vs_peer_set_p99_max=max(ratios),
+        )
+    agreed = [a for _, _, a in rounds]
+    return figures, None if agreed[0] is None else all(agreed)
 
 
 def _round_quantiles_ms(samples: list[float]) -> tuple[float, float]:
@@ -304,10 +364,10 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
     gc.collect()
     rss_before = _rss_bytes()
     workload = _Workload(config)
+    steps = workload.batches(workers)  # continued by the live rounds
     apply_s, batches, events, blocks = _fill(
         index.apply_batch,
-        workload,
-        workers,
+        steps,
         lambda _: len(index) >= config.blocks and not workload.pending_documents,
     )
     start = time.perf_counter()
@@ -316,17 +376,20 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
     gc.collect()
     rss_added = max(0, _rss_bytes() - rss_before)
     index_blocks = sum(sum(index.blocks_held(w)) for w in workers)
+    index_entries = len(index)  # as filled (the live rounds add more)
 
     figures: dict[str, float] = {}
     naive: NaiveIndex | None = None
     if config.naive:
         naive = NaiveIndex(index)
-        naive_apply_s, *_ = _fill(naive.apply_batch, _Workload(config), workers, batches.__le__)
+        naive_steps = _Workload(config).batches(workers)
+        naive_apply_s, *_ = _fill(naive.apply_batch, naive_steps, batches.__le__)
         figures["naive_events_blocks_per_s"] = blocks / max(naive_apply_s, 1e-9)
     peer_set: SetIndex | None = None
     if config.peer_set:
         peer_set = SetIndex(index, width=max(64, config.workers))
-        set_apply_s, *_ = _fill(peer_set.apply_batch, _Workload(config), workers, batches.__le__)
+        set_steps = _Workload(config).batches(workers)
+        set_apply_s, *_ = _fill(peer_set.apply_batch, set_steps, batches.__le__)
         figures["peer_set_events_blocks_per_s"] = blocks / max(set_apply_s, 1e-9)
 
     requests = workload.documents
@@ -338,6 +401,10 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
         )
         rounds.append(samples)
         agrees = agreed if agrees is None else agrees and bool(agreed)
+    if config.live_batches:
+        live, live_agrees = _live_rounds(config, index, steps, requests, naive, peer_set)
+        figures.update(live)
+        agrees = agrees if live_agrees is None else bool(agrees) and live_agrees
     spread: dict[str, list[float]] = {}
 
     def _quantiles_ms(name: str) -> tuple[float, float]:
@@ -386,7 +453,7 @@ def run_index_bench(config: IndexBenchConfig | None = None) -> IndexBenchResult:
         request_blocks=config.request_tokens // config.block_size,
         repeats=config.repeats,
         index_blocks=index_blocks,
-        index_entries=len(index),
+        index_entries=index_entries,
         batches=batches,
         events=events,
         blocks_per_event=blocks / max(events, 1),

@@ -12,7 +12,7 @@ several tiers counts in the fastest), as ``GlobalIndex.match`` reports it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -179,12 +179,16 @@ def time_lookups(
     requests: Sequence[npt.NDArray[np.uint32]],
     naive: NaiveIndex | None,
     peer_set: SetIndex | None,
+    between: Callable[[], None] | None = None,
 ) -> tuple[dict[str, list[float]], list[int], bool | None]:
     """Per repeat, kvstrata and each peer in turn (the order rotates), on the same request.
 
     Each lookup gets the request as a freshly built Python list (untimed), as a router gets it
     from decoding the request body just before it hashes: a list reused across lookups would
     be read cold after the other indexes' walks, a cost no router pays.
+
+    ``between`` (untimed) runs before each repeat: the live variant applies a step of events
+    to every index there, so each lookup also pays what its index defers to lookups.
 
     Returns the samples (seconds) by figure, the last lookup's per-worker depths and whether
     every peer's answer equalled kvstrata's on every lookup (None: no peer)."""
@@ -228,6 +232,8 @@ def time_lookups(
 
     runs = [ours, *([plain] if naive else []), *([by_set] if peer_set else [])]
     for i in range(repeats):
+        if between is not None:
+            between()
         request = requests[i % len(requests)]
         answers = {}
         for k in range(len(runs)):

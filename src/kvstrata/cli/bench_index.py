@@ -34,6 +34,12 @@ def register(sub: Any) -> None:
         "--rounds", type=int, default=defaults.rounds, help="rounds (figures: medians over them)"
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
+    parser.add_argument(
+        "--live-batches",
+        type=int,
+        default=defaults.live_batches,
+        help="event batches applied between lookups in the live rounds (0: no live rounds)",
+    )
     parser.add_argument("--no-naive", action="store_true", help="skip the per-worker-dict peer")
     parser.add_argument(
         "--no-peer-set", action="store_true", help="skip the hash → worker-set peer"
@@ -51,6 +57,7 @@ def _run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             rounds=args.rounds,
             seed=args.seed,
+            live_batches=args.live_batches,
             naive=not args.no_naive,
             peer_set=not args.no_peer_set,
         )
@@ -79,6 +86,13 @@ def _run(args: argparse.Namespace) -> int:
             "hash + lookup p99 (ms)",
             result["lookup_with_hash_p99_ms"],
             peer("peer_set_lookup_with_hash_p99_ms"),
+            None,
+        ),
+        (
+            f"hash + lookup p99 (ms), live: {peer('live_batches') or 0:.0f} event batches "
+            f"before each (backlog median {peer('live_backlog_median') or 0:.0f} hashes)",
+            peer("live_lookup_with_hash_p99_ms"),
+            peer("peer_set_live_lookup_with_hash_p99_ms"),
             None,
         ),
         ("hash request, router hash (ms; both peers use it too)", result["hash_ms"], None, None),
@@ -112,7 +126,8 @@ def _run(args: argparse.Namespace) -> int:
         ),
         columns=("figure", "kvstrata", "set peer", "per-worker peer"),
         rows=[
-            (name, ours, *("-" if v is None else v for v in peers)) for name, ours, *peers in rows
+            (name, "-" if ours is None else ours, *("-" if v is None else v for v in peers))
+            for name, ours, *peers in rows
         ],
     )
     return 0

@@ -24,8 +24,8 @@ lookup is one dict probe per block for all workers at once, and a longest-prefix
 ``_TABLE_MIN_BLOCKS`` blocks are probed in a numpy mirror of that dict instead
 (``index.table.ProbeTable``, one uint64 word a value per 16 slots: the dict stays the source
 of truth, every write marks its hash dirty and the mirror is synced before a lookup, or on the
-event path once 1,024 are pending), so the probe runs in C rather than once per block in the
-interpreter.
+event path once 256 are pending or a rebuild is due), so the probe runs in C rather than once
+per block in the interpreter.
 Per worker, engine hash → router hash; when two engine hashes of one worker name the same
 router hash (vLLM's ``cache_salt`` changes engine hashes, not tokens) the worker's bit stays
 set until the last of them is removed.

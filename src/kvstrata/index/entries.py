@@ -228,6 +228,11 @@ class IndexEntries:
             self.stats.blocks_removed += 1
         self._sync_backlog()
 
+    @property
+    def table_backlog(self) -> int:
+        """Hashes changed since the lookup table's last sync (what the next long lookup syncs)."""
+        return self._table.pending
+
     def sync_table(self) -> bool:
         """Bring the lookup table (``index.table``) up to date with the entries; False when
         the index cannot use it (keys wider than 64 bits)."""
@@ -237,8 +242,15 @@ class IndexEntries:
         return table.usable
 
     def _sync_backlog(self) -> None:
-        """On the event path: sync once many hashes are pending (bounds a lookup's share)."""
-        if self._table.pending >= _SYNC_BACKLOG:
+        """On the event path: sync once many hashes are pending (bounds a lookup's share), and
+        whenever the sync could rebuild the table (a growth, a fleet past a multiple of 16
+        slots), so a lookup never pays a rebuild."""
+        table = self._table
+        if (
+            table.pending >= _SYNC_BACKLOG
+            or table.would_rebuild
+            or table.words != words_for(self._next_slot)
+        ):
             self.sync_table()
 
     # ---------------------------------------------------------------- entry bits

@@ -16,7 +16,9 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.objects = Gauge("kvstrata_tier_objects", "Committed objects", ["tier"], registry=r)
+        self.objects = Gauge(
+            "kvstrata_tier_objects", "Objects held (incl. pending)", ["tier"], registry=r
+        )
         self.bytes = Gauge(
             "kvstrata_tier_bytes", "Bytes held (incl. pending)", ["tier"], registry=r
         )
