@@ -16,7 +16,7 @@ import pytest
 
 from kvstrata.objects.tombstone import Tombstone
 from kvstrata.tiers import disk as disk_module
-from kvstrata.tiers.base import TierError
+from kvstrata.tiers.base import CORRUPT, Dropped, TierError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.disk_format import READ_CHUNK_BYTES, parse_object
 from kvstrata.tiers.disk_tombstones import encode_line
@@ -71,7 +71,7 @@ def test_a_fifo_in_place_of_an_object_is_a_miss_not_a_hang(tmp_path: Path) -> No
     path.unlink()
     os.mkfifo(path)
     assert within(10, lambda: tier.prepare_load(meta.key)) is None
-    assert tier.meta(meta.key) is None and meta.key in tier.take_dropped()
+    assert tier.meta(meta.key) is None and Dropped(meta.key, CORRUPT) in tier.take_dropped()
     assert load_bytes(tier, other.key) == other_payload
     tier.close()
     if not path.exists():  # the read dropped the FIFO; put one back for the recovery scan
@@ -120,7 +120,7 @@ def test_a_file_that_cannot_be_deleted_gives_misses_not_errors(tmp_path: Path) -
         path.unlink()
         (path / "x").mkdir(parents=True)
     assert tier.prepare_load(corrupt.key) is None  # unreadable: dropped, counted
-    assert corrupt.key in tier.take_dropped()
+    assert Dropped(corrupt.key, CORRUPT) in tier.take_dropped()
     clock.now += 100  # the other expires; the views release it
     assert not tier.contains(expiring.key) and tier.meta(expiring.key) is None
     assert list(tier.keys()) == []

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.config import WorkerConfig, disk_tier
 from kvstrata.runtime.store_factory import build_store
-from kvstrata.tiers.base import TierError
+from kvstrata.tiers.base import CORRUPT, Dropped, TierError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.disk_format import READ_CHUNK_BYTES
 from tier_helpers import CAPACITY, OBJ, FakeClock, load_bytes, make_object, store
@@ -56,7 +56,7 @@ def test_disk_bit_flip_invalidates(tmp_path: Path) -> None:
         assert tier.counters.invalidated == 1
         assert not path.exists()
         assert not tier.contains(meta.key)
-        assert tier.take_dropped() == [meta.key]
+        assert tier.take_dropped() == [Dropped(meta.key, CORRUPT)]
         assert store(tier, meta, payload)  # a fresh store works
         assert load_bytes(tier, meta.key) == payload
 

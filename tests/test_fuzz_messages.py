@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -382,8 +382,10 @@ def lookup_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     for meta, payload in objects:
         assert store.put(meta, _filler(payload))
 
-    def lookup(tenant: str, keys: list[BlockKey]) -> int:  # what ConnectorWorker.lookup asks
-        return len(store.lookup(keys, RequestScope(tenant=tenant, model="")))
+    def lookup(  # what ConnectorWorker.lookup asks
+        tenant: str, keys: Sequence[BlockKey], presence: bool = False, req_id: str | None = None
+    ) -> int:
+        return len(store.lookup(keys, RequestScope(tenant=tenant, model="", request_id=req_id)))
 
     endpoint = f"ipc://{tmp_path_factory.mktemp('lookup') / 'lookup.ipc'}"
     server = LookupServer(endpoint, lookup).start()

@@ -29,6 +29,7 @@ from kvstrata.store.config import TierConfig
 from kvstrata.store.levels import RequestScope
 from kvstrata.store.policies import SharedLedgerPolicy
 from kvstrata.store.tiered import TieredStore
+from kvstrata.tiers.base import CORRUPT, Dropped
 from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_client import CircuitBreaker, RemoteConfig
 from tier_helpers import OBJ, load_bytes, make_object, remote_tier_on, store
@@ -70,7 +71,7 @@ def test_damaged_server_bytes_are_caught(tier: RemoteTier, damage: str) -> None:
             conn.set(mkey, encode_meta(other))
     assert tier.prepare_load(meta.key) is None
     assert tier.counters.invalidated == 1
-    assert tier.take_dropped() == [meta.key]
+    assert tier.take_dropped() == [Dropped(meta.key, CORRUPT)]
     assert not tier.contains(meta.key) and tier.used_bytes == 0
     with tier.client.connection("single") as conn:
         assert conn.exists(tier.data_key(meta.key), tier.meta_key(meta.key)) == 0

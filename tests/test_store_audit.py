@@ -84,7 +84,7 @@ def test_store_records_evict_quota_switch_digest_and_expiry(tmp_path: Path) -> N
         ("quota_reject", "larger_than_quota", "host", "greedy", [greedy[0].key.hex()]),
         ("tier_switch", "disabled", "host", None, None),
         ("invalidate", "digest_mismatch", "disk", None, hex_of["e2"]),
-        ("invalidate", "expired", "disk", None, hex_of["e0"]),
+        ("evict", "expired", "disk", None, hex_of["e0"]),
     ]
     text = audit_path.read_text()
     assert all(str(token) not in text for token in TOKENS)

@@ -255,3 +255,57 @@ def test_a_refused_demotion_is_not_counted_as_demoted() -> None:
     assert value("kvstrata_tier_evictions_total", {"tier": "device", "outcome": "demoted"}) == 0
     labels = {"tier": "device", "outcome": "demotion_refused"}
     assert value("kvstrata_tier_evictions_total", labels) == 1
+
+
+def _corrupt_host_slot(host: HostTier, key: BlockKey) -> None:
+    host.slab[host._index.records[key].extra["slot"] * OBJ] ^= 0xFF
+
+
+def test_a_corrupt_object_is_counted_once_and_an_expiry_is_no_invalidation() -> None:
+    clock = FakeClock()
+    host = HostTier(4 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, LRUPolicy(), TierConfig("host", ttl_s=10))], clock=clock)
+    (bad, bad_payload), (old, old_payload) = (
+        chain("a", 1, created_at=clock())[0],
+        chain("b", 1, created_at=clock())[0],
+    )
+    assert store.put(bad, filler(bad_payload)) and store.put(old, filler(old_payload))
+    _corrupt_host_slot(host, bad.key)
+    located = store.lookup([bad.key], RequestScope("t0"))[0]
+    with store.load(located, "t0") as lease:
+        assert lease is None
+    clock.now += 11  # the other object expires
+    assert store.lookup([old.key], RequestScope("t0")) == []
+    store.take_events()
+    value = store.metrics.value
+    invalid = {
+        reason: value("kvstrata_tier_invalidated_total", {"tier": "host", "reason": reason}) or 0
+        for reason in ("digest_mismatch", "dropped_by_tier", "expired")
+    }
+    assert invalid == {"digest_mismatch": 1, "dropped_by_tier": 0, "expired": 0}
+    assert value("kvstrata_tier_evictions_total", {"tier": "host", "outcome": "expired"}) == 1
+
+
+def test_a_plain_miss_is_not_blamed_for_another_keys_corrupt_read() -> None:
+    """Another thread's corrupt read of B lands while A's load misses: A is MISSING, B is the
+    one counted (the store used to read a tier-wide counter and blame A)."""
+    clock = FakeClock()
+    host = HostTier(4 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, LRUPolicy(), TierConfig("host"))], clock=clock)
+    (a, a_payload), (b, b_payload) = chain("a", 1)[0], chain("b", 1)[0]
+    assert store.put(a, filler(a_payload)) and store.put(b, filler(b_payload))
+    located = store.lookup([a.key], RequestScope("t0"))[0]
+    assert host.remove(a.key)  # A goes (another thread evicted it)
+    _corrupt_host_slot(host, b.key)
+    real = host.prepare_load
+
+    def racing(key: BlockKey) -> object:
+        if key == a.key:
+            assert real(b.key) is None  # the other thread's read of B finds it corrupt
+        return real(key)
+
+    host.prepare_load = racing  # type: ignore[method-assign]
+    outcome = _bridge(store).load_verified(located, "t0", lambda view: None)
+    assert outcome is LoadOutcome.MISSING
+    labels = {"tier": "host", "reason": "digest_mismatch"}
+    assert store.metrics.value("kvstrata_tier_invalidated_total", labels) == 1  # B's, once

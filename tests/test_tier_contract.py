@@ -19,7 +19,7 @@ import torch
 
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
-from kvstrata.tiers.base import Tier, TierError
+from kvstrata.tiers.base import CORRUPT, EXPIRED, Dropped, Tier, TierError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
 from kvstrata.tiers.remote import RemoteTier
@@ -231,7 +231,7 @@ def test_ttl_expiry_hides_and_frees(case: Case) -> None:
     assert case.tier.prepare_load(meta.key) is None
     assert list(case.tier.keys()) == [keep.key]
     assert case.tier.used_bytes == OBJ
-    assert case.tier.take_dropped() == [meta.key]
+    assert case.tier.take_dropped() == [Dropped(meta.key, EXPIRED)]
     assert store(case.tier, meta.with_ttl(None), payload)  # room and key are free again
 
 
@@ -369,7 +369,7 @@ def test_reads_are_verified_by_default(kind: str, tmp_path: Path) -> None:
     _corrupt(tier, meta.key)
     assert tier.prepare_load(meta.key) is None  # a mismatch found on a read: INVALID, gone
     assert tier.counters.invalidated == 1
-    assert tier.take_dropped() == [meta.key]
+    assert tier.take_dropped() == [Dropped(meta.key, CORRUPT)]
     assert not tier.contains(meta.key) and tier.used_bytes == 0
     assert store(tier, meta, payload)  # room and key are free again
     assert load_bytes(tier, meta.key) == payload

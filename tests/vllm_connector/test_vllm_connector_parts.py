@@ -26,6 +26,7 @@ from kvstrata.connectors.vllm_identity import (
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_layout import BlockCodec, LayerLayout, UnsupportedLayout
+from kvstrata.connectors.vllm_loader import StepLoads
 from kvstrata.connectors.vllm_plan import (
     BlockSave,
     RequestLoad,
@@ -47,6 +48,7 @@ from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.runtime.valkey_server import ValkeyServer
 from kvstrata.runtime.wiring import wire
+from kvstrata.store.config import canary_bucket
 
 BLOCKS, HEADS, BS, HEAD = 6, 2, 4, 8
 
@@ -168,6 +170,7 @@ def test_fingerprint_names_the_vllm_kernel_and_refuses_what_it_cannot_identify()
         {"tp_size": 2},
         {"quantization": "awq"},
         {"lora_enabled": True},
+        {"speculative": "eagle"},  # the drafter's layers join the KV vLLM hands over
     ):
         assert isinstance(vllm_fingerprint(_view(**changes)), ReuseDisabled), changes
     assert tenant_for_salt(None).name == "default"
@@ -178,7 +181,7 @@ def test_fingerprint_names_the_vllm_kernel_and_refuses_what_it_cannot_identify()
 def test_planner_matches_beyond_the_local_hit_and_plans_each_block_once() -> None:
     held: dict[str, int] = {}
 
-    def lookup(tenant: str, keys: object) -> int:
+    def lookup(tenant: str, keys: object, presence: bool = False, req_id: object = None) -> int:
         return held.get(tenant, 0)
 
     planner = SchedulerPlanner(_fingerprint(), BS, lookup, tenant_of=tenant_for_salt)
@@ -471,3 +474,77 @@ def test_workers_share_a_remote_tier_and_load_it_by_read_ahead(
     assert remote["loads"] == 3
     writer.close()
     reader.close()
+
+
+def _saved_and_planned(
+    tmp_path: Path, **extra: object
+) -> tuple[ConnectorWorker, SchedulerPlanner, list[int]]:
+    """A worker that saved request a's three blocks (its planner, the prompt)."""
+    worker = _worker(tmp_path, {"l0": cpu_layer(0), "l1": cpu_layer(1)}, **extra)
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 3 * BS + 2))
+    planner.matched_tokens("a", tokens, None, 0)
+    planner.after_alloc("a", [0, 1, 2, 3], 0)
+    worker.save(planner.build([ScheduledRequest("a", [0, 1, 2, 3], True, 0, len(tokens))]).saves)
+    return worker, planner, tokens
+
+
+def test_load_errors_asked_before_wait_for_save_include_the_steps_failures(
+    tmp_path: Path,
+) -> None:
+    """With speculative decoding vLLM collects a step's load errors before it calls
+    ``wait_for_save``: the step's failures must be in that answer (the step's sampled token is
+    then discarded), and the saves after it must still skip them."""
+    worker, planner, tokens = _saved_and_planned(tmp_path)
+    assert planner.matched_tokens("b", tokens, None, 0) == 3 * BS
+    planner.after_alloc("b", [3, 4, 5, 0], 3 * BS)
+    plan = planner.build([ScheduledRequest("b", [3, 4, 5, 0], True, 3 * BS, 1)])
+    keys = planner.request_keys(tokens, None, 3)[1]
+    worker.store.levels[0].tier.remove(BlockKey(keys[1]))  # block 1 vanished: 4 and 5 fail
+    loads = StepLoads(worker.finish_load)
+    loads.begin(lambda: worker.begin_load(plan.loads, timeout_s=5.0))
+    loads.layer("l0")
+    assert loads.errors() == {4, 5}  # the deferred order: errors first
+    skip, tainted = loads.end_step()  # then wait_for_save
+    assert skip == {4, 5} and tainted == {"b"}
+    assert loads.errors() == set() and loads.end_step() == (set(), set())  # reported once
+    loads.begin(lambda: worker.begin_load(plan.loads, timeout_s=5.0))  # the usual order
+    skip, _ = loads.end_step()
+    assert skip == {4, 5} and loads.errors() == {4, 5}
+    loads.close()
+    worker.close()
+
+
+def test_a_pd_arrival_probe_sees_held_blocks_a_break_even_lookup_would_not_load(
+    tmp_path: Path,
+) -> None:
+    """Below ``min_reusable_tokens`` the break-even lookup answers 0 (recompute); the P/D
+    consumer's presence probe still sees the producer's blocks, and is not counted."""
+    worker, planner, tokens = _saved_and_planned(tmp_path, min_reusable_tokens=64)
+    keys = [BlockKey(k) for k in planner.request_keys(tokens, None, 3)[1]]
+    tenant = tenant_for_salt(None).name
+    before = worker.stats.lookups
+    assert worker.lookup(tenant, keys) == 0
+    assert worker.lookup(tenant, keys, True) == 3
+    assert worker.stats.lookups == before + 1
+    worker.close()
+
+
+def test_a_canary_tier_serves_its_share_of_requests(tmp_path: Path) -> None:
+    """``rollout.canary`` = 0.5: the requests in the share save to and load from the tier,
+    the others do not (the connector used to send no request id: no request used it)."""
+    inside = [r for r in (f"r{i}" for i in range(40)) if canary_bucket(r) < 0.5]
+    outside = [r for r in (f"r{i}" for i in range(40)) if canary_bucket(r) >= 0.5]
+    worker = _worker(tmp_path, {"l0": cpu_layer(0), "l1": cpu_layer(1)}, tier_canary=0.5)
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 3 * BS + 2))
+    for req in (outside[0], inside[0]):
+        planner.matched_tokens(req, tokens, None, 0)
+        planner.after_alloc(req, [0, 1, 2, 3], 0)
+        worker.save(
+            planner.build([ScheduledRequest(req, [0, 1, 2, 3], True, 0, len(tokens))]).saves
+        )
+    assert worker.stats.save_rejected == 3 and worker.stats.blocks_saved == 3
+    assert all(planner.matched_tokens(r, tokens, None, 0) == 3 * BS for r in inside[1:6])
+    assert all(planner.matched_tokens(r, tokens, None, 0) == 0 for r in outside[1:6])
+    worker.close()

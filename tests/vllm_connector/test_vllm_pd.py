@@ -138,14 +138,23 @@ def test_any_params_decode_or_fail_with_a_handshake_error(value: str | bytes) ->
         decode_params({PARAMS_KEY: text})
 
 
+def _no_hits(tenant: str, keys: object, presence: bool = False, req_id: object = None) -> int:
+    return 0
+
+
 @dataclass
 class _Store:
+    """A store that holds ``held`` blocks, none of them worth loading (below the break-even):
+    only a presence probe sees them."""
+
     held: int = 0
     calls: int = 0
 
-    def __call__(self, tenant: str, keys: object) -> int:
+    def __call__(
+        self, tenant: str, keys: object, presence: bool = False, req_id: object = None
+    ) -> int:
         self.calls += 1
-        return self.held
+        return self.held if presence else 0
 
 
 def _gate(store: _Store) -> ConsumerGate:
@@ -226,9 +235,16 @@ class _Request:
 def test_the_producers_offer_is_what_the_consumer_computes_for_the_same_prompt() -> None:
     fingerprint = _fingerprint()
     tokens = list(range(1, 3 * BS + 2))  # 3 full blocks + 1 token
-    producer_planner = SchedulerPlanner(fingerprint, BS, lambda t, k: 0, tenant_of=tenant_for_salt)
+    producer_planner = SchedulerPlanner(
+        fingerprint, BS, lambda t, k, p=False, r=None: 0, tenant_of=tenant_for_salt
+    )
     producer = RoleSide(
-        Role.PRODUCER, producer_planner, lambda t, k: 0, (DIGEST, LAYOUT), wait_s=1, clock=float
+        Role.PRODUCER,
+        producer_planner,
+        lambda t, k, p=False, r=None: 0,
+        (DIGEST, LAYOUT),
+        wait_s=1,
+        clock=float,
     )
     asked = _Request("p1", tokens, {"do_remote_decode": True})
     assert producer_planner.matched_tokens("p1", tokens, None, 0) == 0
@@ -244,13 +260,13 @@ def test_the_producers_offer_is_what_the_consumer_computes_for_the_same_prompt()
 
     held = {"n": 0}
     consumer_planner = SchedulerPlanner(
-        fingerprint, BS, lambda t, k: held["n"], tenant_of=tenant_for_salt
+        fingerprint, BS, lambda t, k, p=False, r=None: held["n"], tenant_of=tenant_for_salt
     )
     now = {"t": 0.0}
     consumer = RoleSide(
         Role.CONSUMER,
         consumer_planner,
-        lambda t, k: held["n"],
+        lambda t, k, p=False, r=None: held["n"],
         (DIGEST, LAYOUT),
         wait_s=10,
         clock=lambda: now["t"],

@@ -64,17 +64,22 @@ from kvstrata.connectors.vllm_identity import (
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_layout import BlockCodec
-from kvstrata.connectors.vllm_loader import BackgroundLoad
+from kvstrata.connectors.vllm_loader import StepLoads
 from kvstrata.connectors.vllm_lookup import (
     LookupClient,
-    LookupFn,
     LookupServer,
     endpoint_for,
     register_local,
     unregister_local,
 )
 from kvstrata.connectors.vllm_pd import Gate, Role, RoleSide, vllm_kv_layout
-from kvstrata.connectors.vllm_plan import RequestSave, ScheduledRequest, SchedulerPlanner, StepPlan
+from kvstrata.connectors.vllm_plan import (
+    Lookup,
+    RequestSave,
+    ScheduledRequest,
+    SchedulerPlanner,
+    StepPlan,
+)
 from kvstrata.connectors.vllm_saver import BackgroundSaver, local_saver, register_saver
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config, lookup_keys
 from kvstrata.connectors.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics, StatsDelta
@@ -90,6 +95,7 @@ from kvstrata.runtime.events import KVEventEmitter
 from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.runtime.wiring import wire
+from kvstrata.tiers.base import TierError
 from kvstrata.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -114,13 +120,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.engine_id = str(transfer.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.model_name = str(vllm_config.model_config.served_model_name or "")
-        self._failed: set[int] = set()
+        parallel = vllm_config.parallel_config
+        self._ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         self._planner: SchedulerPlanner | None = None
         self._lookup: LookupClient | None = None
         self._worker: ConnectorWorker | None = None
         self._server: LookupServer | None = None
-        self._load: BackgroundLoad | None = None
-        self._last_load: BackgroundLoad | None = None
+        self._loads: StepLoads | None = None
         # Without a store (no tier opened) it still tracks requests: their blocks were kept.
         self._saver = BackgroundSaver(_no_save, max_blocks=0)
         self._deltas = StatsDelta()
@@ -169,16 +175,23 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         codec = BlockCodec(kv_caches, int(self._kv_cache_config.num_blocks), self.block_size)
         events = self.settings.events
         audit = connector_audit(self.settings).start()
-        store = build_store(
-            codec.block_bytes,
-            self.settings,
-            CollectorRegistry(),
-            record_events=events is not None,
-            audit=audit,
-        )
-        if store is None:  # its only tier, a remote one, was unreachable (build_store said so)
+        store, why = None, "no tier could be opened"  # a remote-only store that is unreachable
+        if self._ranks > 1:  # the fingerprint disables reuse; every rank would open the tiers
+            why = f"{self._ranks} tensor/pipeline-parallel ranks (reuse is disabled)"
+        else:
+            try:
+                store = build_store(
+                    codec.block_bytes,
+                    self.settings,
+                    CollectorRegistry(),
+                    record_events=events is not None,
+                    audit=audit,
+                )
+            except TierError as exc:  # e.g. a disk tier another process holds
+                why = f"a tier failed to open: {exc}"
+        if store is None:
             audit.close()
-            logger.warning("kvstrata: no tier could be opened; vLLM runs without kvstrata's KV")
+            logger.warning("kvstrata: %s; vLLM runs without kvstrata's KV", why)
             register_local(self.engine_id, _no_hits)
             self._server = self._lookup_server(_no_hits)
             return
@@ -195,6 +208,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats_path=self.settings.stats_path,
             audit=audit,
         )
+        self._loads = StepLoads(self._worker.finish_load)
         max_blocks = self.settings.save_queue_blocks
         self._saver = BackgroundSaver(self._worker.save_request, max_blocks=max_blocks).start()
         register_saver(self.engine_id, self._saver)
@@ -207,7 +221,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             [level.name for level in store.levels],
         )
 
-    def _lookup_server(self, lookup: LookupFn) -> LookupServer:
+    def _lookup_server(self, lookup: Lookup) -> LookupServer:
         endpoint = endpoint_for(self.engine_id)
         return LookupServer(endpoint, lookup, curve=self._lookup_keys).start()
 
@@ -217,20 +231,18 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return metadata.plan
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is None:
+        worker, loads = self._worker, self._loads
+        if worker is None or loads is None:
             return
         plan = self._plan()
         if not plan.loads:
             return
-        if self._last_load is not None:  # a late fetch of an earlier step: the bridge is one
-            self._last_load.join()
-            self._last_load = None
         timeout_s = self.settings.load_timeout_ms / 1000
-        self._load = self._worker.begin_load(plan.loads, timeout_s=timeout_s)
+        loads.begin(lambda: worker.begin_load(plan.loads, timeout_s=timeout_s))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._load is not None:
-            self._load.layer(layer_name)
+        if self._loads is not None:
+            self._loads.layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -241,17 +253,12 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = self._plan()
         if plan.pd_counts and self._worker is not None:
             self._worker.pd_counts(plan.pd_counts)
-        if self._worker is None:
+        if self._worker is None or self._loads is None:
             self._saver.submit(plan.saves)  # tracked only: reported finished at once
             return
-        tainted: set[str] = set()
-        if self._load is not None:
-            failed = self._worker.finish_load(self._load)
-            tainted = {load.req_id for load in self._load.loads if failed & set(load.block_ids)}
-            self._failed |= failed
-            self._last_load, self._load = self._load, None
+        skip, tainted = self._loads.end_step()
         if plan.saves:  # nothing computed on a failed load is saved (``select_saves``)
-            chosen = self._worker.select_saves(plan.saves, skip=self._failed, tainted=tainted)
+            chosen = self._worker.select_saves(plan.saves, skip=skip, tainted=tainted)
             self._saver.submit(chosen)
         self._copy_saver_counts()
         self._worker.end_step()
@@ -305,8 +312,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.store.flush()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed = self._failed, set()
-        return failed
+        """May come before ``wait_for_save`` (speculative decoding): books the step's load
+        first, so its failures are in this step's output (``StepLoads``)."""
+        return set() if self._loads is None else self._loads.errors()
 
     def shutdown(self) -> None:
         if self._server is not None:
@@ -314,10 +322,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._server = None
         unregister_local(self.engine_id)
         register_saver(self.engine_id, None)
-        if self._load is not None:
-            self._load.join()
-        if self._last_load is not None:
-            self._last_load.join()
+        if self._loads is not None:
+            self._loads.close()
         self._saver.close()  # drains: every queued save reaches the store before it closes
         self._copy_saver_counts()
         if self._worker is not None:
@@ -409,7 +415,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True, params
 
 
-def _no_hits(tenant: str, keys: Sequence[BlockKey]) -> int:
+def _no_hits(
+    tenant: str, keys: Sequence[BlockKey], presence: bool = False, req_id: str | None = None
+) -> int:
     return 0
 
 
@@ -480,5 +488,11 @@ def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprin
         device=device,
         quantization=model_config.quantization,
         lora_enabled=vllm_config.lora_config is not None,
+        speculative=_speculative_method(vllm_config),
     )
     return vllm_fingerprint(view)
+
+
+def _speculative_method(vllm_config: Any) -> str | None:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return None if spec is None else str(getattr(spec, "method", None) or "unknown")

@@ -10,7 +10,9 @@ template, dtype, block size, parallelism) and adds the vLLM-specific rules:
   ``sdpa`` and the true vLLM name replaces it in the fingerprint: the digest names the real
   kernel, and KV of another vLLM version, device or backend never matches);
 - devices other than ``cpu``/``cuda``, tensor or pipeline parallelism (each rank would need its
-  own keys), quantised weights, LoRA adapters and multimodal processors disable reuse.
+  own keys), quantised weights, LoRA adapters, multimodal processors and speculative decoding
+  (a drafter's layers join the KV cache vLLM hands the connector, and its checkpoint is not in
+  the fingerprint) disable reuse.
 
 ``cache_salt`` → tenant: every salt is its own tenant namespace (name ``salt-<BLAKE3 of the
 salt>``, so the salt itself never reaches disk metadata or events); no salt → ``default``.
@@ -52,6 +54,8 @@ class VllmModelView:
     device: str
     quantization: str | None = None
     lora_enabled: bool = False
+    speculative: str | None = None
+    """The speculative decoding method (``speculative_config.method``), None without one."""
 
 
 def vllm_fingerprint(view: VllmModelView) -> ModelFingerprint | ReuseDisabled:
@@ -65,6 +69,9 @@ def vllm_fingerprint(view: VllmModelView) -> ModelFingerprint | ReuseDisabled:
         return ReuseDisabled(ReuseDisabledReason.QUANTIZED_WEIGHTS, view.quantization)
     if view.lora_enabled:
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, "LoRA adapters")
+    if view.speculative is not None:
+        detail = f"speculative decoding ({view.speculative}): drafter KV and checkpoint"
+        return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, detail)
     if facts.multimodal_processor is not None:
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_PROCESSOR, "multimodal model")
     # "sdpa" stands in for the vLLM kernel during the builder's whitelist checks; the real

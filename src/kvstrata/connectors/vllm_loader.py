@@ -153,3 +153,65 @@ class BackgroundLoad:
     @property
     def error(self) -> Exception | None:
         return self._error
+
+
+class StepLoads:
+    """The connector's loads across steps, and the failures vLLM has not collected yet.
+
+    vLLM asks for a step's load errors (``get_block_ids_with_load_errors``) right after the
+    forward, and calls ``wait_for_save`` either before that (the usual order) or after it:
+    with speculative decoding the runner defers ``wait_for_save`` until after the drafter
+    (``defer_finalize``). Either call therefore books the step's load first (``book``): a
+    failure must reach vLLM in the output of the step whose forward read the unfilled blocks,
+    or vLLM would emit a token sampled from them.
+    """
+
+    def __init__(self, finish: Callable[[BackgroundLoad], set[int]]) -> None:
+        self._finish = finish
+        self.current: BackgroundLoad | None = None
+        self._previous: BackgroundLoad | None = None
+        self._unreported: set[int] = set()  # failed, not yet collected by vLLM
+        self._step_failed: set[int] = set()
+        self._step_tainted: set[str] = set()
+
+    def begin(self, load: Callable[[], BackgroundLoad]) -> None:
+        """Start the step's load (after joining a late fetch of an earlier step: the store
+        bridge is one)."""
+        if self._previous is not None:
+            self._previous.join()
+            self._previous = None
+        self.current = load()
+
+    def layer(self, name: str) -> None:
+        if self.current is not None:
+            self.current.layer(name)
+
+    def book(self) -> None:
+        """Finish and book the step's load, once (later calls in the step do nothing)."""
+        load = self.current
+        if load is None:
+            return
+        failed = self._finish(load)
+        self._step_tainted |= {r.req_id for r in load.loads if failed & set(r.block_ids)}
+        self._step_failed |= failed
+        self._unreported |= failed
+        self._previous, self.current = load, None
+
+    def errors(self) -> set[int]:
+        """The block ids vLLM must recompute, this step's included; each reported once."""
+        self.book()
+        failed, self._unreported = self._unreported, set()
+        return failed
+
+    def end_step(self) -> tuple[set[int], set[str]]:
+        """For ``wait_for_save``: (block ids whose KV must not be saved: every failure not yet
+        collected and this step's, requests whose load failed this step); starts a new step."""
+        self.book()
+        skip, tainted = self._unreported | self._step_failed, self._step_tainted
+        self._step_failed, self._step_tainted = set(), set()
+        return skip, tainted
+
+    def close(self) -> None:
+        for load in (self.current, self._previous):
+            if load is not None:
+                load.join()

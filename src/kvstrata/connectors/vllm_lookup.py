@@ -12,7 +12,10 @@ with the worker, so:
   (``LookupServer.start``); a scheduler in another process asks there (REQ, with a timeout:
   an unanswered lookup counts as a miss, never blocks scheduling for long).
 
-Wire format (msgpack): request ``[tenant, [key bytes…]]``, reply ``found`` (int).
+Wire format (msgpack): request ``[tenant, [key bytes…], presence, req_id]`` (``LookupQuery``),
+reply ``found`` (int). ``presence``: how many leading blocks the store holds, without the
+break-even test (the P/D consumer's "have the producer's blocks arrived?" probe, uncounted);
+``req_id``: the vLLM request, so a canary tier serves exactly its share of requests.
 
 Who may ask: the ipc socket lives in a directory of this user's own, mode 0700
 (``private_dir``), so no other user can connect to it. With ``lookup_curve_secret_file``
@@ -29,20 +32,28 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 import zmq
 
+from kvstrata.connectors.vllm_plan import Lookup as Lookup
 from kvstrata.errors import InvalidInput
 from kvstrata.events.curve import KeyPair, ZapGuard
 from kvstrata.identity import BlockKey
 
 logger = logging.getLogger("kvstrata.connectors.vllm")
-LookupFn = Callable[[str, Sequence[BlockKey]], int]
 
-_LOCAL: dict[str, LookupFn] = {}
+
+class LookupQuery(msgspec.Struct, array_like=True, frozen=True):
+    tenant: str
+    keys: list[bytes]
+    presence: bool = False
+    req_id: str | None = None
+
+
+_LOCAL: dict[str, Lookup] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -67,7 +78,7 @@ def endpoint_for(engine_id: str, base: Path | None = None) -> str:
     return f"ipc://{private_dir(base) / f'{safe}.ipc'}"
 
 
-def register_local(engine_id: str, lookup: LookupFn) -> None:
+def register_local(engine_id: str, lookup: Lookup) -> None:
     with _LOCAL_LOCK:
         _LOCAL[engine_id] = lookup
 
@@ -77,7 +88,7 @@ def unregister_local(engine_id: str) -> None:
         _LOCAL.pop(engine_id, None)
 
 
-def local_lookup(engine_id: str) -> LookupFn | None:
+def local_lookup(engine_id: str) -> Lookup | None:
     with _LOCAL_LOCK:
         return _LOCAL.get(engine_id)
 
@@ -85,7 +96,7 @@ def local_lookup(engine_id: str) -> LookupFn | None:
 class LookupServer:
     """Answers lookups from another process; one thread, started and stopped explicitly."""
 
-    def __init__(self, endpoint: str, lookup: LookupFn, *, curve: KeyPair | None = None) -> None:
+    def __init__(self, endpoint: str, lookup: Lookup, *, curve: KeyPair | None = None) -> None:
         self.endpoint = endpoint
         self.lookup = lookup
         self.curve = curve
@@ -125,7 +136,7 @@ class LookupServer:
             socket.close()
             return
         self._ready.set()
-        decoder = msgspec.msgpack.Decoder(tuple[str, list[bytes]])
+        decoder = msgspec.msgpack.Decoder(LookupQuery)
         encoder = msgspec.msgpack.Encoder()
         try:
             while not self._stop.is_set():
@@ -135,10 +146,14 @@ class LookupServer:
                 try:
                     if len(frames) != 1:
                         raise ValueError(f"{len(frames)} frames, expected 1")
-                    tenant, keys = decoder.decode(frames[0])
-                    found = self.lookup(tenant, [BlockKey(k) for k in keys])
+                    query = decoder.decode(frames[0])
+                    keys = [BlockKey(k) for k in query.keys]
+                    found = self.lookup(query.tenant, keys, query.presence, query.req_id)
                 except (msgspec.DecodeError, ValueError):
                     logger.warning("kvstrata: malformed lookup request ignored (a miss)")
+                    found = 0
+                except Exception:  # the store failed: a miss, and the server keeps serving
+                    logger.exception("kvstrata: a lookup failed (a miss)")
                     found = 0
                 socket.send(encoder.encode(found))
         finally:
@@ -177,15 +192,22 @@ class LookupClient:
         self._encoder = msgspec.msgpack.Encoder()
         self.timeouts = 0
 
-    def __call__(self, tenant: str, keys: Sequence[BlockKey]) -> int:
+    def __call__(
+        self,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        presence: bool = False,
+        req_id: str | None = None,
+    ) -> int:
         if not keys:
             return 0
         local = local_lookup(self.engine_id)
         if local is not None:
-            return local(tenant, keys)
-        return self._remote(tenant, keys)
+            return local(tenant, keys, presence, req_id)
+        query = LookupQuery(tenant, [bytes(k) for k in keys], presence, req_id)
+        return self._remote(query)
 
-    def _remote(self, tenant: str, keys: Sequence[BlockKey]) -> int:
+    def _remote(self, query: LookupQuery) -> int:
         if self._socket is None:
             context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
             socket = context.socket(zmq.REQ)
@@ -195,7 +217,7 @@ class LookupClient:
             socket.connect(self.endpoint)
             self._socket = socket
         socket = self._socket
-        socket.send(self._encoder.encode((tenant, [bytes(k) for k in keys])))
+        socket.send(self._encoder.encode(query))
         if not socket.poll(self.timeout_ms):
             # A REQ socket that got no reply is stuck: drop it, count a miss.
             self.timeouts += 1

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final
 
-from kvstrata.connectors.vllm_plan import SchedulerPlanner
+from kvstrata.connectors.vllm_plan import Lookup, SchedulerPlanner
 from kvstrata.identity import BlockKey
 from kvstrata.transfer.handshake import (
     PROTOCOL_VERSION,
@@ -58,7 +58,6 @@ REQUEST_FLAGS: Final = ("do_remote_decode", "kvstrata_produce")
 MAX_OFFER_BYTES: Final = 1 << 20
 """An offer of 2048 blocks is about 80 KiB; more than this is refused before decoding."""
 
-Lookup = Callable[[str, Sequence[BlockKey]], int]
 """(tenant, keys) → how many leading keys the store can serve now."""
 
 
@@ -200,7 +199,9 @@ class ConsumerGate:
             waiting = self._waiting[req_id]
         if now < waiting.next_poll:
             return Gate.WAIT
-        if self.lookup(waiting.tenant, waiting.keys) >= len(waiting.keys):
+        # Presence, not the break-even test: an offer below a tier's min_reusable_tokens, or
+        # one a fetch would not beat, must not wait out pd_wait_ms for blocks already here.
+        if self.lookup(waiting.tenant, waiting.keys, True) >= len(waiting.keys):
             return self._ready(req_id)
         if now >= waiting.deadline:
             self._count("pd_wait_timeouts")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstrata.identity import (
     BlockKey,
@@ -34,8 +35,18 @@ from kvstrata.identity import (
     namespace_root,
 )
 
-Lookup = Callable[[str, Sequence[BlockKey]], int]
-"""(tenant, keys) → how many leading keys kvstrata can serve now."""
+
+class Lookup(Protocol):
+    """(tenant, keys) → how many leading keys kvstrata can serve now (worth loading);
+    ``presence``: how many it holds at all; ``req_id``: the vLLM request (a canary's share)."""
+
+    def __call__(
+        self,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        presence: bool = False,
+        req_id: str | None = None,
+    ) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -165,7 +176,7 @@ class SchedulerPlanner:
         if limit <= state.local_blocks:
             return 0
         keys = self._keys(state, limit)
-        found = self.lookup(state.tenant.name, keys[state.local_blocks :])
+        found = self.lookup(state.tenant.name, keys[state.local_blocks :], False, req_id)
         state.found_blocks = max(0, min(found, limit - state.local_blocks))
         return (state.local_blocks + state.found_blocks) * self.block_size - num_computed
 

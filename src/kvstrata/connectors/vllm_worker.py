@@ -181,8 +181,19 @@ class ConnectorWorker:
         )
 
     # ---- scheduler queries ------------------------------------------------------------------
-    def lookup(self, tenant: str, keys: Sequence[BlockKey]) -> int:
-        located = self.store.lookup(keys, RequestScope(tenant=tenant, model=self.model))
+    def lookup(
+        self,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        presence: bool = False,
+        req_id: str | None = None,
+    ) -> int:
+        """Leading blocks of ``keys`` worth loading (``vllm_plan.Lookup``); ``presence``:
+        held at all, whether or not worth loading, and not counted (a P/D arrival probe)."""
+        scope = RequestScope(tenant=tenant, model=self.model, request_id=req_id)
+        located = self.store.lookup(keys, scope)
+        if presence:
+            return len(located)
         # The keys start after vLLM's own hit, whose length is not sent: context offset 0.
         found = len(located) if self.bridge.worth_loading(located, 0) else 0
         self._count(lookups=1, lookup_blocks_found=found)
@@ -202,7 +213,7 @@ class ConnectorWorker:
         ``place``; returns how many leading blocks were placed: the first block missing,
         failing a check or whose tier errs (or a load given up) ends the request's load."""
         keys = [BlockKey(k) for k in request.keys]
-        scope = RequestScope(tenant=request.tenant, model=self.model)
+        scope = RequestScope(tenant=request.tenant, model=self.model, request_id=request.req_id)
         located = self.bridge.plan_promotion(keys, 0, scope)
         loaded = 0
         try:
@@ -315,7 +326,7 @@ class ConnectorWorker:
         ids = [block.block_id for block in request.blocks]
         rows = self.codec.gather(ids, out=self._save_staging.rows(len(ids))).numpy()
         for block, row in zip(request.blocks, rows, strict=True):
-            self._put(request.tenant, block, row)
+            self._put(request, block, row)
         self._count(save_seconds=time.perf_counter() - started)
 
     def save(
@@ -328,11 +339,13 @@ class ConnectorWorker:
         for request in self.select_saves(saves, skip, tainted):
             self.save_request(request)
 
-    def _put(self, tenant: str, block: BlockSave, row: np.ndarray) -> None:
-        info = BlockInfo(tenant, block.position, block.tokens)
+    def _put(self, request: RequestSave, block: BlockSave, row: np.ndarray) -> None:
+        info = BlockInfo(request.tenant, block.position, block.tokens)
         parent = BlockKey(block.parent) if block.parent is not None else None
         try:
-            stored = self.bridge.put(BlockKey(block.key), parent, info, memoryview(row.data))
+            stored = self.bridge.put(
+                BlockKey(block.key), parent, info, memoryview(row.data), request_id=request.req_id
+            )
         except KvstrataError:
             logger.exception("kvstrata: storing a block failed")
             stored = False

@@ -35,6 +35,7 @@ from kvstrata.security.audit import Action
 from kvstrata.store.config import WritePolicy
 from kvstrata.store.levels import Located, RejectedObject, RequestScope
 from kvstrata.store.tiered import TieredStore
+from kvstrata.tiers.base import CORRUPT
 
 RecomputeEstimate = Callable[[int, int], float]
 """Seconds that recomputing ``n`` tokens at context offset ``c`` adds to a forward."""
@@ -100,14 +101,16 @@ class StoreBridge:
         payload: memoryview,
         *,
         uses: int = 1,
+        request_id: str | None = None,
     ) -> bool:
-        """Store one block's payload; whether any level admitted it."""
+        """Store one block's payload; whether any level admitted it. ``request_id``: the
+        request that computed it (a canary level's share); None for a demotion."""
         meta = self.make_meta(key, parent, info, payload)
 
         def fill(buffer: memoryview) -> None:
             buffer[:] = payload
 
-        scope = RequestScope(tenant=info.tenant, model=self.model_id)
+        scope = RequestScope(tenant=info.tenant, model=self.model_id, request_id=request_id)
         return self.store.put(meta, fill, scope, uses=uses)
 
     def wants_write_through(self) -> bool:
@@ -184,11 +187,11 @@ class StoreBridge:
     def load_verified(self, located: Located, tenant: str, sink: PayloadSink) -> LoadOutcome:
         """Pin ``located``, check it, hand its bytes to ``sink``; what happened."""
         level = self.store.levels[located.level]
-        invalid_before = level.tier.counters.invalidated
+        miss: list[str] = []
         try:
-            with self.store.load(located, tenant) as lease:
+            with self.store.load(located, tenant, miss=miss) as lease:
                 if lease is None:
-                    if level.tier.counters.invalidated > invalid_before:
+                    if miss == [CORRUPT]:
                         return LoadOutcome.DIGEST_MISMATCH
                     return LoadOutcome.MISSING
                 meta = lease.meta

@@ -218,12 +218,10 @@ class AdmittingCore(ErasingCore):
             if dst.tier.contains(key):
                 dst.policy.on_access(key, self.clock())
                 return True
-            invalid_before = src.tier.counters.invalidated
         lease = src.tier.prepare_load(key)
         if lease is None:  # evicted or deleted meanwhile, or failed verification: skip it
             with self._lock:
-                if src.tier.counters.invalidated > invalid_before:
-                    self._digest_mismatch(src, key)
+                self._sync_dropped(src)  # a corrupt read is counted there, once
                 self._forget_if_gone(src, key)
             return False
         try:

@@ -58,8 +58,9 @@ class RolloutConfig:
     def admits(self, *, tenant: str, model: str, request_id: str | None) -> bool:
         """Does this request use the tier? (``enabled`` is checked by the store at run time.)
 
-        Background movements (demotion, write-back, selective admission) have no request:
-        they check ``targets`` only, so the canary share applies to requests, not objects.
+        Background movements (demotion, write-back, selective admission) and an object put
+        without a request id have no request: they check ``targets`` only, so the canary
+        share applies to requests, not objects.
         """
         if not self.targets(tenant=tenant, model=model):
             return False

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Final
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
@@ -48,12 +49,16 @@ from kvstrata.store.levels import Level, RequestScope, UseCounter
 from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.tombstones import Tombstones
 from kvstrata.telemetry.store_metrics import StoreMetrics
-from kvstrata.tiers.base import Tier, TierError
+from kvstrata.tiers.base import CORRUPT, EXPIRED, TOMBSTONED, Tier, TierError
 
 RECOVERY_SCAN = "recovery_scan"
 """``kvstrata_tier_invalidated_total`` reason of objects a tier's start-up scan found corrupt."""
 PREFETCH = "prefetch"
 """The ``cause`` of a store that a prefetch made (``kvstrata_tier_stores_total{cause}``)."""
+
+
+DIGEST_MISMATCH: Final = "digest_mismatch"
+"""The invalidation reason of an object whose bytes failed verification on a read."""
 
 
 class StoreCore:
@@ -85,8 +90,6 @@ class StoreCore:
         # (level, key) → seconds of a shared level's batched read-ahead its next load adds
         self._ahead_s: dict[tuple[int, BlockKey], float] = {}
         # (level name, key) of digest failures already audited where a load found them
-        self._digest_failed: set[tuple[str, BlockKey]] = set()
-        self._invalid_seen: dict[str, int] = {}  # level name → tier invalidations accounted
         now = clock()
         for level in self.levels:
             self.tombstones.restore(level.tier.recovered_tombstones(), now)
@@ -102,7 +105,6 @@ class StoreCore:
                 audit.record(
                     Action.INVALIDATE, RECOVERY_SCAN, tier=level.name, counts={"objects": found}
                 )
-            self._invalid_seen[level.name] = found
             self.metrics.tier_enabled.labels(tier=level.name).set(1)
             self._publish(level)
 
@@ -216,7 +218,6 @@ class StoreCore:
             self._publish(level)
             return False
         level.policy.on_insert(meta, self.clock())
-        self._digest_failed.discard((level.name, key))  # a stale mark must not hide a later drop
         self._feed.stored(level.name, meta)
         self.metrics.stores.labels(tier=level.name, cause=cause).inc()
         if cause == PREFETCH:
@@ -324,35 +325,36 @@ class StoreCore:
             self._gone(level, key)
             self._publish(level)
 
-    def _sync_dropped(self, level: Level) -> None:
+    def _sync_dropped(self, level: Level) -> set[BlockKey]:
+        """Drain what ``level``'s tier dropped on its own; returns the keys it found corrupt.
+
+        Each drop is counted and audited once, under the reason the tier gave for that key: a
+        corrupt object as ``kvstrata_tier_invalidated{reason="digest_mismatch"}``, one a
+        deletion's tombstone covers as ``{reason="tombstoned"}``, an expiry as an eviction
+        (``kvstrata_tier_evictions{outcome="expired"}``: nothing was wrong with it)."""
         name = level.name
         for key, tenant in level.tier.take_evicted():  # a shared tier's victims, any writer's
             level.policy.on_remove(key)
             self._gone(level, key, tenant)
             self.metrics.evictions.labels(tier=name, outcome="shared_ledger").inc()
             self.audit.record(Action.EVICT, "shared_ledger", tier=name, keys=[key], tenant=tenant)
-        dropped = level.tier.take_dropped()
-        invalidated = level.tier.counters.invalidated
-        unexplained = invalidated - self._invalid_seen.get(name, 0)
-        self._invalid_seen[name] = invalidated
-        audited = {key for key in dropped if (name, key) in self._digest_failed}
-        self._digest_failed.difference_update((name, key) for key in audited)
-        reason = "expired" if unexplained <= len(audited) else "dropped_by_tier"
-        for key in dropped:
+        corrupt: set[BlockKey] = set()
+        for key, why in level.tier.take_dropped():
+            if why == CORRUPT:
+                corrupt.add(key)
+                self.metrics.invalid.labels(tier=name, reason=DIGEST_MISMATCH).inc()
+                self.audit.record(Action.INVALIDATE, DIGEST_MISMATCH, tier=name, keys=[key])
+            elif why == TOMBSTONED:
+                self.metrics.invalid.labels(tier=name, reason=TOMBSTONED).inc()
+                self.audit.record(Action.INVALIDATE, TOMBSTONED, tier=name, keys=[key])
+            else:
+                self.metrics.evictions.labels(tier=name, outcome=EXPIRED).inc()
+                self.audit.record(Action.EVICT, EXPIRED, tier=name, keys=[key])
             if level.tier.reserved(key):
                 continue  # stored again since it was dropped: the policy's entry is live
             level.policy.on_remove(key)
             self._gone(level, key)
-            self.metrics.invalid.labels(tier=name, reason="dropped_by_tier").inc()
-            if key not in audited:
-                self.audit.record(Action.INVALIDATE, reason, tier=name, keys=[key])
-
-    def _digest_mismatch(self, level: Level, key: BlockKey) -> None:
-        """A load found ``key``'s bytes corrupt (the tier dropped it): count and audit it here,
-        once; the tier's report of the drop then adds no second audit line."""
-        self.metrics.invalid.labels(tier=level.name, reason="digest_mismatch").inc()
-        self.audit.record(Action.INVALIDATE, "digest_mismatch", tier=level.name, keys=[key])
-        self._digest_failed.add((level.name, key))
+        return corrupt
 
     def _quota_reject(self, level: Level, meta: KVObjectMeta, reason: str) -> None:
         self.metrics.rejections.labels(tier=level.name, reason="quota").inc()

@@ -52,7 +52,7 @@ from kvstrata.store.policy import EvictionPolicy
 from kvstrata.store.state import PREFETCH
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
-from kvstrata.tiers.base import LoadLease, Tier
+from kvstrata.tiers.base import CORRUPT, LoadLease, Tier
 
 __all__ = ["PayloadFill", "RejectedObject", "RequestScope", "TieredStore"]
 
@@ -232,24 +232,28 @@ class TieredStore(AdmittingCore):
         return sum(loc.meta.size * self.levels[loc.level].fetch_s_per_byte for loc in located)
 
     @contextmanager
-    def load(self, located: Located, tenant: str) -> Iterator[LoadLease | None]:
+    def load(
+        self, located: Located, tenant: str, *, miss: list[str] | None = None
+    ) -> Iterator[LoadLease | None]:
         """Pin and yield a verified object (None if it vanished or failed verification).
 
         The tier's read and digest check run outside the store lock. A hit is booked (policy,
         use counts, fetch cost, selective copies) only when the consumer's body finishes; a
-        consumer that raises ``RejectedObject`` has the object removed from its level."""
+        consumer that raises ``RejectedObject`` has the object removed from its level. On a
+        miss, ``miss`` (if given) gets ``"corrupt"`` when this read found the bytes failing
+        verification (the tier says so per key), else ``"missing"``."""
         index, key = located.level, located.key
         level = self.levels[index]
         started = time.perf_counter()
         with self._lock:
             hidden = key in self._pending_delete or (index, key) in self._storing
-            invalid_before = level.tier.counters.invalidated
         lease = None if hidden else level.tier.prepare_load(key)
         with self._lock:
             if lease is None:
+                corrupt = not hidden and key in self._sync_dropped(level)
+                if miss is not None:
+                    miss.append(CORRUPT if corrupt else "missing")
                 if not hidden:
-                    if level.tier.counters.invalidated > invalid_before:
-                        self._digest_mismatch(level, key)
                     self._forget_if_gone(level, key)
             elif (
                 lease.meta.tenant != tenant
@@ -324,13 +328,20 @@ class TieredStore(AdmittingCore):
         It lands in the fastest active level that wants it — a selective level only once the
         object has been used ``selective_min_uses`` times — and the lower levels follow their
         write policies. Returns whether any level admitted it. ``fill`` runs outside the lock.
+        A canary level takes the objects of the requests in its share; an object without a
+        request id (a demotion) goes where the rollout targets it, like any background move.
         """
         with self._lock:
             self._uses.add(meta.key, uses)
             eligible = [
                 i
                 for i, lvl in enumerate(self.levels)
-                if self._active(lvl, scope) and self._proven_for(lvl, meta.key)
+                if (
+                    self._active(lvl, scope)
+                    if scope is None or scope.request_id is not None
+                    else self._accepts(lvl, meta)
+                )
+                and self._proven_for(lvl, meta.key)
             ]
         if not eligible:
             return False

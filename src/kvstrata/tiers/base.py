@@ -32,8 +32,8 @@ Primitives and their contracts (checked by ``tests/test_tier_contract.py`` for e
   False while the object is being loaded (pinned) or is absent.
 - ``contains``, ``meta``, ``keys``, ``used_bytes``, ``object_count``, ``tenant_bytes``,
   ``counters``, ``evictable``, ``reserved``: read-only views; ``take_dropped`` drains the
-  keys the tier dropped by itself (expiry, invalidation) so that the owner can keep its
-  policy in step.
+  keys the tier dropped by itself, each with its reason (``Dropped``: expired, corrupt,
+  tombstoned), so that the owner can keep its policy in step and say per key why it went.
 - Shared media (the remote tier) add three things, no-ops for the others: ``evicts_itself``
   (True: the tier picks its own victims — other writers share its capacity — so
   ``prepare_store`` returning ``None`` is final and the store's policy never names a victim
@@ -56,7 +56,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, NamedTuple, Protocol
 
 from kvstrata.errors import KvstrataError
 from kvstrata.identity import BlockKey
@@ -67,6 +67,19 @@ from kvstrata.objects.tombstone import ObjectRef, Tombstone
 
 class TierError(KvstrataError):
     """The medium failed (I/O error, disk full, corrupt state). Reads of other objects go on."""
+
+
+EXPIRED: Final = "expired"
+CORRUPT: Final = "corrupt"
+TOMBSTONED: Final = "tombstoned"
+
+
+class Dropped(NamedTuple):
+    """A key a tier dropped on its own, and why: ``EXPIRED`` (its TTL passed), ``CORRUPT`` (a
+    read found its bytes failing verification) or ``TOMBSTONED`` (a deletion covers it)."""
+
+    key: BlockKey
+    reason: str
 
 
 @dataclass
@@ -112,8 +125,8 @@ class Tier(Protocol):
 
     def tenant_bytes(self, tenant: str) -> int: ...
 
-    def take_dropped(self) -> list[BlockKey]:
-        """Keys the tier dropped on its own (expired, invalidated) since the last call."""
+    def take_dropped(self) -> list[Dropped]:
+        """Keys the tier dropped on its own since the last call, each with why (``Dropped``)."""
         ...
 
     def evictable(self, key: BlockKey) -> bool:
@@ -291,7 +304,7 @@ class IndexedTierViews:
     _index: TierIndex
     _lock: threading.Lock
     _clock: Callable[[], float]
-    _dropped: list[BlockKey]
+    _dropped: list[Dropped]
     evicts_itself = False  # the store's policy picks this tier's victims
 
     def take_evicted(self) -> list[tuple[BlockKey, str]]:
@@ -378,7 +391,7 @@ class IndexedTierViews:
         with self._lock:
             return key in self._index.records
 
-    def take_dropped(self) -> list[BlockKey]:
+    def take_dropped(self) -> list[Dropped]:
         """Keys this tier dropped on its own (expired, invalidated) since the last call.
 
         The store drains this to keep its eviction policy's bookkeeping in step.
@@ -393,5 +406,5 @@ class IndexedTierViews:
         visible = self._index.visible(key, now)
         if visible is None and record is not None and key not in self._index.records:
             self._release_expired(key, record)
-            self._dropped.append(key)
+            self._dropped.append(Dropped(key, EXPIRED))
         return visible

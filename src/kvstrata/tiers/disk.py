@@ -70,6 +70,8 @@ from kvstrata.objects import KVObjectMeta, ObjectState, payload_hasher
 from kvstrata.objects.model import ObjectRecord
 from kvstrata.objects.tombstone import Tombstone
 from kvstrata.tiers.base import (
+    CORRUPT,
+    Dropped,
     IndexedTierViews,
     LoadLease,
     StoreSlot,
@@ -150,7 +152,7 @@ class DiskTier(IndexedTierViews):
         self._lock = threading.Lock()
         self._index = TierIndex(capacity_bytes=capacity_bytes)
         self._pool = BufferPool(pooled_buffers)
-        self._dropped: list[BlockKey] = []
+        self._dropped: list[Dropped] = []
         self._known_dirs: set[str] = set()
         self._temp_ids = itertools.count()
         self._tombstones = TombstoneFile(self.root, durable=durable)
@@ -253,7 +255,7 @@ class DiskTier(IndexedTierViews):
         with self._lock:
             if self._index.records.get(key) is record:
                 self._index.drop(key, invalid=True)
-                self._dropped.append(key)
+                self._dropped.append(Dropped(key, CORRUPT))
                 self._discard(self._path(key))
         return None
 

@@ -40,6 +40,8 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, ObjectState, payload_digest
 from kvstrata.objects.model import ObjectRecord
 from kvstrata.tiers.base import (
+    CORRUPT,
+    Dropped,
     IndexedTierViews,
     LoadLease,
     StoreSlot,
@@ -111,7 +113,7 @@ class HostTier(IndexedTierViews):
         self._clock = clock
         self._lock = threading.Lock()
         self._index = TierIndex(capacity_bytes=self.capacity_bytes)
-        self._dropped: list[BlockKey] = []
+        self._dropped: list[Dropped] = []
         self._closed = False
 
     # ---------------------------------------------------------------- read-only views
@@ -200,7 +202,7 @@ class HostTier(IndexedTierViews):
             self._index.unpin(record)
             if self._index.records.get(key) is record:
                 self._index.drop(key, invalid=True)
-                self._dropped.append(key)
+                self._dropped.append(Dropped(key, CORRUPT))
                 record.extra["free_on_unpin"] = slot
             self._free_if_orphaned(record)
 

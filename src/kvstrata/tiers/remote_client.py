@@ -82,7 +82,8 @@ class RemoteConfig:
     ``url`` is one node (``redis://127.0.0.1:6379/0``, ``rediss://`` for TLS); ``cluster``
     lists seed nodes (``host:port``) of a Redis Cluster instead. ``namespace`` prefixes every
     key, so several fleets (or tests) can share one deployment. Timeouts bound every call;
-    ``retries`` are immediate re-tries of a failed connection before the breaker counts it.
+    ``retries`` are immediate re-tries of a failed connection before the breaker counts it (a
+    timed-out call is never sent again: it may have run).
     """
 
     url: str | None = None
@@ -173,7 +174,17 @@ class RemoteClient:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._lock = threading.Lock()
         self._closed = False
-        retry = Retry(ExponentialBackoff(cap=0.05, base=0.005), config.retries)
+        # Only a failed connection is tried again, never a timeout: a call that timed out may
+        # still run on the server, and sending it again ran ledger scripts twice. A connection
+        # error is mostly one before the command was sent (a stale pooled connection, a
+        # refused connect); one after (the server closed it mid-reply) is safe too: a ledger
+        # call that ran twice changes nothing more (owner tokens, generations:
+        # ``remote_ledger``), but for a hit booked twice.
+        retry = Retry(
+            ExponentialBackoff(cap=0.05, base=0.005),
+            config.retries,
+            supported_errors=(redis.ConnectionError,),
+        )
         common: dict[str, Any] = {
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,
@@ -184,9 +195,7 @@ class RemoteClient:
         self.single: redis.Redis | None = None
         try:
             if config.url is not None:
-                self.single = redis.Redis.from_url(
-                    config.url, retry=retry, retry_on_timeout=False, **common
-                )
+                self.single = redis.Redis.from_url(config.url, retry=retry, **common)
                 if config.tls and not config.url.startswith("rediss://"):
                     raise InvalidInput("tls = true needs a rediss:// url")
             else:

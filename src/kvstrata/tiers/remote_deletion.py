@@ -35,7 +35,7 @@ class RemoteDeletion(RemoteState):
                 return False
             self._forget(key)
         try:
-            reply = self._script("remove", [self._prefix, repr(self._clock()), key.hex()])
+            reply = self._script("remove", [self._prefix, repr(self._clock()), "", key.hex()])
         except RemoteUnavailable as exc:
             self._count_error("remove")
             raise TierError(f"removing {key.hex()} failed: {exc}") from exc

@@ -10,7 +10,8 @@ Keys (all share the hash tag ``{<ns>}``, so in a cluster they live on one slot a
 can touch all of them)::
 
     {ns}:L:info      hash   key hex → cjson {s: size, t: tenant, st: "P"|"C", u: uses,
-                                           x: expires_at or -1, p: parent hex or "", v: value}
+                                           x: expires_at or -1, p: parent hex or "", v: value,
+                                           o: owner token, g: the commit's generation}
     {ns}:L:z         zset   committed keys by score (lowest goes first)
     {ns}:L:t:<ten>   zset   the same, one per tenant (quota evictions pick from here)
     {ns}:L:e         zset   committed keys with a TTL, by expiry time
@@ -41,13 +42,25 @@ booked deepest key first, so one walk up a chain lifts it and the shallower keys
 Time is passed in by the caller (``now``), never read on the server: tests run on fake clocks
 and every writer's clock decides for its own requests.
 
-Admission (``reserve``): stale reservations (a writer died between reserve and commit) and
-expired objects are swept first; a tenant whose quota would be exceeded evicts its own
-lowest-scoring objects; a full tier evicts the lowest-scoring objects of any tenant. Quotas are
+Admission (``RESERVE``, in ``remote_ledger_admit``): stale reservations (a writer died between
+reserve and commit) and expired objects are swept first; a tenant whose quota would be exceeded
+evicts its own lowest-scoring objects; a full tier evicts the lowest-scoring objects of any
+tenant — only when those evictions free enough room (a plan is made before anything is
+dropped: PENDING bytes cannot be evicted), never the new key's own ancestors. Quotas are
 caps, so when the quotas do not oversubscribe the capacity, no tenant within its quota ever
 loses an object to another tenant. Victims are returned to the writer, which deletes their
 payload keys (they live on other slots in a cluster); until it does, a reader may still get a
 victim's verified bytes, which is harmless.
+
+Ownership: each reservation holds its writer's random owner token (``o``). ``COMMIT`` and
+``RELEASE`` (a failed or cancelled store) act only on an entry of the caller's token, so a
+writer that stalled past ``pending_timeout_s`` — its reservation swept, the key reserved and
+stored by another writer — can neither commit nor drop the other writer's entry. A call sent
+again after it ran (``RESERVE``, ``COMMIT`` of the same token) answers ``ok`` and changes
+nothing. ``COMMIT`` records the commit's generation (``g``): the version the object's bytes are
+written with, which a reader's ``REMOVE`` of corrupt bytes checks, so it never drops a later
+store's entry. Readers read an object's entry beside its bytes and serve only committed ones
+(``remote_read``): bytes no entry accounts for are never served.
 
 Garbage on the server (another program, a bug, a bad restore) never fails a script: Redis does
 not undo a failed script's writes, and an error on every call would open the writers' breakers
@@ -84,127 +97,34 @@ depth, through ``RESERVE`` and ``COMMIT`` as any store (``RemoteState._adopt``).
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass
-from typing import Any
 
-from kvstrata.objects import KVObjectMeta
 from kvstrata.tiers.remote_ledger_lua import LEDGER_LUA
 
-
-def reserve_args(
-    prefix: str,
-    meta: KVObjectMeta,
-    *,
-    value: float,
-    quota: int | None,
-    capacity: int,
-    now: float,
-    pending_timeout_s: float,
-) -> list[Any] | None:
-    """``RESERVE``'s ARGV for ``meta``; None when one of its numbers is not finite (e.g.
-    ``recompute_s`` = inf: no score to rank it by), which the script would refuse as
-    ``invalid``."""
-    expires = meta.expires_at()
-    deadline = now + pending_timeout_s
-    numbers = [value, now, deadline, float(meta.created_at)]
-    if expires is not None:
-        numbers.append(expires)
-    if not all(math.isfinite(x) for x in numbers):
-        return None
-    return [
-        prefix,
-        meta.key.hex(),
-        meta.size,
-        meta.tenant,
-        repr(value),
-        -1 if quota is None else quota,
-        capacity,
-        repr(now),
-        repr(deadline),
-        -1 if expires is None else repr(expires),
-        meta.parent.hex() if meta.parent is not None else "",
-        repr(float(meta.created_at)),
-    ]
-
-
-# ARGV: prefix, key, size, tenant, value, quota (-1: none), capacity, now, pending_deadline,
-#       expires_at (-1: none), parent ("" for none), created_at.
-# status: "ok" | "exists" | "quota" | "no_room" | "tombstoned" | "invalid" (an argument is not
-# a hex key, a size, a finite number: refused before any write).
-# Every read that can meet garbage, and the new entry's encoding, come before the first write;
-# from then on nothing can fail half-way (the sweep's and evictions' drops are whole).
-RESERVE = (
-    LEDGER_LUA
-    + r"""
-local key, size, tenant = ARGV[2], int(ARGV[3]), ARGV[4]
-local value, quota, capacity = num(ARGV[5]), int(ARGV[6]), int(ARGV[7])
-local now, deadline, expires = num(ARGV[8]), num(ARGV[9]), num(ARGV[10])
-local parent, created = ARGV[11], num(ARGV[12])
-NOW = now or 0
-if not (hex(key) and size and size >= 0 and value and quota and capacity and now and deadline
-        and expires and created and (parent == '' or hex(parent))) then
-  return reply('invalid')
-end
-if indexes_wrong(tenant) then return wrongtype() end
-local rec = {s = size, t = tenant, st = 'P', u = 1, x = expires, p = parent, v = value}
-local encoded = cjson.encode(rec)
-touched[tenant] = true
-if tombstoned(key, created) then return reply('tombstoned') end
-local L = clock()
-sweep(now)
-if redis.call('HEXISTS', INFO, key) == 1 then return reply('exists') end
-if quota >= 0 and size > quota then return reply('quota') end
-if size > capacity then return reply('no_room') end
-local function evict_lowest(zkey, reason)
-  local low = redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES')
-  if #low == 0 then return false end
-  local k, score = low[1], tonumber(low[2])
-  local rec = get(k)
-  if not rec then  -- a stale member (or a corrupt entry, dropped by `get`): not an eviction
-    redis.call('ZREM', zkey, k)
-    return true
-  end
-  drop(k, rec)
-  victim(k, rec.t, reason)
-  if score > L then
-    L = score
-    redis.call('SET', CLOCK, string.format('%.17g', score))
-  end
-  return true
-end
-ucheck({'used', 'n', 'ver', 't:'..tenant})
-if quota >= 0 then
-  while uget('t:'..tenant) + size > quota do
-    if not evict_lowest(P..'t:'..tenant, 'quota') then return reply('quota') end
-  end
-end
-while uget('used') + size > capacity do
-  if not evict_lowest(Z, 'value') then return reply('no_room') end
-end
-redis.call('HSET', INFO, key, encoded)
-redis.call('ZADD', PEND, deadline, key)
-redis.call('HINCRBY', U, 'used', size)
-redis.call('HINCRBY', U, 'n', 1)
-redis.call('HINCRBY', U, 't:'..tenant, size)
-bump()
-return reply('ok')
-"""
-)
-
-# ARGV: prefix, key, now.  status "ok" | "gone" (the reservation went stale, was deleted, or
-# its entry was corrupt and dropped)
+# ARGV: prefix, key, now, owner token.  status "ok" | "gone" (the reservation went stale, was
+# deleted or taken over by another writer's, or its entry was corrupt and dropped) | "invalid".
+# extra: the commit's generation (the ledger version the object's bytes are written with,
+# ``remote_format``). Sent again after it ran (the same owner, already committed): "ok" with
+# the same generation, nothing changed.
 COMMIT = (
     LEDGER_LUA
     + r"""
-local key, now = ARGV[2], num(ARGV[3]) or 0
+local key, now, owner = ARGV[2], num(ARGV[3]) or 0, ARGV[4]
 NOW = now
+if not (hex(key) and hex(owner)) then return reply('invalid') end
 if indexes_wrong(nil) then return wrongtype() end
 local rec = get(key)
-if not rec or rec.st ~= 'P' then return reply('gone') end
+if not rec or rec.o ~= owner then return reply('gone') end
+if rec.st == 'C' then return reply('ok', {rec.g or ''}) end
 touched[rec.t] = true
+ucheck({'ver'})
+-- Above every version at which an earlier entry of this key left (their late deletes spare
+-- these bytes), at most the version at which this one will leave (its own delete takes them).
+local gen = next_version(tonumber(redis.call('HGET', U, 'ver')))
 rec.st = 'C'
 rec.c = now
+rec.g = gen
 local encoded = cjson.encode(rec)
 local score = clock() + rec.u * rec.v
 redis.call('HSET', INFO, key, encoded)
@@ -214,7 +134,7 @@ redis.call('ZADD', P..'t:'..rec.t, score, key)
 if rec.x >= 0 then redis.call('ZADD', E, rec.x, key) end
 lift(rec, score)
 bump()
-return reply('ok')
+return reply('ok', {gen})
 """
 )
 
@@ -240,18 +160,53 @@ return reply('ok', {1})
 """
 )
 
-# ARGV: prefix, now, key...  extra: one 1/0 per key (was it in the ledger)
+# ARGV: prefix, now, upto, key...  Drops each key's entry: any entry when upto is "" (a
+# deletion); with upto "C" only a committed one; with a number only a committed one whose
+# generation is at most upto (a reader that found the bytes of that generation corrupt: a
+# later store's entry, pending or committed, is not its to drop; an entry without a
+# generation counts as old). extra: one 1/0 per key (was it dropped).
 REMOVE = (
     LEDGER_LUA
     + r"""
 NOW = num(ARGV[2]) or 0
+local upto = ARGV[3]
+local bound = num(upto)
+if not (upto == '' or upto == 'C' or bound) then return reply('invalid') end
 if indexes_wrong(nil) then return wrongtype() end
 local present = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local rec = get(ARGV[i])
-  if rec then drop(ARGV[i], rec); present[#present + 1] = 1 else present[#present + 1] = 0 end
+  if rec and (upto == '' or (rec.st == 'C' and not (bound and rec.g and num(rec.g) > bound)))
+  then
+    drop(ARGV[i], rec)
+    present[#present + 1] = 1
+  else
+    present[#present + 1] = 0
+  end
 end
 return reply('ok', present)
+"""
+)
+
+# ARGV: prefix, now, key, owner token, state ("P": only a pending reservation; "": either).
+# Drops the entry of a store that failed or was cancelled — only when it is still that
+# store's (the same owner token): a writer that stalled past ``pending_timeout_s`` must not
+# drop the entry of the writer that took the key over. extra: 1 dropped / 0 not.
+RELEASE = (
+    LEDGER_LUA
+    + r"""
+local key, owner, state = ARGV[3], ARGV[4], ARGV[5]
+NOW = num(ARGV[2]) or 0
+if not (hex(key) and hex(owner) and (state == '' or state == 'P')) then
+  return reply('invalid')
+end
+if indexes_wrong(nil) then return wrongtype() end
+local rec = get(key)
+if not rec or rec.o ~= owner or (state ~= '' and rec.st ~= state) then
+  return reply('ok', {0})
+end
+drop(key, rec)
+return reply('ok', {1})
 """
 )
 
@@ -450,3 +405,33 @@ class Victim:
 
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """One key's ledger entry as a plain ``HGET`` reads it (no script): its state ("C", "P",
+    or "" when it is not one this code wrote) and its owner token ("" when it has none)."""
+
+    state: str
+    owner: str
+
+    @classmethod
+    def parse(cls, raw: object) -> EntryView | None:
+        """None when there is no entry."""
+        if raw is None:
+            return None
+        try:
+            rec = json.loads(_text(raw))
+        except ValueError:
+            return cls("", "")
+        if not isinstance(rec, dict) or rec.get("st") not in ("C", "P"):
+            return cls("", "")
+        owner = rec.get("o")
+        return cls(str(rec["st"]), owner if isinstance(owner, str) else "")
+
+
+def commit_generation(reply: LedgerReply) -> int:
+    """The generation a ``COMMIT`` reply gives the object's bytes (its ledger version when the
+    reply carries none: an entry committed by an older writer)."""
+    raw = _text(reply.extra[0]) if reply.extra else ""
+    return int(raw) if raw.isdigit() else reply.version

@@ -1,7 +1,7 @@
 """The Lua library every ledger script starts with (``remote_ledger``): argument parsing,
 checked reads of ``info``/``u``/``clock`` that drop what this code did not write, index
 upkeep, sweeps, evictions and ancestor lifting — the functions ``RESERVE``, ``COMMIT``,
-``REMOVE``, ``ERASE``, ``TOUCH`` and ``USAGE`` share. Kept apart so the scripts and the
+``RELEASE``, ``REMOVE``, ``ERASE``, ``TOUCH`` and ``USAGE`` share. Kept apart so the scripts and the
 Python side of the ledger read on their own; the contract (keys, score, what garbage does)
 is in ``remote_ledger``'s docstring."""
 
@@ -38,14 +38,16 @@ local function hex(k)
 end
 
 -- A ledger entry, or nil when it is not one this code wrote (bad JSON, a missing or mistyped
--- field, a non-hex key): such an entry is dropped, never trusted (see `get`).
+-- field, a non-hex key): such an entry is dropped, never trusted (see `get`). `o` (the owner
+-- token of its reservation) and `g` (its commit's generation) are absent in older entries.
 local function decode(k, raw)
   if not hex(k) then return nil end
   local ok, rec = pcall(cjson.decode, raw)
   if not ok or type(rec) ~= 'table' then return nil end
   if not (int(rec.s) and rec.s >= 0 and type(rec.t) == 'string'
           and (rec.st == 'P' or rec.st == 'C') and finite(rec.u) and finite(rec.x)
-          and type(rec.p) == 'string' and finite(rec.v)) then
+          and type(rec.p) == 'string' and finite(rec.v)
+          and (rec.o == nil or hex(rec.o)) and (rec.g == nil or int(rec.g))) then
     return nil
   end
   return rec

@@ -34,7 +34,7 @@ from typing import Any, Self
 from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
-from kvstrata.tiers.base import TierCounters, TierError
+from kvstrata.tiers.base import EXPIRED, Dropped, TierCounters, TierError
 from kvstrata.tiers.remote_client import (
     RemoteClient,
     RemoteConfig,
@@ -46,14 +46,15 @@ from kvstrata.tiers.remote_ledger import (
     COMMIT,
     ERASE,
     FORGET_LOST,
+    RELEASE,
     REMOVE,
     REPAIR,
-    RESERVE,
     TOUCH,
     USAGE,
     LedgerReply,
     Victim,
 )
+from kvstrata.tiers.remote_ledger_admit import RESERVE
 from kvstrata.tiers.remote_tombstones import DROP_OBJECT, ERASE_OBJECT, WRITE
 
 ValueOf = Callable[[KVObjectMeta], float]
@@ -75,7 +76,8 @@ class RemoteCounters:
 
     errors: dict[str, int] = field(default_factory=dict)  # op → calls that failed
     refused: dict[str, int] = field(default_factory=dict)  # reason → stores refused
-    # reason → objects this writer evicted ("corrupt": a ledger entry that was garbage, dropped)
+    # reason → objects this writer evicted ("corrupt": a ledger entry that was garbage, dropped;
+    # "unaccounted": bytes a read found that no committed entry accounts for, deleted)
     evicted: dict[str, int] = field(default_factory=dict)
     foreign_keys: int = 0  # names in the namespace a survey or scan skipped: not the tier's
     read_ahead_bytes: int = 0
@@ -121,8 +123,11 @@ class RemoteState:
         self._lock = threading.Lock()
         self._known: OrderedDict[BlockKey, KVObjectMeta] = OrderedDict()
         self._pending: dict[BlockKey, KVObjectMeta] = {}
+        # Owner tokens of stores that failed in an unknown state (a reservation or commit that
+        # timed out may have run): the next store of the key reuses it (``remote_write``).
+        self._unsure: OrderedDict[BlockKey, str] = OrderedDict()
         self._pins: dict[BlockKey, int] = {}
-        self._dropped: list[BlockKey] = []
+        self._dropped: list[Dropped] = []
         self._evicted: list[tuple[BlockKey, str]] = []
         # Ledger version at which recent victims left: a commit reply older than that must
         # not make the object visible here again (replies of concurrent calls can cross).
@@ -152,6 +157,7 @@ class RemoteState:
                 ("commit", COMMIT),
                 ("forget_lost", FORGET_LOST),
                 ("remove", REMOVE),
+                ("release", RELEASE),
                 ("touch", TOUCH),
                 ("usage", USAGE),
                 ("erase", ERASE),
@@ -225,7 +231,7 @@ class RemoteState:
         with self._lock:
             return key in self._pending or bool(self._pins.get(key))
 
-    def take_dropped(self) -> list[BlockKey]:
+    def take_dropped(self) -> list[Dropped]:
         with self._lock:
             dropped, self._dropped = self._dropped, []
         return dropped
@@ -250,7 +256,7 @@ class RemoteState:
             return None
         if meta.expired(self._clock()):
             del self._known[key]
-            self._dropped.append(key)
+            self._dropped.append(Dropped(key, EXPIRED))
             return None
         self._known.move_to_end(key)
         return meta
@@ -346,7 +352,7 @@ class RemoteState:
             for key in keys:
                 self._forget(key, after=version)
         if not deleted:
-            self._count_error("evict")  # their server TTL or a later read catches them
+            self._count_error("evict")  # a later read deletes them (no entry: unaccounted)
 
     def _delete_objects(self, keys: Sequence[BlockKey], upto: int | None) -> bool:
         """Delete the object keys of ``keys`` whose generation is at most ``upto`` (the ledger
