@@ -16,14 +16,30 @@ import torch
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.factory import build_engine
 from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.engine.relayout import pool_layout
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.transfer_io import ExportedPrefix, export_prefix
 from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.serve import transfer_receiver
 from kvstrata.serve.transfer_receiver import DecodeTransfers
 from kvstrata.serve.transfer_sender import _same, prefill_and_send
-from kvstrata.transfer.tcp import GREETING
+from kvstrata.transfer.handshake import decode_answer
+from kvstrata.transfer.intro import TransferIntro, encode_intro, intro_mac
+from kvstrata.transfer.layout import RefuseReason
+from kvstrata.transfer.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    BlockEntry,
+    Operation,
+    Refuse,
+    TransferOffer,
+    Transport,
+    WireLayout,
+    encode,
+)
+from kvstrata.transfer.tcp import GREETING, TcpTransport
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SECRET = b"in-process-secret"
@@ -223,3 +239,51 @@ def test_a_transfer_listener_without_a_tenant_secret_refuses_to_start(
             DecodeTransfers(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [[(0, 16), (1, 8)], [(1, 16)], [(0, 16), (2, 16)]],
+    ids=["partial-last-block", "shifted", "gap"],
+)
+def test_an_offer_of_other_than_the_prompts_full_blocks_in_order_is_refused(
+    tiny_model: LoadedModel,
+    decode: tuple[ReferenceEngine, DecodeTransfers],
+    entries: list[tuple[int, int]],
+) -> None:
+    """The receiver files block i under its own key of prompt block i, as a full block: an
+    offer naming a partial block or other positions (which the handshake's pure check
+    allows) would have its bytes served as an exact hit of the wrong tokens."""
+    engine, receiver = decode
+    sender = ReferenceEngine(
+        tiny_model, EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
+    )
+    prompt = _tokens(40, seed=7)
+    exported = export_prefix_after(sender, prompt)
+    conn = TcpTransport().connect((receiver.host, receiver.port), timeout_s=5)
+    try:
+        mac = intro_mac(SECRET, "r1", "default", prompt)
+        conn.send_frame(
+            encode_intro(TransferIntro(PROTOCOL_VERSION, "r1", tuple(prompt), "default", mac))
+        )
+        offer = TransferOffer(
+            version=PROTOCOL_VERSION,
+            model_digest=sender.fingerprint.model_digest(),
+            layout=WireLayout.of(pool_layout(sender.pool.config)),
+            request_id="r1",
+            tenant="default",
+            blocks=tuple(BlockEntry(i, n, bytes(exported.keys[0])) for i, n in entries),
+            operations=(Operation.WRITE,),
+            transports=(Transport.TCP,),
+        )
+        conn.send_frame(encode(offer))
+        answer = decode_answer(bytes(conn.recv_frame(timeout_s=5)), max_bytes=MAX_MESSAGE_BYTES)
+    finally:
+        conn.close()
+    assert isinstance(answer, Refuse) and answer.reason is RefuseReason.MALFORMED
+    assert engine.generate(prompt, GREEDY).run().record.matched_tokens == 0
+
+
+def export_prefix_after(engine: ReferenceEngine, prompt: list[int]) -> ExportedPrefix:
+    engine.generate(prompt, SamplingParams(max_tokens=1)).run()
+    return export_prefix(engine, prompt, "default")

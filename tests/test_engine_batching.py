@@ -15,7 +15,7 @@ from kvstrata.engine.generation import Generation
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.verify import run_together
-from kvstrata.errors import ContextTooLong, QueueFull
+from kvstrata.errors import ContextTooLong, InvalidInput, QueueFull
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.telemetry import KvMetrics
 
@@ -211,6 +211,19 @@ def test_a_request_larger_than_the_pool_is_refused(tiny_model: LoadedModel) -> N
         engine.generate(tokens(60, seed=1), SamplingParams(max_tokens=10))
 
 
+def test_a_token_id_outside_the_vocabulary_is_refused_before_it_joins_a_batch(
+    tiny_model: LoadedModel,
+) -> None:
+    """Queued, it would fail the packed forward of every request batched with it."""
+    engine = make(tiny_model)
+    vocab = int(tiny_model.model.config.vocab_size)
+    good = engine.generate(tokens(20, seed=1), SamplingParams(max_tokens=3))
+    for bad in ([5, vocab], [5, -1]):
+        with pytest.raises(InvalidInput, match="token ids must lie in"):
+            engine.generate(bad, SamplingParams(max_tokens=3))
+    assert len(good.run().output_ids) == 3
+
+
 @pytest.mark.slow
 def test_smollm2_mixed_batch_equals_alone(smollm2_model: LoadedModel) -> None:
     engine = make(smollm2_model, max_num_batched_tokens=128, max_num_seqs=8)
@@ -224,3 +237,18 @@ def test_smollm2_mixed_batch_equals_alone(smollm2_model: LoadedModel) -> None:
         assert got.output_ids == ref.output_ids
         assert max_diff(ref, got) <= 1e-4
     assert_nothing_pinned(engine)
+
+
+def test_a_request_that_pinned_blocks_keep_out_waits_without_spinning(
+    tiny_model: LoadedModel,
+) -> None:
+    """A prefill handle pins 6 of 8 blocks and nothing runs: a 3-block request used to be
+    admitted, preempt itself at every step and spin the step loop at full speed."""
+    engine = make(tiny_model, pool_blocks=8)
+    handle = engine.prefill(tokens(96, seed=1))  # 6 blocks, pinned until released
+    handle.result()
+    gen = engine.generate(tokens(40, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
+    steps = sum(engine.step() for _ in range(200))
+    assert steps == 0 and not gen.done and gen.record.preemptions == 0
+    handle.release()
+    assert len(gen.run().output_ids) == 8

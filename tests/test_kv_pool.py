@@ -172,3 +172,17 @@ def test_pool_stays_prefix_closed_under_random_operations(ops: list[tuple[int, i
             ids = pool.lookup_prefix([key(n) for n in chain_names])
             for i, block_id in enumerate(ids[1:], start=1):
                 assert pool._blocks[block_id].parent == ids[i - 1]
+
+
+def test_repeated_hits_do_not_grow_the_eviction_heap_and_lru_order_holds() -> None:
+    """Every release of an unreferenced leaf pushes a heap entry, and only an eviction popped
+    the stale ones: a pool that rarely fills grew by ~1 per hit for good."""
+    pool = make_pool(num_blocks=4)
+    a, b = store_chain(pool, ["a"]), store_chain(pool, ["b"])
+    for _ in range(1000):
+        pool.acquire(b)
+        pool.release(b)
+    assert len(pool._evictable) <= 2 * 4 + 16
+    store_chain(pool, ["c", "d"])
+    store_chain(pool, ["e"])  # the pool is full: the least recently used leaf goes
+    assert not pool.contains(key("a")) and pool.contains(key("b")) and a != b

@@ -36,6 +36,8 @@ from kvstrata.store.value_policy import value_per_byte
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_client import RemoteConfig
+from kvstrata.tiers.remote_ledger import COMMIT, LedgerReply
+from kvstrata.tiers.remote_ledger_admit import RESERVE
 from tier_helpers import OBJ, FakeClock, load_bytes, make_object, store
 
 
@@ -455,3 +457,25 @@ def test_a_timed_out_write_leaves_no_bytes_without_an_entry(
         assert _bytes_on_server(other, meta.key) == 0 or _entry(other, meta.key) is not None
     finally:
         other.close()
+
+
+def test_garbage_parent_links_in_a_cycle_do_not_hang_the_server(
+    remote_server: ValkeyServer, remote_namespace: str
+) -> None:
+    """Content-hash keys cannot form a cycle, but foreign or garbage entries can; a commit's
+    lift up the chain used to loop for ever (the server answering BUSY to everyone)."""
+    conn = redis.Redis.from_url(remote_server.url, socket_timeout=5)  # old code: a timeout
+    prefix = f"{{{remote_namespace}}}:L:"
+    info = prefix + "info"
+    reserve, commit = conn.register_script(RESERVE), conn.register_script(COMMIT)
+
+    def reserved(key: str, parent: str) -> bytes:
+        args = [prefix, key, 10, "t", "1.0", -1, 10**9, "1.0", "31.0", -1, parent, "0.0", "aa"]
+        return reserve(keys=[info], args=args)  # type: ignore[no-any-return]
+
+    a, b = f"{1:016x}", f"{2:016x}"
+    assert LedgerReply.parse(reserved(a, b)).status == "ok"
+    assert LedgerReply.parse(commit(keys=[info], args=[prefix, a, "1.0", "aa"])).status == "ok"
+    assert LedgerReply.parse(reserved(b, a)).status == "ok"
+    assert LedgerReply.parse(commit(keys=[info], args=[prefix, b, "1.0", "aa"])).status == "ok"
+    assert conn.ping()

@@ -18,7 +18,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import Representation
 from kvstrata.runtime.blocks import BlockInfo, EvictedBlock
 from kvstrata.runtime.bridge import LoadOutcome, StoreBridge
-from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy
+from kvstrata.store.config import RolloutConfig, TierConfig, WritePolicy, canary_bucket
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.tiers.base import TierError
@@ -309,3 +309,44 @@ def test_a_plain_miss_is_not_blamed_for_another_keys_corrupt_read() -> None:
     assert outcome is LoadOutcome.MISSING
     labels = {"tier": "host", "reason": "digest_mismatch"}
     assert store.metrics.value("kvstrata_tier_invalidated_total", labels) == 1  # B's, once
+
+
+def test_a_corrupt_read_is_reported_as_such_when_another_thread_drained_the_tier_first() -> None:
+    """The read runs outside the lock: another thread (the events emitter, the lookup
+    server) may drain the tier's drops before the load looks; the load still learns its key
+    was corrupt."""
+    clock = FakeClock()
+    host = HostTier(4 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, LRUPolicy(), TierConfig("host"))], clock=clock)
+    ((meta, payload),) = chain("a", 1)
+    assert store.put(meta, filler(payload))
+    _corrupt_host_slot(host, meta.key)
+    real = host.prepare_load
+
+    def drained(key: BlockKey) -> object:
+        lease = real(key)
+        store.has_events()  # another thread takes the lock (and drains the drops) here
+        return lease
+
+    host.prepare_load = drained  # type: ignore[method-assign]
+    located = store.lookup([meta.key], RequestScope("t0"))[0]
+    assert _bridge(store).load_verified(located, "t0", lambda view: None) is (
+        LoadOutcome.DIGEST_MISMATCH
+    )
+
+
+def test_a_canary_level_takes_the_objects_of_its_share_of_requests() -> None:
+    """Objects put for a request go to a canary level only when the request is in its share;
+    an object without a request (a demotion) goes where the rollout targets it."""
+    clock = FakeClock()
+    host = HostTier(8 * OBJ, OBJ, clock=clock)
+    canary = TierConfig("host", rollout=RolloutConfig(canary_fraction=0.5))
+    store = TieredStore([(host, LRUPolicy(), canary)], clock=clock)
+    ids = [f"r{i}" for i in range(40)]
+    inside = next(r for r in ids if canary_bucket(r) < 0.5)
+    outside = next(r for r in ids if canary_bucket(r) >= 0.5)
+    (a, pa), (b, pb), (c, pc) = (chain(tag, 1)[0] for tag in "abc")
+    assert not store.put(a, filler(pa), RequestScope("t0", request_id=outside))
+    assert store.put(b, filler(pb), RequestScope("t0", request_id=inside))
+    assert store.put(c, filler(pc), RequestScope("t0"))  # no request: targets only
+    assert [host.contains(m.key) for m in (a, b, c)] == [False, True, True]

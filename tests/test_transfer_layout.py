@@ -112,6 +112,14 @@ def test_identity_plans() -> None:
     assert plan(layout(4, 2, 1), layout(4, 2, 1)).source_ranks == (1,)
 
 
+def test_another_rank_of_the_same_tp_size_is_never_an_identity() -> None:
+    """Rank 1 of TP 2 holds heads 2-3, rank 0 heads 0-1: taken byte for byte, they would be
+    the wrong heads. The plan reshards, and names the rank that holds the target's heads."""
+    other = plan(layout(4, 2, 1), layout(4, 2, 0))
+    assert not other.identity and other.source_ranks == (0,)
+    assert heads(layout(4, 2, 1), layout(4, 2, 0)) == (HeadSource(0, 0, 0, 2),)
+
+
 @pytest.mark.parametrize(
     ("source", "target", "reason"),
     [

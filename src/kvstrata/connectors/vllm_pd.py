@@ -201,7 +201,7 @@ class ConsumerGate:
             return Gate.WAIT
         # Presence, not the break-even test: an offer below a tier's min_reusable_tokens, or
         # one a fetch would not beat, must not wait out pd_wait_ms for blocks already here.
-        if self.lookup(waiting.tenant, waiting.keys, True) >= len(waiting.keys):
+        if self.lookup(waiting.tenant, waiting.keys, True, req_id) >= len(waiting.keys):
             return self._ready(req_id)
         if now >= waiting.deadline:
             self._count("pd_wait_timeouts")

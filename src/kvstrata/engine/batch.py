@@ -129,7 +129,9 @@ class BatchRunner:
     def _admission(self, seq: Seq) -> Admission:
         block_size = self.block_size
         needed = math.ceil((len(seq.tokens) + 1) / block_size)
-        if self.scheduler.running and self.pool.blocks_available < needed:
+        # Also with nothing running: blocks pinned outside the batch (a prefill handle's) can
+        # leave too few, and an admitted sequence would preempt itself at every step.
+        if self.pool.blocks_available < needed:
             return Admission.WAIT
         if seq.lookup and self._waits_for_blocks_in_flight(seq):
             self.metrics.deferred.inc()
@@ -379,7 +381,14 @@ class BatchRunner:
                 return
             seq.committed += 1
             if self.bridge is not None:
-                self.bridge.write_through([scratch], seq.keys, index, seq.tenant, seq.tokens)
+                self.bridge.write_through(
+                    [scratch],
+                    seq.keys,
+                    index,
+                    seq.tenant,
+                    seq.tokens,
+                    request_id=seq.gen.request_id,
+                )
 
     # ---- sampling and the end of a sequence ------------------------------------------------
     def _sample(self, seq: Seq, logits: torch.Tensor) -> None:

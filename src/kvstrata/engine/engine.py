@@ -258,6 +258,9 @@ class ReferenceEngine(StepLoop):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise InvalidInput("prompt must contain at least one token")
+        vocab = int(self.model.config.vocab_size)
+        if min(prompt) < 0 or max(prompt) >= vocab:  # else the batch's forward fails for all
+            raise InvalidInput(f"token ids must lie in [0, {vocab})")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ContextTooLong(
                 f"prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds "

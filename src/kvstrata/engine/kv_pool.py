@@ -379,6 +379,18 @@ class PagedKVPool:
         block = self._blocks[block_id]
         if block.state is BlockState.COMMITTED and block.refs == 0 and block.children == 0:
             heapq.heappush(self._evictable, (block.last_used, block_id))
+            if len(self._evictable) > 2 * len(self._blocks) + 16:
+                self._compact_evictable()
+
+    def _compact_evictable(self) -> None:
+        """Drop the heap's stale entries (a block released again pushes a new one; only an
+        eviction pops them): a pool that rarely fills would keep ~2 per request for good."""
+        self._evictable = [
+            (block.last_used, block_id)
+            for block_id, block in enumerate(self._blocks)
+            if block.state is BlockState.COMMITTED and block.refs == 0 and block.children == 0
+        ]
+        heapq.heapify(self._evictable)
 
     def _evict_one(self, protect: int | None) -> bool:
         deferred: list[tuple[int, int]] = []

@@ -364,5 +364,7 @@ class StoredRelayout:
             labels = {"from_layout": alt.label, "to_layout": self.own_label}
             self.metrics.relayout_blocks.labels(**labels).inc(converted)
             self.metrics.relayout_tokens.labels(**labels).inc(converted * size)
-            self.bridge.write_through(result.block_ids, keys, start, scope.tenant, tokens)
+            self.bridge.write_through(
+                result.block_ids, keys, start, scope.tenant, tokens, request_id=scope.request_id
+            )
         return result

@@ -30,6 +30,9 @@ from kvstrata.telemetry import KvMetrics
 
 logger = logging.getLogger("kvstrata.engine")
 T = TypeVar("T")
+_IDLE_POLL_S = 0.005
+"""How long the loop waits after a step found nothing admissible (blocks pinned outside the
+batch) before it tries again, unless an arrival, cancel or call wakes it first."""
 
 
 class StepLoop:
@@ -117,7 +120,10 @@ class StepLoop:
                 if self._stopping:
                     break
             try:
-                self.step()
+                if not self.step():  # waiting requests, none admissible (blocks pinned)
+                    with self._wake:
+                        if not (self._inbox or self._cancels or self._calls or self._stopping):
+                            self._wake.wait(_IDLE_POLL_S)
             except Exception:  # the failing step's requests got the error; keep serving
                 logger.exception("engine step failed")
         with self._step_lock:

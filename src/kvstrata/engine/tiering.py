@@ -109,9 +109,12 @@ class PoolBridge:
         first: int,
         tenant: str,
         token_ids: Sequence[int] | None = None,
+        *,
+        request_id: str | None = None,
     ) -> None:
         """Copy freshly committed blocks ``keys[first:first+len(block_ids)]`` into the store
-        (``token_ids``: the sequence the keys were chained from, recorded in each meta)."""
+        (``token_ids``: the sequence the keys were chained from, recorded in each meta;
+        ``request_id``: the request that computed them, for a canary level's share)."""
         if not self.bridge.wants_write_through():
             return
         size = self.pool.config.block_size
@@ -119,7 +122,7 @@ class PoolBridge:
             i = first + offset
             parent = keys[i - 1] if i > 0 else None
             info = BlockInfo(tenant, i * size, block_tokens(token_ids, i, size))
-            self.bridge.put(keys[i], parent, info, self._staged(block_id))
+            self.bridge.put(keys[i], parent, info, self._staged(block_id), request_id=request_id)
 
     # ---- prefetch (submitted from any thread, run on the prefetcher's) -----------------------
     def _pool_holds(self, key: BlockKey) -> bool:

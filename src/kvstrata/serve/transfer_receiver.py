@@ -360,6 +360,11 @@ class DecodeTransfers:
         source = offer.layout.layout()
         if len(offer.blocks) * source.block_size > len(intro.prompt_token_ids):
             return refuse(RefuseReason.MALFORMED, "more blocks than the prompt fills"), None
+        # Block i is filed under this worker's key of prompt block i, as a full block: an
+        # offer must name exactly that (a partial or shifted block would be served as a hit).
+        if any(e.index != i or e.tokens != source.block_size for i, e in enumerate(offer.blocks)):
+            detail = "blocks must be the prompt's full blocks 0, 1, … in order"
+            return refuse(RefuseReason.MALFORMED, detail), None
         plan = plan_conversion(source, self.layout)
         if not isinstance(plan, ConversionPlan):  # negotiate accepted: cannot happen
             return refuse(plan.reason, plan.detail), None

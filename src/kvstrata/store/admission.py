@@ -221,7 +221,7 @@ class AdmittingCore(ErasingCore):
         lease = src.tier.prepare_load(key)
         if lease is None:  # evicted or deleted meanwhile, or failed verification: skip it
             with self._lock:
-                self._sync_dropped(src)  # a corrupt read is counted there, once
+                self._claim_corrupt(src, key)  # a corrupt read is counted there, once
                 self._forget_if_gone(src, key)
             return False
         try:

@@ -57,6 +57,7 @@ PREFETCH = "prefetch"
 """The ``cause`` of a store that a prefetch made (``kvstrata_tier_stores_total{cause}``)."""
 
 
+_MAX_FOUND_CORRUPT: Final = 4096
 DIGEST_MISMATCH: Final = "digest_mismatch"
 """The invalidation reason of an object whose bytes failed verification on a read."""
 
@@ -85,6 +86,7 @@ class StoreCore:
         # Deleted while a reader or a movement held them: invisible now, removed when it ends.
         self._pending_delete: set[BlockKey] = set()
         self._storing: set[tuple[int, BlockKey]] = set()  # reserved, bytes in flight: invisible
+        self._found_corrupt: set[tuple[str, BlockKey]] = set()  # drained, not yet claimed
         self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
         self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
         # (level, key) → seconds of a shared level's batched read-ahead its next load adds
@@ -218,6 +220,7 @@ class StoreCore:
             self._publish(level)
             return False
         level.policy.on_insert(meta, self.clock())
+        self._found_corrupt.discard((level.name, key))  # stored again: an old mark is stale
         self._feed.stored(level.name, meta)
         self.metrics.stores.labels(tier=level.name, cause=cause).inc()
         if cause == PREFETCH:
@@ -325,23 +328,26 @@ class StoreCore:
             self._gone(level, key)
             self._publish(level)
 
-    def _sync_dropped(self, level: Level) -> set[BlockKey]:
-        """Drain what ``level``'s tier dropped on its own; returns the keys it found corrupt.
+    def _sync_dropped(self, level: Level) -> None:
+        """Drain what ``level``'s tier dropped on its own.
 
         Each drop is counted and audited once, under the reason the tier gave for that key: a
         corrupt object as ``kvstrata_tier_invalidated{reason="digest_mismatch"}``, one a
         deletion's tombstone covers as ``{reason="tombstoned"}``, an expiry as an eviction
-        (``kvstrata_tier_evictions{outcome="expired"}``: nothing was wrong with it)."""
+        (``kvstrata_tier_evictions{outcome="expired"}``: nothing was wrong with it). A corrupt
+        key is also kept in ``_found_corrupt`` until its load claims it (``claim_corrupt``):
+        any thread holding the lock may drain the tier between a load's read and its check."""
         name = level.name
         for key, tenant in level.tier.take_evicted():  # a shared tier's victims, any writer's
             level.policy.on_remove(key)
             self._gone(level, key, tenant)
             self.metrics.evictions.labels(tier=name, outcome="shared_ledger").inc()
             self.audit.record(Action.EVICT, "shared_ledger", tier=name, keys=[key], tenant=tenant)
-        corrupt: set[BlockKey] = set()
         for key, why in level.tier.take_dropped():
             if why == CORRUPT:
-                corrupt.add(key)
+                if len(self._found_corrupt) >= _MAX_FOUND_CORRUPT:  # unclaimed: reads by copies
+                    self._found_corrupt.clear()
+                self._found_corrupt.add((name, key))
                 self.metrics.invalid.labels(tier=name, reason=DIGEST_MISMATCH).inc()
                 self.audit.record(Action.INVALIDATE, DIGEST_MISMATCH, tier=name, keys=[key])
             elif why == TOMBSTONED:
@@ -354,7 +360,13 @@ class StoreCore:
                 continue  # stored again since it was dropped: the policy's entry is live
             level.policy.on_remove(key)
             self._gone(level, key)
-        return corrupt
+
+    def _claim_corrupt(self, level: Level, key: BlockKey) -> bool:
+        """Under the lock, after a read of ``key`` missed: did that read find it corrupt?"""
+        self._sync_dropped(level)
+        found = (level.name, key) in self._found_corrupt
+        self._found_corrupt.discard((level.name, key))
+        return found
 
     def _quota_reject(self, level: Level, meta: KVObjectMeta, reason: str) -> None:
         self.metrics.rejections.labels(tier=level.name, reason="quota").inc()

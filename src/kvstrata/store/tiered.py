@@ -250,7 +250,7 @@ class TieredStore(AdmittingCore):
         lease = None if hidden else level.tier.prepare_load(key)
         with self._lock:
             if lease is None:
-                corrupt = not hidden and key in self._sync_dropped(level)
+                corrupt = not hidden and self._claim_corrupt(level, key)
                 if miss is not None:
                     miss.append(CORRUPT if corrupt else "missing")
                 if not hidden:

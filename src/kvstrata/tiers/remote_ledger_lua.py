@@ -245,8 +245,9 @@ end
 -- Lift the committed ancestors of rec (whose score is `score`) that are not above it to just
 -- above it, up the chain, so a parent always outscores its children (leaves go first).
 local function lift(rec, score)
-  local p = rec.p
-  while p ~= '' do
+  local p, seen = rec.p, {}
+  while p ~= '' and not seen[p] do  -- `seen`: garbage parent links may form a cycle
+    seen[p] = true
     local pscore = redis.call('ZSCORE', Z, p)
     if not pscore or tonumber(pscore) > score then return end
     local prec = get(p)

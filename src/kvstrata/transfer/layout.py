@@ -243,7 +243,8 @@ def plan_conversion(source: KVLayout, target: KVLayout) -> ConversionPlan | Refu
                 StepKind.REORDER, source_order=source.order, target_order=CANONICAL_ORDER
             )
         )
-    if source.tp_size != target.tp_size:
+    if source.tp_size != target.tp_size or source.local_heads() != target.local_heads():
+        # Same TP size but another rank holds other heads: never an identity plan.
         steps.append(ConversionStep(StepKind.RESHARD_HEADS, heads=head_sources(source, target)))
     if source.block_size != target.block_size:
         steps.append(
