@@ -375,9 +375,13 @@ class PagedKVPool:
         return [self._resident(self._blocks[block_id]) for block_id in ids]
 
     # ---- internals ----------------------------------------------------------------------
+    @staticmethod
+    def _is_evictable(block: _Block) -> bool:
+        return block.state is BlockState.COMMITTED and block.refs == 0 and block.children == 0
+
     def _maybe_evictable(self, block_id: int) -> None:
         block = self._blocks[block_id]
-        if block.state is BlockState.COMMITTED and block.refs == 0 and block.children == 0:
+        if self._is_evictable(block):
             heapq.heappush(self._evictable, (block.last_used, block_id))
             if len(self._evictable) > 2 * len(self._blocks) + 16:
                 self._compact_evictable()
@@ -388,7 +392,7 @@ class PagedKVPool:
         self._evictable = [
             (block.last_used, block_id)
             for block_id, block in enumerate(self._blocks)
-            if block.state is BlockState.COMMITTED and block.refs == 0 and block.children == 0
+            if self._is_evictable(block)
         ]
         heapq.heapify(self._evictable)
 

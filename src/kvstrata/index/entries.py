@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from kvstrata.events.schema import BlockHash
 from kvstrata.index.matching import BITS_PER_SLOT as _BITS_PER_SLOT
 from kvstrata.index.matching import SLOT_MASK as _SLOT_MASK
+from kvstrata.index.matching import words_for
 from kvstrata.index.model import IndexStats, Medium
 from kvstrata.index.table import SYNC_BACKLOG as _SYNC_BACKLOG
-from kvstrata.index.table import ProbeTable, words_for
+from kvstrata.index.table import ProbeTable
 from kvstrata.index.tombstones import Lineage, Tombstones
 
 

@@ -13,7 +13,7 @@ block as held in its own remote tier.
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final, cast
 
 import numpy as np
@@ -34,6 +34,21 @@ _TWO: Final = np.uint64(2)
 _THREE: Final = np.uint64(3)
 _PROBE_CHUNK: Final = 512
 """Blocks probed between checks for a block nobody holds (where every prefix ends)."""
+
+
+def words_for(slots: int) -> int:
+    """The uint64 words a packed value of ``slots`` worker slots takes (at least one)."""
+    return max(1, -(-slots // _NUMPY_SLOTS))
+
+
+def pack_words(values: Iterable[int], words: int) -> npt.NDArray[np.uint64]:
+    """Packed values as ``[n, words]`` little-endian uint64 words (OverflowError if one does
+    not fit, or is negative)."""
+    if words == 1:  # array.array converts ints faster than numpy or to_bytes do
+        return np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
+    width = 8 * words
+    raw = b"".join(int(v).to_bytes(width, "little") for v in values)
+    return np.frombuffer(raw, dtype="<u8").astype(np.uint64, copy=False).reshape(-1, words)
 
 
 def probe(entries: dict[int, int], hashes: Sequence[int]) -> list[int]:
@@ -68,16 +83,11 @@ def slot_prefixes(
     nibble give the depth and the fastest-medium split. ``shared`` is the shared slot: where
     its remote bit is set, every slot with bit ``4·slot`` in ``reach`` gets its remote bit too.
     """
-    words = max(1, -(-slots // _NUMPY_SLOTS))
     if isinstance(values, np.ndarray):
         packed = values.reshape(len(values), -1)
-        words = packed.shape[1]
-    elif words == 1:  # array.array converts a list of ints faster than numpy does
-        packed = np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
     else:
-        width = 8 * words
-        raw = b"".join(int(v).to_bytes(width, "little") for v in values)
-        packed = np.frombuffer(raw, dtype="<u8").reshape(-1, words)
+        packed = pack_words(values, words_for(slots))
+    words = packed.shape[1]
     counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
     lent: npt.NDArray[np.uint64] | None = None
     if shared is not None and reach:

@@ -37,6 +37,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from kvstrata.index.matching import pack_words
+
 SLOTS_PER_WORD: Final = 16
 """Worker slots whose 4-bit nibbles fit one uint64 word of a value."""
 SYNC_BACKLOG: Final = 256
@@ -53,21 +55,6 @@ _SCALAR_TAIL: Final = 16
 """Keys still probing when the vectorised rounds stop and a scalar loop finishes them."""
 
 U64 = npt.NDArray[np.uint64]
-
-
-def words_for(slots: int) -> int:
-    """The uint64 words a packed value of ``slots`` worker slots takes (at least one)."""
-    return max(1, -(-slots // SLOTS_PER_WORD))
-
-
-def _split(values: Iterable[int], words: int) -> U64:
-    """Packed values as ``[n, words]`` little-endian uint64 words (OverflowError if one does
-    not fit, or is negative)."""
-    if words == 1:  # array.array converts ints faster than numpy or to_bytes do
-        return np.frombuffer(array.array("Q", values), dtype=np.uint64).reshape(-1, 1)
-    width = 8 * words
-    raw = b"".join(v.to_bytes(width, "little") for v in values)
-    return np.frombuffer(raw, dtype="<u8").astype(np.uint64, copy=False).reshape(-1, words)
 
 
 class ProbeTable:
@@ -135,7 +122,7 @@ class ProbeTable:
                 return
             keys = np.frombuffer(array.array("Q", self.dirty), dtype=np.uint64)
             get = entries.get
-            values = _split([get(k, 0) for k in self.dirty], self.words)
+            values = pack_words([get(k, 0) for k in self.dirty], self.words)
         except OverflowError:  # a key or value wider than 64 bits (or negative)
             self.usable = False
             self.dirty.clear()
@@ -167,7 +154,7 @@ class ProbeTable:
             return
         try:
             keys = np.frombuffer(array.array("Q", entries.keys()), dtype=np.uint64)
-            values = _split(entries.values(), self.words)
+            values = pack_words(entries.values(), self.words)
         except OverflowError:
             self.usable = False
             return
@@ -280,7 +267,7 @@ class ProbeTable:
         if self._zero:
             zero = keys == 0
             if zero.any():
-                out[zero] = _split([self._zero], self.words)[0]
+                out[zero] = pack_words([self._zero], self.words)[0]
         return out
 
     def prefix_values(self, keys: U64, first: int = 1024) -> U64:

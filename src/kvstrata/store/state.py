@@ -229,7 +229,11 @@ class StoreCore:
         self._publish(level)
         return True
 
-    def _remove_victim(self, index: int, key: BlockKey, outcome: str) -> bool:
+    def _remove_victim(self, index: int, key: BlockKey, outcome: str | None) -> bool:
+        """Remove ``key`` from a level (False: pinned since the check, or gone); ``outcome``
+        names the eviction counted and audited, None for an object a consumer rejected
+        (``RejectedObject``: its caller counts it as invalid; one still pinned by another
+        reader stays, and its last rejection removes it)."""
         level = self.levels[index]
         meta = level.tier.meta(key)
         try:
@@ -240,9 +244,11 @@ class StoreCore:
         if removed:  # else pinned since the check, or gone: give up this round
             level.policy.on_remove(key)
             self._gone(level, key)
-            self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
-            tenant = None if meta is None else meta.tenant
-            self.audit.record(Action.EVICT, outcome, tier=level.name, keys=[key], tenant=tenant)
+            if outcome is not None:
+                self.metrics.evictions.labels(tier=level.name, outcome=outcome).inc()
+                tenant = None if meta is None else meta.tenant
+                audit = self.audit
+                audit.record(Action.EVICT, outcome, tier=level.name, keys=[key], tenant=tenant)
             self._publish(level)
         return removed
 
@@ -311,21 +317,6 @@ class StoreCore:
         evicts it: forgotten now, nothing could ever free that room)."""
         if level.tier.meta(key) is None and not level.tier.reserved(key):
             level.policy.on_remove(key)
-            self._publish(level)
-
-    def _drop_rejected(self, index: int, key: BlockKey) -> None:
-        """A consumer rejected ``key``'s verified bytes (``RejectedObject``): remove it, so the
-        next request does not plan, fetch and reject it again (kept if pinned by another
-        reader; its last rejection removes it)."""
-        level = self.levels[index]
-        try:
-            removed = level.tier.remove(key)
-        except TierError:
-            self.metrics.write_failures.labels(tier=level.name).inc()
-            return
-        if removed:
-            level.policy.on_remove(key)
-            self._gone(level, key)
             self._publish(level)
 
     def _sync_dropped(self, level: Level) -> None:

@@ -283,7 +283,7 @@ class TieredStore(AdmittingCore):
                 elif outcome == "used":
                     copies = self._record_hit(located, lease.meta, time.perf_counter() - started)
                 elif outcome == "rejected":
-                    self._drop_rejected(index, key)
+                    self._remove_victim(index, key, None)  # the consumer counts it
             for target in copies:
                 self._copy(index, target, key, cause="selective")
 
