@@ -3,7 +3,8 @@
 Each indexed router hash maps to an int with 4 bits per worker slot (one per medium:
 device, host, disk, remote). A lookup probes the request's hashes in order and stops at the
 first block nobody holds; :func:`slot_prefixes` then turns the probed values into each slot's
-prefix depth and fastest-medium split with a few numpy passes (16 slots per uint64 word).
+prefix depth and fastest-medium split with a few numpy passes (16 slots per uint64 word)
+over one value per run of equal values.
 
 A shared slot (the index's fleet-wide remote tier) is not a worker: its remote bit is lent to
 every slot in ``reach`` before the prefix is taken, so each of those workers counts a shared
@@ -27,8 +28,7 @@ _MASK64: Final = (1 << 64) - 1
 _LOW_INT: Final = 0x1111_1111_1111_1111
 _LOW_BITS: Final = np.uint64(_LOW_INT)
 """Bit 0 of every nibble: one presence bit per slot."""
-_BYTE_LOW: Final = np.uint64(0x0101_0101_0101_0101)
-"""Bit 0 of every byte: eight one-bit lanes that sum without carrying for up to 255 rows."""
+_START: Final = np.zeros(1, dtype=np.int64)
 _ONE: Final = np.uint64(1)
 _TWO: Final = np.uint64(2)
 _THREE: Final = np.uint64(3)
@@ -77,11 +77,12 @@ def slot_prefixes(
     ``values`` are ints, or the lookup table's ``[n, words]`` uint64 words
     (``ProbeTable.values``). ``live`` has bit ``4·slot`` set for every slot that may match.
     Int values wider than one uint64 (more than 16 slots) are split into 64-bit words through
-    their bytes; each word is
-    then handled alike: a slot's block is present when its nibble is non-zero, a running AND
-    of presence gives the prefix (prefix-closed by construction), and masked bit counts per
-    nibble give the depth and the fastest-medium split. ``shared`` is the shared slot: where
-    its remote bit is set, every slot with bit ``4·slot`` in ``reach`` gets its remote bit too.
+    their bytes; each word is then handled alike: a slot's block is present when its nibble is
+    non-zero, a running AND of presence gives the prefix (prefix-closed by construction), and
+    masked bit counts per nibble give the depth and the fastest-medium split. All of that is
+    done once per run of equal values (a chain's values change at few blocks), weighed by the
+    run's length. ``shared`` is the shared slot: where its remote bit is set, every slot with
+    bit ``4·slot`` in ``reach`` gets its remote bit too.
     """
     if isinstance(values, np.ndarray):
         packed = values.reshape(len(values), -1)
@@ -89,6 +90,8 @@ def slot_prefixes(
         packed = pack_words(values, words_for(slots))
     words = packed.shape[1]
     counts = np.zeros((4, words * _NUMPY_SLOTS), dtype=np.int64)
+    if not len(packed):
+        return counts[:, :slots]
     lent: npt.NDArray[np.uint64] | None = None
     if shared is not None and reach:
         shared_word, lane = divmod(shared, _NUMPY_SLOTS)
@@ -102,6 +105,14 @@ def slot_prefixes(
         if lent is not None:
             lanes = np.uint64(((reach >> (64 * word)) & _LOW_INT) << 3)
             v = v | (lent * lanes)
+        # A chain's values change at few blocks (a worker gains or drops it, a medium
+        # changes): every figure below is constant over a run of equal values, so work on one
+        # value per run and weigh it by the run's length.
+        starts = np.flatnonzero(v[1:] != v[:-1])
+        starts += 1
+        starts = np.concatenate([_START, starts])
+        lengths = np.diff(starts, append=len(v))
+        v = v[starts]
         present = (v | (v >> _ONE) | (v >> _TWO) | (v >> _THREE)) & _LOW_BITS
         alive = np.bitwise_and.accumulate(present) & mask
         device = v & alive
@@ -110,23 +121,17 @@ def slot_prefixes(
         # one flag per bit: nibble s holds slot s's alive, device, host, disk (bits 0..3)
         flags = alive | (device << _ONE) | (host << _TWO) | (disk << _THREE)
         columns = slice(word * _NUMPY_SLOTS, (word + 1) * _NUMPY_SLOTS)
-        counts[:, columns] = _bit_counts(flags).reshape(_NUMPY_SLOTS, BITS_PER_SLOT).T
+        counts[:, columns] = _bit_counts(flags, lengths).reshape(_NUMPY_SLOTS, BITS_PER_SLOT).T
     return counts[:, :slots]
 
 
-def _bit_counts(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-    """How many values have bit ``b`` set, for each of the 64 bits ``b``.
-
-    Bit ``k`` of every byte is moved to bit 0 of its byte lane; up to 255 one-bit values then
-    sum without carrying across lanes, and the lanes are read back as bytes.
-    """
-    n = len(bits)
-    pad = (-n) % 255
-    if pad:
-        bits = np.concatenate([bits, np.zeros(pad, dtype=np.uint64)])
-    rows = bits.reshape(-1, 255)
-    counts = np.empty(64, dtype=np.int64)
-    for k in range(8):
-        lanes = ((rows >> np.uint64(k)) & _BYTE_LOW).sum(axis=1, dtype=np.uint64)
-        counts[k::8] = lanes.astype("<u8").view(np.uint8).reshape(-1, 8).sum(axis=0, dtype=np.int64)
+def _bit_counts(
+    bits: npt.NDArray[np.uint64], weights: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """For each of the 64 bits ``b``: the summed weights of the values with bit ``b`` set."""
+    if not len(bits):
+        return np.zeros(64, dtype=np.int64)
+    octets = np.ascontiguousarray(bits, dtype="<u8").view(np.uint8).reshape(-1, 8)
+    unpacked = np.unpackbits(octets, axis=1, bitorder="little")  # [n, 64]: bit b at column b
+    counts: npt.NDArray[np.int64] = weights @ unpacked.astype(np.int64)
     return counts
