@@ -188,7 +188,10 @@ def test_malformed_messages_are_counted_and_skipped(ctx: zmq.Context[zmq.Socket[
     assert received[3].batch.events == [_stored(1)]
     stats = sub.stats
     assert (stats.malformed_messages, stats.unknown_events, stats.malformed_events) == (4, 1, 1)
-    assert (stats.gaps, stats.resyncs_needed, stats.batches) == (0, 0, 4)
+    # seq 1 (garbage), seq 2 (wrong tag) and seq 4 (a removal that does not decode) may have
+    # carried removals: each flags a resync; the unknown event type (seq 3) and the broken
+    # frames (no seq number to account for) do not
+    assert (stats.gaps, stats.resyncs_needed, stats.batches) == (0, 3, 4)
 
 
 def test_publisher_round_trips_every_event(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
@@ -450,3 +453,89 @@ def test_a_hole_inside_a_replay_is_a_resync_even_in_history_mode(
         received = _receive(sub, 4, resync=resync)
     assert [batch.seq for batch in received] == [1, 3, 4, 5]
     assert resync == [True] and sub.stats.resyncs_needed == 1
+
+
+def test_history_without_a_replay_socket_resumes_at_the_next_frame(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A vLLM worker given without a replay endpoint: its dump is empty and resumes at 0 in
+    history mode, so the next live frame (numbered past 0) is history nobody can send. That
+    is lost history, not a resync: a resync would rewind to 0 and meet the same gap again,
+    so every batch was applied and then wiped by the next dump. A gap after the first frame
+    is still a resync."""
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(make_batch([_stored(1)], ts=0.0))
+    with ZmqEventSubscriber(f"tcp://127.0.0.1:{port}", context=ctx) as sub:
+        _wait_subscribed(xpub)
+        sub.resume_from(0, history=True)
+        for seq in (7, 8):
+            xpub.send_multipart([b"", _seq(seq), payload])
+        resync: list[bool] = []
+        assert [b.seq for b in _receive(sub, 2, resync=resync)] == [7, 8]
+        assert resync == [] and sub.stats.history_truncated == 1
+        xpub.send_multipart([b"", _seq(10), payload])  # 9 lost after history ended
+        assert [b.seq for b in _receive(sub, 1, resync=resync)] == [10]
+        assert resync == [True]
+        sub.resume_from(0, history=True)  # the resync's (empty) dump
+        xpub.send_multipart([b"", _seq(11), payload])
+        assert [b.seq for b in _receive(sub, 1, resync=resync)] == [11]
+    xpub.close(linger=0)
+    assert resync == [True] and sub.stats.history_truncated == 2
+
+
+def test_an_unanswered_replay_in_history_mode_is_lost_history(
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
+) -> None:
+    """In history mode the state was just emptied, so a replay that does not answer in time
+    loses only history; flagging a resync would rewind to 0 and ask again, in a loop."""
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    mute_router = ctx.socket(zmq.ROUTER)
+    replay_port = mute_router.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(make_batch([], ts=0.0))
+    with ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{replay_port}",
+        replay_timeout_s=0.2,
+        context=ctx,
+        background_replay=background,
+    ) as sub:
+        _wait_subscribed(xpub)
+        sub.resume_from(0, history=True)
+        xpub.send_multipart([b"", _seq(4), payload])
+        resync: list[bool] = []
+        received = _receive(sub, 1, resync=resync)
+    for socket in (xpub, mute_router):
+        socket.close(linger=0)
+    assert received[0].seq == 4 and resync == []
+    assert sub.stats.replay_requests == 1 and sub.stats.history_truncated == 1
+
+
+def test_a_malformed_batch_replayed_while_rebuilding_history_is_not_a_resync(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A malformed live batch flags a resync; the rebuild that follows (history mode) replays
+    the same batch, and flagging it again would loop for as long as the buffer holds it."""
+    with ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC, context=ctx
+    ) as publisher:
+        assert publisher.replay_endpoint is not None
+        with (
+            ZmqEventSubscriber(
+                publisher.endpoint, publisher.replay_endpoint, topic=TOPIC, context=ctx
+            ) as sub,
+            _serving(publisher),
+        ):
+            assert publisher.wait_for_subscriber(TIMEOUT_S)
+            publisher.publish([_stored(0)], ts=0.0)
+            bad = BlockRemoved(["not-a-hash"], "GPU")  # type: ignore[list-item]
+            publisher.publish([bad], ts=1.0)
+            resync: list[bool] = []
+            _receive(sub, 2, resync=resync)
+            assert resync == [True]
+            sub.resume_from(0, history=True)  # vLLM's empty dump
+            publisher.publish([_stored(2)], ts=2.0)
+            rebuilt = _receive(sub, 3, resync=resync)
+    assert [b.seq for b in rebuilt] == [0, 1, 2]
+    assert resync == [True] and sub.stats.malformed_events == 2

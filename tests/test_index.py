@@ -206,15 +206,22 @@ def test_bad_events_are_counted_and_skipped() -> None:
 
 
 def test_unknown_medium_is_counted_for_stores_and_removals() -> None:
+    """A store in an unknown medium is skipped (a routing miss at worst). A removal from one
+    drops every copy the worker holds of those blocks: which copy went is unknown, and
+    keeping them could route requests to blocks that are gone."""
     index = make_index()
-    doc = tokens(7, 2)
+    doc = tokens(7, 3)
     hashes = engine_hashes(doc)
     index.apply_batch("w", batch(stored(hashes, doc, medium="tape")))
     assert index.stats.unknown_mediums == 1 and len(index) == 0
     store_chain(index, "w", doc)
-    index.apply_batch("w", batch(removed(hashes, "tape")))
+    store_chain(index, "w", doc, medium="cpu")
+    store_chain(index, "v", doc)
+    index.apply_batch("w", batch(removed(hashes[1:], "tape")))
     assert index.stats.unknown_mediums == 2
-    assert depth(index, doc)["w"] == (2, (2, 0, 0, 0))
+    assert depth(index, doc)["w"] == (1, (1, 0, 0, 0))
+    assert depth(index, doc)["v"] == (3, (3, 0, 0, 0))
+    assert index.blocks_held("w") == (1, 1, 0, 0)
 
 
 def test_medium_names() -> None:
@@ -861,5 +868,7 @@ def test_a_batch_stamped_with_a_non_finite_time_does_not_poison_the_lag() -> Non
     toks = tokens(1, 1)
     for ts in (float("-inf"), float("nan")):
         index.apply_batch("w0", KVEventBatch(ts=ts, events=[stored(engine_hashes(toks), toks)]))
+    for ts in (float("inf"), float("nan")):  # a dump's stamp, too
+        index.replace_worker("w1", None, [stored(engine_hashes(toks), toks)], ts=ts)
     index.apply_batch("w0", KVEventBatch(ts=NOW - 2.0, events=[]))
     assert index.stats.lag_quantile(0.99) == 2.0

@@ -209,3 +209,52 @@ def test_the_event_path_takes_every_rebuild_so_no_lookup_pays_one() -> None:
         table = index._table
         assert not table.would_rebuild and table.words == (1 if step < 16 else 2), step
         assert table.pending < SYNC_BACKLOG
+
+
+def test_remote_removals_and_deletions_keep_the_backlog_bounded() -> None:
+    """A remote removal (the shared tier) and a deletion change many entries at once: they
+    sync on the event path too, or the next long lookup paid for all of them (25-40 ms for
+    60k hashes, under the fleet lock)."""
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    rng = random.Random(5)
+    hashes = [rng.getrandbits(64) for _ in range(3000)]
+    index.store_hashes("w0", hashes, Medium.DEVICE)
+    index.store_hashes("w1", hashes, Medium.REMOTE, engine_hashes=hashes)
+    assert index.sync_table() and not index._table.pending
+    index.remove_hashes("w1", hashes, Medium.REMOTE)
+    assert index._table.pending < SYNC_BACKLOG
+    doc = _tokens(np.random.default_rng(5), 3000)
+    index.apply_batch(
+        "w2", KVEventBatch(ts=0.0, events=[_stored(list(range(1, 3001)), doc, "GPU", None)])
+    )
+    assert index.sync_table() and not index._table.pending
+    index.delete("default", everything=True)
+    assert index._table.pending < SYNC_BACKLOG
+
+
+def test_a_dump_syncs_the_table_once_at_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resync's dump is applied under the fleet lock in one go: syncing every 256 hashes
+    on the way was half its time, for a table nobody can look up until the dump is in."""
+    index = GlobalIndex(FP, BS, clock=lambda: 0.0)
+    rng = np.random.default_rng(8)
+    docs = [_tokens(rng, 500) for _ in range(8)]
+    events = [
+        _stored(list(range(1 + 1000 * d, 501 + 1000 * d)), doc, "GPU", None)
+        for d, doc in enumerate(docs)
+    ]
+    index.add_worker("w")
+    assert index.sync_table()  # the first (empty) build, before the dump
+    syncs: list[int] = []
+    real_sync = index._table.sync
+
+    def counted(entries: dict[int, int]) -> None:
+        syncs.append(index._table.pending)
+        real_sync(entries)
+
+    monkeypatch.setattr(index._table, "sync", counted)
+    index.replace_worker("w", None, events)
+    assert len(syncs) == 1 and syncs[0] == 4000 and not index._table.pending
+    peer = SetIndex(index, width=64)
+    peer.apply_batch("w", KVEventBatch(ts=0.0, events=events))
+    for doc in docs:
+        assert _as_pairs(index, peer.hashes(doc)) == peer.match(peer.hashes(doc))

@@ -205,3 +205,23 @@ def test_extend_from_a_wrong_parent_changes_every_hash() -> None:
     whole = hasher.hashes(tokens)
     other = hasher.extend(int(whole[0]) ^ 1, tokens[16:])
     assert not set(int(h) for h in other) & set(int(h) for h in whole)
+
+
+def test_hashers_share_their_power_tables() -> None:
+    """An index keeps a hasher per namespace (thousands: clients name sub-namespaces), so a
+    hasher must not hold tables sized by its longest request: they were ~190 KiB each for a
+    128k-token request, 768 MiB over 4,096 namespaces."""
+    import tracemalloc
+
+    tokens = np.arange(131_072, dtype=np.uint32)
+    RouterHasher(1, 16).hashes(tokens)  # the shared tables grow once, before measuring
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        hashers = [RouterHasher(seed, 16) for seed in range(50)]
+        for hasher in hashers:
+            hasher.hashes(tokens)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 50 * 8 * 1024, held  # multipliers and small state only: < 8 KiB a hasher

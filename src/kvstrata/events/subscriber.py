@@ -7,7 +7,9 @@ replay cannot cover the gap (no replay socket, timeout, or the batches were alre
 from the publisher's buffer) it reports ``resync_needed`` instead of guessing.
 
 Bad input never raises here: malformed frames, undecodable payloads and unknown events are
-counted in :class:`EventPlaneStats` and skipped.
+counted in :class:`EventPlaneStats` and skipped. An undecodable payload or event (it may have
+carried a removal) also flags ``resync_needed``; an unknown event type (a newer producer) does
+not.
 
 With ``curve`` (a :class:`~kvstrata.events.curve.CurveClient`: the publisher's public key and
 this subscriber's own key pair) the SUB socket and every replay DEALER are CURVE clients.
@@ -267,8 +269,23 @@ class ZmqEventSubscriber:
             return
         self._accept(seq, payload, result, replayed=False)
 
-    def _accept(self, seq: int, payload: bytes, result: PollResult, *, replayed: bool) -> None:
-        """Advance past ``seq`` even if its payload is bad: replaying it would not fix it."""
+    def _accept(
+        self,
+        seq: int,
+        payload: bytes,
+        result: PollResult,
+        *,
+        replayed: bool,
+        rebuilding: bool = False,
+    ) -> None:
+        """Advance past ``seq`` even if its payload is bad: replaying it would not fix it.
+
+        A payload or event that does not decode may have carried a removal, so the consumer's
+        state may now claim blocks the publisher dropped: that flags a resync (the dump, not
+        this batch, is then the truth). Not while ``rebuilding`` from the replay history
+        (``resume_from(…, history=True)``): the resync would rebuild from the same history and
+        meet the same batch again. An event of a type this version does not know (a newer
+        producer) is only counted."""
         self._expected = seq + 1
         self._untrusted_next = None
         self._history = False
@@ -276,12 +293,18 @@ class ZmqEventSubscriber:
             decoded = decode_batch(payload)
         except EventDecodeError:
             self.stats.malformed_messages += 1
+            if not rebuilding:
+                self._lost(result)
             return
+        malformed = False
         for error in decoded.skipped:
             if isinstance(error, UnknownEventError):
                 self.stats.unknown_events += 1
             else:
                 self.stats.malformed_events += 1
+                malformed = True
+        if malformed and not rebuilding:
+            self._lost(result)
         self.stats.batches += 1
         self.stats.events += len(decoded.batch.events)
         if replayed:
@@ -292,7 +315,8 @@ class ZmqEventSubscriber:
         self, live_seq: int, replies: list[tuple[int, bytes]] | None, result: PollResult
     ) -> bool:
         """Deliver the replay of ``[expected, live_seq)``; flag a resync for whatever it cannot
-        cover (``replies`` None: unanswered).
+        cover (``replies`` None: unanswered), except in history mode, where what it cannot
+        cover before the first batch delivered is lost history (``history_truncated``).
 
         A hole *after* the first batch delivered is not an eviction (a buffer evicts its oldest
         first) but a reply lost on the way: a resync, in history mode too.
@@ -319,27 +343,36 @@ class ZmqEventSubscriber:
             if seq > self._expected:  # before the first: the oldest were evicted; later: lost
                 lost = lost or delivered > 0
                 evicted = True
-            self._accept(seq, payload, result, replayed=True)
+            self._accept(seq, payload, result, replayed=True, rebuilding=history)
             delivered += 1
         if trusted and self._expected < live_seq:
             lost = lost or delivered > 0  # a buffer holding live_seq holds all after the first
             evicted = True
             self._expected = live_seq
-        if replies is None or lost or (evicted and not history):
-            self.stats.resyncs_needed += 1
-            result.resync_needed = True
+        if lost or (evicted and not history):
+            self._lost(result)
         elif evicted:
+            # In history mode nothing before the gap is known (the state was just emptied),
+            # so an unanswered replay, or no replay socket at all, loses only history: a
+            # resync would empty the state and meet the same gap again, for ever.
             self.stats.history_truncated += 1
         return trusted
 
+    def _lost(self, result: PollResult) -> None:
+        self.stats.resyncs_needed += 1
+        result.resync_needed = True
+
     def _skip_to(self, live_seq: int, result: PollResult) -> None:
-        """Give up on ``[expected, live_seq)`` without asking: flag a resync."""
+        """Give up on ``[expected, live_seq)`` without asking: flag a resync (in history mode,
+        count lost history: see ``_fill_gap``)."""
         assert self._expected is not None
         self.stats.gaps += 1
         self.stats.missed_batches += live_seq - self._expected
-        self.stats.resyncs_needed += 1
         self._expected = live_seq
-        result.resync_needed = True
+        if self._history:
+            self.stats.history_truncated += 1
+        else:
+            self._lost(result)
 
     def _open_replay(self, endpoint: str) -> _Replay:
         """Ask the ROUTER for the batches from the one expected next; read by ``_read_replay``."""

@@ -26,7 +26,7 @@ of distinct blocks that is a ~2**-64 event, though someone who learned ``K`` (th
 solve for colliding blocks, which, as above, costs only a routing mistake.
 
 The recurrence is evaluated for all blocks at once as
-``r_j = P^j * cumsum_i(b_i * P^-i) + s * P^(j+1)``: P is odd, hence invertible mod 2**64.
+``r_j = P^j * (s * P + cumsum_i(b_i * P^-i))``: P is odd, hence invertible mod 2**64.
 Properties: hash_j depends on blocks 0..j only (prefix property); changing block i's content
 hash changes r_k for every k >= i (its term is multiplied by a power of the invertible P, so it
 cannot vanish) and, ``mix`` being a bijection, hash_k too. The seed keys both the column
@@ -143,11 +143,34 @@ def _as_u32(tokens: Sequence[int] | np.ndarray) -> npt.NDArray[np.uint32]:
     return np.frombuffer(packed, dtype=np.uint32)
 
 
+_TABLES: tuple[RouterHashes, RouterHashes] = (np.ones(0, dtype=np.uint64),) * 2
+"""``(P^j, P^-j)`` for j < their length: they depend on ``P`` alone, so every hasher shares
+them (one per namespace each would hold ~190 KiB per 128k-token request, times thousands of
+namespaces). Grown by replacing the tuple whole, never in place: a thread that read the old
+tables keeps valid arrays."""
+
+
+def _powers(n_blocks: int) -> tuple[RouterHashes, RouterHashes]:
+    global _TABLES
+    tables = _TABLES
+    if n_blocks <= len(tables[0]):
+        return tables
+    size = max(n_blocks, 2 * len(tables[0]), 64)
+    steps = np.full(size, P, dtype=np.uint64)
+    steps[0] = 1
+    powers = np.cumprod(steps, dtype=np.uint64)
+    steps.fill(P_INV)
+    steps[0] = 1
+    tables = (powers, np.cumprod(steps, dtype=np.uint64))
+    _TABLES = tables
+    return tables
+
+
 class RouterHasher:
     """Chained 64-bit router hashes of full blocks for one namespace seed and block size.
 
-    Power tables grow on demand and are kept: a hasher should live as long as its router.
-    Not thread-safe (tables grow in place); give each thread its own hasher.
+    Holds only its seed's column multipliers (the power tables are shared and grow on
+    demand); thread-safe.
     """
 
     def __init__(self, seed: int, block_size: int) -> None:
@@ -159,25 +182,11 @@ class RouterHasher:
         self.block_size = block_size
         self._s = effective_seed(seed, block_size)
         self._k = np.array(column_multipliers(seed, block_size), dtype=np.uint64)
-        self._pow = np.ones(0, dtype=np.uint64)  # P^j
-        self._inv_pow = np.ones(0, dtype=np.uint64)  # P^-j
-        self._offset = np.ones(0, dtype=np.uint64)  # s * P^(j+1)
+        self._start = np.uint64((self._s * P) & MASK64)  # r_{-1} * P
 
     @classmethod
     def for_root(cls, root: NamespaceRoot, block_size: int) -> RouterHasher:
         return cls(router_seed(root), block_size)
-
-    def _ensure_tables(self, n_blocks: int) -> None:
-        if n_blocks <= len(self._pow):
-            return
-        size = max(n_blocks, 2 * len(self._pow), 64)
-        steps = np.full(size, P, dtype=np.uint64)
-        steps[0] = 1
-        self._pow = np.cumprod(steps, dtype=np.uint64)
-        steps.fill(P_INV)
-        steps[0] = 1
-        self._inv_pow = np.cumprod(steps, dtype=np.uint64)
-        self._offset = self._pow * np.uint64((self._s * P) & MASK64)
 
     def block_content_hashes(self, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
         """``b_j`` of every full block: keyed and position-in-block aware, but not chained."""
@@ -190,14 +199,7 @@ class RouterHasher:
 
     def hashes(self, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
         """Chained hash of every full block (one per block, a trailing partial block has none)."""
-        content = self.block_content_hashes(tokens)
-        n_blocks = len(content)
-        self._ensure_tables(n_blocks)
-        content *= self._inv_pow[:n_blocks]
-        np.cumsum(content, dtype=np.uint64, out=content)
-        content *= self._pow[:n_blocks]
-        content += self._offset[:n_blocks]
-        return _mix64_inplace(content)
+        return self._chain(self.block_content_hashes(tokens), self._start)
 
     def extend(self, parent_hash: int | None, tokens: Sequence[int] | np.ndarray) -> RouterHashes:
         """Hashes of the full blocks of ``tokens`` following the block hashed ``parent_hash``.
@@ -211,13 +213,20 @@ class RouterHasher:
             return self.hashes(tokens)
         if not 0 <= parent_hash <= MASK64:
             raise IdentityError("parent router hash must be a 64-bit unsigned int")
-        content = self.block_content_hashes(tokens)
-        n_blocks = len(content)
-        self._ensure_tables(n_blocks)
-        content *= self._inv_pow[:n_blocks]
-        np.cumsum(content, dtype=np.uint64, out=content)
-        content *= self._pow[:n_blocks]
-        # r_{k+j} = P^(j+1) * r_k + sum_{i<=j} P^(j-i) b_i  (pow[j] * P = P^(j+1))
         start = np.uint64((unmix64(parent_hash) * P) & MASK64)
-        content += self._pow[:n_blocks] * start
+        return self._chain(self.block_content_hashes(tokens), start)
+
+    @staticmethod
+    def _chain(content: RouterHashes, start: np.uint64) -> RouterHashes:
+        """``mix(r_j)`` with ``r_j = P^j * (start + cumsum_i(b_i * P^-i))``, where ``start`` is
+        the previous chain state times ``P``: ``start`` added to the first term before the
+        cumulative sum reaches every ``r_j`` with its ``P^j``, at no extra pass."""
+        n_blocks = len(content)
+        if not n_blocks:
+            return content
+        powers, inverses = _powers(n_blocks)
+        content *= inverses[:n_blocks]
+        content[:1] += start  # an array op: wraps mod 2**64 without a scalar overflow warning
+        np.cumsum(content, dtype=np.uint64, out=content)
+        content *= powers[:n_blocks]
         return _mix64_inplace(content)

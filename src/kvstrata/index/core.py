@@ -190,9 +190,14 @@ class GlobalIndex(IndexDeletions):
         worker.consistent = True
         self.stats.resyncs += 1
         seq = None if next_seq is None else next_seq - 1
-        for event in events:
-            self._apply_event(worker, event, seq)
-        if ts is not None:
+        self._sync_deferred = True  # one sync at the end, not one per 256 hashes
+        try:
+            for event in events:
+                self._apply_event(worker, event, seq)
+        finally:
+            self._sync_deferred = False
+        self._sync_backlog()
+        if ts is not None and math.isfinite(ts):  # a NaN or infinite stamp: as in apply_batch
             self.stats.lag_samples.append(max(0.0, self._clock() - ts))
 
     # ---------------------------------------------------------------- events
@@ -272,7 +277,14 @@ class GlobalIndex(IndexDeletions):
     def _removed(self, worker: WorkerSlot, event: BlockRemoved) -> None:
         medium = parse_medium(event.medium)
         if medium is None:
+            # Which copy went is unknown: drop every copy the worker holds of these blocks
+            # (at worst a routing miss; keeping them could route to blocks that are gone).
             self.stats.unknown_mediums += 1
+            for held in (Medium.DEVICE, Medium.HOST, Medium.DISK):
+                bit = 1 << held
+                hashes = [h for h in event.block_hashes if worker.held.get(h, 0) & bit]
+                if hashes:
+                    self.remove_hashes(worker.worker_id, hashes, held)
             return
         self.remove_hashes(worker.worker_id, event.block_hashes, medium)
 

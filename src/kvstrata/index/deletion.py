@@ -87,6 +87,7 @@ class IndexDeletions(IndexEntries):
         self.stats.deletions += 1
         self.stats.deleted_entries += removed
         self.stats.blocks_removed += removed
+        self._sync_backlog()
         return IndexDeletion(removed, len(deleted) + len(targets))
 
     def _with_known_epoch(self, worker_id: str, position: StreamPosition) -> StreamPosition:

@@ -56,6 +56,9 @@ class IndexEntries:
         self._clock = clock
         self._entries: dict[int, int] = {}
         self._table = ProbeTable()  # the lookup's numpy mirror: every write here marks it
+        self._sync_deferred = False
+        """Set while a dump is applied: it syncs once at its end (nobody looks up meanwhile:
+        the caller holds the lock throughout)."""
         self._workers: dict[str, WorkerSlot] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -247,6 +250,8 @@ class IndexEntries:
         whenever the sync could rebuild the table (a growth, a fleet past a multiple of 16
         slots), so a lookup never pays a rebuild."""
         table = self._table
+        if self._sync_deferred:
+            return
         if (
             table.pending >= _SYNC_BACKLOG
             or table.would_rebuild
@@ -293,6 +298,7 @@ class IndexEntries:
                 continue
             self._unref_shared(router_hash, entry_bit)
             self.stats.blocks_removed += 1
+        self._sync_backlog()
 
     def _unref_shared(self, router_hash: int, entry_bit: int) -> None:
         count = self._shared_refs[router_hash] - 1
