@@ -83,7 +83,9 @@ def test_cli_reports_every_policy_and_matches_the_reuse_bench(
         assert lru == _tail_first_lru(requests, capacity)
         assert lru == pytest.approx(report.lru[index].hit_tokens, rel=0.02)
         assert saved["belady"][index] >= lru
-        for name in saved:  # the oracle bounds every online policy (small trace: no ties)
+        # Belady minimises block misses, not tokens (a partial last block weighs less): no
+        # theorem, but on this trace (small, no ties) it bounds every online policy
+        for name in saved:
             assert saved["belady"][index] >= saved[name][index], name
         assert max(saved[name][index] for name in saved) <= result["infinite_saved_tokens"]
         assert result["kvstrata_vs_lru"][index] == pytest.approx(saved["kvstrata"][index] / lru)

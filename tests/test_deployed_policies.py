@@ -119,18 +119,42 @@ def test_count_min_sketch_counts_caps_and_halves() -> None:
     assert sketch.estimate(key(1)) == 7
 
 
-def test_tinylfu_rejects_a_newcomer_rarer_than_the_lru_victim() -> None:
+def test_tinylfu_keeps_the_victim_over_a_rarer_newcomer() -> None:
+    """The paper's admission: with the tier full, a newcomer is stored only when its estimate
+    (this request counted) exceeds the LRU victim's; otherwise the victim stays."""
     policy = TinyLFUPolicy()
     policy.on_insert(meta(1), now=0.0)
     for step in range(1, 4):
         policy.on_access(key(1), now=float(step))
-    policy.on_insert(meta(2), now=5.0)  # seen once, 1 seen 4 times: put at the cold end
-    assert _evict(policy, 6.0) == 2
-    for step in range(6):
-        policy.on_insert(meta(3), now=7.0 + step)  # re-stores count too
-    policy.on_remove(key(3))
-    policy.on_insert(meta(3), now=20.0)  # now more frequent than 1: admitted, 1 is LRU
-    assert _evict(policy, 21.0) == 1
+    victim = policy.victim(5.0)
+    assert victim == key(1)
+    assert not policy.admit(meta(2), victim, 5.0)  # seen once against 1's four
+    assert key(1) in policy and key(2) not in policy
+    for _ in range(4):
+        policy.on_refused(key(2), 6.0)  # requested again, behind a refused ancestor
+    assert policy.admit(meta(2), victim, 7.0)  # now seen six times: admitted
+    counted = policy.sketch.estimate(key(2))  # 3: the 10th event halved every counter
+    policy.on_remove(victim)
+    policy.on_insert(meta(2), now=7.0)
+    assert policy.sketch.estimate(key(2)) == counted  # admit counted it; the insert did not
+
+
+def test_the_eviction_replay_asks_tinylfu_before_evicting() -> None:
+    """``bench eviction``'s replay: a one-off prompt does not push a hot one out of a full
+    tier under TinyLFU (the victim stays), while LRU evicts it."""
+    from kvstrata.bench.eviction import SimulatedTrace, make_policy, replay
+    from kvstrata.costs import DEFAULT_PREFILL_MODEL
+    from kvstrata.workloads.mooncake import TraceRequest
+
+    hot = (1, 2)
+    requests = [TraceRequest(1000 * t, 1024, 1, hot) for t in range(6)]
+    requests.append(TraceRequest(6000, 1024, 1, (7, 8)))  # a one-off: refused under TinyLFU
+    requests.append(TraceRequest(7000, 1024, 1, hot))
+    trace = SimulatedTrace.build(requests, DEFAULT_PREFILL_MODEL)
+    lru = replay(trace, make_policy("lru", trace), 2)
+    tinylfu = replay(trace, make_policy("tinylfu", trace), 2)
+    assert lru.saved_tokens == 5 * 1024  # requests 2-6 hit; the last misses
+    assert tinylfu.saved_tokens == 6 * 1024 and tinylfu.evictions == 0
 
 
 # ---- registration ------------------------------------------------------------------------------

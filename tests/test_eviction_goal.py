@@ -4,9 +4,9 @@ GDSF, TinyLFU in front of LRU) at every capacity, and at least 0.97× the best o
 
 Two sets of peers. At their papers' defaults (``DEPLOYED_POLICIES``) and at their best
 (``TUNED_PEERS``: each parameterised peer at the point a sweep of its main parameter chose on
-the trace's first half, :mod:`kvstrata.store.deployed`). On the first slice the goals are
-missed against the tuned peers and the tokens goal against the defaults (strict xfails: a fix
-turns them into failures to be promoted); the rest is asserted, so a regression fails CI.
+the trace's first half, :mod:`kvstrata.store.deployed`). On the first slice both goals are
+missed against the defaults and against the tuned peers (strict xfails: a fix turns them into
+failures to be promoted); the whole trace is asserted, so a regression fails CI.
 
 Slices: the trace's first ``REQUESTS`` requests (7.5 minutes from an empty tier), and the
 whole trace (about an hour: what ``kvstrata bench all``'s eviction-mooncake publishes; both
@@ -65,6 +65,13 @@ def _ratios(report: dict[str, Any], field: str, peers: tuple[str, ...]) -> list[
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="goal missed (issue 15 item 3): since TinyLFU admits as its paper says (a rarer "
+    "newcomer is refused and the victim stays; before, the victim went first and TinyLFU "
+    "behaved almost as LRU), kvstrata saves 0.755 / 1.222 / 1.080x the best default peer's "
+    "seconds at 2 / 5 / 15%",
+)
 def test_kvstrata_saves_at_least_the_seconds_of_every_default_deployed_policy(
     report: dict[str, Any],
 ) -> None:

@@ -268,6 +268,25 @@ def test_ttl_hides_expired_objects(tmp_path: Path, clock: Clock) -> None:
     store.close()
 
 
+def test_a_tinylfu_level_keeps_a_frequent_victim_over_a_one_off_newcomer(clock: Clock) -> None:
+    """TinyLFU's admission in the store: with the level full, a newcomer seen less often than
+    the victim is refused (counted as ``admission``) and the victim stays; before, the
+    victim was evicted first and the newcomer stored at LRU's cold end anyway."""
+    from kvstrata.store.tinylfu import TinyLFUPolicy
+
+    host = HostTier(2 * OBJ, OBJ, clock=clock)
+    store = TieredStore([(host, TinyLFUPolicy(), TierConfig("host"))], clock=clock)
+    hot = chain("hot", 2, created_at=clock.now)
+    for _ in range(3):
+        put_all(store, hot)  # re-stores count as requests
+    ((once, payload),) = chain("once", 1, created_at=clock.now)
+    assert not store.put(once, filler(payload))
+    assert len(store.lookup(keys_of(hot), RequestScope("t0"))) == 2
+    refused = {"tier": "host", "reason": "admission"}
+    assert store.metrics.value("kvstrata_tier_admission_rejections_total", refused) == 1
+    store.close()
+
+
 def test_an_object_older_than_a_levels_ttl_evicts_nothing_there(
     tmp_path: Path, clock: Clock
 ) -> None:

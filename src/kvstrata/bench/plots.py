@@ -31,7 +31,7 @@ def plot_eviction_curves(
         axes.set_ylabel(label)
         axes.grid(True, which="both", alpha=0.3)
     seconds_axes.legend(loc="upper left", fontsize=8)
-    figure.suptitle(f"{title} (belady = next-use oracle, the ceiling)")
+    figure.suptitle(f"{title} (belady = next-use oracle: fewest block misses)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -27,6 +27,7 @@ from kvstrata.errors import InvalidInput
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.erasure import ErasingCore
+from kvstrata.store.policy import AdmissionFilter
 from kvstrata.tiers.base import StoreSlot, TierError
 
 PayloadFill = Callable[[memoryview], None]
@@ -40,6 +41,12 @@ class _Demote:
     """A victim that must be copied down (outside the lock) before it can be removed."""
 
     key: BlockKey
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The level's admission filter (``policy.AdmissionFilter``) kept its victim over the
+    newcomer: nothing was evicted, the newcomer is not stored."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,10 @@ class AdmittingCore(ErasingCore):
                 self._quota_reject(level, meta, "larger_than_quota")
                 return False
             while tier.tenant_bytes(meta.tenant) + meta.size > quota:
-                evicted = self._evict_now(index, tenant=meta.tenant)
+                evicted = self._evict_now(index, tenant=meta.tenant, newcomer=meta)
+                if isinstance(evicted, _Refused):
+                    self.metrics.rejections.labels(tier=name, reason="admission").inc()
+                    return False
                 if evicted is False:
                     self._quota_reject(level, meta, "quota_full")
                     return False
@@ -167,7 +177,10 @@ class AdmittingCore(ErasingCore):
                 if tier.reserved(key) or meta.size > tier.capacity_bytes:
                     self.metrics.rejections.labels(tier=name, reason="no_room").inc()
                     return False
-                evicted = self._evict_now(index, tenant=None)
+                evicted = self._evict_now(index, tenant=None, newcomer=meta)
+                if isinstance(evicted, _Refused):
+                    self.metrics.rejections.labels(tier=name, reason="admission").inc()
+                    return False
                 if evicted is False:
                     self.metrics.rejections.labels(tier=name, reason="no_room").inc()
                     return False
@@ -238,12 +251,16 @@ class AdmittingCore(ErasingCore):
                     self._finish_delete(key)
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _evict_now(self, index: int, *, tenant: str | None) -> bool | _Demote:
+    def _evict_now(
+        self, index: int, *, tenant: str | None, newcomer: KVObjectMeta
+    ) -> bool | _Demote | _Refused:
         """Under the lock: remove one victim of level ``index`` if that needs no copy (True);
         a victim that must be demoted first is marked moving and returned; False: none.
         True too when no victim was left but the search itself freed room: the tier drops
-        an expired object on sight (``evictable``), which the policy then skips."""
+        an expired object on sight (``evictable``), which the policy then skips. A policy
+        with an admission filter is asked first whether ``newcomer`` is worth the victim."""
         level = self.levels[index]
+        admission = level.policy if isinstance(level.policy, AdmissionFilter) else None
         self._sync_dropped(level)
         used = level.tier.used_bytes
 
@@ -259,6 +276,8 @@ class AdmittingCore(ErasingCore):
             if meta is None:  # expired or invalidated behind the policy
                 level.policy.on_remove(victim)
                 continue
+            if admission is not None and not admission.admit(newcomer, victim, self.clock()):
+                return _Refused()
             outcome, target = self._demotion(index, meta)
             if target is not None or self._writeback.pending_from(index, victim):
                 self._moving.add((index, victim))

@@ -25,7 +25,8 @@ Data structures, all O(log n) amortised per event:
   ``seq`` also breaks priority ties in event order, deterministically.
 * TTL: a heap of deadlines. ``now`` is assumed non-decreasing (simulated or wall time),
   so an object found expired stays expired; expired leaves wait in a per-tenant ordered set
-  and are offered before anything else.
+  and are offered before anything else. Removed objects' deadlines are dropped the same
+  way as dead heap entries (a rebuild past twice the objects plus a constant).
 
 Pinned objects (``can_evict`` false) met at the top of a heap are set aside and pushed back
 after the call, so a victim search costs O((pinned on top + dead entries) · log n).
@@ -106,6 +107,8 @@ class LeafHeapPolicy:
         if deadline is not None:
             self._seq += 1
             heapq.heappush(self._deadlines, (deadline, self._seq, key))
+            if len(self._deadlines) > 2 * len(self._meta) + _REBUILD_SLACK:
+                self._rebuild_deadlines()
         self._push(key, self._priority_on_insert(meta, now))
 
     def on_access(self, key: BlockKey, now: float) -> None:
@@ -225,6 +228,19 @@ class LeafHeapPolicy:
         for entry in pinned:
             heapq.heappush(heap, entry)
         return found
+
+    def _rebuild_deadlines(self) -> None:
+        """Keep the deadlines of present objects only: removals leave theirs in the heap, so
+        without this it grew with every insert until the deadlines passed (a day's TTL: a
+        day of inserts)."""
+        meta = self._meta
+        live = [
+            entry
+            for entry in self._deadlines
+            if (m := meta.get(entry[2])) is not None and m.expires_at() == entry[0]
+        ]
+        heapq.heapify(live)
+        self._deadlines = live
 
     def _drain_deadlines(self, now: float) -> None:
         deadlines = self._deadlines

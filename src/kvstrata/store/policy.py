@@ -17,7 +17,7 @@ Contract (checked by tests for every policy):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
@@ -45,3 +45,22 @@ class EvictionPolicy(Protocol):
         can_evict: Callable[[BlockKey], bool] | None = None,
     ) -> BlockKey | None:
         """The next object to evict, or None when no candidate exists."""
+
+
+@runtime_checkable
+class AdmissionFilter(Protocol):
+    """A policy that may keep its victim and refuse the newcomer instead (TinyLFU).
+
+    Whoever evicts for a newcomer (the store, ``kvstrata bench eviction``'s replay) asks
+    ``admit`` once it has the victim and before removing it; False: the victim stays and the
+    newcomer is not stored. A refused block's descendants in the same request cannot be
+    stored either (prefix closure); they are reported with ``on_refused`` (requested, not
+    stored), so a filter that counts requests still counts them. A caller that never asks
+    gets the policy's plain eviction order.
+    """
+
+    def admit(self, meta: KVObjectMeta, victim: BlockKey, now: float) -> bool:
+        """The tier is full and evicting ``victim`` would make room for ``meta``."""
+
+    def on_refused(self, key: BlockKey, now: float) -> None:
+        """``key`` was requested but not offered for storing (an ancestor was refused)."""

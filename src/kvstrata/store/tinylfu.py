@@ -9,11 +9,12 @@ the paper's sample size of about ten times the cache size. The sketch width is t
 two ≥ 2 × ``W`` (resized, and cleared, when the tier grows past it). No doorkeeper (the
 paper's optional Bloom filter for one-hit keys; it saves memory, not hits).
 
-Admission: a newcomer is admitted when its estimated frequency exceeds that of the victim
-LRU would evict now (the least recently used leaf of its tenant). This protocol learns of a
-newcomer after the room for it was made, so a rejected newcomer is not refused but inserted
-at LRU's *cold* end: it is the next victim, ahead of every admitted object, unless a hit
-promotes it first. Every hit moves an object to LRU's hot end.
+Admission (``policy.AdmissionFilter``): when the tier is full, a newcomer is admitted only
+when its estimated frequency (this request counted) exceeds that of the victim LRU would evict
+(the least recently used leaf); otherwise the victim stays and the newcomer is not stored, as
+in the paper. Every request for a key is counted once: hits, admitted and refused newcomers,
+and the rest of a refused prompt (``on_refused``). Inserts while the tier has room are
+admitted without a comparison. Every hit moves an object to LRU's hot end.
 
 Prefix closure: the LRU order is ``LeafHeapPolicy``'s heap over *leaves*, so victims and the
 admission comparison only ever consider leaves.
@@ -29,7 +30,6 @@ DEPTH = 4
 SAMPLE_FACTOR = 10
 MAX_COUNT = 15
 MIN_WIDTH = 1024
-_REJECTED = float(2**40)  # rejected newcomers sort below every admitted object's time
 _SALTS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 _MASK64 = (1 << 64) - 1
 
@@ -74,6 +74,7 @@ class TinyLFUPolicy(LeafHeapPolicy):
         self.sketch = CountMinSketch(MIN_WIDTH)
         self._peak = 0
         self._events = 0
+        self._counted: BlockKey | None = None
 
     def _count(self, key: BlockKey) -> None:
         resident = len(self)
@@ -88,12 +89,20 @@ class TinyLFUPolicy(LeafHeapPolicy):
             self.sketch.halve()
             self._events = 0
 
-    def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
+    def admit(self, meta: KVObjectMeta, victim: BlockKey, now: float) -> bool:
         self._count(meta.key)
-        lru = self._heap_victim(meta.tenant, None)
-        if lru is None or self.sketch.estimate(meta.key) > self.sketch.estimate(lru):
-            return now
-        return now - _REJECTED
+        self._counted = meta.key  # its insert, if admitted, must not count it again
+        return self.sketch.estimate(meta.key) > self.sketch.estimate(victim)
+
+    def on_refused(self, key: BlockKey, now: float) -> None:
+        self._count(key)
+
+    def _priority_on_insert(self, meta: KVObjectMeta, now: float) -> float:
+        if self._counted == meta.key:
+            self._counted = None
+        else:
+            self._count(meta.key)
+        return now
 
     def _priority_on_access(self, key: BlockKey, now: float) -> float:
         self._count(key)
