@@ -442,3 +442,14 @@ def test_token_ids_a_router_cannot_hash_are_a_400_not_a_500() -> None:
     with pytest.raises(ApiError, match=r"\[0, 2\*\*32\)") as refused:
         parse_delete_body(body)
     assert refused.value.status == 400
+
+
+def test_a_worker_that_left_replicas_for_later_is_unsettled() -> None:
+    """Its stream at its position does not show the whole deletion yet, so the index drops
+    its entries even when the stream is already past that position (``unsettled``)."""
+    from kvstrata.fleet.deletion import WorkerOutcome
+
+    assert WorkerOutcome("w0", "http://w0").settled
+    assert not WorkerOutcome("w0", "http://w0", pending=2).settled
+    assert not WorkerOutcome("w0", "http://w0", unreachable=["disk"]).settled
+    assert not WorkerOutcome("w0", "http://w0", error={"code": "refused"}).settled

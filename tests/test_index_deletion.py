@@ -4,10 +4,14 @@ Scripted scenarios on the pure index (time passed in): a prompt's chain and its 
 leave every worker slot and the shared tier, other tenants and prefixes stay; a tenant's
 whole namespace; the keys workers report (``older_than``). Tombstones refuse a late batch,
 a replayed batch and a dump taken before the deletion; a batch after the deletion, a new
-incarnation and anything after the TTL are accepted.
+incarnation and anything after the TTL are accepted. A slot whose stream the index already
+applied past the deletion's position (the index side runs after every worker answered) keeps
+what that worker stored again meanwhile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvstrata.index import GlobalIndex
 from kvstrata.index.tombstones import Lineage, StreamPosition, Tombstones
@@ -17,6 +21,7 @@ from test_index import (
     batch,
     depth,
     engine_hashes,
+    removed,
     stored,
     tokens,
 )
@@ -203,3 +208,78 @@ def test_lineage_and_tombstones_alone() -> None:
     assert two is not None and two.refuses("w", 1, 7) and not two.refuses("w", 1, 8)
     assert stones.expire(10.0) == 1 and stones.get(1, 10.0) is None
     assert stones.get(2, 14.9) is not None and stones.get(2, 15.0) is None
+
+
+def _deleted_then_stored_again(index: GlobalIndex, worker: str, doc: list[int]) -> None:
+    """What a fast worker's stream shows once its deletion ran (answer: ``next_seq`` 2):
+    the prompt at seq 0, its ``BlockRemoved`` at seq 1, the prompt recomputed at seq 3."""
+    hashes = put(index, worker, doc, seq=0)
+    index.apply_batch(worker, batch(removed(hashes), epoch=7), seq=1)
+    assert blocks(index, doc)[worker] == 0
+    put(index, worker, doc, seq=3)
+    assert blocks(index, doc)[worker] == len(hashes)
+
+
+def test_a_store_after_the_workers_deletion_survives_the_index_side() -> None:
+    """The review's race (stop 36): ``delete`` removed the fresh store of the fast worker,
+    and no later event brought it back (a routing miss for good); the slow one's entries go."""
+    clock = Clock()
+    index = make(clock)
+    doc = tokens(11, 3)
+    _deleted_then_stored_again(index, "fast", doc)
+    put(index, "slow", doc, seq=4)  # its deletion is at seq 5: not applied yet
+    result = index.delete(
+        "acme", router_hashes=index.request_hashes("acme", doc), positions=positions(fast=2, slow=6)
+    )
+    assert blocks(index, doc) == {"fast": 3, "slow": 0}
+    assert result.removed == 3 and index.tombstones() > 0  # tombstones recorded as before
+    put(index, "fast", doc, seq=1)  # a replay from before its position: still refused
+    put(index, "slow", doc, seq=5)
+    assert blocks(index, doc) == {"fast": 3, "slow": 0}
+    put(index, "slow", doc, seq=6)  # stored again after its own position: a fact
+    assert blocks(index, doc) == {"fast": 3, "slow": 3}
+
+
+def test_a_slot_not_provably_past_its_position_loses_its_entries() -> None:
+    """When unsure, the entries go as they always did: a slot exactly at the position, one of
+    another epoch, an inconsistent one, one fed by a second stream, an unsettled worker, a
+    dump taken before the position. A dump taken after it is spared."""
+    doc = tokens(12, 2)
+
+    def survives(
+        prepare: Callable[[GlobalIndex], object],
+        position: StreamPosition,
+        unsettled: frozenset[str] = frozenset(),
+    ) -> bool:
+        index = make(Clock())
+        prepare(index)
+        prompt = index.request_hashes("acme", doc)
+        index.delete("acme", router_hashes=prompt, positions={"w0": position}, unsettled=unsettled)
+        return blocks(index, doc)["w0"] > 0
+
+    def at(seq: int, epoch: int = 7) -> Callable[[GlobalIndex], object]:
+        return lambda index: put(index, "w0", doc, seq=seq, epoch=epoch)
+
+    def inconsistent(index: GlobalIndex) -> None:
+        put(index, "w0", doc, seq=9)
+        index.mark_inconsistent("w0")
+
+    def second_stream(index: GlobalIndex) -> None:
+        put(index, "w0", doc, seq=9)
+        event = stored(engine_hashes(doc, namespace="other"), doc, None, "host", "other")
+        index.apply_batch("w0", batch(event), seq=0, second_stream=True)
+
+    def dump(next_seq: int) -> Callable[[GlobalIndex], object]:
+        event = stored(engine_hashes(doc, namespace="acme"), doc, None, "device", "acme")
+        return lambda index: index.replace_worker("w0", 7, [event], next_seq=next_seq)
+
+    assert survives(at(5), StreamPosition(7, 5))
+    assert not survives(at(4), StreamPosition(7, 5))  # the position's own batch is not in
+    assert not survives(at(5), StreamPosition(8, 5))  # another incarnation answered
+    assert not survives(at(5, epoch=6), StreamPosition(7, 5))
+    assert not survives(at(5), StreamPosition(None, 5))
+    assert not survives(inconsistent, StreamPosition(7, 5))
+    assert not survives(second_stream, StreamPosition(7, 5))
+    assert not survives(at(5), StreamPosition(7, 5), unsettled=frozenset({"w0"}))
+    assert not survives(dump(5), StreamPosition(7, 5))  # as old as batch 4
+    assert survives(dump(6), StreamPosition(7, 5))

@@ -159,7 +159,8 @@ def register(sub: Any) -> None:
         required=True,
         help="worker base URL; with --engine vllm: "
         "URL,events=tcp://H:P[,replay=tcp://H:P][,lower=tcp://H:P][,lower_replay=tcp://H:P]"
-        "[,id=NAME]",
+        "[,lower_curve=KEY][,id=NAME] (KEY: the connector stream's CURVE public key, z85 text "
+        "or its certificate file; needed beyond loopback and with --curve-secret-file)",
     )
     router.add_argument(
         "--prefill-worker",
@@ -438,6 +439,7 @@ def run_router(args: argparse.Namespace) -> int:
         api_key = security_args.read_key_file(args.api_key_file, "fleet key file")
     prefill = frozenset(url.rstrip("/") for url in args.prefill_worker)
     if args.engine == "vllm":
+        from kvstrata.fleet.curve_keys import lower_stream_refusal
         from kvstrata.fleet.vllm_workers import VllmSource, VllmWorker
 
         if prefill:
@@ -452,6 +454,15 @@ def run_router(args: argparse.Namespace) -> int:
             ]
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
+        for worker in workers:  # a connector stream the router could not read: refused now
+            refusal = worker.lower_events_endpoint and lower_stream_refusal(
+                worker.worker_id,
+                worker.lower_events_endpoint,
+                worker.lower_curve_public_key,
+                router_has_keys=args.curve_secret_file is not None,
+            )
+            if refusal:
+                raise InvalidInput(refusal)
         source = VllmSource(workers, tenant_secret=worker_config(args).tenant_secret)
         _serve_frontdoor(args, [w.base_url for w in workers], api_key, source=source)
         return 0

@@ -77,6 +77,15 @@ def load_key_pair(secret_file: Path) -> tuple[bytes, bytes]:
     return _key(public, "public key"), _key(secret, "secret key")
 
 
+def load_public_key(certificate: Path) -> bytes:
+    """The public key of a ``zmq.auth`` certificate (its public or its secret file)."""
+    try:
+        public, _secret = zmq.auth.load_certificate(certificate)
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"cannot read the CURVE certificate {certificate}: {exc}") from exc
+    return _key(public, "public key")
+
+
 def load_public_keys(directory: Path) -> frozenset[bytes]:
     """Every public key of the ``zmq.auth`` certificates in ``directory``."""
     if not directory.is_dir():
@@ -198,5 +207,6 @@ __all__ = [
     "decode_public_key",
     "encode_public_key",
     "load_key_pair",
+    "load_public_key",
     "load_public_keys",
 ]

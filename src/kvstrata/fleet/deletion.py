@@ -7,7 +7,10 @@ the ``all`` / ``older_than_s`` body as it came), with the caller's ``Authorizati
 request id, all at once. Then it applies the index side (``Fleet.apply_deletion``): the
 tenant's namespace, or the prompt's router hashes and their descendants, plus every key the
 workers report, leave every worker slot and the shared tier, tombstoned at each worker's
-``events_next_seq`` so that a late or replayed event cannot bring them back.
+``events_next_seq`` so that a late or replayed event cannot bring them back. A worker whose
+stream the index has already applied past that position keeps its entries (they reflect the
+deletion, and whatever it stored again since), unless its answer left replicas for later
+(``pending``, an unreachable tier): ``GlobalIndex.delete``'s ``unsettled``.
 
 Answer: ``status`` ``ok`` (every worker confirmed; HTTP 200), ``partial`` (some did not:
 unreachable, refused, or a tier whose medium failed there) or
@@ -62,6 +65,11 @@ class WorkerOutcome:
     @property
     def confirmed(self) -> bool:
         return self.error is None and not self.unreachable
+
+    @property
+    def settled(self) -> bool:
+        """Its stream at ``position`` shows the whole deletion: nothing left for later."""
+        return self.confirmed and not self.pending
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -122,6 +130,7 @@ def register_deletion(
             from_token=0 if prompt is None else prompt[1],
             engine_hashes=[event_block_hash(BlockKey(bytes.fromhex(k))) for k in keys],
             positions=positions,
+            unsettled={o.worker_id for o in answered if o.worker_id is not None and not o.settled},
         )
         removed = _sums(o.removed for o in answered)
         pending = sum(o.pending for o in answered)

@@ -41,8 +41,10 @@ batch or a dump or to count a resync (bookkeeping only; receiving and ``/kv/dump
 outside it), so never wait on a command while holding that lock.
 
 CURVE: a worker that advertises a public key in ``/kv/info`` is subscribed to as a CURVE
-client with the router's key pair (``curve_keys``); the fleet refuses the mismatched cases
-(a CURVE worker without router keys, a plaintext worker with them) before it gets here.
+client with the router's key pair (``curve_keys``), and so is a connector stream with its own
+key (``WorkerInfo.lower_curve_public_key``); the fleet refuses the mismatched cases (a CURVE
+stream without router keys, a plaintext one with them, a plaintext connector stream beyond
+loopback, which its connector never publishes: ``fleet.curve_keys``) before it gets here.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from dataclasses import dataclass, field
 import httpx
 from msgspec.structs import replace
 
-from kvstrata.events.curve import KeyPair
+from kvstrata.events.curve import CurveClient, KeyPair
 from kvstrata.events.schema import KVEventBatch
 from kvstrata.events.subscriber import EventPlaneStats, PollResult, ZmqEventSubscriber
 from kvstrata.fleet.source import KvstrataSource, WorkerSource
@@ -108,12 +110,14 @@ def _same_sockets(old: WorkerInfo, new: WorkerInfo) -> bool:
         old.lower_events_endpoint,
         old.lower_replay_endpoint,
         old.curve_public_key,
+        old.lower_curve_public_key,
     ) == (
         new.events_endpoint,
         new.replay_endpoint,
         new.lower_events_endpoint,
         new.lower_replay_endpoint,
         new.curve_public_key,
+        new.lower_curve_public_key,
     )
 
 
@@ -256,11 +260,8 @@ class EventPlane:
             self._reattach(info, current, done)
             return
         self._detach(info.worker_id)
-        curve = None
-        if info.curve_public_key is not None:
-            if self._curve_keys is None:
-                raise WorkerProtocolError(f"worker {info.worker_id} needs CURVE keys")
-            curve = self._curve_keys.client_of(info.curve_public_key)
+        curve = self._client_of(info.worker_id, info.curve_public_key)
+        lower_curve = self._client_of(info.worker_id, info.lower_curve_public_key)
         subscriber = ZmqEventSubscriber(
             info.events_endpoint,
             info.replay_endpoint,
@@ -280,11 +281,20 @@ class EventPlane:
                 replay_timeout_s=self._replay_timeout_s,
                 stats=self.stats,
                 background_replay=True,
+                curve=lower_curve,
             ).start()
         stream = _Stream(info, subscriber, lower, attaching=done)
         # the settle time lets the subscription reach the publisher before the dump is taken
         stream.dump = self._fetch_dump(stream, delay_s=self._settle_s)
         self._streams = {**self._streams, info.worker_id: stream}
+
+    def _client_of(self, worker_id: str, server_key: bytes | None) -> CurveClient | None:
+        """The router's CURVE client of a stream whose server key is ``server_key``."""
+        if server_key is None:
+            return None
+        if self._curve_keys is None:
+            raise WorkerProtocolError(f"worker {worker_id} needs CURVE keys")
+        return self._curve_keys.client_of(server_key)
 
     def _reattach(self, info: WorkerInfo, stream: _Stream, done: Future[object]) -> None:
         """Attach a worker this plane already reads at the same sockets (a restart at fixed
@@ -362,7 +372,7 @@ class EventPlane:
                 before = self.index.epoch(worker_id)
                 for received in batches[start : start + _APPLY_CHUNK]:
                     batch = received.batch if transform is None else transform(received.batch)
-                    self.index.apply_batch(worker_id, batch, seq=received.seq)
+                    self.index.apply_batch(worker_id, batch, seq=received.seq, second_stream=lower)
                 epoch_changed |= self.index.epoch(worker_id) != before and before is not None
         if epoch_changed and not lower:
             # A batch of an epoch never seen reads as a restart and retires the live epoch;

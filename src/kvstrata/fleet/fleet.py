@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 
@@ -213,7 +213,9 @@ class Fleet(FleetRouting):
         return info
 
     def _check_curve(self, info: WorkerInfo) -> None:
-        refusal = curve_refusal(info, router_has_keys=self._curve_keys is not None)
+        refusal = curve_refusal(
+            info, router_has_keys=self._curve_keys is not None, engine=self.config.engine
+        )
         if refusal is not None:
             self.metrics.worker_events.labels(info.worker_id, "refused_curve").inc()
             raise refusal
@@ -333,10 +335,12 @@ class Fleet(FleetRouting):
         engine_hashes: Sequence[int],
         positions: Mapping[str, StreamPosition],
         from_token: int = 0,
+        unsettled: Collection[str] = (),
     ) -> IndexDeletion | None:
         """The index side of a deletion (``GlobalIndex.delete``); None before any attach.
         ``tokens``' blocks from the one holding ``from_token`` on go, and their descendants
-        (a chat's template-only head stays, as on the workers)."""
+        (a chat's template-only head stays, as on the workers). ``unsettled``: workers whose
+        answer left replicas for later (their entries go even if their stream is ahead)."""
         with self._lock:
             if self._index is None:
                 return None
@@ -349,6 +353,7 @@ class Fleet(FleetRouting):
                 router_hashes=hashes,
                 engine_hashes=engine_hashes,
                 positions=positions,
+                unsettled=unsettled,
                 now=time.time(),
             )
 

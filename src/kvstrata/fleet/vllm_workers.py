@@ -2,8 +2,9 @@
 
 vLLM serves no ``/kv/info`` or ``/kv/dump``, so :class:`VllmSource` builds both:
 
-- **Identity.** The worker id and the event endpoints come from the command line (or from
-  ``kvstrata up``, which chose the ports: :class:`VllmWorker`); the model from ``/v1/models``.
+- **Identity.** The worker id, the event endpoints and the connector stream's CURVE key
+  (``lower_curve``) come from the command line (or from ``kvstrata up``, which chose the
+  ports: :class:`VllmWorker`); the model from ``/v1/models``.
   The index's fingerprint only seeds the router's own hashes (recomputed from event tokens,
   the index never compares it with an engine's), so it is a digest of the served model name
   and block size: equal for every server of one model.
@@ -31,11 +32,13 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from msgspec.structs import replace
 
+from kvstrata.events.curve import CurveKeyError, decode_public_key, load_public_key
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
 from kvstrata.fleet.engine_load import ScrapedLoad
 from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
@@ -62,20 +65,32 @@ class VllmWorker:
     lower_events_endpoint: str | None = None
     lower_replay_endpoint: str | None = None
     block_size: int = 32
+    lower_curve_public_key: bytes | None = None
+    """The connector stream's CURVE server key (its ``events.curve_secret_file``'s public
+    half; None: plaintext, loopback only — ``fleet.curve_keys``)."""
 
     @classmethod
     def parse(cls, text: str, position: int, block_size: int) -> VllmWorker:
         """``URL,events=tcp://…[,replay=tcp://…][,lower=tcp://…][,lower_replay=tcp://…]
-        [,id=NAME]`` (``--worker`` of ``kvstrata router --engine vllm``)."""
+        [,lower_curve=KEY][,id=NAME]`` (``--worker`` of ``kvstrata router --engine vllm``);
+        ``KEY``: the connector's public key in z85 text, or its ``zmq.auth`` certificate file."""
         url, *pairs = text.split(",")
         fields: dict[str, str] = {}
         for pair in pairs:
             name, sep, value = pair.partition("=")
-            if not sep or name not in {"events", "replay", "lower", "lower_replay", "id"}:
+            if not sep or name not in _PARTS:
                 raise ValueError(f"--worker {text!r}: unknown part {pair!r}")
             fields[name] = value
         if "events" not in fields:
             raise ValueError(f"--worker {text!r}: events=tcp://HOST:PORT is required for vLLM")
+        key = None
+        if "lower_curve" in fields:
+            if "lower" not in fields:
+                raise ValueError(f"--worker {text!r}: lower_curve names the key of lower=")
+            try:
+                key = _server_key(fields["lower_curve"])
+            except CurveKeyError as exc:
+                raise ValueError(f"--worker {text!r}: lower_curve: {exc}") from exc
         return cls(
             worker_id=fields.get("id", f"v{position}"),
             base_url=url.rstrip("/"),
@@ -84,7 +99,17 @@ class VllmWorker:
             lower_events_endpoint=fields.get("lower"),
             lower_replay_endpoint=fields.get("lower_replay"),
             block_size=block_size,
+            lower_curve_public_key=key,
         )
+
+
+_PARTS = frozenset({"events", "replay", "lower", "lower_replay", "lower_curve", "id"})
+
+
+def _server_key(value: str) -> bytes:
+    """A public key in z85 text, or the ``zmq.auth`` certificate file holding it."""
+    path = Path(value)
+    return load_public_key(path) if path.is_file() else decode_public_key(value)
 
 
 _MAX_METRIC = 1e12
@@ -151,6 +176,7 @@ class VllmSource:
             tiers=("device", "host", "disk") if worker.lower_events_endpoint else ("device",),
             lower_events_endpoint=worker.lower_events_endpoint,
             lower_replay_endpoint=worker.lower_replay_endpoint,
+            lower_curve_public_key=worker.lower_curve_public_key,
             scraped=load,
         )
 

@@ -89,6 +89,9 @@ class WorkerInfo:
     """A second stream into the same worker slot: the kvstrata connector's events (host,
     disk, remote) beside vLLM's own (device)."""
     lower_replay_endpoint: str | None = None
+    lower_curve_public_key: bytes | None = None
+    """The connector stream's CURVE server key (None: plaintext), for its sockets as
+    ``curve_public_key`` is for the main stream's."""
     scraped: ScrapedLoad | None = None
     """The engine's own load figures when it reports them (None: the router's count only)."""
     transfer: TransferTarget | None = None

@@ -190,6 +190,7 @@ class GlobalIndex(IndexDeletions):
         worker.consistent = True
         self.stats.resyncs += 1
         seq = None if next_seq is None else next_seq - 1
+        worker.applied_seq, worker.applied_epoch = seq, epoch
         self._sync_deferred = True  # one sync at the end, not one per 256 hashes
         try:
             for event in events:
@@ -201,10 +202,18 @@ class GlobalIndex(IndexDeletions):
             self.stats.lag_samples.append(max(0.0, self._clock() - ts))
 
     # ---------------------------------------------------------------- events
-    def apply_batch(self, worker_id: str, batch: KVEventBatch, *, seq: int | None = None) -> None:
+    def apply_batch(
+        self,
+        worker_id: str,
+        batch: KVEventBatch,
+        *,
+        seq: int | None = None,
+        second_stream: bool = False,
+    ) -> None:
         """Apply one in-order batch from ``worker_id``'s stream (exact mode); ``seq`` is its
         live sequence number (a deleted block's tombstone refuses batches older than the
-        deletion; unknown: refused while a tombstone lives)."""
+        deletion; unknown: refused while a tombstone lives). ``second_stream``: a batch of the
+        worker's other stream (a vLLM connector's), whose seqs are not the worker's position."""
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
         if len(self._deleted_engine) or len(self._deleted_router):  # oldest first: O(expired)
@@ -220,6 +229,10 @@ class GlobalIndex(IndexDeletions):
             worker.epoch = batch.epoch
         for event in batch.events:
             self._apply_event(worker, event, seq)
+        if second_stream:
+            worker.second_stream = True
+        elif seq is not None:
+            worker.applied_seq, worker.applied_epoch = seq, worker.epoch
         self.stats.batches += 1
         if math.isfinite(batch.ts):  # a NaN or infinite stamp would poison the quantiles
             self.stats.lag_samples.append(max(0.0, self._clock() - batch.ts))

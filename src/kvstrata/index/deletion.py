@@ -7,11 +7,19 @@ tombstones every removed or reported hash with the workers' stream positions.
 ``_undeleted`` is the check event application runs on a ``BlockStored`` while a tombstone
 lives: a block from before a worker's position (or from a worker with no position) is
 refused, and so are its descendants in the event (see ``index.tombstones`` for the rules).
+
+The index side runs once every worker has answered, so a fast worker's stream may already
+have brought what followed its deletion: its ``BlockRemoved`` (before its position), then a
+fresh ``BlockStored`` of the same prompt (at or after it: a new request recomputed it). A
+worker slot whose applied position (``WorkerSlot.applied_seq``, same epoch, consistent, fed
+by that one stream) has reached the worker's position already reflects the deletion and
+what came after: its entries stay (removing them would lose that fresh store for good: no
+later event brings it back); the tombstones are recorded all the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -35,6 +43,7 @@ class IndexDeletions(IndexEntries):
         router_hashes: RouterHashes | Sequence[int] = (),
         engine_hashes: Iterable[BlockHash] = (),
         positions: Mapping[str, StreamPosition] | None = None,
+        unsettled: Collection[str] = (),
         now: float | None = None,
     ) -> IndexDeletion:
         """Remove deleted blocks from every worker slot and the shared tier; tombstone them.
@@ -46,6 +55,11 @@ class IndexDeletions(IndexEntries):
         removed or reported hash is tombstoned with the workers' ``positions`` (from their
         delete answers): a later ``BlockStored`` of it from before a worker's position — or
         from a worker with no position — is refused until the tombstone expires.
+
+        A worker whose slot has already applied its stream at or past its position keeps
+        its entries (module docstring), unless it is ``unsettled``: its deletion left
+        replicas that go later (``pending``) or on a tier it could not reach, so its stream
+        at that position does not show the whole deletion yet.
 
         Cost: one pass over the namespace's lineage and every worker's entries (a deletion
         is rare; matching and events pay nothing while no tombstone lives).
@@ -60,12 +74,17 @@ class IndexDeletions(IndexEntries):
         reported = set(engine_hashes)
         deleted: set[BlockHash] = set(reported)
         removed = 0
+        positions = positions or {}
         for worker in self._workers.values():
+            caught_up = worker.worker_id not in unsettled and _caught_up(
+                worker, positions.get(worker.worker_id)
+            )
             for engine_hash, packed in list(worker.held.items()):
                 if engine_hash in reported or packed >> _BITS_PER_SLOT in targets:
-                    removed += (packed & _SLOT_MASK).bit_count()
-                    self._forget(worker, engine_hash, packed)
                     deleted.add(engine_hash)
+                    if not caught_up:
+                        removed += (packed & _SLOT_MASK).bit_count()
+                        self._forget(worker, engine_hash, packed)
         if self._shared_slot is not None:
             entry_bit = (1 << Medium.REMOTE) << (self._shared_slot * _BITS_PER_SLOT)
             for engine_hash, router_hash in list(self._shared_held.items()):
@@ -78,7 +97,7 @@ class IndexDeletions(IndexEntries):
             self._approx.pop(router_hash, None)
         bounds = {
             worker_id: self._with_known_epoch(worker_id, position)
-            for worker_id, position in (positions or {}).items()
+            for worker_id, position in positions.items()
         }
         self._deleted_engine.expire(now)
         self._deleted_router.expire(now)
@@ -120,3 +139,18 @@ class IndexDeletions(IndexEntries):
                 if tombstone is not None and tombstone.refuses(worker.worker_id, worker.epoch, seq):
                     return i
         return len(engine)
+
+
+def _caught_up(worker: WorkerSlot, position: StreamPosition | None) -> bool:
+    """Has the index applied ``worker``'s stream at or past its deletion's ``position`` (same
+    epoch, nothing lost since, no second stream)? Then the slot reflects the deletion and
+    what followed it. When unsure, no: its entries go, as they always did."""
+    return (
+        position is not None
+        and position.epoch is not None
+        and worker.consistent
+        and not worker.second_stream
+        and worker.applied_seq is not None
+        and worker.applied_epoch == worker.epoch == position.epoch
+        and worker.applied_seq >= position.next_seq
+    )

@@ -40,6 +40,14 @@ class WorkerSlot:
     per_medium: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     retired_epochs: set[int] = field(default_factory=set)
     """Epochs this worker had before a restart: a late batch from one of them is ignored."""
+    applied_seq: int | None = None
+    """The last live seq applied from the worker's stream, in ``applied_epoch`` (a dump
+    counts as its ``next_seq - 1``); None: unknown. A deletion whose position this has
+    reached spares the slot (``IndexDeletions.delete``)."""
+    applied_epoch: int | None = None
+    second_stream: bool = False
+    """Batches of another stream (a vLLM connector's ``lower``) fill this slot too: their
+    seqs count elsewhere, so ``applied_seq`` does not tell what the slot reflects."""
     aliases: dict[int, int] = field(default_factory=dict)
     """(router hash << 2) | medium → engine hashes beyond the first that place it there.
 
@@ -151,6 +159,7 @@ class IndexEntries:
             worker.retired_epochs.add(worker.epoch)
         worker.epoch = epoch
         worker.consistent = True
+        worker.applied_seq = None
 
     # ---------------------------------------------------------------- direct API
     def store_hashes(
