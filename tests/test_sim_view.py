@@ -166,12 +166,12 @@ def test_oracle_is_deterministic_and_ignores_service_noise() -> None:
 
 def test_service_noise_is_seeded_lognormal_with_a_per_worker_slowdown() -> None:
     noise = ServiceNoise(4, 0.1, seed=0)
-    draws = [noise.factor(0) for _ in range(2000)]
+    draws = [noise.factor(0, index) for index in range(2000)]
     again = ServiceNoise(4, 0.1, seed=0)
-    assert draws == [again.factor(0) for _ in range(2000)]
+    assert draws == [again.factor(0, index) for index in range(2000)]
     assert 0.05 < statistics.pstdev(draws) < 0.2
     assert len(set(noise.worker_factor)) == 4
-    assert ServiceNoise(4, 0.0, seed=0).factor(1) == 1.0
+    assert ServiceNoise(4, 0.0, seed=0).factor(1, 5) == 1.0
     requests = _requests(duration_s=40.0)
     quiet = simulate(requests, "round-robin", _config(service_noise=0.0))
     loud = simulate(requests, "round-robin", _config(service_noise=0.1))

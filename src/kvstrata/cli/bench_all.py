@@ -183,11 +183,11 @@ PLAN: Final[tuple[Entry, ...]] = (
             "--json --quiet"
         ),
         "Cluster simulator, the headline: every policy tuned on window 0, then p50/p99 TTFT and "
-        "hit rate as median [5th, 95th percentile] over 5 disjoint windows at three loads; the "
+        "hit rate as median [min, max] over 5 disjoint windows at three loads; the "
         "router sees only a live router's view (online fit, its own queue estimates), service "
         "times carry noise.",
         quick=_cmd(
-            "sim --trace {mooncake} --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 "
+            "sim --trace {mooncake} --workers 4 --limit 120 --loads 0.5,0.9 --repeats 5 "
             "--json --quiet"
         ),
         needs=(MOONCAKE,),
@@ -201,7 +201,7 @@ PLAN: Final[tuple[Entry, ...]] = (
         "As above on the synthetic chat preset: seed 0 tunes, seeds 1–5 evaluate (first 3,000 "
         "requests of each).",
         quick=_cmd(
-            "sim --synthetic chat --workers 4 --limit 120 --loads 0.5,0.9 --repeats 2 "
+            "sim --synthetic chat --workers 4 --limit 120 --loads 0.5,0.9 --repeats 5 "
             "--json --quiet"
         ),
     ),

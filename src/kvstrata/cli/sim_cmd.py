@@ -23,6 +23,7 @@ from kvstrata.cli.traces import load_source
 from kvstrata.errors import InvalidInput
 from kvstrata.index.core import ConsistencyMode
 from kvstrata.sim.cluster import EVICTION_POLICIES, SimConfig
+from kvstrata.sim.experiment import p99_sample_warning
 from kvstrata.sim.plot import plot_ttft_cdf
 from kvstrata.sim.profiles import PROFILES, profile
 from kvstrata.sim.report import KVSTRATA, parse_policies, search_rate_scale, simulate_report
@@ -109,12 +110,14 @@ def register(sub: Any) -> None:
     parser.add_argument("--plot", help="write TTFT CDFs per policy to this PNG")
     parser.add_argument(
         "--loads",
-        help="repeated experiment at these utilisations, e.g. 0.5,0.7,0.9 (sim/experiment.py)",
+        help="repeated experiment at these utilisations, e.g. 0.5,0.7,0.9 (sim/experiment.py);"
+        " each figure is the median and the range (min-max) of the repeats",
     )
     parser.add_argument(
         "--repeats",
         type=int,
-        help="evaluation seeds (synthetic) or time windows (trace); default 5 with --loads",
+        help="evaluation seeds (synthetic) or time windows (trace); default and minimum 5 with"
+        " --loads",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -142,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.loads is not None or args.repeats is not None:
         return run_repeated(args, policies, config)
+    warning = p99_sample_warning(len(trace), "this run")
+    if warning is not None:
+        _stderr(warning)
     console = Console(stderr=True, quiet=args.quiet)
     search: list[dict[str, Any]] | None = None
     rate_scale = args.rate_scale if args.rate_scale is not None else 1.0

@@ -3,12 +3,15 @@
 Builds the tuning trace and the ``R`` evaluation traces from the same sources as a single
 run (synthetic: seeds ``--trace-seed`` and the next ``R``; a trace file: ``R + 1`` disjoint
 windows of ``--time-window`` or the whole trace, ``--limit`` requests per repeat), runs
-:func:`kvstrata.sim.experiment.run_experiment` and prints its JSON or a table.
+:func:`kvstrata.sim.experiment.run_experiment` and prints its JSON or a table. Every figure
+is the median and the range (min–max) of the ``R`` repeats (``median`` / ``lo`` / ``hi`` in
+the JSON); ``R`` ≥ 5, and a p99 over fewer than 100 TTFTs per run is warned about on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,15 @@ from rich.console import Console
 from kvstrata.cli.output import emit
 from kvstrata.errors import InvalidInput
 from kvstrata.sim.cluster import SimConfig
-from kvstrata.sim.experiment import parse_loads, run_experiment, split_windows, window_bounds_s
+from kvstrata.sim.experiment import (
+    MIN_REPEATS,
+    RANGE_LABEL,
+    p99_sample_warning,
+    parse_loads,
+    run_experiment,
+    split_windows,
+    window_bounds_s,
+)
 from kvstrata.sim.trace import parse_window, select_window
 from kvstrata.workloads.mooncake import TraceRequest, read_trace
 from kvstrata.workloads.synthetic import generate, preset
@@ -62,13 +73,21 @@ def run_repeated(args: argparse.Namespace, policies: list[str], config: SimConfi
     if args.work_weight is not None:
         raise InvalidInput("--loads/--repeats tune kvstrata's work weight; drop --work-weight")
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
-    if repeats < 1:
-        raise InvalidInput(f"--repeats must be >= 1, got {repeats}")
+    if repeats < MIN_REPEATS:
+        raise InvalidInput(
+            f"--repeats must be >= {MIN_REPEATS} with --loads, got {repeats}: each figure is "
+            f"the median and range (min-max) of the repeats, too coarse with fewer"
+        )
     loads = parse_loads(args.loads or DEFAULT_LOADS)
     tuning, evaluation, source = repeat_traces(args, repeats)
     for trace in (tuning, *evaluation):
         if not trace:
             raise InvalidInput("a repeat's trace is empty")
+    warning = p99_sample_warning(
+        min(len(trace) for trace in (tuning, *evaluation)), "the smallest repeat"
+    )
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     console = Console(stderr=True, quiet=args.quiet)
     report = run_experiment(
         tuning,
@@ -100,8 +119,15 @@ def run_repeated(args: argparse.Namespace, policies: list[str], config: SimConfi
     emit(
         report,
         as_json=args.json,
-        title=f"{repeats} repeats, {config.workers} workers; {goals}",
-        columns=("load", "policy", "TTFT p50 s", "TTFT p99 s", "hit rate", "tuned"),
+        title=f"{repeats} repeats, {config.workers} workers, each figure {RANGE_LABEL}; {goals}",
+        columns=(
+            "load",
+            "policy",
+            "TTFT p50 s [min, max]",
+            "TTFT p99 s [min, max]",
+            "hit rate [min, max]",
+            "tuned",
+        ),
         rows=rows,
     )
     return 0

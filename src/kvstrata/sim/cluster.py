@@ -24,6 +24,7 @@ sorted trace rather than pushed, and processed after every event at the same ins
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -74,7 +75,10 @@ class SimConfig:
     """σ of the per-job lognormal service-time factor (:mod:`kvstrata.sim.view`); 0: none.
     Ignored under ``oracle``."""
     oracle: bool = False
-    """Give the router the simulator's truth, no service noise (comparison only)."""
+    """Give the router the true profile and the true remaining prefill time, no service noise
+    (comparison only). Its load counts and KV figures stay what a live router sees
+    (:meth:`kvstrata.sim.worker.SimWorker.load`): no policy ever reads a request's true
+    output length before the request ends."""
 
     @property
     def effective_service_noise(self) -> float:
@@ -86,8 +90,21 @@ class SimConfig:
         for name in (self.device_eviction, self.host_eviction):
             if name not in EVICTION_POLICIES:
                 raise InvalidInput(f"unknown eviction policy {name!r}; {EVICTION_POLICIES}")
-        if self.event_lag_s < 0 or self.estimate_noise < 0 or self.service_noise < 0:
-            raise InvalidInput("event lag, estimate noise and service noise must be >= 0")
+        # NaN passes ``< 0``: a NaN σ never ends a run, a NaN lag reorders the event heap.
+        for name, value in (
+            ("event lag", self.event_lag_s),
+            ("estimate noise", self.estimate_noise),
+            ("service noise", self.service_noise),
+            ("work weight", 0.0 if self.work_weight is None else self.work_weight),
+        ):
+            if not math.isfinite(value) or value < 0:
+                raise InvalidInput(f"{name} must be a finite number >= 0, got {value}")
+        for name, blocks in (
+            ("device blocks", self.profile.device_blocks),
+            ("host blocks", self.profile.host_blocks),
+        ):
+            if blocks < 0:
+                raise InvalidInput(f"{name} must be >= 0, got {blocks}")
 
 
 @dataclass
@@ -321,7 +338,7 @@ class Simulation:
             tenant=DEFAULT_TENANT,
             prompt_tokens=request.prompt_tokens,
             hashes=request.hashes,
-            expected_output_tokens=request.output_tokens,
+            expected_output_tokens=0,  # as the live fleet without max_tokens: the truth is unknown
             arrival_s=now,
         )
         decision = self.router.route(route, loads, now=now)
@@ -401,8 +418,8 @@ class Simulation:
         )
 
 
-def _factor_of(noise: ServiceNoise, worker: int) -> Callable[[], float]:
-    return lambda: noise.factor(worker)
+def _factor_of(noise: ServiceNoise, worker: int) -> Callable[[int], float]:
+    return lambda request_index: noise.factor(worker, request_index)
 
 
 def _ignore_report(

@@ -1,4 +1,4 @@
-"""Repeated, tuned, multi-load experiments: medians and 90% intervals, peers at their best.
+"""Repeated, tuned, multi-load experiments: median and range of the repeats, peers at their best.
 
 The protocol (issue 15, item 1), for each target utilisation:
 
@@ -17,12 +17,15 @@ The protocol (issue 15, item 1), for each target utilisation:
    (ties keep the earlier point, so the default wins ties). The JSON records every point.
 4. **Evaluation.** Each chosen variant replays every evaluation trace, with
    ``SimConfig.seed`` = the repeat's index (so seeded simulator randomness varies too).
-5. **Intervals** (:func:`interval`): the median and the empirical 5th / 95th percentiles
-   (numpy's linear interpolation) of the ``R`` per-repeat values — a 90% range of the
-   repeats, not a confidence interval of the median. With 5 repeats the 5th percentile lies
-   a fifth of the way from the minimum to the second value (the 95th likewise from the
-   maximum): lo/hi are close to min/max.
-6. **Goal** (:func:`goal_met`): the upper end of kvstrata's p99 interval ≤
+5. **Ranges** (:func:`interval`): the median and the range (min–max) of the ``R``
+   per-repeat values — ``lo`` is the smallest repeat, ``hi`` the largest. It describes the
+   repeats that ran; it is neither a confidence interval of the median nor a prediction
+   interval for a new repeat (of ``R`` exchangeable repeats a fresh one falls outside
+   their range with probability ``2 / (R + 1)``: a third at ``R`` = 5). The CLI asks for
+   ``R`` ≥ :data:`MIN_REPEATS`, and warns when a per-repeat p99 rests on fewer than
+   :data:`MIN_P99_SAMPLES` TTFTs (:func:`p99_sample_warning`): such a p99 is one of the
+   largest few samples, not a tail estimate.
+6. **Goal** (:func:`goal_met`): the upper end (max) of kvstrata's p99 range ≤
    ``GOAL_P99_RATIO`` × the best baseline's median p99 (best = lowest median p99), and
    kvstrata's median hit rate ≥ ``GOAL_HIT_RATIO`` × the median over the evaluation traces of
    :func:`~kvstrata.sim.trace.infinite_cache_hit_rate` (the one bound the report uses).
@@ -74,10 +77,17 @@ its sweep runs ``2 / 4 / 8 / 16`` — the extra point can only help the baseline
 Round-robin, least-loaded and prefix-affinity have no parameter: one point each."""
 
 FIGURES: Final = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "utilisation")
+MIN_REPEATS: Final = 5
+"""Fewest repeats ``kvstrata sim --loads`` accepts (module docstring, 5)."""
+MIN_P99_SAMPLES: Final = 100
+"""Fewer TTFTs than this in one run and its p99 is warned about (module docstring, 5)."""
+RANGE_LABEL: Final = "median [min, max] of the repeats"
 
 
 @dataclass(frozen=True, slots=True)
 class Interval:
+    """The median of the repeats and their range: ``lo`` = min, ``hi`` = max."""
+
     median: float
     lo: float
     hi: float
@@ -87,12 +97,23 @@ class Interval:
 
 
 def interval(values: Sequence[float]) -> Interval:
-    """Median and empirical 5th–95th percentiles of ``values`` (module docstring, 5)."""
+    """Median and range (min–max) of ``values`` (module docstring, 5)."""
     if not values:
         raise InvalidInput("an interval needs at least one value")
     data = np.asarray(values, dtype=np.float64)
-    lo, median, hi = np.percentile(data, [5.0, 50.0, 95.0])
-    return Interval(round(float(median), 4), round(float(lo), 4), round(float(hi), 4))
+    median = float(np.median(data))
+    lo, hi = float(data.min()), float(data.max())
+    return Interval(round(median, 4), round(lo, 4), round(hi, 4))
+
+
+def p99_sample_warning(samples: int, what: str) -> str | None:
+    """A warning when ``samples`` TTFTs (per run of ``what``) are too few for a p99."""
+    if samples >= MIN_P99_SAMPLES:
+        return None
+    return (
+        f"warning: the p99 TTFT of {what} rests on {samples} TTFT samples "
+        f"(< {MIN_P99_SAMPLES}): it is one of the largest few values, not a tail estimate"
+    )
 
 
 def goal_met(
@@ -112,7 +133,7 @@ def p99_goal_under_floor(floor: Interval, best_baseline_p99_median: float) -> bo
     """Whether the p99 half of :func:`goal_met` asks for less than the floor at this load.
 
     A trace's p99 TTFT is at least its floor (up to service noise, median 1, which can take a
-    run a little below it), so the upper end of any policy's p99 interval is at least about
+    run a little below it), so the upper end of any policy's p99 range is at least about
     the floor's upper end: where that exceeds ``GOAL_P99_RATIO`` × the best median, no
     placement meets the goal."""
     return floor.hi > GOAL_P99_RATIO * best_baseline_p99_median
@@ -318,7 +339,7 @@ def run_experiment(
         previous = target
     return {
         "repeats": len(evaluation),
-        "interval": "median and empirical 5th/95th percentiles over the repeats (~min/max at 5)",
+        "interval": "median and range (min-max) of the repeats: lo = min, hi = max",
         "utilisation_defined_by": "best baseline (lowest p99) at published defaults, tuning data",
         "loads": results,
         "goal_met_all_loads": all(load["goal_met"] for load in results),

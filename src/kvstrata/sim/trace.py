@@ -19,6 +19,7 @@ Conventions (the same ones the router's TTFT estimator uses, so numbers compare)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,8 @@ def parse_window(text: str) -> tuple[float | None, float | None]:
         hi = float(end) if end.strip() else None
     except ValueError as exc:
         raise InvalidInput(f"bad time window {text!r}") from exc
+    if any(bound is not None and not math.isfinite(bound) for bound in (lo, hi)):
+        raise InvalidInput(f"time window bounds must be finite (or empty): {text!r}")
     if lo is not None and hi is not None and hi <= lo:
         raise InvalidInput(f"time window end must exceed its start: {text!r}")
     return lo, hi
@@ -76,8 +79,8 @@ def parse_window(text: str) -> tuple[float | None, float | None]:
 
 def prepare(requests: Sequence[TraceRequest], rate_scale: float) -> list[SimRequest]:
     """Shift arrivals to start at 0 and divide them by ``rate_scale`` (×2 = twice the rate)."""
-    if rate_scale <= 0:
-        raise InvalidInput(f"rate scale must be > 0, got {rate_scale}")
+    if not math.isfinite(rate_scale) or rate_scale <= 0:
+        raise InvalidInput(f"rate scale must be a finite number > 0, got {rate_scale}")
     if not requests:
         return []
     ordered = sorted(range(len(requests)), key=lambda i: (requests[i].timestamp_ms, i))

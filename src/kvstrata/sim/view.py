@@ -23,13 +23,18 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
   stale under-estimate until it drains. The live fleet's ``WorkerState.load`` sums the same
   predictions (without either refinement). The simulator's true remaining prefill time is
   never read.
-* **Kept true, because a live router observes them**: ``queued_requests`` (its own in-flight
+* **Kept as the worker reports them, because a live router observes them**
+  (:meth:`kvstrata.sim.worker.SimWorker.load`): ``queued_requests`` (its own in-flight
   record: sent, no first token yet), ``active_decodes`` (it proxies the stream, so it sees the
-  first token and the end), ``queued_prefill_tokens`` (already the router's prediction from its
-  index match), ``active_kv_blocks`` / ``kv_utilisation`` (vLLM's ``/metrics``
-  ``kv_cache_usage_perc``; scrape lag is not modelled), per-tier fetch seconds per block (the
-  worker's measured figures in ``/kv/info`` ``fetch_s_per_block``) and the decode step model
-  (engine configuration; vLLM exports time-per-output-token).
+  first token and the end), ``queued_prefill_tokens`` (the router's own prediction from its
+  index match, for every request without its first token — a prefill's start is not seen),
+  ``active_kv_blocks`` / ``kv_utilisation`` counted as the live fleet counts them (prompt +
+  the worker's running mean of completed outputs per request in flight; a request's true
+  output length is never read before it ends; the engine's scraped gauge is not modelled),
+  per-tier fetch seconds per block (the worker's measured figures in ``/kv/info``
+  ``fetch_s_per_block``) and the decode step model (engine configuration; vLLM exports
+  time-per-output-token). ``RouteRequest.expected_output_tokens`` is 0, as the live fleet
+  sends for a request without ``max_tokens`` (a trace has none).
 * **Request lifecycle**: a policy that keeps its own record of what it placed (the ``dynamo``
   baseline, as Dynamo's router does) is told each committed route, first token and end through
   :class:`kvstrata.router.Router` — the simulator reports them as the live fleet does.
@@ -37,12 +42,14 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
 **Service-time noise** (:class:`ServiceNoise`): each executed prefill (fetch + compute +
 decode interference) lasts its model time × ``w · e``, with ``e ~ lognormal(0, σ)`` drawn
 per job and ``w ~ lognormal(0, σ/2)`` drawn once per worker (a persistent slowdown: clocks,
-thermals, a noisy neighbour). Default σ = 0.1. Grounding, from ``docs/results-history.md``: fresh
-2,048-token prefills on the reference engine on a quiet machine (issue 9 table: 4.71–4.96 s
-over eight runs) have a log-spread of ≈ 0.017 — a lower bound, one process alone; the same
-prefill on the loaded shared machine ranged 2.8–9.3 s (log-spread ≈ 0.3) — an upper bound.
-0.1 sits between them: a busy but not overloaded serving host. ``--service-noise 0`` is
-deterministic.
+thermals, a noisy neighbour). ``e`` is a function of (seed, request index) alone — common
+random numbers: every policy compared on one trace and seed gives a request the same ``e``
+wherever and whenever it runs, so policies differ by their placements, not by their luck.
+Default σ = 0.1. Grounding, from ``docs/results-history.md``: fresh 2,048-token prefills on
+the reference engine on a quiet machine (issue 9 table: 4.71–4.96 s over eight runs) have a
+log-spread of ≈ 0.017 — a lower bound, one process alone; the same prefill on the loaded
+shared machine ranged 2.8–9.3 s (log-spread ≈ 0.3) — an upper bound. 0.1 sits between them:
+a busy but not overloaded serving host. ``--service-noise 0`` is deterministic.
 
 ``SimConfig.oracle = True`` keeps the old, optimistic information model for comparison
 only: the router gets the true profile (or its ``estimate_noise`` perturbation) and the true
@@ -116,13 +123,23 @@ class ServiceNoise:
 
     def __init__(self, workers: int, sigma: float, seed: int) -> None:
         self.sigma = sigma
+        self.seed = seed
         self.worker_factor = worker_factors(workers, sigma / 2, seed * 31 + 5)
-        self._rng = random.Random(seed * 104729 + 3)
 
-    def factor(self, worker: int) -> float:
+    def job_factor(self, request_index: int) -> float:
+        """``e`` of request ``request_index``: one draw from a generator seeded by (seed,
+        index) only (a string seed is hashed with SHA-512: stable across processes and
+        platforms), so it does not depend on the policy, the worker or the event order."""
         if self.sigma <= 0:
             return 1.0
-        return self.worker_factor[worker] * math.exp(self._rng.gauss(0.0, self.sigma))
+        rng = random.Random(f"kvstrata.sim.service:{self.seed}:{request_index}")
+        return math.exp(rng.gauss(0.0, self.sigma))
+
+    def factor(self, worker: int, request_index: int) -> float:
+        """``w · e`` for request ``request_index`` executed on ``worker``."""
+        if self.sigma <= 0:
+            return 1.0
+        return self.worker_factor[worker] * self.job_factor(request_index)
 
 
 @dataclass(frozen=True, slots=True)

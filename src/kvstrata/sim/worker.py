@@ -20,17 +20,23 @@ Service model (times from the worker's :class:`~kvstrata.sim.profiles.SimProfile
   simulated one by one: a virtual step counter advances at the current rate and the next
   completion is rescheduled whenever the rate changes.
 * **Service-time noise.** The whole prefill (fetch + compute + interference) is multiplied
-  by one draw of ``service_factor`` (:class:`kvstrata.sim.view.ServiceNoise`; 1.0 without).
+  by ``service_factor(request index)`` (:class:`kvstrata.sim.view.ServiceNoise`; 1.0
+  without): the per-job part is a function of the seed and the request, so every policy
+  compared on a trace draws the same noise for the same request.
 * **TTFT** = arrival → end of the request's prefill (queueing, fetch, prefill, interference).
 * **KV occupancy.** A running request pins its prompt's cached blocks in the device pool and
   holds ``kv_blocks − full blocks`` private blocks (partial last block + output) until its
-  decode ends. Its full blocks stay cached afterwards, evictable.
+  decode ends. Its full blocks stay cached afterwards, evictable. A prefill that cannot get
+  room waits without evicting anything: blocks are evicted only when that makes room.
 * **Tiers.** Device → host is write-through (as the real store's default): every block the
   device stores is also stored in (or touched in) the host tier, so losing a device block
   costs a fetch, not a recompute. Each tier evicts by its own policy object
   (``kvstrata.store`` LRU or the value policy); victims are leaves and never pinned blocks.
-* **Reports.** Stores are reported to the index when the prefill that computed them ends;
-  evictions when they happen (the simulation may delay both by an event lag).
+* **Reports.** Stores are reported to the index when the prefill that computed them ends
+  (the host tier: only the blocks it really holds, not those it had no room for); evictions
+  when they happen (the simulation may delay both by an event lag).
+* **What the router reads** (:meth:`SimWorker.load`) is what a live router can know, never a
+  request's true output length before it ends: see :meth:`SimWorker.load`.
 
 Utilisation: the fraction of the arrival window (first → last arrival) during which a
 prefill is in progress (its fetch, compute and the decode steps interleaved with its chunks);
@@ -46,17 +52,24 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from kvstrata.identity import BlockKey
 from kvstrata.index.core import Medium
 from kvstrata.objects import KVObjectMeta
 from kvstrata.router.model import WorkerLoad
-from kvstrata.sim.profiles import SimProfile
+from kvstrata.sim.profiles import BLOCK_TOKENS, SimProfile
 from kvstrata.sim.trace import SimRequest
 from kvstrata.store.policy import EvictionPolicy
 
 Reporter = Callable[[str, list[int], Medium, bool, float], None]
 """(worker id, block ids, medium, stored?, now) → the index (or a delayed event)."""
+
+PRIOR_OUTPUT_TOKENS: Final = 64.0
+"""Expected output of a request before any has finished on the worker: the live fleet's
+``WorkerState.mean_output_tokens`` default (:mod:`kvstrata.fleet.workers`)."""
+RECENT_OUTPUTS: Final = 128
+"""Completed outputs the running mean covers (the live fleet's ``_recent_outputs``)."""
 
 
 @dataclass(slots=True)
@@ -73,6 +86,9 @@ class Job:
     """Start → first token: fetch, compute and decode interference, noise included. What the
     live engine reports (``X-Kvstrata-Prefill-S``: admitted → first token, the host fetch and
     the steps shared with decodes in it) and so what the router refits from."""
+    expected_output_tokens: int = 0
+    """The output the router's KV figure counts for this request (set when it is enqueued):
+    the worker's running mean of completed outputs then, not the request's own length."""
     hit_tokens: int = 0
     device_hit_blocks: int = 0
     host_hit_blocks: int = 0
@@ -82,7 +98,7 @@ class Job:
     worker: int = -1
 
 
-def _no_noise() -> float:
+def _no_noise(_request_index: int) -> float:
     return 1.0
 
 
@@ -114,7 +130,10 @@ class SimWorker:
         self.host: set[BlockKey] = set()
         self.pins: dict[BlockKey, int] = {}
         self.private_blocks = 0
-        self.active_kv_blocks = 0
+        self.observed_kv_tokens = 0
+        """Prompt + expected output of every request sent here and not finished (:meth:`load`)."""
+        self.mean_output_tokens = PRIOR_OUTPUT_TOKENS
+        self._recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
         self.queue: deque[Job] = deque()
         self.queued_s = 0.0
         self.queued_new_tokens = 0
@@ -134,30 +153,47 @@ class SimWorker:
         self._kv_last_s = 0.0
         self.device_evictions = 0
         self.host_evictions = 0
-        self.service_factor: Callable[[], float] = _no_noise
-        """Service-time noise: each prefill's model time is multiplied by one draw."""
+        self.service_factor: Callable[[int], float] = _no_noise
+        """Service-time noise: each prefill's model time × ``service_factor(request index)``."""
 
     # ---------------------------------------------------------------- router's view
     def load(self, now: float) -> WorkerLoad:
-        """The worker's true state. ``queued_s`` is exact (the true remaining time of the
-        running prefill): only ``SimConfig.oracle`` passes it to the router; otherwise
-        :class:`kvstrata.sim.view.RouterView` replaces it with the router's own estimate."""
+        """The figures the router reads, each one a live router can know.
+
+        * ``queued_requests`` / ``queued_prefill_tokens``: the requests sent here whose first
+          token has not come back (queued or in prefill — a router cannot see a prefill
+          start), and the new tokens the router predicted for them from its index match;
+        * ``active_decodes``: first token seen, end not yet;
+        * ``active_kv_blocks`` / ``kv_utilisation``: as the live fleet counts them
+          (``kvstrata.fleet.workers.WorkerState.load``): per request sent and not finished,
+          its prompt + the worker's running mean of its last :data:`RECENT_OUTPUTS`
+          completed outputs when the request was sent (:data:`PRIOR_OUTPUT_TOKENS` before
+          any), summed and divided by the block size. A request's true output length is
+          never read before it ends; the device pool's real occupancy (pins and private
+          blocks) is the simulator's own business, never shown to the router;
+        * ``queued_s``: exact (the true remaining time of the running prefill): only
+          ``SimConfig.oracle`` passes it to the router; otherwise
+          :class:`kvstrata.sim.view.RouterView` replaces it with the router's own estimate.
+        """
         running = self.current is not None
         queued_s = self.queued_s + (max(0.0, self.current_end_s - now) if running else 0.0)
+        blocks = self.observed_kv_tokens // BLOCK_TOKENS
         return WorkerLoad(
             worker_id=self.worker_id,
             queued_requests=len(self.queue) + (1 if running else 0),
             queued_prefill_tokens=self.queued_new_tokens,
             queued_s=queued_s,
             active_decodes=len(self.decoding),
-            active_kv_blocks=self.active_kv_blocks,
-            kv_utilisation=min(1.0, self.active_kv_blocks / max(self.device_capacity, 1)),
+            active_kv_blocks=blocks,
+            kv_utilisation=min(1.0, blocks / max(self.device_capacity, 1)),
         )
 
     def enqueue(self, job: Job) -> None:
         self.queue.append(job)
         self.queued_s += job.estimate_s
         self.queued_new_tokens += job.predicted_new_tokens
+        job.expected_output_tokens = int(self.mean_output_tokens)
+        self.observed_kv_tokens += job.request.prompt_tokens + job.expected_output_tokens
 
     # ---------------------------------------------------------------- prefill
     def try_start(self, now: float) -> float | None:
@@ -192,7 +228,6 @@ class SimWorker:
         self.blocked = False
         self.queue.popleft()
         self.queued_s = max(0.0, self.queued_s - job.estimate_s)
-        self.queued_new_tokens = max(0, self.queued_new_tokens - job.predicted_new_tokens)
 
         model = self.cost.prefill
         prompt = request.prompt_tokens
@@ -205,7 +240,7 @@ class SimWorker:
             device_hits = host_hits = 0
         batch = len(self.decoding)
         interference_s = self.cost.interference_s(prompt - cached, batch)
-        factor = self.service_factor()
+        factor = self.service_factor(request.index)
         duration = (fetch_s + prefill_s + interference_s) * factor
         job.start_s = now
         job.prefill_s = duration
@@ -215,7 +250,6 @@ class SimWorker:
 
         self._store(job, now)
         self.private_blocks += private
-        self.active_kv_blocks += request.kv_blocks
         self._advance(now)
         self.current = job
         self.current_end_s = now + duration
@@ -255,12 +289,16 @@ class SimWorker:
         job = self.current
         assert job is not None, "finish_prefill without a running prefill"
         self.current = None
+        self.queued_new_tokens = max(0, self.queued_new_tokens - job.predicted_new_tokens)
         job.ttft_s = now - job.request.arrival_s
         ids = [self._ids[key] for key in job.keys]
         if ids:
             self._report(self.worker_id, ids, Medium.DEVICE, True, now)
-            if self.host_capacity > 0:
-                self._report(self.worker_id, ids, Medium.HOST, True, now)
+            # Only what the host tier took (``_store`` stops where it has no room); nothing
+            # left the host since the prefill started (only a prefill's start evicts there).
+            held = [self._ids[key] for key in job.keys if key in self.host]
+            if held:
+                self._report(self.worker_id, held, Medium.HOST, True, now)
         self._advance(now)
         self._prefill_step_rate = 0.0
         remaining = job.request.output_tokens - 1
@@ -295,7 +333,10 @@ class SimWorker:
         for key in job.keys:
             self._unpin(key)
         self.private_blocks -= job.request.kv_blocks - len(job.keys)
-        self.active_kv_blocks -= job.request.kv_blocks
+        request = job.request
+        self.observed_kv_tokens -= request.prompt_tokens + job.expected_output_tokens
+        self._recent_outputs.append(request.output_tokens)  # known now: the request ended
+        self.mean_output_tokens = sum(self._recent_outputs) / len(self._recent_outputs)
 
     def kv_tick(self, now: float) -> None:
         """Accumulate KV occupancy (block-seconds) inside the arrival window."""
@@ -335,6 +376,16 @@ class SimWorker:
         return key not in self.pins
 
     def _make_device_room(self, need: int, now: float) -> bool:
+        """Evict unpinned blocks until ``need`` more fit; evict nothing if they cannot.
+
+        Every cached block a running request does not pin is evictable (a pinned request pins
+        its whole prefix chain, so no unpinned block has a pinned descendant), and pins are
+        held by blocks in the pool: the evictable count is ``len(device) − len(pins)``."""
+        excess = len(self.device) + self.private_blocks + need - self.device_capacity
+        if excess <= 0:
+            return True
+        if excess > len(self.device) - len(self.pins):
+            return False  # the job cannot start: keep the cache (vLLM refuses before evicting)
         removed: list[int] = []
         ok = True
         while len(self.device) + self.private_blocks + need > self.device_capacity:
