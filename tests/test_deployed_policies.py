@@ -247,3 +247,14 @@ def test_a_tier_can_run_a_peer_at_any_point_and_bad_points_are_config_errors() -
             tier_policy(bad)
     star = eviction_policy("gdsf:0.25", None)  # the store's construction: GreedyDual* at 0.25
     assert isinstance(star, GDSFPolicy) and star._exponent == 4.0
+
+
+def test_a_refused_newcomer_inserted_later_is_counted_again() -> None:
+    """A refused ``admit`` must not leave the key marked as counted: its next insert (with
+    room, no admission asked) is a new request and counts."""
+    policy = TinyLFUPolicy()
+    policy.on_insert(meta(1), now=0.0)
+    policy.on_access(key(1), now=1.0)
+    assert not policy.admit(meta(2), key(1), 2.0)
+    policy.on_insert(meta(2), now=3.0)
+    assert policy.sketch.estimate(key(2)) == 2

@@ -287,6 +287,73 @@ def test_a_tinylfu_level_keeps_a_frequent_victim_over_a_one_off_newcomer(clock: 
     store.close()
 
 
+def _sized(tag: str, size: int, clock: Clock) -> tuple[KVObjectMeta, bytes]:
+    payload = (tag.encode() * size)[:size]
+    meta = KVObjectMeta(
+        key=BlockKey(f"t0/{tag}".encode().ljust(32, b".")),
+        parent=None,
+        tenant="t0",
+        representation=Representation("uint8", "raw", 1, (size,)),
+        size=size,
+        digest=payload_digest(payload),
+        created_at=clock.now,
+        position=0,
+        recompute_s=0.01,
+    )
+    return meta, payload
+
+
+def test_tinylfu_is_asked_once_per_store_even_when_it_takes_two_victims(clock: Clock) -> None:
+    """A newcomer that needs two victims (here under a tenant quota) is compared once, with
+    the first: asked again per victim, it could win the first (evicted) and lose the second
+    (refused), room freed for nothing, and each ask counted the request again."""
+    from kvstrata.store.tinylfu import TinyLFUPolicy
+
+    policy = TinyLFUPolicy()
+    quota = TierConfig("host", tenant_quota_bytes={"t0": 2 * OBJ})
+    store = TieredStore([(HostTier(8 * OBJ, OBJ, clock=clock), policy, quota)], clock=clock)
+    small_a, small_b, big, new = (
+        _sized("A", OBJ // 2, clock),
+        _sized("B", OBJ // 2, clock),
+        _sized("C", OBJ, clock),
+        _sized("N", OBJ, clock),
+    )
+    for obj, times in ((small_a, 1), (small_b, 5), (big, 5)):
+        for _ in range(times):
+            clock.now += 1
+            store.put(obj[0], filler(obj[1]))
+    tier = store.levels[0].tier
+    assert not store.put(new[0], filler(new[1]))  # seen once, as often as A: refused
+    assert tier.contains(small_a[0].key) and tier.contains(small_b[0].key)
+    assert policy.sketch.estimate(new[0].key) == 1  # one request, counted once
+    assert store.put(new[0], filler(new[1]))  # seen twice: beats A, so A and B make room
+    assert policy.sketch.estimate(new[0].key) == 2
+    assert tier.contains(new[0].key) and tier.contains(big[0].key)
+    assert tier.tenant_bytes("t0") == 2 * OBJ
+    store.close()
+
+
+def test_a_transfer_into_a_full_tinylfu_level_is_not_filtered(clock: Clock) -> None:
+    """KV received over a P/D transfer is needed now: a fresh block (seen once) would lose to
+    any victim, and every transfer into a full TinyLFU level was refused."""
+    from kvstrata.store.tinylfu import TinyLFUPolicy
+    from kvstrata.transfer.ingress import StoreIngress
+
+    store = TieredStore(
+        [(HostTier(4 * OBJ, OBJ, clock=clock), TinyLFUPolicy(), TierConfig("host"))], clock=clock
+    )
+    for i in range(4):
+        clock.now += 1
+        meta, payload = _sized(f"old{i}", OBJ, clock)
+        store.put(meta, filler(payload))
+    ingress = StoreIngress(store)
+    for i in range(3):
+        slot = ingress.prepare_store(_sized(f"xfer{i}", OBJ, clock)[0])
+        assert slot is not None, i
+        ingress.complete_store(slot, False)
+    store.close()
+
+
 def test_an_object_older_than_a_levels_ttl_evicts_nothing_there(
     tmp_path: Path, clock: Clock
 ) -> None:

@@ -34,7 +34,15 @@ BlockHash: TypeAlias = int | bytes
 
 
 class EventDecodeError(InvalidInput):
-    """A payload or one of its events could not be decoded; the consumer counts and skips it."""
+    """A payload or one of its events could not be decoded; the consumer counts and skips it.
+
+    ``tag``: the event's type when it was readable (a consumer may treat a malformed removal
+    differently from a malformed store); None for a payload, or an event of no readable type.
+    """
+
+    def __init__(self, message: str, *, tag: str | None = None) -> None:
+        super().__init__(message)
+        self.tag = tag
 
 
 class UnknownEventError(EventDecodeError):
@@ -172,7 +180,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         try:
             events.append(decode_event(raw_event))
         except EventDecodeError as exc:
-            skipped.append(type(exc)(f"event {index}: {exc}"))
+            skipped.append(type(exc)(f"event {index}: {exc}", tag=exc.tag))
     fields["events"] = []
     # array_like structs convert only from arrays: lay the named fields out in order.
     present = [index for index, name in enumerate(_BATCH_FIELDS) if name in fields]
@@ -205,17 +213,21 @@ def decode_event(raw: object) -> KVEvent:
     if event_type is None:
         raise UnknownEventError(f"unknown event type {tag!r:.80}")
     if isinstance(raw, list):
+        # Trailing fields past the ones this version knows come from a newer producer that
+        # appended them (vLLM's array events grow at the end): ignored, as msgspec ignores
+        # them for array-like structs.
         names = event_type.__struct_fields__
-        if len(raw) - 1 > len(names):
-            raise EventDecodeError(f"{tag} array has {len(raw) - 1} fields, at most {len(names)}")
         fields = dict(zip(names, raw[1:], strict=False))
     for name in _LEGACY_NULLABLE[tag]:
         fields.setdefault(name, None)
     try:
         event = msgspec.convert(fields, event_type)
     except msgspec.ValidationError as exc:
-        raise EventDecodeError(f"bad {tag}: {exc}") from exc
-    _check_hashes(event)
+        raise EventDecodeError(f"bad {tag}: {exc}", tag=tag) from exc
+    try:
+        _check_hashes(event)
+    except EventDecodeError as exc:
+        raise EventDecodeError(str(exc), tag=tag) from exc
     return event
 
 

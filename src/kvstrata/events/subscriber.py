@@ -7,9 +7,9 @@ replay cannot cover the gap (no replay socket, timeout, or the batches were alre
 from the publisher's buffer) it reports ``resync_needed`` instead of guessing.
 
 Bad input never raises here: malformed frames, undecodable payloads and unknown events are
-counted in :class:`EventPlaneStats` and skipped. An undecodable payload or event (it may have
-carried a removal) also flags ``resync_needed``; an unknown event type (a newer producer) does
-not.
+counted in :class:`EventPlaneStats` and skipped. An undecodable payload, or a malformed event
+other than a store (it may have been a removal), also flags ``resync_needed``; an unknown
+event type or trailing fields past the known ones (a newer producer) do not.
 
 With ``curve`` (a :class:`~kvstrata.events.curve.CurveClient`: the publisher's public key and
 this subscriber's own key pair) the SUB socket and every replay DEALER are CURVE clients.
@@ -42,6 +42,8 @@ from kvstrata.events.schema import (
 )
 
 _SEQ_BYTES: Final = 8
+_STORES_ONLY: Final = frozenset({"BlockStored"})
+"""Event types whose loss cannot leave stale state behind (a missed store is a miss)."""
 
 
 @dataclass(slots=True)
@@ -280,11 +282,12 @@ class ZmqEventSubscriber:
     ) -> None:
         """Advance past ``seq`` even if its payload is bad: replaying it would not fix it.
 
-        A payload or event that does not decode may have carried a removal, so the consumer's
-        state may now claim blocks the publisher dropped: that flags a resync (the dump, not
-        this batch, is then the truth). Not while ``rebuilding`` from the replay history
-        (``resume_from(…, history=True)``): the resync would rebuild from the same history and
-        meet the same batch again. An event of a type this version does not know (a newer
+        A payload that does not decode, or a malformed event that is (or may be) a removal,
+        may have dropped blocks the consumer's state still claims: that flags a resync (the
+        dump, not this batch, is then the truth). Not while ``rebuilding`` from the replay
+        history (``resume_from(…, history=True)``): the resync would rebuild from the same
+        history and meet the same batch again. A malformed ``BlockStored`` only leaves a block
+        unknown (a routing miss), and an event of a type this version does not know (a newer
         producer) is only counted."""
         self._expected = seq + 1
         self._untrusted_next = None
@@ -296,14 +299,14 @@ class ZmqEventSubscriber:
             if not rebuilding:
                 self._lost(result)
             return
-        malformed = False
+        lossy = False
         for error in decoded.skipped:
             if isinstance(error, UnknownEventError):
                 self.stats.unknown_events += 1
             else:
                 self.stats.malformed_events += 1
-                malformed = True
-        if malformed and not rebuilding:
+                lossy = lossy or error.tag not in _STORES_ONLY
+        if lossy and not rebuilding:
             self._lost(result)
         self.stats.batches += 1
         self.stats.events += len(decoded.batch.events)

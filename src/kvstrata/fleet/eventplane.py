@@ -365,6 +365,11 @@ class EventPlane:
         stream, which has no dump of its own: what its replay buffer no longer holds stays
         unknown (routing misses, never wrong KV), counted in ``resyncs["lower_lost"]``, and
         the device entries are kept."""
+        if result.resync_needed and not lower:
+            # Inconsistent before the batches go in (the lock is released between chunks): a
+            # deletion in between must not take the worker for one whose stream is intact.
+            with self.lock:
+                self.index.mark_inconsistent(worker_id)
         epoch_changed = False
         batches = result.batches
         for start in range(0, len(batches), _APPLY_CHUNK):  # a replay can bring thousands

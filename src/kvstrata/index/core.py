@@ -289,15 +289,8 @@ class GlobalIndex(IndexDeletions):
 
     def _removed(self, worker: WorkerSlot, event: BlockRemoved) -> None:
         medium = parse_medium(event.medium)
-        if medium is None:
-            # Which copy went is unknown: drop every copy the worker holds of these blocks
-            # (at worst a routing miss; keeping them could route to blocks that are gone).
+        if medium is None:  # its store was skipped too: the copies the index knows remain
             self.stats.unknown_mediums += 1
-            for held in (Medium.DEVICE, Medium.HOST, Medium.DISK):
-                bit = 1 << held
-                hashes = [h for h in event.block_hashes if worker.held.get(h, 0) & bit]
-                if hashes:
-                    self.remove_hashes(worker.worker_id, hashes, held)
             return
         self.remove_hashes(worker.worker_id, event.block_hashes, medium)
 

@@ -28,6 +28,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta
 from kvstrata.store.erasure import ErasingCore
 from kvstrata.store.policy import AdmissionFilter
+from kvstrata.store.state import PREFETCH
 from kvstrata.tiers.base import StoreSlot, TierError
 
 PayloadFill = Callable[[memoryview], None]
@@ -41,6 +42,17 @@ class _Demote:
     """A victim that must be copied down (outside the lock) before it can be removed."""
 
     key: BlockKey
+
+
+@dataclass
+class _Gate:
+    """A level's admission filter (``policy.AdmissionFilter``), asked at most once per store:
+    ``newcomer`` is None once asked (the newcomer won against the first victim, so further
+    victims for it go without asking: asking each would count the request again and could
+    refuse it after a victim already went), or when the store is not filtered (a transfer
+    or a prefetch: KV a request needs now)."""
+
+    newcomer: KVObjectMeta | None
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,7 @@ class AdmittingCore(ErasingCore):
 
     def _admit(self, index: int, meta: KVObjectMeta, fill: PayloadFill, *, cause: str) -> bool:
         """Reserve (locked), fill and complete (unlocked), register (locked)."""
-        slot = self._reserve(index, meta)
+        slot = self._reserve(index, meta, filtered=cause != PREFETCH)
         if isinstance(slot, bool):
             return slot
         try:
@@ -80,7 +92,7 @@ class AdmittingCore(ErasingCore):
         ``slot.meta``'s digest, and must end it with ``complete_external``."""
         if not 0 <= index < len(self.levels):
             raise InvalidInput(f"no level {index}")
-        return self._reserve(index, meta)
+        return self._reserve(index, meta, filtered=False)
 
     def complete_external(self, index: int, slot: StoreSlot, success: bool) -> bool:
         """Phase two: commit (the tier verifies the digest) and register the object — visible
@@ -111,11 +123,13 @@ class AdmittingCore(ErasingCore):
                 return False
             return self._register(index, slot.meta, ok, cause=cause)
 
-    def _reserve(self, index: int, meta: KVObjectMeta) -> StoreSlot | bool:
-        """A PENDING slot, or True (already held here), or False (refused)."""
+    def _reserve(self, index: int, meta: KVObjectMeta, *, filtered: bool) -> StoreSlot | bool:
+        """A PENDING slot, or True (already held here), or False (refused). ``filtered``: the
+        level's admission filter, if any, may refuse the newcomer (see ``_Gate``)."""
+        gate = _Gate(meta if filtered else None)
         for _ in range(_MAX_DEMOTIONS):
             with self._lock:
-                outcome = self._try_reserve(index, meta)
+                outcome = self._try_reserve(index, meta, gate)
             if isinstance(outcome, _SelfEvicting):
                 return self._reserve_self_evicting(index, outcome.meta)
             if not isinstance(outcome, _Demote):
@@ -125,7 +139,7 @@ class AdmittingCore(ErasingCore):
         return False
 
     def _try_reserve(
-        self, index: int, meta: KVObjectMeta
+        self, index: int, meta: KVObjectMeta, gate: _Gate
     ) -> StoreSlot | bool | _Demote | _SelfEvicting:
         """Under the lock: admission checks, evictions that need no I/O, the reservation."""
         level = self.levels[index]
@@ -162,7 +176,7 @@ class AdmittingCore(ErasingCore):
                 self._quota_reject(level, meta, "larger_than_quota")
                 return False
             while tier.tenant_bytes(meta.tenant) + meta.size > quota:
-                evicted = self._evict_now(index, tenant=meta.tenant, newcomer=meta)
+                evicted = self._evict_now(index, tenant=meta.tenant, gate=gate)
                 if isinstance(evicted, _Refused):
                     self.metrics.rejections.labels(tier=name, reason="admission").inc()
                     return False
@@ -177,7 +191,7 @@ class AdmittingCore(ErasingCore):
                 if tier.reserved(key) or meta.size > tier.capacity_bytes:
                     self.metrics.rejections.labels(tier=name, reason="no_room").inc()
                     return False
-                evicted = self._evict_now(index, tenant=None, newcomer=meta)
+                evicted = self._evict_now(index, tenant=None, gate=gate)
                 if isinstance(evicted, _Refused):
                     self.metrics.rejections.labels(tier=name, reason="admission").inc()
                     return False
@@ -252,13 +266,14 @@ class AdmittingCore(ErasingCore):
 
     # ---- eviction ---------------------------------------------------------------------------
     def _evict_now(
-        self, index: int, *, tenant: str | None, newcomer: KVObjectMeta
+        self, index: int, *, tenant: str | None, gate: _Gate
     ) -> bool | _Demote | _Refused:
         """Under the lock: remove one victim of level ``index`` if that needs no copy (True);
         a victim that must be demoted first is marked moving and returned; False: none.
         True too when no victim was left but the search itself freed room: the tier drops
         an expired object on sight (``evictable``), which the policy then skips. A policy
-        with an admission filter is asked first whether ``newcomer`` is worth the victim."""
+        with an admission filter is asked first, once per store (``_Gate``), whether the
+        newcomer is worth the victim."""
         level = self.levels[index]
         admission = level.policy if isinstance(level.policy, AdmissionFilter) else None
         self._sync_dropped(level)
@@ -276,8 +291,10 @@ class AdmittingCore(ErasingCore):
             if meta is None:  # expired or invalidated behind the policy
                 level.policy.on_remove(victim)
                 continue
-            if admission is not None and not admission.admit(newcomer, victim, self.clock()):
-                return _Refused()
+            if admission is not None and gate.newcomer is not None:
+                newcomer, gate.newcomer = gate.newcomer, None
+                if not admission.admit(newcomer, victim, self.clock()):
+                    return _Refused()
             outcome, target = self._demotion(index, meta)
             if target is not None or self._writeback.pending_from(index, victim):
                 self._moving.add((index, victim))

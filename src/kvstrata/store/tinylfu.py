@@ -91,8 +91,9 @@ class TinyLFUPolicy(LeafHeapPolicy):
 
     def admit(self, meta: KVObjectMeta, victim: BlockKey, now: float) -> bool:
         self._count(meta.key)
-        self._counted = meta.key  # its insert, if admitted, must not count it again
-        return self.sketch.estimate(meta.key) > self.sketch.estimate(victim)
+        admitted = self.sketch.estimate(meta.key) > self.sketch.estimate(victim)
+        self._counted = meta.key if admitted else None  # its insert must not count it again
+        return admitted
 
     def on_refused(self, key: BlockKey, now: float) -> None:
         self._count(key)
