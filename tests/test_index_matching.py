@@ -61,3 +61,5 @@ def test_slot_prefixes_equal_a_walk_over_every_block_and_slot(seed: int) -> None
 
 def test_slot_prefixes_of_no_values_are_zero() -> None:
     assert slot_prefixes([], 3, 0x111).tolist() == [[0, 0, 0]] * 4
+    empty = np.zeros((0, 1), dtype=np.uint64)
+    assert slot_prefixes(empty, 3, 0x111).tolist() == [[0, 0, 0]] * 4

@@ -85,6 +85,8 @@ def slot_prefixes(
     bit ``4·slot`` in ``reach`` gets its remote bit too.
     """
     if isinstance(values, np.ndarray):
+        if not len(values):  # reshape(0, -1) cannot infer the width
+            return np.zeros((4, slots), dtype=np.int64)
         packed = values.reshape(len(values), -1)
     else:
         packed = pack_words(values, words_for(slots))
