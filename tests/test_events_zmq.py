@@ -311,9 +311,12 @@ def test_gap_without_replay_socket_needs_resync(ctx: zmq.Context[zmq.Socket[byte
     assert (sub.stats.gaps, sub.stats.missed_batches, sub.stats.replay_requests) == (1, 1, 0)
 
 
-def test_unanswered_replay_times_out_into_resync(
-    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
+@pytest.mark.parametrize("history", [False, True], ids=["live", "history"])
+def test_unanswered_replay_times_out_into_resync_except_in_history_mode(
+    ctx: zmq.Context[zmq.Socket[bytes]], background: bool, history: bool
 ) -> None:
+    """A replay that does not answer in time is a resync; in history mode the state was just
+    emptied, so it loses only history: a resync would rewind to 0 and ask again, in a loop."""
     xpub = ctx.socket(zmq.XPUB)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")
     mute_router = ctx.socket(zmq.ROUTER)
@@ -327,13 +330,16 @@ def test_unanswered_replay_times_out_into_resync(
         background_replay=background,
     ) as sub:
         _wait_subscribed(xpub)
+        if history:
+            sub.resume_from(0, history=True)
         xpub.send_multipart([b"", _seq(4), payload])
         resync: list[bool] = []
         received = _receive(sub, 1, resync=resync)
     for socket in (xpub, mute_router):
         socket.close(linger=0)
-    assert received[0].seq == 4 and resync == [True]
+    assert received[0].seq == 4 and resync == ([] if history else [True])
     assert sub.stats.replay_requests == 1
+    assert sub.stats.history_truncated == (1 if history else 0)
 
 
 def test_a_background_replay_never_holds_poll_past_its_own_timeout(
@@ -482,34 +488,6 @@ def test_history_without_a_replay_socket_resumes_at_the_next_frame(
         assert [b.seq for b in _receive(sub, 1, resync=resync)] == [11]
     xpub.close(linger=0)
     assert resync == [True] and sub.stats.history_truncated == 2
-
-
-def test_an_unanswered_replay_in_history_mode_is_lost_history(
-    ctx: zmq.Context[zmq.Socket[bytes]], background: bool
-) -> None:
-    """In history mode the state was just emptied, so a replay that does not answer in time
-    loses only history; flagging a resync would rewind to 0 and ask again, in a loop."""
-    xpub = ctx.socket(zmq.XPUB)
-    port = xpub.bind_to_random_port("tcp://127.0.0.1")
-    mute_router = ctx.socket(zmq.ROUTER)
-    replay_port = mute_router.bind_to_random_port("tcp://127.0.0.1")
-    payload = encode_batch(make_batch([], ts=0.0))
-    with ZmqEventSubscriber(
-        f"tcp://127.0.0.1:{port}",
-        f"tcp://127.0.0.1:{replay_port}",
-        replay_timeout_s=0.2,
-        context=ctx,
-        background_replay=background,
-    ) as sub:
-        _wait_subscribed(xpub)
-        sub.resume_from(0, history=True)
-        xpub.send_multipart([b"", _seq(4), payload])
-        resync: list[bool] = []
-        received = _receive(sub, 1, resync=resync)
-    for socket in (xpub, mute_router):
-        socket.close(linger=0)
-    assert received[0].seq == 4 and resync == []
-    assert sub.stats.replay_requests == 1 and sub.stats.history_truncated == 1
 
 
 def test_a_malformed_batch_replayed_while_rebuilding_history_is_not_a_resync(
