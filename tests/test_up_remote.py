@@ -4,7 +4,8 @@ A real ``up`` process (tiny model, 2 workers) starts its own valkey-server and s
 is. Worker A answers a prompt (its blocks are written through to the remote tier); worker B,
 asked directly, has never seen the prompt — no device or host hit of its own is possible —
 yet reports cached tokens, all of them from the remote tier, and the same greedy answer. On
-SIGTERM ``up`` stops the workers and the server before it ends.
+SIGTERM ``up`` stops the workers and the server before it ends. The server asks for a
+password only ``up`` and its workers know.
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def test_up_remote_embedded_shares_one_remote_tier_between_workers(tmp_path: Pat
         said = re.search(r"remote tier: (redis://127\.0\.0\.1:(\d+)/0) \(embedded", out.read_text())
         assert said is not None, out.read_text()
         server = redis.Redis(port=int(said.group(2)), socket_timeout=2)
-        assert server.ping()
+        # it holds every tenant's KV and token ids: a local process without the password
+        # (minted into up's 0700 run directory) is refused
+        with pytest.raises(redis.AuthenticationError):
+            server.ping()
         first, second = sorted(
             client.get(f"{front}/fleet/workers").json()["workers"], key=lambda w: w["worker_id"]
         )

@@ -273,3 +273,16 @@ def test_tenant_secret_from_the_environment_unless_a_file_is_set(tmp_path: Path)
     secret.write_bytes(b"from-file")
     config = load_worker_config(overrides={"tenant_secret_file": secret}, environ=env)
     assert config.tenant_secret == b"from-file"
+
+
+@pytest.mark.parametrize("key", ["tenant_secret_file", "admin_token_file"])
+@pytest.mark.parametrize("content", [b"", b"  \n\t\n"])
+def test_an_empty_secret_or_token_file_is_refused(tmp_path: Path, key: str, content: bytes) -> None:
+    """An empty tenant secret file gave the same salt as no secret (tenant keys derivable
+    from tenant names alone), and a blank admin token file silently turned admin off."""
+    path = tmp_path / "secret"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    config = _write(tmp_path, f'{key} = "{path}"\n')
+    with pytest.raises(ConfigError, match="is empty"):
+        load_worker_config(config, environ={})

@@ -98,6 +98,12 @@ def register(sub: Any) -> None:
     tiers.add_argument(
         "--remote-gib", type=float, default=None, help="remote tier capacity (0: none)"
     )
+    tiers.add_argument(
+        "--remote-password-file",
+        type=Path,
+        default=None,
+        help="the remote server's password (a file: not on the command line)",
+    )
     tiers.add_argument("--tier-ttl-s", type=float, default=None, help="object TTL in every tier")
     tiers.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default=None)
     tiers.add_argument(

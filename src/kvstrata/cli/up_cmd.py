@@ -35,6 +35,7 @@ from kvstrata.cli.up_keys import (
     fleet_curve,
     mint_fleet_key,
     mint_tenant_secret,
+    mint_valkey_password,
     security_worker_args,
 )
 from kvstrata.errors import InvalidInput
@@ -306,9 +307,11 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
         ensure_checkpoint(args.model)  # convert once, before N workers race to do it
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    remote_url = _remote_url(args, cleanup)
     curve = fleet_curve(cleanup)
     fleet_key, fleet_key_file = mint_fleet_key(cleanup)
+    remote_url, remote_password_file = _remote_url(args, cleanup, fleet_key_file.parent)
+    if remote_password_file is not None:
+        args.remote_password_file = remote_password_file
     config = worker_config(args, remote_url=remote_url)
     if not config.tenant_secret and any(role == "decode" for _, role in _roles(args)):
         args.tenant_secret_file = mint_tenant_secret(fleet_key_file.parent)
@@ -339,6 +342,7 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
             host_gib=host_gib,
             config=config_path,
             remote_url=remote_url,
+            remote_password_file=remote_password_file,
             remote_gib=_remote_gib(args),
             extra_args=[*common, *(["--transfer-port", "0"] if decode else [])],
             api_key=fleet_key,
@@ -373,20 +377,24 @@ def _roles(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(f"w{i}", "colocated") for i in range(args.workers)]
 
 
-def _remote_url(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> str | None:
-    """The url of ``--remote``; ``embedded`` starts the fleet's own server (stopped by
-    ``cleanup``)."""
+def _remote_url(
+    args: argparse.Namespace, cleanup: contextlib.ExitStack, run_dir: Path
+) -> tuple[str | None, Path | None]:
+    """The url of ``--remote`` and, for ``embedded``, the password file of the fleet's own
+    server (a random password in the 0700 run directory: the server holds every tenant's KV
+    and token ids; stopped by ``cleanup``)."""
     if args.remote is None:
-        return None
+        return None, None
     if args.remote != "embedded":
-        return str(args.remote)
+        return str(args.remote), None
     from kvstrata.runtime.valkey_server import ValkeyServer
 
+    password, password_file = mint_valkey_password(run_dir)
     directory = None if args.log_dir is None else args.log_dir / "valkey"
-    server = ValkeyServer(directory=directory)
+    server = ValkeyServer(directory=directory, password=password)
     cleanup.callback(server.stop)
     server.start()
-    return server.url
+    return server.url, password_file
 
 
 def _remote_gib(args: argparse.Namespace) -> float | None:
@@ -420,6 +428,7 @@ def worker_config(args: argparse.Namespace, *, remote_url: str | None = None) ->
         "host_gib": getattr(args, "host_gib", None),
         "tenant_secret_file": args.tenant_secret_file,
         "remote_url": remote_url,
+        "remote_password_file": getattr(args, "remote_password_file", None),
         "remote_gib": _remote_gib(args),
         **{
             name: getattr(args, name, None)

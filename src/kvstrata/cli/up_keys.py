@@ -48,6 +48,12 @@ def fleet_curve(cleanup: contextlib.ExitStack) -> FleetKeys:
     return keys
 
 
+def mint_valkey_password(run_dir: Path) -> tuple[str, Path]:
+    """A random password for ``--remote embedded``'s server, and the 0600 file holding it."""
+    password = secrets.token_hex(32)
+    return password, _write_private(run_dir / "valkey.password", password)
+
+
 def mint_tenant_secret(run_dir: Path) -> Path:
     """A tenant secret for this run (decode workers' transfer listeners authenticate with it),
     when none is configured; KV that outlives the run in a shared tier is not found again."""

@@ -49,6 +49,7 @@ class WorkerSpec:
     config: Path | None = None
     disk_dir: Path | None = None
     remote_url: str | None = None  # a remote tier every worker of the fleet shares
+    remote_password_file: Path | None = None
     remote_gib: float | None = None
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
@@ -70,6 +71,7 @@ class WorkerSpec:
             ("--disk-dir", self.disk_dir),
             ("--remote-url", self.remote_url),
             ("--remote-gib", self.remote_gib),
+            ("--remote-password-file", self.remote_password_file),
         ):
             if value is not None:
                 overrides += [flag, str(value)]

@@ -135,9 +135,12 @@ def read_secret(path: Path | None, key: str, where: str) -> bytes:
         return b""
     check_credential_file(path, key, secret=True)
     try:
-        return path.read_bytes()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}", key=key, source=where) from exc
+    if not raw.strip():  # an empty secret would silently mean none (or no admin at all)
+        raise ConfigError(f"{path} is empty", key=key, source=where)
+    return raw
 
 
 def text(secret: bytes, key: str, where: str) -> str:

@@ -348,6 +348,11 @@ _OVERRIDE_LIST: Final = (
     Override("remote_cluster", "the remote tier's cluster seeds", _tier_key("remote", "cluster")),
     Override("remote_gib", "the remote tier's gib (0 removes it)", _tier_size("remote")),
     Override(
+        "remote_password_file",
+        "the remote tier's password_file",
+        _tier_key("remote", "password_file"),
+    ),
+    Override(
         "remote_write_policy", "the remote tier's write_policy", _tier_key("remote", "write_policy")
     ),
     Override("remote_namespace", "the remote tier's namespace", _tier_key("remote", "namespace")),

