@@ -30,10 +30,10 @@ def parse_duration(text: str) -> float:
     """``90s``, ``30m``, ``2h``, ``7d`` (or a bare number of seconds) → seconds."""
     value = text.strip()
     match = _DURATION.fullmatch(value)
-    if match is not None:
-        return float(match.group(1)) * _UNITS[match.group(2)]
     try:
-        seconds = float(value)
+        seconds = (
+            float(match.group(1)) * _UNITS[match.group(2)] if match is not None else float(value)
+        )
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a duration (e.g. 90s, 30m, 2h, 7d)"

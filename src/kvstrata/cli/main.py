@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 
 from kvstrata.cli import (
@@ -40,6 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KvstrataError as exc:
+        print(f"kvstrata: error: {exc}", file=sys.stderr)
+        return 2
+    except (
+        FileNotFoundError,
+        FileExistsError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+        ssl.SSLError,
+        UnicodeDecodeError,
+    ) as exc:
+        # a path, file or certificate the user named: their mistake, not a crash to debug
         print(f"kvstrata: error: {exc}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,16 @@ from typing import Any
 from kvstrata.cli.output import emit
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
         "verify", help="compare cached and fresh prefill on your prompts"
@@ -17,13 +27,15 @@ def register(sub: Any) -> None:
         "--prompts", type=Path, required=True, help="JSONL: prompt|messages[,tenant]"
     )
     parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model directory")
-    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens to compare")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=32, help="greedy tokens to compare"
+    )
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max |Δlogit| allowed")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--pool-blocks", type=int, default=2048)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--pool-blocks", type=positive_int, default=2048)
     parser.add_argument(
         "--concurrency",
-        type=int,
+        type=positive_int,
         default=1,
         help="also replay N prompts at a time in shared engine steps (fresh and cached runs "
         "side by side), each compared with its reference run alone",
