@@ -35,3 +35,29 @@ def test_out_of_range_numbers_are_refused_by_the_parser(
         main(argv)
     assert exited.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_up_refuses_a_fixed_transfer_port_for_several_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every colocated worker bound the same ``[transfer] port``: the second died with
+    EADDRINUSE and ``up`` ended in a bare ``RuntimeError: worker w1 exited with 3``."""
+    config = tmp_path / "worker.toml"
+    config.write_text('[transfer]\nport = 18950\n\n[[tiers]]\nname = "host"\ngib = 0.01\n')
+    argv = ["up", "--model", "tiny", "--workers", "2", "--config", str(config)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "[transfer] port" in err and "Traceback" not in err
+
+
+def test_a_worker_that_cannot_start_is_named_with_where_its_reason_is() -> None:
+    from kvstrata.fleet.supervisor import WorkerProcess, WorkerSpec, WorkerStartError
+
+    spec = WorkerSpec(worker_id="w9", port=1, model="tiny", extra_args=["--no-such-flag"])
+    worker = WorkerProcess(spec)
+    worker.start()
+    try:
+        with pytest.raises(WorkerStartError, match="w9 exited with 2 at start-up"):
+            worker.wait_ready(60)
+    finally:
+        worker.terminate()

@@ -302,7 +302,11 @@ def _run_fleet(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> None:
     from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
     from kvstrata.runtime.processes import free_port, split_cpus
 
-    worker_config(args)  # a bad --config or flag fails here, before anything starts
+    checked = worker_config(args)  # a bad --config or flag fails here, before anything starts
+    if checked.transfer.port and len(_roles(args)) > 1:  # every worker would bind that port
+        raise InvalidInput(
+            "[transfer] port is one worker's: up gives each decode worker its own (leave it unset)"
+        )
     if args.model in MODEL_NAMES:
         ensure_checkpoint(args.model)  # convert once, before N workers race to do it
     if args.log_dir is not None:

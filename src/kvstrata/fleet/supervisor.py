@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from kvstrata.errors import KvstrataError
 from kvstrata.runtime.processes import die_with_parent
 
 _log = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ class WorkerSpec:
         ]
 
 
+class WorkerStartError(KvstrataError):
+    """A worker exited before it answered: ``up`` prints this instead of a traceback."""
+
+
 class WorkerProcess:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -110,12 +115,14 @@ class WorkerProcess:
         self.exit_reported = False
 
     def start(self) -> None:
+        # Without a log file the worker's stderr is ours: a worker that cannot start says why
+        # where the user looks (its stdout, the access log, is dropped).
         log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL  # noqa: SIM115
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             self.spec.command(),
             stdout=log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if self.spec.log_path else None,
             env=env,
             preexec_fn=self._in_child,
         )
@@ -142,7 +149,14 @@ class WorkerProcess:
             while time.monotonic() < deadline:
                 if not self.alive():
                     code = None if self.process is None else self.process.returncode
-                    raise RuntimeError(f"worker {self.spec.worker_id} exited with {code}")
+                    where = (
+                        f"its log: {self.spec.log_path}"
+                        if self.spec.log_path
+                        else "its error is printed above"
+                    )
+                    raise WorkerStartError(
+                        f"worker {self.spec.worker_id} exited with {code} at start-up ({where})"
+                    )
                 try:
                     if client.get(f"{self.spec.url}/kv/info").status_code == 200:
                         return
