@@ -40,21 +40,26 @@ def writers(remote_server: ValkeyServer, remote_namespace: str) -> Iterator[list
         tier.close()
 
 
-def _before(tier: RemoteTier, method: str, step: Callable[[], None]) -> None:
-    """Run ``step`` once, right before ``tier`` next calls its ``method`` (then the method)."""
+def _before(tier: RemoteTier, method: str, step: Callable[[], None]) -> list[bool]:
+    """Run ``step`` once, right before ``tier`` next calls its ``method`` (then the method).
+    Returns a list that holds True once it ran: a test asserts it, or a race that never
+    happened would pass unseen."""
     original = getattr(tier, method)
+    ran: list[bool] = []
 
     def hooked(*args: Any) -> Any:
         setattr(tier, method, original)
         step()
+        ran.append(True)
         return original(*args)
 
     setattr(tier, method, hooked)
+    return ran
 
 
-def _before_delete(tier: RemoteTier, step: Callable[[], None]) -> None:
+def _before_delete(tier: RemoteTier, step: Callable[[], None]) -> list[bool]:
     """Run ``step`` right before ``tier`` deletes object keys (after its ledger call)."""
-    _before(tier, "_delete_objects", step)
+    return _before(tier, "_delete_objects", step)
 
 
 def _loads(tier: RemoteTier, meta: KVObjectMeta) -> bytes | None:
@@ -67,8 +72,8 @@ def test_a_store_racing_a_removal_keeps_its_bytes(writers: list[RemoteTier]) -> 
     a, b, c = writers
     meta, payload = make_object(1)
     assert store(a, meta, payload)
-    _before_delete(a, lambda: _stored(b, meta, payload))  # b stores it again meanwhile
-    assert a.remove(meta.key)
+    raced = _before_delete(a, lambda: _stored(b, meta, payload))  # b stores it again meanwhile
+    assert a.remove(meta.key) and raced
     assert b.meta(meta.key) == meta
     assert _loads(c, meta) == payload and _loads(b, meta) == payload
     c.refresh_usage(["t0"])
@@ -92,8 +97,8 @@ def test_a_store_racing_an_eviction_keeps_its_bytes(writers: list[RemoteTier]) -
                 assert store(b, meta, payload)
                 restored.append(meta)
 
-    _before_delete(a, restore)
-    assert store(a, m2, p2)
+    raced = _before_delete(a, restore)
+    assert store(a, m2, p2) and raced
     assert [key for key, _ in a.take_evicted()] == [meta.key for meta in restored]
     assert _loads(c, restored[0]) == dict(objects)[restored[0]]
     c.refresh_usage(["t0"])
@@ -118,8 +123,8 @@ def test_a_late_write_after_an_eviction_and_a_restore_leaves_nothing_unaccounted
         assert not _in_ledger(a, meta)
         assert store(c, meta, payload)
 
-    _before(b, "_write_object", evict_and_restore)
-    assert b.complete_store(slot, True)  # the ledger holds the key (c's entry): stored
+    raced = _before(b, "_write_object", evict_and_restore)
+    assert b.complete_store(slot, True) and raced  # the ledger holds the key (c's): stored
     assert _loads(b, meta) == payload and _loads(a, meta) == payload
     assert c.remove(meta.key)
     conn = c.client.single

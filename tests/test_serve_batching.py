@@ -124,6 +124,7 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_model: LoadedModel) -> None
         port = client.base_url.port
         statuses: list[int] = []
         retry_after: list[str] = []
+        codes: list[str] = []  # asserted below: an assert in the thread could not fail the test
 
         def send(seed: int) -> None:
             resp = httpx.post(
@@ -134,7 +135,7 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_model: LoadedModel) -> None
             statuses.append(resp.status_code)
             if resp.status_code == 429:
                 retry_after.append(resp.headers["retry-after"])
-                assert resp.json()["error"]["code"] == "queue_full"
+                codes.append(resp.json()["error"]["code"])
 
         threads = [threading.Thread(target=send, args=(s,)) for s in range(6)]
         for thread in threads:
@@ -145,6 +146,7 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_model: LoadedModel) -> None
         assert statuses.count(200) >= 2 and statuses.count(429) >= 1
         assert set(statuses) <= {200, 429}
         assert all(int(value) >= 1 for value in retry_after)
+        assert codes == ["queue_full"] * statuses.count(429)
         assert metrics.value("kvstrata_rejected_requests_total") == statuses.count(429)
         wait_until(lambda: idle(engine))
 
