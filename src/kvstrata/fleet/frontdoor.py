@@ -79,6 +79,7 @@ from kvstrata.serve.protocol import (
     api_error_handler,
     check_forwardable,
     error_response,
+    invalid_request,
     parse_json,
 )
 
@@ -102,15 +103,15 @@ def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str,
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         body = model.model_validate(payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ()))
-        raise ApiError(400, f"{param}: {first.get('msg')}", param=param or None) from exc
+    except ValidationError as exc:  # answered as a worker would (same message, param, code)
+        raise invalid_request(list(exc.errors()), in_body=False) from exc
     check_forwardable(raw, payload)  # sent on whole: its other fields must encode too
     return body, payload
 
 
 def _tokens(fleet: Fleet, endpoint: str, body: SamplingRequest) -> list[int]:
+    """The ids the worker will see; ``ApiError`` 400 where the worker answers one too (text
+    far too long, a conversation the chat template refuses or no chat template at all)."""
     tokenizer = fleet.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()

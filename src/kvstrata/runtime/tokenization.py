@@ -20,11 +20,44 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 def encode_chat(
     tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None
 ) -> list[int]:
-    """Render the chat template (with the generation prompt), then tokenize without specials."""
-    text = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=False, chat_template=chat_template
-    )
+    """Render the chat template (with the generation prompt), then tokenize without specials.
+
+    Raises ``ApiError`` 400 (``invalid_value``, param ``messages``) when the model has no chat
+    template, or when its template refuses the conversation: Llama-2's and Mistral's call
+    ``raise_exception`` (a jinja2 ``TemplateError``) for roles out of order. Either is the
+    client's to fix (send a conversation the model takes, or use ``/v1/completions``), not a
+    server failure: a worker and the front door both answer it so, as vLLM does."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ApiError(
+            400,
+            "this model has no chat template: use /v1/completions with a prompt instead",
+            code="invalid_value",
+            param="messages",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False, chat_template=chat_template
+        )
+    except _template_errors() as exc:
+        raise ApiError(
+            400,
+            f"the model's chat template refused these messages: {exc}"[:500],
+            code="invalid_value",
+            param="messages",
+        ) from exc
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_errors() -> tuple[type[Exception], ...]:
+    """What a chat template's rendering raises for a conversation it refuses: a jinja2
+    ``TemplateError`` (``raise_exception``, an undefined variable) or, from ``transformers``,
+    a ``ValueError`` (no template to render). Evaluated only when an ``except`` clause is
+    reached; jinja2 is imported late, as ``transformers`` itself does."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers renders no template without it
+        return (ValueError,)
+    return (ValueError, TemplateError)
 
 
 def chat_content_start(

@@ -44,7 +44,7 @@ from kvstrata.errors import ApiError, ContextTooLong, InvalidInput, QueueFull
 from kvstrata.runtime import tokenization
 from kvstrata.runtime.config import ServeLimits
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
-from kvstrata.serve import protocol
+from kvstrata.serve import protocol, responses
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
 from kvstrata.serve.auth import REQUEST_ID_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.deletion import DELETE_PATH, register_deletion
@@ -154,7 +154,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return protocol.models_body(model_name, engine.max_model_len, service.created)
+        return responses.models_body(model_name, engine.max_model_len, service.created)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -308,10 +308,10 @@ class _Service:
     def _final_body(self, endpoint: str, request_id: str, outcome: Outcome) -> dict[str, Any]:
         usage = _usage(outcome)
         if endpoint == CHAT:
-            return protocol.chat_body(
+            return responses.chat_body(
                 request_id, self.model_name, outcome.text, outcome.finish_reason, usage
             )
-        return protocol.completion_body(
+        return responses.completion_body(
             request_id, self.model_name, outcome.text, outcome.finish_reason, usage
         )
 
@@ -330,14 +330,16 @@ class _Service:
         def chunk(text: str | None, finish: str | None = None) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return _sse(protocol.chat_chunk(request_id, model, delta, finish))
-            body = protocol.completion_body(request_id, model, text or "", finish, None, chunk=True)
+                return _sse(responses.chat_chunk(request_id, model, delta, finish))
+            body = responses.completion_body(
+                request_id, model, text or "", finish, None, chunk=True
+            )
             return _sse(body)
 
         try:
             if chat:
                 yield _sse(
-                    protocol.chat_chunk(request_id, model, {"role": "assistant", "content": ""})
+                    responses.chat_chunk(request_id, model, {"role": "assistant", "content": ""})
                 )
             try:
                 async for text in deltas:
@@ -357,8 +359,8 @@ class _Service:
     def _usage_chunk(self, chat: bool, request_id: str, outcome: Outcome) -> dict[str, Any]:
         usage = _usage(outcome)
         if chat:
-            return protocol.chat_chunk(request_id, self.model_name, None, usage_body=usage)
-        body = protocol.completion_body(request_id, self.model_name, "", None, usage, chunk=True)
+            return responses.chat_chunk(request_id, self.model_name, None, usage_body=usage)
+        body = responses.completion_body(request_id, self.model_name, "", None, usage, chunk=True)
         body["choices"] = []
         return body
 
@@ -386,7 +388,7 @@ def _log_at_end(endpoint: str, stream: bool, generation: Generation) -> None:
 
 
 def _usage(outcome: Outcome) -> dict[str, Any]:
-    return protocol.usage(
+    return responses.usage(
         prompt_tokens=len(outcome.generation.prompt_ids),
         completion_tokens=outcome.completion_tokens,
         cached_tokens=outcome.generation.record.matched_tokens,

@@ -1,15 +1,18 @@
-"""The OpenAI-compatible wire format: request models, response bodies and the error shape.
+"""The OpenAI-compatible wire format: request models and the error shape.
 
 Requests are parsed strictly (a string where a number belongs is a 400, not a coercion)
-and unknown fields are ignored, as OpenAI clients send many optional ones. Parameters the
-reference engine cannot honour (``n > 1``, penalties, logprobs, non-text content) are
-rejected with a 400 rather than silently dropped, and so is anything that would only fail
-later, inside the engine: a ``seed`` outside what ``torch.Generator.manual_seed`` accepts,
-text that is not valid Unicode (a JSON escape such as ``"\\ud800"`` decodes to a lone
-surrogate, which no tokenizer can encode). Responses are plain dicts shaped like OpenAI's;
-``usage.prompt_tokens_details.cached_tokens`` carries the matched prefix tokens, as OpenAI
-and vLLM report them. Every error, FastAPI's own included (malformed JSON, schema
-violations, unknown routes), is answered as ``{"error": {message, type, param, code}}``.
+and unknown fields are ignored, as OpenAI clients send many optional ones (``user``,
+``store``, ``metadata``, ``parallel_tool_calls``, ``service_tier``...). Parameters the
+reference engine cannot honour (``n > 1``, penalties, logprobs, non-text content; tool
+calling, a ``response_format`` other than text, ``logit_bias``: ``serve.unsupported``) are
+rejected with a 400 naming the parameter rather than silently dropped, and so is a stop
+string over ``MAX_STOP_CHARS`` characters and anything that would only fail later, inside
+the engine: a ``seed`` outside what ``torch.Generator.manual_seed`` accepts, text that is
+not valid Unicode (a JSON escape such as ``"\\ud800"`` decodes to a lone surrogate, which no
+tokenizer can encode). Responses are plain dicts shaped like OpenAI's (``serve.responses``).
+Every error, FastAPI's own included (malformed JSON, schema violations, unknown routes), is
+answered as ``{"error": {message, type, param, code}}``; the front door, which validates
+bodies by hand, answers schema violations in the same shape (``invalid_request``).
 """
 
 from __future__ import annotations
@@ -17,18 +20,36 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from typing import Any, Final, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata.errors import ApiError
+from kvstrata.serve.unsupported import (
+    UNSUPPORTED_MESSAGE_FIELDS,
+    UNSUPPORTED_PARAMS,
+    refuse_in_message,
+    refuse_tool_role,
+    refuse_unsupported,
+)
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024
+"""The longest stop string, in characters. OpenAI states no bound, but stop strings in use are
+end markers and role headers of a few to a few dozen characters; 1,024 leaves any of them (or
+a paragraph) room, and bounds what the assembler scans per token (``serve.streaming``): a
+100 KB stop string held the event loop for seconds per request (review finding)."""
 MAX_TENANT_CHARS = 128
 SEED_MIN = -(1 << 63)  # what torch.Generator.manual_seed accepts (engine.sampling checks too)
 SEED_MAX = (1 << 64) - 1
@@ -143,6 +164,14 @@ class SamplingRequest(_Strict):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None  # refused unless 0: an ignored field would look honoured
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
+    # Refused unless they ask for nothing (``refuse_unsupported``): typed ``Any`` so that any
+    # value gets the same message, naming the parameter.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
     kvstrata_tenant: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_CHARS)
     kvstrata_transfer: TransferWait | None = None
 
@@ -174,6 +203,11 @@ class SamplingRequest(_Strict):
             raise ValueError("penalties are not supported; use 0")
         return value
 
+    @field_validator(*UNSUPPORTED_PARAMS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_unsupported(str(info.field_name), value)
+
     @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
@@ -189,6 +223,8 @@ class SamplingRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
         if any(not stop for stop in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
         for stop in stops:
             valid_text(stop)
         return value
@@ -267,8 +303,21 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: Any = None  # these three: refused unless null or empty (``refuse_in_message``)
+    tool_call_id: Any = None
+    function_call: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_role(cls, value: str) -> str:
+        return refuse_tool_role(value)
+
+    @field_validator(*UNSUPPORTED_MESSAGE_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_in_message(str(info.field_name), value)
 
     @field_validator("content")
     @classmethod
@@ -348,22 +397,28 @@ async def http_error_handler(_request: Request, exc: StarletteHTTPException) -> 
 
 async def validation_error_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
     """Schema violations are 400s in OpenAI's shape, not FastAPI's 422."""
-    errors = list(exc.errors())
+    return error_response(invalid_request(list(exc.errors()), in_body=True))
+
+
+def invalid_request(errors: list[Any], *, in_body: bool) -> ApiError:
+    """The 400 for a body's first schema violation (pydantic's ``errors()``), as a worker
+    answers it; ``in_body``: the locations start with FastAPI's ``"body"`` (a body validated
+    by hand, as the front door's, has none). One shape for both, so a client cannot tell
+    which of them refused its request."""
     first: dict[str, Any] = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid"}
     if first.get("type") == "json_invalid":
-        return error_response(
-            ApiError(400, "the request body is not valid JSON", code="invalid_json")
-        )
-    param = _param_path(first.get("loc", ()))
+        return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    loc = list(first.get("loc", ()))
+    param = _param_path(loc[1:] if in_body else loc)
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-    return error_response(ApiError(400, message, code=code, param=param))
+    return ApiError(400, message, code=code, param=param)
 
 
-def _param_path(loc: Any) -> str | None:
-    """``("body", "messages", 0, "content")`` → ``messages[0].content``; union tags dropped."""
+def _param_path(loc: list[Any]) -> str | None:
+    """``["messages", 0, "content"]`` → ``messages[0].content``; union tags dropped."""
     path = ""
-    for part in list(loc)[1:]:
+    for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
         elif part in _UNION_TAGS or "[" in part or "-" in part:
@@ -371,94 +426,3 @@ def _param_path(loc: Any) -> str | None:
         else:
             path += f".{part}" if path else part
     return path or None
-
-
-# ---- responses ------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def completion_body(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    usage_body: dict[str, Any] | None,
-    *,
-    chunk: bool = False,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if not chunk or usage_body is not None:
-        body["usage"] = usage_body
-    return body
-
-
-def chat_body(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_body: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_body,
-    }
-
-
-def chat_chunk(
-    request_id: str,
-    model: str,
-    delta: dict[str, Any] | None,
-    finish_reason: str | None = None,
-    usage_body: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A ``chat.completion.chunk``; ``delta=None`` makes the choice-less usage chunk."""
-    choices = (
-        []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    )
-    body: dict[str, Any] = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage_body is not None:
-        body["usage"] = usage_body
-    return body
-
-
-def models_body(model: str, max_model_len: int, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "kvstrata",
-                "max_model_len": max_model_len,
-            }
-        ],
-    }

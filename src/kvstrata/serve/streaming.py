@@ -9,8 +9,11 @@ sequence at the next step.
 ``TextAssembler`` detokenises incrementally (decode a short window of recent ids, emit the
 new suffix, so the cost stays linear in the output) and applies stop strings: text that
 could still become a stop string is held back, and a matched stop ends generation and is
-trimmed. Streaming and non-streaming requests go through the same assembler, so the
-concatenated deltas of a stream equal the text of the same request answered at once.
+trimmed. How much to hold back is tracked as the text grows (``_StopTails``, one KMP
+automaton per stop string), so each token costs its own characters' worth of work, not the
+square of the longest stop string's length (a 100 KB stop held the loop for seconds).
+Streaming and non-streaming requests go through the same assembler, so the concatenated
+deltas of a stream equal the text of the same request answered at once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class TextAssembler:
         self._decode = decode
         self._stops = tuple(stops)
         self._longest_stop = max((len(s) for s in self._stops), default=0)
+        self._tails = _StopTails(self._stops)
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""
@@ -49,7 +53,9 @@ class TextAssembler:
         prefix = self._decode(output_ids[self._prefix_offset : self._read_offset])
         window = self._decode(output_ids[self._prefix_offset :])
         if len(window) > len(prefix) and not window.endswith(_REPLACEMENT):
-            self.text += window[len(prefix) :]
+            added = window[len(prefix) :]
+            self.text += added
+            self._tails.feed(added)
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
         return self._release(final=False)
 
@@ -76,12 +82,58 @@ class TextAssembler:
         return delta
 
     def _partial_stop_len(self) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-        for size in range(min(self._longest_stop - 1, len(self.text)), 0, -1):
-            tail = self.text[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string
+        (``text`` only grows until the assembler stops or finishes, and it is asked only
+        before: the tails fed in ``push`` are ``text``'s)."""
+        return self._tails.longest()
+
+
+class _StopTails:
+    """For each stop string, the longest tail of a growing text that is a prefix of it.
+
+    One Knuth–Morris–Pratt automaton per stop, fed only the characters appended: amortised
+    O(1) work per character and stop, where slicing every tail up to the longest stop's
+    length cost O(len(stop)^2) per token.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stop for stop in stops if stop)  # an empty one matches at once
+        self._failure = [_failure(stop) for stop in self._stops]
+        self._states = [0] * len(self._stops)
+
+    def feed(self, text: str) -> None:
+        """The text grew by ``text``."""
+        for i, stop in enumerate(self._stops):
+            failure, state, size = self._failure[i], self._states[i], len(stop)
+            for char in text:
+                while state and (state == size or stop[state] != char):
+                    state = failure[state - 1]
+                if stop[state] == char:
+                    state += 1
+            self._states[i] = state
+
+    def longest(self) -> int:
+        """Length of the longest tail of the text fed so far that is a proper prefix of a
+        stop string. A whole stop at the end (the assembler stops before it asks) counts as
+        its longest proper prefix that is also its suffix."""
+        best = 0
+        for stop, failure, state in zip(self._stops, self._failure, self._states, strict=True):
+            best = max(best, state if state < len(stop) else failure[-1])
+        return best
+
+
+def _failure(stop: str) -> list[int]:
+    """KMP's failure function: ``[i]`` is the length of the longest proper prefix of
+    ``stop[: i + 1]`` that is also its suffix."""
+    failure = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = failure[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        failure[i] = k
+    return failure
 
 
 @dataclass
