@@ -61,3 +61,17 @@ def test_a_worker_that_cannot_start_is_named_with_where_its_reason_is() -> None:
             worker.wait_ready(60)
     finally:
         worker.terminate()
+
+
+@pytest.mark.parametrize(
+    ("model", "said"),
+    [("tiny", "cannot reach worker"), ("/nonexistent/model", "cannot load the tokenizer")],
+)
+def test_router_with_a_worker_down_or_no_model_is_a_clean_error(
+    model: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvstrata router`` raised an httpx or OSError traceback for both."""
+    argv = ["router", "--worker", "http://127.0.0.1:1", "--model", model, "--port", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

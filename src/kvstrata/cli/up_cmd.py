@@ -200,6 +200,7 @@ def _serve_frontdoor(
     prefill_urls: frozenset[str] = frozenset(),
 ) -> None:
     """Attach to the workers and serve the front door; ``api_key``: the fleet key."""
+    import httpx
     import uvicorn
 
     from kvstrata.engine.model_loader import MODEL_NAMES, ensure_checkpoint
@@ -224,9 +225,16 @@ def _serve_frontdoor(
         prefill_urls=prefill_urls,
         disagg=disagg_settings(args) if prefill_urls else None,
     )
-    fleet = Fleet(FleetTokenizer(model_dir), config, source=source)
+    try:
+        tokenizer = FleetTokenizer(model_dir)
+    except OSError as exc:  # not a model directory: a clean error, as serve gives
+        raise InvalidInput(f"cannot load the tokenizer of {model_dir}: {exc}") from None
+    fleet = Fleet(tokenizer, config, source=source)
     for url in urls:
-        fleet.attach(url)
+        try:
+            fleet.attach(url)
+        except httpx.HTTPError as exc:
+            raise InvalidInput(f"cannot reach worker {url}: {exc}") from None
     with AuditLog(security.audit_path, component="frontdoor") as audit:
         app = create_frontdoor_app(fleet, security_args.frontdoor_auth(security.keys_file, audit))
         certfile, keyfile = security_args.tls_files(security)
