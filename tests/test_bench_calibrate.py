@@ -163,6 +163,8 @@ def _live(factor: float) -> LiveResult:
         probes=[(32, 0, 0.2), (1, 31, 0.1), (256, 0, 0.5)],
         fleet_ready_s=1.0,
         replay_wall_s=2.0,
+        answered=[("w0", 40, factor * 1.0), ("w1", 20, factor * 2.0), ("w0", 40, factor * 3.0)],
+        router=[{"worker_id": "w0", "prefill_samples": 3}],
     )
 
 
@@ -179,6 +181,15 @@ def test_report_shape_medians_and_spread() -> None:
     assert spread["min"] == pytest.approx(2.2 / 2.4) and spread["max"] == pytest.approx(1.1)
     assert len(data["live_runs"]) == 2 and len(data["probes"]) == 6
     assert set(data["prefill_models"]) == {"reference-cpu", "measured"}
+    split = data["live_runs"][1]["per_worker"]
+    assert split["w0"] == {
+        "requests": 2,
+        "prompt_tokens": 80,
+        "ttft_p50_s": pytest.approx(2.4),  # 1.2 and 3.6
+        "ttft_p90_s": pytest.approx(3.36),
+    }
+    assert split["w1"]["requests"] == 1 and split["w1"]["ttft_p50_s"] == pytest.approx(2.4)
+    assert data["live_runs"][0]["router"] == [{"worker_id": "w0", "prefill_samples": 3}]
     json.dumps(data, allow_nan=False)
 
 
@@ -202,6 +213,11 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
     assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes
+    for split in (data["live_runs"][0]["per_worker"], data["sim"]["reference-cpu"]["per_worker"]):
+        assert sum(side["requests"] for side in split.values()) <= 8
+        assert all(side["prompt_tokens"] > 0 for side in split.values())
+    router = data["live_runs"][0]["router"]
+    assert len(router) == 2 and all(w["prefill_model"]["per_token_s"] > 0 for w in router)
 
 
 def test_probe_lengths_cover_the_replayed_prompts() -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
@@ -232,6 +232,25 @@ def _ratio(a: float | int | None, b: float | int | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None
     return float(a) / float(b)
+
+
+def per_worker(answered: Iterable[tuple[str, int, float]]) -> dict[str, dict[str, Any]]:
+    """Per worker: requests, prompt tokens and TTFT p50 / p90 of ``(worker, prompt tokens,
+    TTFT)`` rows: how the router split the load, and what each side of the split saw."""
+    groups: dict[str, list[tuple[int, float]]] = {}
+    for worker, tokens, ttft in answered:
+        groups.setdefault(worker, []).append((tokens, ttft))
+    out: dict[str, dict[str, Any]] = {}
+    for worker in sorted(groups):
+        rows = groups[worker]
+        stats = percentiles([ttft for _, ttft in rows])
+        out[worker] = {
+            "requests": len(rows),
+            "prompt_tokens": sum(tokens for tokens, _ in rows),
+            "ttft_p50_s": stats["p50"],
+            "ttft_p90_s": stats["p90"],
+        }
+    return out
 
 
 def compare(live: Sequence[float], sims: Mapping[str, Sequence[float]]) -> dict[str, Any]:

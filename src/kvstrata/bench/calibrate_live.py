@@ -60,6 +60,11 @@ class LiveResult:
     probes: list[tuple[int, int, float]]
     fleet_ready_s: float
     replay_wall_s: float
+    answered: list[tuple[str, int, float]]
+    """Per answered request, in request order: (worker that served it, prompt tokens, TTFT)."""
+    router: list[dict[str, Any]]
+    """The front door's ``/fleet/workers`` after the replay: each worker's router view (its
+    online prefill fit and decode-step estimate), what its routing decisions were based on."""
 
 
 def fleet_command(
@@ -305,6 +310,7 @@ class LiveFleet:
             )
         )
         wall = time.perf_counter() - started
+        router = httpx.get(f"{self.base}/fleet/workers", timeout=30.0).json()["workers"]
         served: dict[str, int] = {}
         for answer in answers:
             served[answer.worker] = served.get(answer.worker, 0) + 1
@@ -317,6 +323,12 @@ class LiveFleet:
             probes=list(probes),
             fleet_ready_s=self.ready_s,
             replay_wall_s=wall,
+            answered=[
+                (a.worker, r.prompt_tokens, a.ttft_s)
+                for a, r in zip(answers, requests, strict=True)
+                if a.ttft_s is not None
+            ],
+            router=router,
         )
 
 

@@ -38,6 +38,7 @@ from kvstrata.bench.calibrate import (
     GOAL_LO,
     Scaling,
     compare,
+    per_worker,
     percentiles,
     scale_trace,
     sim_profile,
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         profiles["measured"] = sim_profile(base, args.block_tokens, blocks, prefill=measured)
     sims = {}
     sim_hit = {}
+    sim_split = {}
     scaled = sim_requests(requests, args.block_tokens)
     for name, prof in profiles.items():
         result = simulate(
@@ -152,7 +154,13 @@ def run(args: argparse.Namespace) -> int:
         )
         sims[name] = result.ttft_s
         sim_hit[name] = result.hit_tokens / max(result.prompt_tokens, 1)
+        sim_split[name] = per_worker(
+            (f"w{n}", r.prompt_tokens, t)
+            for n, r, t in zip(result.worker_of, requests, result.ttft_s, strict=True)
+        )
     data = _report(lives, sims, sim_hit, args, record, blocks, measured)
+    for name, split in sim_split.items():
+        data["sim"][name]["per_worker"] = split
     data["wall_s"] = round(time.perf_counter() - wall, 1)
     _emit(data, args)
     return 0
@@ -215,6 +223,8 @@ def _report(
                 "ttft_s": s,
                 "hit_rate": live.cached_tokens / max(live.prompt_tokens, 1),
                 "served_by": live.workers,
+                "per_worker": per_worker(live.answered),
+                "router": live.router,
                 "failures": live.failures,
                 "fleet_ready_s": round(live.fleet_ready_s, 1),
                 "replay_wall_s": round(live.replay_wall_s, 1),

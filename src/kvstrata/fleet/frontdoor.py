@@ -249,6 +249,8 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
                 "consistent": view.consistent,
                 "blocks": dict(zip(("device", "host", "disk", "remote"), view.blocks, strict=True)),
                 "prefill_samples": view.prefill_samples,
+                "prefill_model": view.prefill_model,
+                "decode_step_s": view.decode_step_s,
             }
             for view in fleet.worker_views()
         ]

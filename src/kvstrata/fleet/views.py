@@ -37,3 +37,7 @@ class WorkerView:
     consistent: bool
     blocks: tuple[int, int, int, int]
     prefill_samples: int
+    prefill_model: dict[str, float]
+    """The router's online prefill fit for this worker (``PrefillModel.terms``)."""
+    decode_step_s: float
+    """The router's running estimate of one decode step on this worker."""

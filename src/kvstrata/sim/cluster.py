@@ -119,16 +119,18 @@ class RunResult:
     output_tokens: int
     busy_s: list[float]
     kv_occupancy: list[float]
+    """Per worker: mean share of the device pool held by running requests in the window."""
     decode_demand: float
     """Output tokens asked for per worker-second of the arrival window ÷ the most a worker can
     decode per second (``1 / decode_interference_s``, the batch-size limit of the step model)."""
-    """Per worker: mean share of the device pool held by running requests in the window."""
     first_arrival_s: float
     window_end_s: float
     last_done_s: float
     device_evictions: int
     host_evictions: int
     predicted_ttft_s: list[float] = field(default_factory=list)
+    worker_of: list[int] = field(default_factory=list)
+    """Per request, in request order (as ``ttft_s``): the index of the worker it ran on."""
 
 
 _REPRESENTATION = Representation(
@@ -415,6 +417,7 @@ class Simulation:
             device_evictions=sum(w.device_evictions for w in self.workers),
             host_evictions=sum(w.host_evictions for w in self.workers),
             predicted_ttft_s=self._predicted,
+            worker_of=[job.worker for job in jobs],
         )
 
 
