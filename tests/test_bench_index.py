@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import resource
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -56,7 +59,7 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["lookup_with_hash_vs_peer_set_p99"] == pytest.approx(
         result["lookup_with_hash_p99_ms"] / result["peer_set_lookup_with_hash_p99_ms"]
     )
-    assert result["rss_mb"] >= 0 and result["bytes_per_block"] >= 0
+    _check_memory_figures(result)
     assert result["blocks_per_event"] > 1 and result["events"] >= result["batches"] > 0
     # The two looked-up documents sit on four workers each at full, 3/4, 1/2 and 1/4 depth.
     assert result["matched_blocks"] == [64, 48, 32, 16, 0, 0, 0, 0]
@@ -83,6 +86,44 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
         <= result["live_lookup_with_hash_vs_peer_set_p99"]
         <= result["live_lookup_with_hash_vs_peer_set_p99_max"]
     )
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _check_memory_figures(result: dict[str, Any], peak_rss_mib: float | None = None) -> None:
+    """``bytes_per_block`` is ``rss_mb`` spread over the indexed placements, and the RSS the
+    fill added cannot exceed the process's peak RSS. (In a process that has already freed
+    memory the allocator reuses it and the figure can read 0: positivity needs a fresh one.)"""
+    assert result["bytes_per_block"] * result["index_blocks"] == pytest.approx(
+        result["rss_mb"] * 2**20
+    )
+    assert 0 <= result["rss_mb"] <= (_peak_rss_mib() if peak_rss_mib is None else peak_rss_mib)
+
+
+_FRESH_PROCESS = """
+import json, resource, sys
+from kvstrata.bench.index import IndexBenchConfig, run_index_bench
+config = IndexBenchConfig(blocks=3000, workers=8, request_tokens=1024, repeats=5,
+                          naive=False, peer_set=False)
+result = run_index_bench(config).to_dict()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+json.dump({"result": result, "peak_rss_mib": peak}, sys.stdout)
+"""
+
+
+def test_bench_index_memory_figure_in_a_fresh_process() -> None:
+    """The first fill in a process grows its RSS (about 15 MiB at this size): at least the
+    8-byte hash of every distinct block it now holds, at most the process's peak RSS."""
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    result = out["result"]
+    assert result["index_entries"] >= 3000
+    assert result["rss_mb"] * 2**20 >= 8 * result["index_entries"]
+    assert result["bytes_per_block"] >= 8 * result["index_entries"] / result["index_blocks"]
+    _check_memory_figures(result, out["peak_rss_mib"])
 
 
 def test_bench_index_table_without_peer(capsys: pytest.CaptureFixture[str]) -> None:
