@@ -126,3 +126,22 @@ def test_queue_wait_is_not_learned_as_decode_interference() -> None:
     state.first_token("ahead", 4.7, alone=False)
     state.first_token("r", 4.7 + alone, alone=False)
     assert state.interference.apply(state.profile()).interference_s(2048, 4) == 0.0
+
+
+def test_a_prefill_another_request_joined_is_not_learned_as_alone() -> None:
+    """The engine packs a newcomer's first chunk into the step of the running prompt's last
+    one, so a prompt that was alone when placed but was joined before its first token took
+    longer than its prefill alone. Learning from it biased the fit (stop 38, `bench
+    calibrate`: 107–307 ms + 2.0–2.6 ms/token in the router against 96 ms + 1.33 ms/token
+    from idle probes, different on the two workers)."""
+    state = _state("w0", transfer=False)
+    state.begin("a", 512, 0, 0.8, 8, 0.0)
+    state.begin("b", 256, 0, 0.4, 8, 0.1)  # placed before a's first token
+    state.first_token("a", 1.4, alone=True)
+    assert state.prefill_fit.samples == 0
+    state.first_token("b", 1.6, alone=False)
+    state.finish("a", 1.7, 8, 1.4)
+    state.finish("b", 1.8, 8, 1.5)
+    state.begin("c", 512, 0, 0.8, 8, 2.0)
+    state.first_token("c", 2.8, alone=True)  # nobody joined: its prefill alone
+    assert state.prefill_fit.samples == 1

@@ -227,6 +227,10 @@ class _InFlight:
     queued_ahead: int = 0  # prefills not at their first token when this one was placed
     first_token: bool = False
     prefilled_elsewhere: bool = False  # a prefill worker computes it (disaggregation)
+    joined: bool = False
+    """Another request was placed on the worker before this one's first token. The engine
+    packs a newcomer's first chunk into the step of this prompt's last one, so its TTFT is
+    not its prefill alone (nor its prefill beside the decodes it started with)."""
 
 
 @dataclass
@@ -301,6 +305,9 @@ class WorkerState:
         expected = int(self.mean_output_tokens)
         if max_tokens is not None:
             expected = min(expected, max_tokens)
+        for flight in self._inflight.values():
+            if not flight.first_token:
+                flight.joined = True
         self._inflight[request_id] = _InFlight(
             prompt_tokens,
             prompt_tokens - cached_tokens,
@@ -328,13 +335,14 @@ class WorkerState:
             flight.predicted_prefill_s = 0.0
 
     def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
-        """Mark the first token; learn the prefill model from it if nothing else was running."""
+        """Mark the first token; learn the prefill model from it if nothing else was running
+        (``alone``: when it was placed) and no other request joined before it (``joined``)."""
         flight = self._inflight.get(request_id)
         if flight is None or flight.first_token:
             return None
         flight.first_token = True
         ttft = now - flight.started
-        if flight.prefilled_elsewhere:
+        if flight.prefilled_elsewhere or flight.joined:
             return ttft
         if alone:
             self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)
