@@ -165,6 +165,7 @@ def _live(factor: float) -> LiveResult:
         replay_wall_s=2.0,
         answered=[("w0", 40, factor * 1.0), ("w1", 20, factor * 2.0), ("w0", 40, factor * 3.0)],
         router=[{"worker_id": "w0", "prefill_samples": 3}],
+        decisions={"w0/lowest_ttft_plus_work": 2, "w1/lowest_ttft_plus_work": 1},
     )
 
 
@@ -218,6 +219,8 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
         assert all(side["prompt_tokens"] > 0 for side in split.values())
     router = data["live_runs"][0]["router"]
     assert len(router) == 2 and all(w["prefill_model"]["per_token_s"] > 0 for w in router)
+    # every replayed request and both warm-ups were routed (and counted by reason)
+    assert sum(data["live_runs"][0]["decisions"].values()) >= 8 + 2
 
 
 def test_probe_lengths_cover_the_replayed_prompts() -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.bench.calibrate import TOKEN_HI, TOKEN_LO, LiveRequest, prompt_ids
 from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
@@ -65,6 +66,9 @@ class LiveResult:
     router: list[dict[str, Any]]
     """The front door's ``/fleet/workers`` after the replay: each worker's router view (its
     online prefill fit and decode-step estimate), what its routing decisions were based on."""
+    decisions: dict[str, int]
+    """``worker/reason`` → routing decisions (the front door's ``/metrics``), this fleet's
+    warm-up, probes and replay together."""
 
 
 def fleet_command(
@@ -265,6 +269,19 @@ async def _with_client(work: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
         return await work(client)
 
 
+def _decisions(exposition: str) -> dict[str, int]:
+    """``worker/reason`` → count of the router's decisions in a ``/metrics`` page."""
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name != "kvstrata_router_decisions":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = f"{sample.labels['worker']}/{sample.labels['reason']}"
+                out[key] = out.get(key, 0) + int(sample.value)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class LiveFleet:
     """A running fleet (``live_fleet``): probe it, replay on it."""
@@ -311,6 +328,7 @@ class LiveFleet:
         )
         wall = time.perf_counter() - started
         router = httpx.get(f"{self.base}/fleet/workers", timeout=30.0).json()["workers"]
+        decisions = _decisions(httpx.get(f"{self.base}/metrics", timeout=30.0).text)
         served: dict[str, int] = {}
         for answer in answers:
             served[answer.worker] = served.get(answer.worker, 0) + 1
@@ -329,6 +347,7 @@ class LiveFleet:
                 if a.ttft_s is not None
             ],
             router=router,
+            decisions=decisions,
         )
 
 

@@ -225,6 +225,7 @@ def _report(
                 "served_by": live.workers,
                 "per_worker": per_worker(live.answered),
                 "router": live.router,
+                "decisions": live.decisions,
                 "failures": live.failures,
                 "fleet_ready_s": round(live.fleet_ready_s, 1),
                 "replay_wall_s": round(live.replay_wall_s, 1),
