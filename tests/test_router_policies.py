@@ -372,24 +372,46 @@ def _profiles_with_spread(spreads: dict[str, float]) -> Callable[[str], CostProf
 
 
 def test_kvstrata_guard_prices_an_upper_quantile_of_an_uncertain_wait() -> None:
-    """A holder whose mean wait is just under x's whole TTFT keeps the request (work charge);
-    once its cost model is uncertain (spread), the p90 wait exceeds it and x takes it."""
+    """The guard compares upper quantiles: the model-priced parts (queue, prefill) × one
+    factor, the measured ones (fetch) as they are. A holder whose mean wait is just under
+    x's mean TTFT (part of it a disk fetch) keeps the request with certain models; once
+    the models are uncertain, its p90 wait exceeds x's p90 TTFT and x takes it."""
     req = request(1024)
-    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
-    load = loads(WorkerLoad("h", queued_s=0.9 * prefill_s(1024)), WorkerLoad("x"))
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 32, 0))  # x: half the prompt on its disk
+    x_mean = 32 * FETCH[2] + prefill_s(512)
+    load = loads(WorkerLoad("h", queued_s=x_mean - 0.005), WorkerLoad("x"))
     certain = KvstrataPolicy(profiles, work_weight=10.0, load_adaptive=False)
     assert certain.choose(req, found, load).worker_id == "h"
-    uncertain = _profiles_with_spread({"h": 0.3})
+    uncertain = _profiles_with_spread({"h": 0.3, "x": 0.3})
     mean = KvstrataPolicy(uncertain, work_weight=10.0, load_adaptive=False, risk_z=0.0)
     assert mean.choose(req, found, load).worker_id == "h"
     risky = KvstrataPolicy(uncertain, work_weight=10.0, load_adaptive=False)
     decision = risky.choose(req, found, load)
-    assert 0.9 * math.exp(1.2816 * 0.3) > 1.0  # the p90 wait exceeds x's TTFT
+    factor = math.exp(1.2816 * 0.3)
+    assert (x_mean - 0.005) * factor > prefill_s(512) * factor + 32 * FETCH[2]
     assert decision.worker_id == "x" and decision.reason == "wait_exceeds_ttft_elsewhere:h"
     # Scores and the predicted TTFT stay mean estimates.
     scores = {e.worker_id: e.score for e in decision.estimates}
-    assert scores["x"] == pytest.approx(prefill_s(1024) * 11.0)
-    assert decision.predicted_ttft_s == pytest.approx(prefill_s(1024))
+    assert scores["x"] == pytest.approx(x_mean * 11.0)
+    assert decision.predicted_ttft_s == pytest.approx(x_mean)
+
+
+def test_kvstrata_guard_does_not_flee_the_worker_whose_fit_is_less_certain() -> None:
+    """Identical workers whose fits differ only in how well they have converged: the guard
+    prices both with one factor (the median spread), as the score prices both with one
+    model. With each worker's own spread it moved a holder's request to the other worker
+    whenever the holder's fit was the less certain (stop 38, a live fleet: 52 of 178
+    decisions, 112 of 160 requests on one of two workers)."""
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 0, 0))
+    load = loads(WorkerLoad("h", queued_s=0.9 * prefill_s(1024)), WorkerLoad("x"))
+    for spreads in ({"h": 0.3}, {"x": 0.3}, {"h": 0.3, "x": 0.3}):
+        policy = KvstrataPolicy(
+            _profiles_with_spread(spreads), work_weight=10.0, load_adaptive=False
+        )
+        decision = policy.choose(req, found, load)
+        assert decision.worker_id == "h", spreads
+        assert decision.reason == "lowest_ttft_plus_work"
 
 
 def test_kvstrata_prices_added_work_alike_on_every_worker() -> None:
