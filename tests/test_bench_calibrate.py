@@ -214,8 +214,12 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
     assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes
-    for split in (data["live_runs"][0]["per_worker"], data["sim"]["reference-cpu"]["per_worker"]):
-        assert sum(side["requests"] for side in split.values()) <= 8
+    live_split = data["live_runs"][0]["per_worker"]
+    assert sum(side["requests"] for side in live_split.values()) == data["live"]["ttft_s"]["n"]
+    assert set(live_split) <= set(data["live_runs"][0]["served_by"])
+    sim_split = data["sim"]["reference-cpu"]["per_worker"]
+    assert sum(side["requests"] for side in sim_split.values()) == 8
+    for split in (live_split, sim_split):
         assert all(side["prompt_tokens"] > 0 for side in split.values())
     router = data["live_runs"][0]["router"]
     assert len(router) == 2 and all(w["prefill_model"]["per_token_s"] > 0 for w in router)

@@ -145,3 +145,15 @@ def test_a_prefill_another_request_joined_is_not_learned_as_alone() -> None:
     state.begin("c", 512, 0, 0.8, 8, 2.0)
     state.first_token("c", 2.8, alone=True)  # nobody joined: its prefill alone
     assert state.prefill_fit.samples == 1
+
+
+def test_a_request_prefilled_elsewhere_does_not_spoil_a_local_sample() -> None:
+    """A disaggregated request is placed on its decode worker (``begin``) before the plan
+    sends its prefill elsewhere: it never joined the prefill running there, whose TTFT is
+    still a sample of the worker's prefill alone."""
+    state = _state("d0", transfer=True)
+    state.begin("local", 512, 0, 0.8, 8, 0.0)
+    state.begin("remote", 2048, 0, 3.0, 8, 0.1)
+    state.prefilled_elsewhere("remote")
+    state.first_token("local", 0.9, alone=True)
+    assert state.prefill_fit.samples == 1

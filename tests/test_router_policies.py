@@ -414,6 +414,24 @@ def test_kvstrata_guard_does_not_flee_the_worker_whose_fit_is_less_certain() -> 
         assert decision.reason == "lowest_ttft_plus_work"
 
 
+def test_kvstrata_guard_risk_is_the_median_spread() -> None:
+    """Three workers, one of whose fits is very uncertain: the guard's factor is the median
+    spread (0 here), not the mean or the largest, so a holder whose mean wait is just under
+    x's mean TTFT (half of it a disk fetch) keeps the request."""
+    req = request(1024)
+    found = matches(h=(64, 0, 0, 0), x=(0, 0, 32, 0), y=(0, 0, 0, 0))
+    x_mean = 32 * FETCH[2] + prefill_s(512)
+    load = loads(WorkerLoad("h", queued_s=x_mean - 0.005), WorkerLoad("x"), WorkerLoad("y"))
+    policy = KvstrataPolicy(
+        _profiles_with_spread({"y": 0.9}), work_weight=10.0, load_adaptive=False
+    )
+    decision = policy.choose(req, found, load)
+    assert decision.worker_id == "h" and decision.reason == "lowest_ttft_plus_work"
+    for aggregate in (0.3, 0.9):  # the mean or the largest spread would have fled h
+        factor = math.exp(1.2816 * aggregate)
+        assert (x_mean - 0.005) * factor > prefill_s(512) * factor + 32 * FETCH[2]
+
+
 def test_kvstrata_prices_added_work_alike_on_every_worker() -> None:
     """No worker holds the prompt: its prefill and the work it adds are priced alike (the
     median fit), so the shorter queue wins, though ``fast``'s own fit prices it lower (issue

@@ -70,6 +70,10 @@ def test_every_request_completes_and_ttft_covers_its_prefill(policy: str) -> Non
     assert all(p > 0 for p in result.prefill_s)
     assert result.prompt_tokens == sum(r.prompt_tokens for r in requests)
     assert result.last_done_s >= max(r.arrival_s for r in requests)
+    assert len(result.worker_of) == len(requests)
+    assert set(result.worker_of) <= set(range(4))
+    if policy == "round-robin":  # in request order, whatever it found
+        assert result.worker_of == [i % 4 for i in range(len(requests))]
 
 
 def test_one_worker_with_an_infinite_cache_reaches_the_bound() -> None:

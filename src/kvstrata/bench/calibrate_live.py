@@ -269,6 +269,22 @@ async def _with_client(work: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
         return await work(client)
 
 
+def _router_state(
+    base: str, say: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The front door's ``/fleet/workers`` and its decisions by worker and reason; empty (and
+    said) when either cannot be read: diagnostics, never a reason to lose a replay."""
+    try:
+        workers = httpx.get(f"{base}/fleet/workers", timeout=30.0)
+        metrics = httpx.get(f"{base}/metrics", timeout=30.0)
+        workers.raise_for_status()
+        metrics.raise_for_status()
+        return list(workers.json()["workers"]), _decisions(metrics.text)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        say(f"calibrate: the router's state could not be read: {exc!r}")
+        return [], {}
+
+
 def _decisions(exposition: str) -> dict[str, int]:
     """``worker/reason`` → count of the router's decisions in a ``/metrics`` page."""
     out: dict[str, int] = {}
@@ -327,8 +343,7 @@ class LiveFleet:
             )
         )
         wall = time.perf_counter() - started
-        router = httpx.get(f"{self.base}/fleet/workers", timeout=30.0).json()["workers"]
-        decisions = _decisions(httpx.get(f"{self.base}/metrics", timeout=30.0).text)
+        router, decisions = _router_state(self.base, self.say)
         served: dict[str, int] = {}
         for answer in answers:
             served[answer.worker] = served.get(answer.worker, 0) + 1

@@ -18,6 +18,10 @@
    (issue 15 item 2) is both within 0.8–1.25 for ``reference-cpu`` and no failed request. With
    repetitions, the live figures are the median over repetitions of each percentile, each
    repetition's ratios are listed (``live_runs``) and ``ratio_spread`` gives their min/max.
+   Each live run and each simulated profile gives its split over the workers
+   (``per_worker``: requests, prompt tokens, TTFT p50 / p90); each live run, the router's
+   view of every worker after the replay (``router``: ``/fleet/workers``, its online prefill
+   fit) and its decisions by worker and reason (``decisions``, from ``/metrics``).
 
 Recalibrating ``reference-cpu``: when ``measured`` meets the goal and ``reference-cpu`` does
 not, the profile's constants are off for this machine; ``prefill_models.measured`` gives the

@@ -316,7 +316,7 @@ class Fleet(FleetRouting):
                     consistent=index is not None and index.is_consistent(state.worker_id),
                     blocks=(0, 0, 0, 0) if index is None else index.blocks_held(state.worker_id),
                     prefill_samples=state.prefill_fit.samples,
-                    prefill_model=state.prefill_fit.model().terms(),
+                    prefill_model=state.prefill_fit.model(),
                     decode_step_s=state.decode_step_s,
                 )
                 for state in self._table.by_id.values()

@@ -249,7 +249,10 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
                 "consistent": view.consistent,
                 "blocks": dict(zip(("device", "host", "disk", "remote"), view.blocks, strict=True)),
                 "prefill_samples": view.prefill_samples,
-                "prefill_model": view.prefill_model,
+                "prefill_model": {
+                    **view.prefill_model.terms(),
+                    "spread": view.prefill_model.spread,
+                },
                 "decode_step_s": view.decode_step_s,
             }
             for view in fleet.worker_views()

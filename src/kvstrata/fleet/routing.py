@@ -179,7 +179,8 @@ class FleetRouting:
         return state
 
     def first_token(self, reservation: Reservation, now: float) -> float | None:
-        """Record the first token (TTFT); learn the prefill model from it if it ran alone."""
+        """Record the first token (TTFT); learn the prefill model from it if it ran alone
+        (nothing in flight when placed, nothing placed beside it before this token)."""
         with self._lock:
             if self._router is not None:
                 self._router.first_token(reservation.request_id)

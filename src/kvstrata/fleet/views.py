@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstrata.costs import PrefillModel
 from kvstrata.router.model import RouteDecision
 
 
@@ -22,7 +23,8 @@ class Reservation:
     """Prompt tokens the index says the worker holds (the last one is always computed)."""
     started: float
     alone: bool
-    """Nothing else was in flight on the worker: its TTFT is its prefill time alone."""
+    """Nothing else was in flight on the worker when it was placed: its TTFT is its prefill
+    time alone unless another request joins before its first token (``WorkerState``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +39,7 @@ class WorkerView:
     consistent: bool
     blocks: tuple[int, int, int, int]
     prefill_samples: int
-    prefill_model: dict[str, float]
-    """The router's online prefill fit for this worker (``PrefillModel.terms``)."""
+    prefill_model: PrefillModel
+    """The router's online prefill fit for this worker (its spread too)."""
     decode_step_s: float
     """The router's running estimate of one decode step on this worker."""

@@ -227,10 +227,10 @@ class _InFlight:
     queued_ahead: int = 0  # prefills not at their first token when this one was placed
     first_token: bool = False
     prefilled_elsewhere: bool = False  # a prefill worker computes it (disaggregation)
-    joined: bool = False
-    """Another request was placed on the worker before this one's first token. The engine
-    packs a newcomer's first chunk into the step of this prompt's last one, so its TTFT is
-    not its prefill alone (nor its prefill beside the decodes it started with)."""
+    joined_by: set[str] = field(default_factory=set)
+    """Requests placed on the worker before this one's first token that prefill here. The
+    engine packs a newcomer's first chunk into the step of this prompt's last one, so its
+    TTFT is not its prefill alone (nor its prefill beside the decodes it started with)."""
 
 
 @dataclass
@@ -307,7 +307,7 @@ class WorkerState:
             expected = min(expected, max_tokens)
         for flight in self._inflight.values():
             if not flight.first_token:
-                flight.joined = True
+                flight.joined_by.add(request_id)
         self._inflight[request_id] = _InFlight(
             prompt_tokens,
             prompt_tokens - cached_tokens,
@@ -328,21 +328,24 @@ class WorkerState:
 
     def prefilled_elsewhere(self, request_id: str) -> None:
         """A prefill worker computes this request's prompt: this worker only waits for the KV
-        (nothing queued here for it), and its TTFT says nothing about this worker's prefill."""
+        (nothing queued here for it), and its TTFT says nothing about this worker's prefill;
+        nor did it join the prefills running here (its KV arrives as a decode row)."""
         flight = self._inflight.get(request_id)
         if flight is not None:
             flight.prefilled_elsewhere = True
             flight.predicted_prefill_s = 0.0
+        for other in self._inflight.values():
+            other.joined_by.discard(request_id)
 
     def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
         """Mark the first token; learn the prefill model from it if nothing else was running
-        (``alone``: when it was placed) and no other request joined before it (``joined``)."""
+        (``alone``: when it was placed) and no other request joined before it (``joined_by``)."""
         flight = self._inflight.get(request_id)
         if flight is None or flight.first_token:
             return None
         flight.first_token = True
         ttft = now - flight.started
-        if flight.prefilled_elsewhere or flight.joined:
+        if flight.prefilled_elsewhere or flight.joined_by:
             return ttft
         if alone:
             self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)

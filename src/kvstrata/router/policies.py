@@ -126,9 +126,10 @@ class KvstrataPolicy:
       what the prefill models price (queue wait, prefill) × ``exp(z · spread)``, the spread
       the median of the workers' fits' (:attr:`kvstrata.costs.PrefillModel.spread`, large
       while the router still prices with a prior), against what is measured (fetch, decode
-      interference) as it is; so an uncertain, model-priced wait trips it sooner. One
-      factor for every worker, as one price: a worker is not fled for its fit converging
-      later than another's (:meth:`_risk_factor`).
+      interference) as it is. One factor for every worker, as one price: a worker is not
+      fled for its fit converging later than another's (:meth:`_risk_factor`). So the
+      factor only weighs model-priced time against measured time: where the TTFT elsewhere
+      has no fetch and no decode interference, it cancels and the guard compares means.
 
     (Measured, issue 15: pricing the upper quantile in the score itself, not only in the
     guard, lost on synthetic chat — it prefers whichever worker has the most samples so far
