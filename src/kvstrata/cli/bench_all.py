@@ -225,10 +225,10 @@ PLAN: Final[tuple[Entry, ...]] = (
     ),
     Entry(
         "calibrate",
-        _cmd("bench calibrate --json"),
+        _cmd("bench calibrate --repeats 3 --json"),
         "Live `kvstrata up --workers 2` fleet (real SmolLM2 on CPU) against `kvstrata sim` "
         "(`reference-cpu`) replaying the same scaled Mooncake slice: TTFT distributions side "
-        "by side.",
+        "by side; the live figures are medians over 3 fresh fleets.",
         quick=_cmd("bench calibrate --limit 8 --probe-rounds 1 --json"),
         needs=(MOONCAKE,),
     ),
