@@ -35,6 +35,7 @@ from kvstrata.fleet.frontdoor import create_frontdoor_app
 from kvstrata.fleet.supervisor import Supervisor, WorkerSpec
 from kvstrata.identity import secret_digest
 from kvstrata.index.model import ConsistencyMode
+from kvstrata.runtime.config import ServeLimits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,11 +106,14 @@ class _Worker:
 
 
 @contextmanager
-def _front(worker: _Worker) -> Iterator[tuple[Fleet, str]]:
+def _front(worker: _Worker, limits: ServeLimits | None = None) -> Iterator[tuple[Fleet, str]]:
     with serving(worker) as served:
         url = str(served.base_url).rstrip("/")
         config = FleetConfig(
-            worker_urls=[url], mode=ConsistencyMode.APPROXIMATE, health_interval_s=0.3
+            worker_urls=[url],
+            mode=ConsistencyMode.APPROXIMATE,
+            health_interval_s=0.3,
+            limits=limits or ServeLimits(),
         )
         fleet = Fleet(FleetTokenizer(ensure_checkpoint("tiny")), config)
         fleet.attach(url)
@@ -122,6 +126,22 @@ def _front(worker: _Worker) -> Iterator[tuple[Fleet, str]]:
 
 def _inflight(fleet: Fleet) -> list[int]:
     return [view.inflight for view in fleet.worker_views()]
+
+
+def test_the_front_door_refuses_a_body_over_the_workers_configured_limit() -> None:
+    """The workers' ``[limits]`` hold at the front door: a body over them is a 413 there, and
+    the worker never sees it (the front door enforced its own defaults, 4 MiB, so a worker
+    configured smaller refused it by closing, and that read as a dead worker)."""
+    worker = _Worker()
+    body = {"prompt": "x" * 2048, "max_tokens": 2}
+    with _front(worker, ServeLimits(max_body_bytes=1024)) as (fleet, base):
+        refused = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 413, refused.text
+        assert worker.bodies == [] and all(view.healthy for view in fleet.worker_views())
+        small = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert small.status_code == 200, small.text
+    with _front(worker) as (_fleet, base):  # the default, 4 MiB, lets it through
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
 
 
 def test_bodies_json_accepts_but_cannot_send_on_are_400s_and_book_nothing() -> None:

@@ -179,7 +179,10 @@ def register(sub: Any) -> None:
         "--model", default="smollm2", help="tokenizer source: smollm2 | tiny | PATH"
     )
     router.add_argument(
-        "--config", type=Path, default=None, help="read tenant_secret_file from this worker config"
+        "--config",
+        type=Path,
+        default=None,
+        help="the workers' config: its tenant_secret_file and [limits] (body size and time)",
     )
     router.add_argument(
         "--curve-secret-file",
@@ -219,6 +222,7 @@ def _serve_frontdoor(
         tenant_secret=settings.tenant_secret,
         api_key=api_key,
         tls_ca_file=security.tls_ca_file,
+        limits=settings.limits,
         curve_client_secret_file=curve_secret_file or getattr(args, "curve_secret_file", None),
         tombstone_ttl_s=security.tombstone_ttl_s,
         engine=args.engine,

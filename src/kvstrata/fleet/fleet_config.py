@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvstrata.fleet.disagg import DisaggSettings
 from kvstrata.index.core import ConsistencyMode
+from kvstrata.runtime.config import ServeLimits
 from kvstrata.security.config import DEFAULT_TOMBSTONE_TTL_S
 
 
@@ -38,6 +39,11 @@ class FleetConfig:
     """The router's fleet key: presented to workers' ``/kv/info`` and ``/kv/dump``."""
     tls_ca_file: Path | None = None
     """The CA bundle that verifies workers' HTTPS (None: the system CAs)."""
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    """The workers' ``[limits]`` (the same ``--config``): the front door refuses a body they
+    would refuse before sending it on. With its own defaults, a body a worker configured
+    smaller refused (413, closing before reading it) read as a dead worker, and the retry
+    flagged the others too."""
     engine: str = "kvstrata"
     """``kvstrata`` (``kvstrata serve`` workers) or ``vllm`` (vLLM OpenAI servers: a request's
     ``cache_salt`` is its tenant, vLLM's events are read through ``source``)."""

@@ -71,7 +71,7 @@ from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.deletion_protocol import TOKEN_ID_LIMIT
-from kvstrata.serve.limits import DEFAULT_LIMITS, BodyLimits
+from kvstrata.serve.limits import BodyLimits
 from kvstrata.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -172,7 +172,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
     # The workers' own body limits, here first: a body a worker refuses (413, closing before
     # it is read) would otherwise read as a dead worker, and the retry would flag them all.
-    app.add_middleware(BodyLimits, limits=DEFAULT_LIMITS)
+    app.add_middleware(BodyLimits, limits=fleet.config.limits)
     register_deletion(app, fleet, guard)
     app.exception_handler(ApiError)(api_error_handler)
 

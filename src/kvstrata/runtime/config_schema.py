@@ -58,12 +58,19 @@ KEYS: Final[tuple[Key, ...]] = (
         "`serve`: most output tokens a request may ask for (more: a 400); a chat request "
         "that sets none gets this, or the room left in the context window if that is less",
     ),
-    Key("limits.max_body_mib", "float", 4.0, "`serve`: largest request body in MiB (more: a 413)"),
+    Key(
+        "limits.max_body_mib",
+        "float",
+        4.0,
+        "`serve`, and the front door of `up` / `router` given the same file: largest request "
+        "body in MiB (more: a 413)",
+    ),
     Key(
         "limits.body_timeout_s",
         "float",
         30.0,
-        "`serve`: seconds a request body may take to arrive (longer: a 408, connection closed)",
+        "`serve` and the front door: seconds a request body may take to arrive (longer: a 408, "
+        "connection closed)",
     ),
     Key("pool.gib", "float", 1.0, "device KV pool size in GiB (reference engine)"),
     Key("pool.block_size", "int", 16, "tokens per KV block (reference engine)"),
