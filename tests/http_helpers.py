@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from kvstrata.serve.streaming import TextAssembler
+
 
 class ThreadedServer(uvicorn.Server):
     """A uvicorn server that signals once startup (lifespan included) has finished."""
@@ -82,3 +84,17 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
             pass
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def streamed_deltas(assembler: TextAssembler, tokens: int) -> list[str]:
+    """The deltas a streamed answer of ``tokens`` tokens (ids 0, 1, …) sends through
+    ``assembler``: one per token until a stop, then the final flush."""
+    out: list[str] = []
+    ids: list[int] = []
+    for i in range(tokens):
+        ids.append(i)
+        out.append(assembler.push(ids))
+        if assembler.stopped:
+            break
+    out.append(assembler.finish(ids))
+    return out

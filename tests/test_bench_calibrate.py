@@ -155,7 +155,6 @@ def _args(**overrides: object) -> argparse.Namespace:
 
 def _live(factor: float) -> LiveResult:
     return LiveResult(
-        ttft_s=[factor * x for x in (1.0, 2.0, 3.0)],
         failures=[],
         workers={"w0": 2, "w1": 1},
         cached_tokens=10,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from http_helpers import serving
+from http_helpers import serving, streamed_deltas
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import load_model
 from kvstrata.runtime import tokenization
@@ -471,13 +471,6 @@ def test_text_assembler_holds_back_partial_stop_and_trims() -> None:
         return "".join(pieces[i] for i in ids)
 
     assembler = TextAssembler(decode, ["world"])
-    out = []
-    ids: list[int] = []
-    for i in range(len(pieces)):
-        ids.append(i)
-        out.append(assembler.push(ids))
-        if assembler.stopped:
-            break
-    out.append(assembler.finish(ids))
+    out = streamed_deltas(assembler, len(pieces))
     assert out == ["Hel", "lo ", "", "", ""]
     assert assembler.text == "Hello " and assembler.stopped

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from http_helpers import serving
+from http_helpers import serving, streamed_deltas
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import load_model
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
@@ -206,13 +206,7 @@ def test_streamed_deltas_with_stops_equal_the_whole_answer() -> None:
         pieces = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 4))) for _ in range(30)]
         stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(2, 8)))]
         assembler = TextAssembler(lambda ids, p=pieces: "".join(p[i] for i in ids), stops)
-        out, ids = [], []
-        for i in range(len(pieces)):
-            ids.append(i)
-            out.append(assembler.push(ids))
-            if assembler.stopped:
-                break
-        out.append(assembler.finish(ids))
+        out = streamed_deltas(assembler, len(pieces))
         assert "".join(out) == assembler.text
         assert not any(stop in assembler.text for stop in stops)
 

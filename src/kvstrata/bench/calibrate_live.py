@@ -52,8 +52,6 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class LiveResult:
-    ttft_s: list[float]
-    """Per request, in request order; failed requests are left out (see ``failures``)."""
     failures: list[str]
     workers: dict[str, int]
     cached_tokens: int
@@ -69,6 +67,11 @@ class LiveResult:
     decisions: dict[str, int]
     """``worker/reason`` → routing decisions (the front door's ``/metrics``), this fleet's
     warm-up, probes and replay together."""
+
+    @property
+    def ttft_s(self) -> list[float]:
+        """Per request, in request order; failed requests are left out (see ``failures``)."""
+        return [ttft for _, _, ttft in self.answered]
 
 
 def fleet_command(
@@ -348,7 +351,6 @@ class LiveFleet:
         for answer in answers:
             served[answer.worker] = served.get(answer.worker, 0) + 1
         return LiveResult(
-            ttft_s=[a.ttft_s for a in answers if a.ttft_s is not None],
             failures=[f"#{i}: {a.error}" for i, a in enumerate(answers) if a.error is not None],
             workers=served,
             cached_tokens=sum(a.cached for a in answers),

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
+from kvstrata.costs import PrefillModel
 from kvstrata.index.core import PrefixMatch
 from kvstrata.router.baselines import (
     LeastLoadedPolicy,
@@ -168,8 +169,9 @@ class KvstrataPolicy:
         weight = self.work_weight * self._load_factor(healthy)
         estimates = []
         upper: dict[str, tuple[float, float]] = {}
-        pooled = self._pooled_pricer(request, healthy)
-        risk = self._risk_factor(healthy)
+        models = [self.estimator.profiles(w.worker_id).prefill for w in healthy]
+        pooled = self._pooled_pricer(request, models)
+        risk = self._risk_factor(models)
         for load in healthy:
             match = match_of(matches, load.worker_id)
             estimate = self.estimator.estimate(request, match, load)
@@ -254,7 +256,7 @@ class KvstrataPolicy:
         queue = estimate.queue_s * factor
         return queue, queue + prefill_s * factor + estimate.fetch_s + estimate.interference_s
 
-    def _risk_factor(self, healthy: Sequence[WorkerLoad]) -> float:
+    def _risk_factor(self, models: Sequence[PrefillModel]) -> float:
         """``exp(z · spread)`` with the median of the healthy workers' spreads
         (``PrefillModel.spread``, a fit's measured log error; large while the router still
         prices with a prior): one factor for every worker, as the price is one (the median
@@ -264,11 +266,11 @@ class KvstrataPolicy:
         converge later: on a live fleet of two identical workers (``bench calibrate``, stop
         38) 52 of 178 decisions moved a holder's request to the other worker, which served
         112 of the 160 requests at a p50 TTFT of 2.69 s against 1.96 s."""
-        spreads = [self.estimator.profiles(w.worker_id).prefill.spread for w in healthy]
-        return math.exp(min(self.risk_z * statistics.median(spreads), MAX_LOG_RISK))
+        spread = statistics.median(model.spread for model in models)
+        return math.exp(min(self.risk_z * spread, MAX_LOG_RISK))
 
     def _pooled_pricer(
-        self, request: RouteRequest, healthy: Sequence[WorkerLoad]
+        self, request: RouteRequest, models: Sequence[PrefillModel]
     ) -> Callable[[PrefixMatch, str], float] | None:
         """Prefill seconds of this request on a worker, priced alike on every worker: the
         median of the healthy workers' fits (``pooled_prefill``), in the score and the
@@ -288,7 +290,6 @@ class KvstrataPolicy:
         """
         if not self.pooled_prefill:
             return None
-        models = [self.estimator.profiles(w.worker_id).prefill for w in healthy]
         priced: dict[int, float] = {}
 
         def price(match: PrefixMatch, worker_id: str) -> float:
