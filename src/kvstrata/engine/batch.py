@@ -288,6 +288,7 @@ class BatchRunner:
 
     # ---- the forward ---------------------------------------------------------------------------
     def _forward(self, work: list[tuple[Seq, int]]) -> None:
+        started = time.perf_counter()
         block_size = self.block_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -342,10 +343,12 @@ class BatchRunner:
             **{BATCH_KWARG: layout},
         )
         logits = out.logits[0].float()
+        done = time.perf_counter()
         if len(work) == 1:  # a step of one prefill chunk: a clean observation of its cost
             seq, count = work[0]
             if count > 1:
-                self.costs.observe(count, seq.num_computed, time.perf_counter() - forward_started)
+                self.costs.observe(count, seq.num_computed, done - forward_started)
+        self._attribute(work, done - started)
         for seq, count in work:
             seq.num_computed += count
             self._publish_full_blocks(seq)
@@ -355,6 +358,27 @@ class BatchRunner:
         for seq, _ in work if listeners else ():
             if seq.listener_error is not None:
                 self._finish(seq, "error", seq.listener_error)
+
+    def _attribute(self, work: list[tuple[Seq, int]], step_s: float) -> None:
+        """Add to each prefilling sequence its own share of this step (``compute_s``): what
+        its part would have taken as a step of its own, ``t0 + m_i``, scaled by how this
+        step's measured time compares with the cost model's price of the whole step,
+        ``step_s · (t0 + m_i) / (t0 + Σ_j m_j)`` (``t0``: the model's fixed cost of a forward,
+        ``m_i``: the marginal cost of part ``i``, its new tokens after its context). Alone
+        in a step, a part gets the step's measured time exactly; beside others it gets its
+        own cost, not the shared step's. Summed over a prompt's steps up to its first token
+        this is what its prefill would have taken alone (``RequestRecord.prefill_compute_s``):
+        the sample the router fits a worker's prefill model from, on a busy worker too,
+        where the wall time from admission to first token counts every shared step in full."""
+        model = self.costs.model()
+        fixed = model.overhead_s
+        parts = [model.marginal_s(count, seq.num_computed) for seq, count in work]
+        if fixed + sum(parts) <= 0:  # a model that prices nothing: split the step evenly
+            fixed, parts = 0.0, [1.0] * len(work)
+        scale = max(step_s, 0.0) / (fixed + sum(parts))
+        for (seq, _), part in zip(work, parts, strict=True):
+            if not seq.gen.output_ids:
+                seq.compute_s += (fixed + part) * scale
 
     def _publish_full_blocks(self, seq: Seq) -> None:
         """Commit every scratch block that is now full, so others reuse it at once."""
@@ -402,6 +426,8 @@ class BatchRunner:
             record = gen.record
             record.ttft_s = now - seq.arrival
             record.prefill_s = now - (seq.admitted_at or seq.arrival)
+            if record.preemptions == 0:  # a preempted prefill's steps were not one prefill
+                record.prefill_compute_s = seq.compute_s
             self.metrics.ttft.observe(record.ttft_s)
             self.metrics.prefill.observe(record.prefill_s)
         gen._emit(token)

@@ -53,6 +53,7 @@ class Sequence:
     root: NamespaceRoot | None = None  # None: reuse disabled, nothing is keyed or published
     publishable: bool = True
     admitted_at: float | None = None
+    compute_s: float = 0.0  # its own share of the steps before its first token (batch.py)
     started: bool = False  # admitted once (metrics of the prompt are recorded once)
     on_layer: LayerListener | None = None  # called per layer of every step (prefill-for-transfer)
     listener_error: BaseException | None = None  # what ``on_layer`` raised: the sequence fails

@@ -1,5 +1,6 @@
 """Reading a worker's answers as the front door relays them: a stream's head up to its first
-token (a chat's opening role event is not one), and the usage counts of a JSON answer or of
+token (a chat's opening role event is not one, nor a comment), the worker's timing comment
+taken out of it, and the usage counts of a JSON answer or of
 an SSE event — whole counts in range only, so a broken worker's garbage never reaches the
 router's fits. Pure: bytes in, values out."""
 
@@ -9,6 +10,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from kvstrata.serve.timing import PrefillTiming, take_timing
+
 
 async def stream_head(chunks: AsyncIterator[bytes]) -> tuple[list[bytes], float | None]:
     """A stream's chunks up to and including its first token (or its end, if it ends first),
@@ -16,9 +19,22 @@ async def stream_head(chunks: AsyncIterator[bytes]) -> tuple[list[bytes], float 
     head: list[bytes] = []
     async for chunk in chunks:
         head.append(chunk)
-        if not only_role_preamble(chunk):
+        if b"data:" in chunk and not only_role_preamble(chunk):  # not a bare comment
             return head, time.time()
     return head, None
+
+
+def head_timing(head: list[bytes]) -> tuple[list[bytes], PrefillTiming | None]:
+    """A stream's head without the worker's timing comment (``serve.timing``), and the
+    report it held; chunks the comment alone made up are dropped."""
+    kept: list[bytes] = []
+    found: PrefillTiming | None = None
+    for chunk in head:
+        rest, timing = take_timing(chunk)
+        found = found or timing
+        if rest:
+            kept.append(rest)
+    return kept, found
 
 
 async def chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

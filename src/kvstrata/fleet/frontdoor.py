@@ -52,7 +52,7 @@ from pydantic import ValidationError
 
 from kvstrata.errors import ApiError, NoWorkerAvailable
 from kvstrata.fleet import disagg_proxy
-from kvstrata.fleet.answers import chained, stream_head, usage_in_sse, usage_of
+from kvstrata.fleet.answers import chained, head_timing, stream_head, usage_in_sse, usage_of
 from kvstrata.fleet.deletion import register_deletion
 from kvstrata.fleet.failover import (
     ClientGone,
@@ -82,14 +82,18 @@ from kvstrata.serve.protocol import (
     invalid_request,
     parse_json,
 )
+from kvstrata.serve.timing import (
+    COMPUTE_HEADER,
+    MATCHED_HEADER,
+    TIMING_REQUEST_HEADER,
+    from_headers,
+)
 
 _log = logging.getLogger(__name__)
 _MODELS_TIMEOUT_S = 5.0
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 WORKER_HEADER = "X-Kvstrata-Worker"
-PREFILL_HEADER = "X-Kvstrata-Prefill-S"  # set by a worker on non-streamed answers
-MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 
 
 def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
@@ -392,7 +396,10 @@ async def _try_worker(request: _Forward, reservation: Reservation) -> Response |
             await upstream.aclose()
             re_route(fleet, reservation, " before its first token", exc, request_id)
             return None
-        relay = _relay(fleet, reservation, upstream, head, first_at, chunks)
+        head, timing = head_timing(head)
+        if timing is not None:  # the worker's own figure: learned instead of the TTFT
+            fleet.observe_prefill(reservation, timing.matched_tokens, timing.compute_s)
+        relay = _relay(fleet, reservation, upstream, head, first_at, chunks, timing is None)
         # started here, so its cleanup (finish the reservation, close the upstream) runs
         # even if the client left and Starlette never iterates the body
         primed = [chunk for chunk in [await anext(relay, None)] if chunk is not None]
@@ -428,10 +435,11 @@ async def _try_worker(request: _Forward, reservation: Reservation) -> Response |
 def _worker_headers(request: Request, body: SamplingRequest, request_id: str) -> httpx.Headers:
     """What the worker needs of the client's headers: its credential and namespace header,
     byte for byte (Starlette decodes headers as latin-1: encoded back the same way), and the
-    request id. A ``kvstrata_tenant`` in the body travels in the forwarded body instead of a
-    header: a body may hold any text, not all of it a valid header value (a non-ASCII name
-    could not be encoded, a control character made the worker look unreachable)."""
-    headers = {REQUEST_ID_HEADER: request_id}
+    request id; and the ask for the worker's timing comment (``serve.timing``). A
+    ``kvstrata_tenant`` in the body travels in the forwarded body instead of a header: a body
+    may hold any text, not all of it a valid header value (a non-ASCII name could not be
+    encoded, a control character made the worker look unreachable)."""
+    headers = {REQUEST_ID_HEADER: request_id, TIMING_REQUEST_HEADER: "1"}
     for name in ("authorization", TENANT_HEADER):
         value = request.headers.get(name)
         if value is not None and not (name == TENANT_HEADER and body.kvstrata_tenant is not None):
@@ -446,13 +454,15 @@ async def _relay(
     head: list[bytes],
     first_at: float | None,
     rest: AsyncIterator[bytes],
+    learn: bool,
 ) -> AsyncIterator[bytes]:
-    """Relay ``head`` and then ``rest``; ``first_at``: when the head's first token came."""
+    """Relay ``head`` and then ``rest``; ``first_at``: when the head's first token came;
+    ``learn``: whether its TTFT may teach the prefill model (no report from the worker)."""
     ttft: float | None = None
     completion: tuple[int, int] | None = None
     predicted = reservation.decision.predicted_ttft_s
     if first_at is not None:
-        ttft = fleet.first_token(reservation, first_at)
+        ttft = fleet.first_token(reservation, first_at, learn=learn)
         if ttft is not None:
             fleet.metrics.actual_ttft.observe(ttft)
             if predicted > 0:
@@ -470,10 +480,7 @@ async def _relay(
 
 
 def _learn_prefill(fleet: Fleet, reservation: Reservation, headers: httpx.Headers) -> None:
-    """Refit the worker's prefill model from the prefill time its engine measured."""
-    try:
-        prefill_s = float(headers[PREFILL_HEADER])
-        matched = int(headers[MATCHED_HEADER])
-    except (KeyError, ValueError):
-        return
-    fleet.observe_prefill(reservation, matched, prefill_s)
+    """Refit the worker's prefill model from its engine's report, if any (``serve.timing``)."""
+    timing = from_headers(headers.get(COMPUTE_HEADER), headers.get(MATCHED_HEADER))
+    if timing is not None:
+        fleet.observe_prefill(reservation, timing.matched_tokens, timing.compute_s)

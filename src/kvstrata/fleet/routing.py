@@ -178,21 +178,26 @@ class FleetRouting:
             return None
         return state
 
-    def first_token(self, reservation: Reservation, now: float) -> float | None:
-        """Record the first token (TTFT); learn the prefill model from it if it ran alone
-        (nothing in flight when placed, nothing placed beside it before this token)."""
+    def first_token(
+        self, reservation: Reservation, now: float, *, learn: bool = True
+    ) -> float | None:
+        """Record the first token (TTFT); with ``learn`` (the worker reported no prefill
+        time of its own), learn the prefill model from it if it ran alone (nothing in flight
+        when placed, nothing placed beside it before this token)."""
         with self._lock:
             if self._router is not None:
                 self._router.first_token(reservation.request_id)
             state = self._state_of(reservation)
             if state is None:
                 return None
-            return state.first_token(reservation.request_id, now, alone=reservation.alone)
+            alone = reservation.alone and learn
+            return state.first_token(reservation.request_id, now, alone=alone)
 
     def observe_prefill(
         self, reservation: Reservation, matched_tokens: int, seconds: float
     ) -> None:
-        """Refit the worker's prefill model from the prefill time its engine measured."""
+        """Refit the worker's prefill model from the prefill time its engine reported (its
+        own share of the steps up to its first token: ``serve.timing``)."""
         if not 0 <= matched_tokens <= reservation.prompt_tokens:
             return
         with self._lock:

@@ -21,6 +21,7 @@ single-tenant server); ``/admin/*`` and ``/kv/*`` say their own (``admin``, ``kv
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -57,6 +58,12 @@ from kvstrata.serve.protocol import (
     SamplingRequest,
 )
 from kvstrata.serve.streaming import Outcome, TextAssembler, follow
+from kvstrata.serve.timing import (
+    COMPUTE_HEADER,
+    MATCHED_HEADER,
+    TIMING_REQUEST_HEADER,
+    timing_comment,
+)
 from kvstrata.telemetry import KvMetrics
 
 logger = logging.getLogger("kvstrata.serve")
@@ -68,9 +75,9 @@ KV_ENDPOINTS = frozenset(
     {KV_PREFIX + "/info", KV_PREFIX + "/dump", KV_PREFIX + "/debug/drop-events", PREFILL_PATH}
 )
 PREFILL_HEADER = "X-Kvstrata-Prefill-S"
-"""Engine-measured prefill seconds of a non-streamed answer (the router learns from it)."""
+"""Engine-measured seconds from admission to first token of a non-streamed answer (wall
+time: shared steps count in full; the router learns from ``timing.COMPUTE_HEADER``)."""
 TTFT_HEADER = "X-Kvstrata-Ttft-S"
-MATCHED_HEADER = "X-Kvstrata-Matched-Tokens"
 _DISCONNECT_POLL_S = 0.2
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -266,7 +273,12 @@ class _Service:
         outcome: list[Outcome] = []
         deltas = follow(generation, assembler, outcome)
         if body.stream:
-            chunks = self._chunks(endpoint, request_id, deltas, outcome, body.include_usage())
+            comment = None
+            if request.headers.get(TIMING_REQUEST_HEADER) == "1":
+                comment = functools.partial(_timing_of, generation)
+            chunks = self._chunks(
+                endpoint, request_id, deltas, outcome, body.include_usage(), comment
+            )
             headers = {**_SSE_HEADERS, REQUEST_ID_HEADER: correlation}
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         watcher = asyncio.create_task(_cancel_when_gone(request, generation))
@@ -287,6 +299,8 @@ class _Service:
             MATCHED_HEADER: str(record.matched_tokens),
             REQUEST_ID_HEADER: correlation,
         }
+        if record.prefill_compute_s > 0:
+            timing[COMPUTE_HEADER] = f"{record.prefill_compute_s:.6f}"
         return JSONResponse(self._final_body(endpoint, request_id, outcome[0]), headers=timing)
 
     def _params(self, body: SamplingRequest, prompt_tokens: int) -> SamplingParams:
@@ -322,8 +336,10 @@ class _Service:
         deltas: AsyncGenerator[str, None],
         outcome: list[Outcome],
         include_usage: bool,
+        timing: Callable[[], str] | None = None,
     ) -> AsyncIterator[str]:
-        """SSE lines: deltas, a final chunk with the finish reason, optional usage, [DONE]."""
+        """SSE lines: deltas, a final chunk with the finish reason, optional usage, [DONE];
+        with ``timing``, its comment in front of the first delta (``serve.timing``)."""
         model = self.model_name
         chat = endpoint == CHAT
 
@@ -343,7 +359,11 @@ class _Service:
                 )
             try:
                 async for text in deltas:
-                    yield chunk(text)
+                    if timing is not None:
+                        yield timing() + chunk(text)
+                        timing = None
+                    else:
+                        yield chunk(text)
             except Exception as exc:
                 error = _as_api_error(exc, "messages" if chat else "prompt", request_id)
                 yield _sse(error.body())
@@ -363,6 +383,14 @@ class _Service:
         body = responses.completion_body(request_id, self.model_name, "", None, usage, chunk=True)
         body["choices"] = []
         return body
+
+
+def _timing_of(generation: Generation) -> str:
+    """The timing comment of a streamed answer, or nothing where the figure is unknown."""
+    record = generation.record
+    if record.prefill_compute_s <= 0:
+        return ""
+    return timing_comment(record.prefill_compute_s, record.matched_tokens)
 
 
 async def _cancel_when_gone(request: Request, generation: Generation) -> None:

@@ -20,6 +20,7 @@ class RequestRecord:
     queue_s: float = 0.0  # arrival → first scheduled
     ttft_s: float = 0.0
     prefill_s: float = 0.0  # first scheduled → first token (shares steps with other requests)
+    prefill_compute_s: float = 0.0  # its own share of those steps: its prefill alone (0: unknown)
     preemptions: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None

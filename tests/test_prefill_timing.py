@@ -1,0 +1,226 @@
+"""A worker reports each request's own prefill compute time, and the router learns from it.
+
+The engine splits every step's measured time over the sequences in it by the cost model's
+price of each part (``BatchRunner._attribute``); the worker sends the sum up to a request's
+first token as a header (non-streamed) or, when the front door asks, as an SSE comment in
+front of the first token (``serve.timing``); the front door takes the comment out and refits
+the worker's prefill model from the figure, also for a request that shared its steps.
+Real tiny-model worker and front door under uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from http_helpers import serving
+from kvstrata.costs import OnlinePrefillFit, PrefillModel
+from kvstrata.engine.batch import BatchRunner
+from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+from kvstrata.engine.model_loader import LoadedModel
+from kvstrata.fleet.answers import head_timing, stream_head
+from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
+from kvstrata.fleet.frontdoor import create_frontdoor_app
+from kvstrata.index.model import ConsistencyMode
+from kvstrata.runtime.config import ServeLimits
+from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
+from kvstrata.serve.app import PREFILL_HEADER, create_app
+from kvstrata.serve.timing import (
+    COMPUTE_HEADER,
+    MATCHED_HEADER,
+    TIMING_REQUEST_HEADER,
+    PrefillTiming,
+    from_headers,
+    take_timing,
+    timing_comment,
+)
+from kvstrata.telemetry import KvMetrics
+
+MODEL = "tiny"
+pytestmark = pytest.mark.timeout(300)
+
+
+# ---- the engine's split of a step ------------------------------------------------------------
+def _seq(num_computed: int = 0, decoding: bool = False) -> Any:
+    return SimpleNamespace(
+        num_computed=num_computed,
+        compute_s=0.0,
+        gen=SimpleNamespace(output_ids=[7] if decoding else []),
+    )
+
+
+def _attribute(model: PrefillModel, work: list[tuple[Any, int]], step_s: float) -> None:
+    BatchRunner._attribute(SimpleNamespace(costs=OnlinePrefillFit(model)), work, step_s)  # type: ignore[arg-type]
+
+
+def test_a_part_alone_in_its_step_gets_the_measured_step() -> None:
+    seq = _seq(num_computed=64)
+    _attribute(PrefillModel(overhead_s=0.1, per_token_s=0.01), [(seq, 100)], 2.5)
+    assert seq.compute_s == pytest.approx(2.5)
+
+
+def test_parts_sharing_a_step_get_their_own_price_scaled_by_the_step() -> None:
+    model = PrefillModel(overhead_s=0.1, per_token_s=0.01, per_token_ctx_s=1e-5)
+    a, b, decode = _seq(), _seq(num_computed=200), _seq(num_computed=500, decoding=True)
+    work = [(a, 100), (b, 300), (decode, 1)]
+    price = model.seconds(100) + model.marginal_s(300, 200) + model.marginal_s(1, 500)
+    _attribute(model, work, 2 * price)  # the step took twice what the model says
+    assert a.compute_s == pytest.approx(2 * model.seconds(100))
+    assert b.compute_s == pytest.approx(2 * model.seconds(300, 200))
+    assert decode.compute_s == 0.0  # past its first token: nothing to learn from
+    _attribute(model, [(a, 50)], 0.3)  # the next chunk of ``a``, alone: added
+    assert a.compute_s == pytest.approx(2 * model.seconds(100) + 0.3)
+
+
+def test_a_model_that_prices_nothing_splits_the_step_evenly() -> None:
+    a, b = _seq(), _seq()
+    _attribute(PrefillModel(per_token_s=0.0), [(a, 10), (b, 20)], 1.0)
+    assert a.compute_s == b.compute_s == pytest.approx(0.5)
+
+
+# ---- the wire format -------------------------------------------------------------------------
+def test_the_comment_round_trips_and_is_taken_out_whole() -> None:
+    data = b'data: {"choices":[{"text":"x"}]}\n\n'
+    chunk = timing_comment(0.4123754, 512).encode() + data
+    assert take_timing(chunk) == (data, PrefillTiming(0.412375, 512))
+    assert take_timing(data) == (data, None)
+
+
+@pytest.mark.parametrize(
+    "comment",
+    [
+        b": kvstrata-timing prefill-compute-s=0 matched-tokens=5\n\n",  # not positive
+        b": kvstrata-timing prefill-compute-s=9999.5 matched-tokens=5\n\n",  # over an hour
+        b": kvstrata-timing prefill-compute-s=1.2.3 matched-tokens=5\n\n",  # not a number
+    ],
+)
+def test_a_broken_comment_is_removed_and_teaches_nothing(comment: bytes) -> None:
+    data = b"data: {}\n\n"
+    assert take_timing(comment + data) == (data, None)
+
+
+@pytest.mark.parametrize(
+    ("compute", "matched", "expected"),
+    [
+        ("0.25", "16", PrefillTiming(0.25, 16)),
+        ("nan", "16", None),
+        ("inf", "16", None),
+        ("-1", "16", None),
+        ("0.25", "-3", None),
+        ("0.25", "1.5", None),
+        (None, "16", None),
+        ("0.25", None, None),
+    ],
+)
+def test_header_values(compute: str | None, matched: str | None, expected: Any) -> None:
+    assert from_headers(compute, matched) == expected
+
+
+async def _aiter(chunks: list[bytes]) -> Any:
+    for chunk in chunks:
+        yield chunk
+
+
+def test_a_comment_alone_is_not_a_first_token_and_leaves_the_head() -> None:
+    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    comment = timing_comment(0.5, 0).encode()
+    token = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+    head, first_at = asyncio.run(stream_head(_aiter([role, comment, token, b"data: [DONE]\n\n"])))
+    assert head == [role, comment, token] and first_at is not None
+    assert head_timing(head) == ([role, token], PrefillTiming(0.5, 0))
+
+
+# ---- a real worker and front door ------------------------------------------------------------
+@dataclass
+class Served:
+    fleet: Fleet
+    worker: httpx.Client
+    front: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: LoadedModel) -> Iterator[Served]:
+    events = KVEventsConfig("tcp://127.0.0.1:*", None, worker_id="timing:1")  # for /kv/info
+    emitter = KVEventEmitter.from_config(events, block_size=16).start()
+    metrics = KvMetrics()
+    engine = ReferenceEngine(
+        tiny_model, EngineConfig(pool_blocks=256), metrics=metrics, events=emitter
+    )
+    app = create_app(engine, model_name=MODEL, metrics=metrics, limits=ServeLimits(max_tokens=256))
+    try:
+        with serving(app) as worker:
+            url = str(worker.base_url).rstrip("/")
+            fleet = Fleet(
+                FleetTokenizer(tiny_model.path),
+                FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=[url]),
+            )
+            fleet.attach(url)
+            with serving(create_frontdoor_app(fleet)) as front:
+                yield Served(fleet, worker, front)
+    finally:
+        emitter.close()
+
+
+def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+
+
+def _samples(served: Served) -> int:
+    (view,) = served.fleet.worker_views()
+    return view.prefill_samples
+
+
+def test_a_worker_reports_its_own_prefill_time_only_when_asked(served: Served) -> None:
+    body = _body("the worker reports its timing " * 4, 3, stream=True)
+    plain = served.worker.post("/v1/completions", json=body).content
+    asked = served.worker.post(
+        "/v1/completions", json=body, headers={TIMING_REQUEST_HEADER: "1"}
+    ).content
+    assert b"kvstrata-timing" not in plain
+    events = asked.split(b"\n\n")
+    assert events[0].startswith(b": kvstrata-timing ")  # in front of the first token
+    rest, timing = take_timing(asked)
+    assert timing is not None and 0 < timing.compute_s < 60
+    assert timing.matched_tokens > 0  # the same prompt again: its blocks were cached
+    assert rest.count(b"data:") == plain.count(b"data:")
+    answer = served.worker.post("/v1/completions", json={**body, "stream": False})
+    reported = from_headers(answer.headers.get(COMPUTE_HEADER), answer.headers[MATCHED_HEADER])
+    assert reported is not None
+    assert reported.compute_s <= float(answer.headers[PREFILL_HEADER])
+
+
+def test_the_front_door_learns_from_a_stream_that_shared_its_steps(served: Served) -> None:
+    """A request placed beside one in flight is not "alone": from its TTFT the router
+    learned nothing, so on a busy worker the prefill model kept its prior."""
+    before = _samples(served)
+    long = _body("a long answer keeps the worker busy", 200, stream=True)
+    with served.front.stream("POST", "/v1/completions", json=long) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # it is decoding now
+        beside = served.front.post(
+            "/v1/completions", json=_body("placed beside a running request", 2, stream=True)
+        )
+        assert beside.status_code == 200
+        assert b"kvstrata-timing" not in beside.content  # taken out on the way
+        assert beside.content.endswith(b"data: [DONE]\n\n")
+        assert _samples(served) == before + 2  # the running one and the one beside it
+        rest = list(lines)
+    assert not any("kvstrata-timing" in line for line in rest)
+    answer = served.front.post("/v1/completions", json=_body("not streamed", 2, stream=False))
+    assert answer.status_code == 200 and _samples(served) == before + 3
+    (view,) = served.fleet.worker_views()
+    assert math.isfinite(view.prefill_model.spread)
