@@ -181,3 +181,36 @@ def test_the_prior_output_is_the_live_fleets() -> None:
 
     assert WorkerState.__dataclass_fields__["mean_output_tokens"].default == PRIOR_OUTPUT_TOKENS
     assert int(PRIOR_OUTPUT_TOKENS) == PRIOR_OUTPUT
+
+
+def test_the_router_learns_a_prefills_own_compute_not_the_decode_steps_beside_it() -> None:
+    """The live engine reports a request's share of its steps (``serve.timing``): its own
+    compute, without the decode steps interleaved with its chunks. The simulated router
+    learns the same figure, not the whole start → first token time."""
+    profile = gpu_a100_8b().with_capacities(None, 0)
+    rng = random.Random(5)
+    requests, t = [], 0.0
+    for i in range(120):
+        t += rng.expovariate(8.0)
+        prompt = rng.randint(600, 6000)
+        hashes = tuple(rng.randrange(10**9) for _ in range(prompt // BLOCK_TOKENS))
+        requests.append(SimRequest(i, t, prompt, 300, hashes))  # long outputs: decodes run
+    sim = Simulation(requests, "round-robin", SimConfig(profile=profile, workers=2, seed=3))
+    assert sim.view is not None
+    learned: list[float] = []
+    first_token = sim.view.first_token
+
+    def spy(worker: int, new: int, cached: int, measured_s: float, now: float) -> None:
+        learned.append(measured_s)
+        first_token(worker, new, cached, measured_s, now)
+
+    sim.view.first_token = spy  # type: ignore[method-assign]
+    sim.run()
+    model = profile.cost.prefill
+    for job in sim.jobs:
+        new = job.request.prompt_tokens - job.hit_tokens
+        factor = sim.noise.factor(job.worker, job.request.index)
+        assert job.compute_s == pytest.approx(model.seconds(new, job.hit_tokens) * factor)
+    assert sorted(learned) == sorted(job.compute_s for job in sim.jobs)
+    slowed = [job for job in sim.jobs if job.prefill_s > 1.01 * job.compute_s]
+    assert len(slowed) > 20  # decodes really ran beside these prefills

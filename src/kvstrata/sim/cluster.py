@@ -296,7 +296,7 @@ class Simulation:
             job = worker.finish_prefill(self.now)
             if self.view is not None:
                 new_tokens = job.request.prompt_tokens - job.hit_tokens
-                self.view.first_token(n, new_tokens, job.hit_tokens, job.prefill_s, self.now)
+                self.view.first_token(n, new_tokens, job.hit_tokens, job.compute_s, self.now)
             self.router.first_token(str(job.request.index))
             if job.finished:
                 self.router.finished(str(job.request.index))

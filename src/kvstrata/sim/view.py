@@ -7,8 +7,10 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
 
 * **Prefill cost model**: per worker, the live fleet's own :class:`kvstrata.costs.OnlinePrefillFit`
   (one implementation, shared), refitted from each completed prefill the worker reports —
-  ``(new tokens, cached tokens, measured seconds)``, the measured seconds carrying the noise
-  below, as the engine's timed forward does (``Fleet.observe_prefill``). It starts from
+  ``(new tokens, cached tokens, measured seconds)``, the measured seconds being its own
+  compute (no host fetch, no decode steps interleaved) and carrying the noise below, as the
+  reference engine reports its share of the steps up to a first token (``serve.timing``,
+  ``Fleet.observe_prefill``). It starts from
   :func:`prior_prefill`, a prior of the kind ``fleet.workers.default_profile`` is: *one* fresh
   2,048-token prefill divided by its tokens, 20 ms fixed, **no attention term** (wrong for long
   prompts, which is what the fit has to learn), optionally scaled per worker by

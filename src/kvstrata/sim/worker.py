@@ -83,9 +83,12 @@ class Job:
     start_s: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
-    """Start → first token: fetch, compute and decode interference, noise included. What the
-    live engine reports (``X-Kvstrata-Prefill-S``: admitted → first token, the host fetch and
-    the steps shared with decodes in it) and so what the router refits from."""
+    """Start → first token: fetch, compute and decode interference, noise included."""
+    compute_s: float = 0.0
+    """Its own compute, noise included, without the fetch or the decode steps interleaved
+    with its chunks: what the live engine reports (``serve.timing``: its share of each step
+    by modelled cost; the fetch happens at admission, outside the steps) and so what the
+    router refits from."""
     expected_output_tokens: int = 0
     """The output the router's KV figure counts for this request (set when it is enqueued):
     the worker's running mean of completed outputs then, not the request's own length."""
@@ -244,6 +247,7 @@ class SimWorker:
         duration = (fetch_s + prefill_s + interference_s) * factor
         job.start_s = now
         job.prefill_s = duration
+        job.compute_s = prefill_s * factor
         job.hit_tokens = cached
         job.device_hit_blocks = device_hits
         job.host_hit_blocks = host_hits
