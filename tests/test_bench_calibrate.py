@@ -163,6 +163,7 @@ def _live(factor: float) -> LiveResult:
         fleet_ready_s=1.0,
         replay_wall_s=2.0,
         answered=[("w0", 40, factor * 1.0), ("w1", 20, factor * 2.0), ("w0", 40, factor * 3.0)],
+        predicted=[(0.5, factor * 1.0), (2.0, factor * 2.0), (1.0, factor * 3.0)],
         router=[{"worker_id": "w0", "prefill_samples": 3}],
         decisions={"w0/lowest_ttft_plus_work": 2, "w1/lowest_ttft_plus_work": 1},
     )
@@ -190,6 +191,10 @@ def test_report_shape_medians_and_spread() -> None:
     }
     assert split["w1"]["requests"] == 1 and split["w1"]["ttft_p50_s"] == pytest.approx(2.4)
     assert data["live_runs"][0]["router"] == [{"worker_id": "w0", "prefill_samples": 3}]
+    prediction = data["live_runs"][0]["prediction"]  # measured ÷ predicted: 2, 1, 3
+    assert prediction["n"] == 3 and prediction["within_2x"] == pytest.approx(2 / 3)
+    assert prediction["actual_over_predicted"]["p50"] == pytest.approx(2.0)
+    assert prediction["actual_over_predicted"]["p10"] == pytest.approx(1.2)
     json.dumps(data, allow_nan=False)
 
 

@@ -215,6 +215,7 @@ def test_the_front_door_learns_from_a_stream_that_shared_its_steps(served: Serve
             "/v1/completions", json=_body("placed beside a running request", 2, stream=True)
         )
         assert beside.status_code == 200
+        assert float(beside.headers["x-kvstrata-predicted-ttft-s"]) > 0
         assert b"kvstrata-timing" not in beside.content  # taken out on the way
         assert beside.content.endswith(b"data: [DONE]\n\n")
         assert _samples(served) == before + 2  # the running one and the one beside it

@@ -253,6 +253,19 @@ def per_worker(answered: Iterable[tuple[str, int, float]]) -> dict[str, dict[str
     return out
 
 
+def predictions(pairs: Iterable[tuple[float, float]]) -> dict[str, Any]:
+    """How well the router predicted the TTFTs of ``(predicted, measured)`` pairs: the
+    measured ÷ predicted ratio's p10 / p50 / p90 and the share within a factor of 2."""
+    ratios = sorted(measured / predicted for predicted, measured in pairs if predicted > 0)
+    stats = percentiles(ratios)
+    within = sum(1 for r in ratios if 0.5 <= r <= 2.0)
+    return {
+        "n": len(ratios),
+        "actual_over_predicted": {f"p{p}": stats[f"p{p}"] for p in (10, 50, 90)},
+        "within_2x": within / len(ratios) if ratios else None,
+    }
+
+
 def compare(live: Sequence[float], sims: Mapping[str, Sequence[float]]) -> dict[str, Any]:
     """Both distributions and sim ÷ live at p50 and p90 for every simulated profile."""
     live_stats = percentiles(live)

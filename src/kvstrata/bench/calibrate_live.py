@@ -61,6 +61,8 @@ class LiveResult:
     replay_wall_s: float
     answered: list[tuple[str, int, float]]
     """Per answered request, in request order: (worker that served it, prompt tokens, TTFT)."""
+    predicted: list[tuple[float, float]]
+    """Per answered request the router predicted a TTFT for: (its prediction, the TTFT)."""
     router: list[dict[str, Any]]
     """The front door's ``/fleet/workers`` after the replay: each worker's router view (its
     online prefill fit and decode-step estimate), what its routing decisions were based on."""
@@ -125,6 +127,7 @@ class _Answer:
     ttft_s: float | None = None
     cached: int = 0
     worker: str = "?"
+    predicted_s: float | None = None
     error: str | None = None
 
 
@@ -134,6 +137,7 @@ async def _send(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> _
     try:
         async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
             answer.worker = response.headers.get("x-kvstrata-worker", "?")
+            answer.predicted_s = _seconds(response.headers.get("x-kvstrata-predicted-ttft-s"))
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return answer
@@ -272,6 +276,15 @@ async def _with_client(work: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
         return await work(client)
 
 
+def _seconds(value: str | None) -> float | None:
+    """A header's positive, finite number of seconds, else None (diagnostics only)."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
 def _router_state(
     base: str, say: Callable[[str], None]
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -362,6 +375,11 @@ class LiveFleet:
                 (a.worker, r.prompt_tokens, a.ttft_s)
                 for a, r in zip(answers, requests, strict=True)
                 if a.ttft_s is not None
+            ],
+            predicted=[
+                (a.predicted_s, a.ttft_s)
+                for a in answers
+                if a.ttft_s is not None and a.predicted_s is not None
             ],
             router=router,
             decisions=decisions,

@@ -21,7 +21,10 @@
    Each live run and each simulated profile gives its split over the workers
    (``per_worker``: requests, prompt tokens, TTFT p50 / p90); each live run, the router's
    view of every worker after the replay (``router``: ``/fleet/workers``, its online prefill
-   fit) and its decisions by worker and reason (``decisions``, from ``/metrics``).
+   fit) and its decisions by worker and reason (``decisions``, from ``/metrics``), and how
+   well it predicted each request's TTFT (``prediction``: measured ÷ predicted, p10 / p50 /
+   p90, and the share within 2×; the prediction from the front door's
+   ``X-Kvstrata-Predicted-Ttft-S``).
 
 Recalibrating ``reference-cpu``: when ``measured`` meets the goal and ``reference-cpu`` does
 not, the profile's constants are off for this machine; ``prefill_models.measured`` gives the
@@ -44,6 +47,7 @@ from kvstrata.bench.calibrate import (
     compare,
     per_worker,
     percentiles,
+    predictions,
     scale_trace,
     sim_profile,
     sim_requests,
@@ -228,6 +232,7 @@ def _report(
                 "hit_rate": live.cached_tokens / max(live.prompt_tokens, 1),
                 "served_by": live.workers,
                 "per_worker": per_worker(live.answered),
+                "prediction": predictions(live.predicted),
                 "router": live.router,
                 "decisions": live.decisions,
                 "failures": live.failures,

@@ -94,6 +94,7 @@ _MODELS_TIMEOUT_S = 5.0
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 WORKER_HEADER = "X-Kvstrata-Worker"
+PREDICTED_HEADER = "X-Kvstrata-Predicted-Ttft-S"  # the router's TTFT prediction for it
 
 
 def _parse(endpoint: str | None, raw: bytes) -> tuple[SamplingRequest, dict[str, Any]]:
@@ -382,7 +383,7 @@ async def _try_worker(request: _Forward, reservation: Reservation) -> Response |
     except (httpx.TransportError, WorkerGone) as exc:
         re_route(fleet, reservation, "", exc, request_id)
         return None
-    extra = {WORKER_HEADER: worker_id}
+    extra = {WORKER_HEADER: worker_id, PREDICTED_HEADER: f"{decision.predicted_ttft_s:.6f}"}
     if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
         extra["Retry-After"] = upstream.headers["retry-after"]
     if body.stream and upstream.status_code == 200:
