@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,43 @@ def streamed_deltas(assembler: TextAssembler, tokens: int) -> list[str]:
             break
     out.append(assembler.finish(ids))
     return out
+
+
+@dataclass
+class TinyFleet:
+    """One real worker (its engine's metrics beside it) behind a real front door."""
+
+    fleet: Any  # kvstrata.fleet.fleet.Fleet (imported where used: this module stays light)
+    worker_metrics: Any  # KvMetrics
+    worker: httpx.Client
+    front: httpx.Client
+
+
+@contextmanager
+def tiny_fleet(model: Any, *, worker_id: str, limits: Any) -> Iterator[TinyFleet]:
+    """A worker serving ``model`` (a ``LoadedModel``) as ``tiny`` with ``limits`` (its
+    ``ServeLimits``), with an event emitter for ``/kv/info``, behind a front door over a
+    ``Fleet`` in approximate mode (no event plane), both under uvicorn."""
+    from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+    from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
+    from kvstrata.fleet.frontdoor import create_frontdoor_app
+    from kvstrata.index.model import ConsistencyMode
+    from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
+    from kvstrata.serve.app import create_app
+    from kvstrata.telemetry import KvMetrics
+
+    events = KVEventsConfig("tcp://127.0.0.1:*", None, worker_id=worker_id)
+    emitter = KVEventEmitter.from_config(events, block_size=16).start()
+    metrics = KvMetrics()
+    engine = ReferenceEngine(model, EngineConfig(pool_blocks=256), metrics=metrics, events=emitter)
+    worker_app = create_app(engine, model_name="tiny", metrics=metrics, limits=limits)
+    try:
+        with serving(worker_app) as worker:
+            url = str(worker.base_url).rstrip("/")
+            config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=[url])
+            fleet = Fleet(FleetTokenizer(model.path), config)
+            fleet.attach(url)
+            with serving(create_frontdoor_app(fleet)) as front:
+                yield TinyFleet(fleet, metrics, worker, front)
+    finally:
+        emitter.close()

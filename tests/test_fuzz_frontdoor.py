@@ -20,18 +20,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fuzz_helpers import FEW, FUZZ, deeply_nested, dumps, json_value, odd_text
-from http_helpers import serving
-from kvstrata.engine.engine import EngineConfig, ReferenceEngine
+from http_helpers import tiny_fleet
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import ApiError
 from kvstrata.fleet.answers import only_role_preamble, usage_of
-from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.frontdoor import _parse, create_frontdoor_app
+from kvstrata.fleet.fleet import Fleet
+from kvstrata.fleet.frontdoor import _parse
 from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
-from kvstrata.index.model import ConsistencyMode
 from kvstrata.runtime.config import ServeLimits
-from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
-from kvstrata.serve.app import create_app
 from kvstrata.telemetry import KvMetrics
 
 MODEL = "tiny"
@@ -53,25 +49,8 @@ class FrontDoor:
 
 @pytest.fixture(scope="module")
 def front_door(tiny_model: LoadedModel) -> Iterator[FrontDoor]:
-    events = KVEventsConfig("tcp://127.0.0.1:*", None, worker_id="fuzz:1")  # for /kv/info
-    emitter = KVEventEmitter.from_config(events, block_size=16).start()
-    metrics = KvMetrics()
-    engine = ReferenceEngine(
-        tiny_model, EngineConfig(pool_blocks=128), metrics=metrics, events=emitter
-    )
-    worker_app = create_app(
-        engine, model_name=MODEL, metrics=metrics, limits=ServeLimits(max_tokens=4)
-    )
-    try:
-        with serving(worker_app) as worker:
-            url = str(worker.base_url).rstrip("/")
-            config = FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=[url])
-            fleet = Fleet(FleetTokenizer(tiny_model.path), config)
-            fleet.attach(url)
-            with serving(create_frontdoor_app(fleet)) as client:
-                yield FrontDoor(fleet, metrics, client)
-    finally:
-        emitter.close()
+    with tiny_fleet(tiny_model, worker_id="fuzz:1", limits=ServeLimits(max_tokens=4)) as tiny:
+        yield FrontDoor(tiny.fleet, tiny.worker_metrics, tiny.front)
 
 
 def _forwarded(door: FrontDoor) -> float:

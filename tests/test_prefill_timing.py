@@ -20,18 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from http_helpers import serving
+from http_helpers import tiny_fleet
 from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.engine.batch import BatchRunner
-from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.fleet.answers import head_timing, stream_head
-from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.frontdoor import create_frontdoor_app
-from kvstrata.index.model import ConsistencyMode
+from kvstrata.fleet.fleet import Fleet
 from kvstrata.runtime.config import ServeLimits
-from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
-from kvstrata.serve.app import PREFILL_HEADER, create_app
+from kvstrata.serve.app import PREFILL_HEADER
 from kvstrata.serve.timing import (
     COMPUTE_HEADER,
     MATCHED_HEADER,
@@ -41,7 +37,6 @@ from kvstrata.serve.timing import (
     take_timing,
     timing_comment,
 )
-from kvstrata.telemetry import KvMetrics
 
 MODEL = "tiny"
 pytestmark = pytest.mark.timeout(300)
@@ -147,36 +142,16 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model: LoadedModel) -> Iterator[Served]:
-    events = KVEventsConfig("tcp://127.0.0.1:*", None, worker_id="timing:1")  # for /kv/info
-    emitter = KVEventEmitter.from_config(events, block_size=16).start()
-    metrics = KvMetrics()
-    engine = ReferenceEngine(
-        tiny_model, EngineConfig(pool_blocks=256), metrics=metrics, events=emitter
-    )
-    app = create_app(engine, model_name=MODEL, metrics=metrics, limits=ServeLimits(max_tokens=256))
-    try:
-        with serving(app) as worker:
-            url = str(worker.base_url).rstrip("/")
-            fleet = Fleet(
-                FleetTokenizer(tiny_model.path),
-                FleetConfig(mode=ConsistencyMode.APPROXIMATE, worker_urls=[url]),
-            )
-            fleet.attach(url)
-            with serving(create_frontdoor_app(fleet)) as front:
-                yield Served(fleet, worker, front)
-    finally:
-        emitter.close()
+    limits = ServeLimits(max_tokens=256)
+    with tiny_fleet(tiny_model, worker_id="timing:1", limits=limits) as tiny:
+        yield Served(tiny.fleet, tiny.worker, tiny.front)
+
+
+GREEDY = {"ignore_eos": True, "temperature": 0.0}
 
 
 def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": stream,
-    }
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, **GREEDY}
 
 
 def _samples(served: Served) -> int:

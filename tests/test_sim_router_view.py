@@ -147,17 +147,26 @@ def test_a_requests_noise_draw_depends_on_seed_and_request_only() -> None:
     assert noise.factor(2, 7) == noise.worker_factor[2] * noise.job_factor(7)
 
 
+def _unshared(
+    count: int, *, rate: float, prompts: tuple[int, int], output: int, seed: int
+) -> list[SimRequest]:
+    """``count`` Poisson arrivals at ``rate`` per second, prompts of random lengths in the
+    ``prompts`` range sharing no block, ``output`` tokens each."""
+    rng = random.Random(seed)
+    requests, t = [], 0.0
+    for i in range(count):
+        t += rng.expovariate(rate)
+        prompt = rng.randint(*prompts)
+        hashes = tuple(rng.randrange(10**9) for _ in range(prompt // BLOCK_TOKENS))
+        requests.append(SimRequest(i, t, prompt, output, hashes))
+    return requests
+
+
 def test_every_policy_gives_a_request_the_same_per_job_noise() -> None:
     """Common random numbers: with no cache hits, no decodes and no host tier a prefill lasts
     model(prompt) × worker factor × job factor; the job factor must not depend on the policy."""
     profile = gpu_a100_8b().with_capacities(None, 0)
-    rng = random.Random(1)
-    requests, t = [], 0.0
-    for i in range(200):
-        t += rng.expovariate(20.0)
-        prompt = rng.randint(600, 8000)
-        hashes = tuple(rng.randrange(10**9) for _ in range(prompt // BLOCK_TOKENS))
-        requests.append(SimRequest(i, t, prompt, 1, hashes))
+    requests = _unshared(200, rate=20.0, prompts=(600, 8000), output=1, seed=1)
     config = SimConfig(profile=profile, workers=4, seed=3)
     per_policy = {}
     for policy in ("round-robin", "least-loaded", "kvstrata"):
@@ -188,13 +197,7 @@ def test_the_router_learns_a_prefills_own_compute_not_the_decode_steps_beside_it
     compute, without the decode steps interleaved with its chunks. The simulated router
     learns the same figure, not the whole start → first token time."""
     profile = gpu_a100_8b().with_capacities(None, 0)
-    rng = random.Random(5)
-    requests, t = [], 0.0
-    for i in range(120):
-        t += rng.expovariate(8.0)
-        prompt = rng.randint(600, 6000)
-        hashes = tuple(rng.randrange(10**9) for _ in range(prompt // BLOCK_TOKENS))
-        requests.append(SimRequest(i, t, prompt, 300, hashes))  # long outputs: decodes run
+    requests = _unshared(120, rate=8.0, prompts=(600, 6000), output=300, seed=5)  # decodes run
     sim = Simulation(requests, "round-robin", SimConfig(profile=profile, workers=2, seed=3))
     assert sim.view is not None
     learned: list[float] = []
