@@ -11,7 +11,7 @@ import httpx
 
 from kvstrata.events import ZmqEventPublisher
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
-from kvstrata.fleet.workers import WorkerDump, WorkerInfo
+from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index import GlobalIndex
 

@@ -28,7 +28,7 @@ from kvstrata.fleet.curve_keys import FleetKeys, lower_stream_refusal
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
 from kvstrata.fleet.vllm_workers import VllmSource, VllmWorker
-from kvstrata.fleet.workers import WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerProtocolError
 from kvstrata.index.model import Medium
 
 

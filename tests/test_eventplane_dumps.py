@@ -28,7 +28,7 @@ from eventplane_helpers import (
 from kvstrata.events import ZmqEventPublisher
 from kvstrata.events.schema import BlockStored, make_batch
 from kvstrata.fleet.eventplane import EventPlane
-from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.index import GlobalIndex
 
 

@@ -30,7 +30,7 @@ from kvstrata.events.schema import BlockStored, make_batch
 from kvstrata.fleet import eventplane
 from kvstrata.fleet.eventplane import EventPlane
 from kvstrata.fleet.metrics import FleetMetrics
-from kvstrata.fleet.workers import WorkerInfo
+from kvstrata.fleet.worker_info import WorkerInfo
 from kvstrata.index import GlobalIndex
 
 

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer, Reservation
-from kvstrata.fleet.workers import WorkerProtocolError, default_profile
+from kvstrata.fleet.worker_info import WorkerProtocolError
+from kvstrata.fleet.workers import default_profile
 from kvstrata.identity import secret_digest
 from kvstrata.index.core import ConsistencyMode
 

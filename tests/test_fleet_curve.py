@@ -22,7 +22,7 @@ from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.errors import ConfigError
 from kvstrata.fleet.curve_keys import FleetKeys
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.workers import WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerProtocolError
 from kvstrata.runtime.event_exposure import is_local_endpoint
 from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
 from kvstrata.serve.app import create_app

@@ -9,7 +9,8 @@ from kvstrata.fleet.disagg import DisaggSettings, plan
 from kvstrata.fleet.fleet_config import FleetConfig
 from kvstrata.fleet.routing import FleetRouting
 from kvstrata.fleet.table import Table
-from kvstrata.fleet.workers import TransferTarget, WorkerInfo, WorkerState, default_profile
+from kvstrata.fleet.worker_info import TransferTarget, WorkerInfo
+from kvstrata.fleet.workers import WorkerState, default_profile
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.core import GlobalIndex
 from kvstrata.router.disagg import DisaggConfig

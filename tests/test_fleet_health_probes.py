@@ -8,7 +8,7 @@ import httpx
 
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
-from kvstrata.fleet.workers import WorkerDump, WorkerInfo
+from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo
 
 
 class _MeetingSource:

@@ -26,7 +26,7 @@ from kvstrata.errors import ApiError
 from kvstrata.fleet.answers import only_role_preamble, usage_of
 from kvstrata.fleet.fleet import Fleet
 from kvstrata.fleet.frontdoor import _parse
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerInfo, WorkerProtocolError
 from kvstrata.runtime.config import ServeLimits
 from kvstrata.telemetry import KvMetrics
 

@@ -26,6 +26,9 @@ from kvstrata.engine.batch import BatchRunner
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.fleet.answers import head_timing, stream_head
 from kvstrata.fleet.fleet import Fleet
+from kvstrata.fleet.vllm_workers import router_fingerprint
+from kvstrata.fleet.worker_info import WorkerInfo
+from kvstrata.fleet.workers import WorkerState, default_profile
 from kvstrata.runtime.config import ServeLimits
 from kvstrata.serve.app import PREFILL_HEADER
 from kvstrata.serve.timing import (
@@ -123,13 +126,76 @@ async def _aiter(chunks: list[bytes]) -> Any:
         yield chunk
 
 
+ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+
+
 def test_a_comment_alone_is_not_a_first_token_and_leaves_the_head() -> None:
-    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
     comment = timing_comment(0.5, 0).encode()
-    token = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
-    head, first_at = asyncio.run(stream_head(_aiter([role, comment, token, b"data: [DONE]\n\n"])))
-    assert head == [role, comment, token] and first_at is not None
-    assert head_timing(head) == ([role, token], PrefillTiming(0.5, 0))
+    head, first_at = asyncio.run(stream_head(_aiter([ROLE, comment, TOKEN, b"data: [DONE]\n\n"])))
+    assert head == [ROLE, comment, TOKEN] and first_at is not None
+    assert head_timing(head) == ([ROLE + TOKEN], PrefillTiming(0.5, 0))
+    assert head_timing([ROLE]) == ([ROLE], None)
+
+
+def test_the_head_and_its_comment_are_found_wherever_the_reads_split_them() -> None:
+    """Over a network, one write may arrive in several reads: every split point."""
+    stream = ROLE + timing_comment(0.5, 3).encode() + TOKEN + b"data: [DONE]\n\n"
+    first_token_ends = len(ROLE) + len(timing_comment(0.5, 3)) + len(TOKEN)
+    for cut in range(1, len(stream)):
+        reads = [stream[:cut], stream[cut:]]
+        head, first_at = asyncio.run(stream_head(_aiter(reads)))
+        assert first_at is not None, cut
+        assert len(b"".join(head)) >= first_token_ends, cut  # not before the whole token
+        relayed, timing = head_timing(head)
+        assert timing == PrefillTiming(0.5, 3), cut
+        rest = stream[len(b"".join(head)) :]
+        assert b"".join(relayed) + rest == ROLE + TOKEN + b"data: [DONE]\n\n", cut
+
+
+def test_a_stream_with_crlf_line_ends_still_has_a_first_token() -> None:
+    crlf = [ROLE.replace(b"\n", b"\r\n"), TOKEN.replace(b"\n", b"\r\n"), b"data: [DONE]\r\n\r\n"]
+    head, first_at = asyncio.run(stream_head(_aiter(crlf)))
+    assert head == crlf[:2] and first_at is not None
+
+
+# ---- the router's side: what a worker state learns from -----------------------------------
+def _worker() -> WorkerState:
+    info = WorkerInfo(
+        "w0", "http://h", 1, "m", router_fingerprint("m", 16), 16, "tcp://h:1", None, 0
+    )  # fmt: skip
+    return WorkerState(info, default_profile(16))
+
+
+def _alone_request(state: WorkerState, request_id: str, at: float) -> None:
+    state.begin(request_id, 256, 0, 0.5, 16, now=at)
+
+
+def test_a_reporting_worker_teaches_the_overhead_and_never_the_fit_from_ttfts() -> None:
+    state = _worker()
+    for i in range(5):
+        _alone_request(state, f"r{i}", at=10.0 * i)
+        state.observe_prefill(f"r{i}", 256, 0, 0.40)
+        state.first_token(f"r{i}", 10.0 * i + 0.40 + 0.01 * (i + 1), alone=True)
+        state.finish(f"r{i}", 10.0 * i + 1.0, completion_tokens=2, ttft_s=0.4)
+    assert state.prefill_fit.samples == 5  # the reports, not the TTFTs
+    assert state.serving_overhead_s == pytest.approx(0.03)  # median of 10..50 ms
+    fit = state.prefill_fit.model()
+    priced = state.prefill_model()
+    assert priced.overhead_s == pytest.approx(fit.overhead_s + 0.03)
+    assert priced.per_token_s == fit.per_token_s
+    _alone_request(state, "quiet", at=100.0)  # a stream that reported nothing (an error)
+    state.first_token("quiet", 100.001, alone=True)
+    assert state.prefill_fit.samples == 5 and state.serving_overhead_s == pytest.approx(0.03)
+
+
+def test_a_worker_that_reports_nothing_teaches_the_fit_from_alone_ttfts() -> None:
+    state = _worker()  # a vLLM server: no report ever
+    _alone_request(state, "a", at=0.0)
+    state.first_token("a", 0.5, alone=True)
+    _alone_request(state, "b", at=1.0)
+    state.first_token("b", 1.7, alone=False)  # placed beside another: not a sample
+    assert state.prefill_fit.samples == 1 and state.serving_overhead_s == 0.0
 
 
 # ---- a real worker and front door ------------------------------------------------------------
@@ -200,3 +266,4 @@ def test_the_front_door_learns_from_a_stream_that_shared_its_steps(served: Serve
     assert answer.status_code == 200 and _samples(served) == before + 3
     (view,) = served.fleet.worker_views()
     assert math.isfinite(view.prefill_model.spread)
+    assert view.serving_overhead_s > 0  # the running one ran alone: TTFT − its compute

@@ -21,7 +21,8 @@ import pytest
 from kvstrata.costs import PrefillModel
 from kvstrata.events import BlockRemoved, BlockStored, KVEvent, ZmqEventSubscriber
 from kvstrata.events.schema import KVEventBatch
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError, WorkerState, default_profile
+from kvstrata.fleet.worker_info import WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.workers import WorkerState, default_profile
 from kvstrata.identity import BlockKey, TenantNamespace, chain_keys, namespace_root
 from kvstrata.identity.keys import FingerprintDigest, event_block_hash
 from kvstrata.index import GlobalIndex, Medium, PrefixMatch

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.errors import InvalidInput
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerInfo, WorkerProtocolError
 from kvstrata.router.placement import ComputePlace, shares_compute
 from kvstrata.runtime.processes import split_cpus
 

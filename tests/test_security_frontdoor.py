@@ -24,7 +24,7 @@ from kvstrata.cli.main import build_parser, main
 from kvstrata.engine.model_loader import LoadedModel, ensure_checkpoint
 from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
 from kvstrata.fleet.frontdoor import create_frontdoor_app
-from kvstrata.fleet.workers import fetch_info, worker_tls
+from kvstrata.fleet.worker_info import fetch_info, worker_tls
 from kvstrata.security import AuditLog, Authenticator, Role
 from kvstrata.serve.auth import HttpAuth
 from security_http_helpers import (

@@ -78,7 +78,7 @@ def test_worker_config_reads_the_table_and_flags_override_it() -> None:
 
 
 def test_transport_is_tcp_or_nixl_everywhere_it_is_named() -> None:
-    from kvstrata.fleet.workers import TransferTarget
+    from kvstrata.fleet.worker_info import TransferTarget
     from kvstrata.transfer.transport import TransportError, make_transport
 
     assert load_worker_config(raw={"transfer": {"transport": "nixl"}}).transfer.transport == "nixl"

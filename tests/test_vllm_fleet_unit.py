@@ -31,7 +31,8 @@ from kvstrata.fleet.vllm_workers import (
     salted_batch,
     tenant_of_body,
 )
-from kvstrata.fleet.workers import WorkerInfo, WorkerState, default_profile
+from kvstrata.fleet.worker_info import WorkerInfo
+from kvstrata.fleet.workers import WorkerState, default_profile
 from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index import GlobalIndex, PrefixMatch
 from kvstrata.router import KvstrataPolicy, RouteRequest

@@ -13,12 +13,14 @@ side):
 ``chosen`` is what ``router.disagg.choose`` picks for that point from the figures a fleet
 has *before* the point is measured (``router.disagg_inputs.disagg_cost``): each worker's
 prefill model refitted online (``OnlinePrefillFit``) from the TTFTs of requests that ran
-alone, the interference of running decodes learned from earlier loaded TTFTs, the disaggregated
-path's fixed overhead learned from earlier points (``OverheadEstimate``, as link latency)
-(``InterferenceEstimate``, under the workers' default chunked-prefill token budget), the
-decode step, the decode worker's advertised layout, and the link measured once at start with
-``transfer.tcp.raw_socket_gbps``. ``best`` is the path with
-the lower measured median; ``choice_accuracy`` the share of points where they agree.
+alone (a fleet's front door learns the same figure as the worker's reported prefill compute
+plus the serving overhead around it), the interference of running decodes learned from
+earlier loaded TTFTs (``InterferenceEstimate``, under the workers' default chunked-prefill
+token budget), the disaggregated path's fixed overhead learned from earlier points
+(``OverheadEstimate``, as link latency), the decode step, the decode worker's advertised
+layout, and the link measured once at start with ``transfer.tcp.raw_socket_gbps``.
+``best`` is the path with the lower measured median; ``choice_accuracy`` the share of
+points where they agree.
 ``transfer_gbps`` is the transfer stack alone (``bench.transfer_link``: a sender process
 streams RUN frames into this process's PENDING host-tier slots, every block digest verified,
 then committed; this model's layer size; no compute), the median of ``LINK_PROBES`` probes

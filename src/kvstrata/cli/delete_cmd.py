@@ -117,7 +117,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 def run_delete(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvstrata.fleet.workers import worker_tls
+    from kvstrata.fleet.worker_info import worker_tls
 
     body = request_body(args)
     headers = {}

@@ -343,6 +343,8 @@ class BatchRunner:
             **{BATCH_KWARG: layout},
         )
         logits = out.logits[0].float()
+        if logits.is_cuda:  # kernels run asynchronously: time them, not their launch
+            torch.cuda.synchronize(logits.device)
         done = time.perf_counter()
         if len(work) == 1:  # a step of one prefill chunk: a clean observation of its cost
             seq, count = work[0]

@@ -17,24 +17,22 @@ async def stream_head(chunks: AsyncIterator[bytes]) -> tuple[list[bytes], float 
     """A stream's chunks up to and including its first token (or its end, if it ends first),
     and when that token came: what the front door reads before it answers the client."""
     head: list[bytes] = []
+    read = b""  # the head so far: an event may arrive split over several reads
     async for chunk in chunks:
         head.append(chunk)
-        if b"data:" in chunk and not only_role_preamble(chunk):  # not a bare comment
+        read += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # SSE's line ends
+        end = read.rfind(b"\n\n")
+        events = read[: end + 2] if end >= 0 else b""  # the complete events
+        if b"data:" in events and not only_role_preamble(events):  # not a bare comment
             return head, time.time()
     return head, None
 
 
 def head_timing(head: list[bytes]) -> tuple[list[bytes], PrefillTiming | None]:
-    """A stream's head without the worker's timing comment (``serve.timing``), and the
-    report it held; chunks the comment alone made up are dropped."""
-    kept: list[bytes] = []
-    found: PrefillTiming | None = None
-    for chunk in head:
-        rest, timing = take_timing(chunk)
-        found = found or timing
-        if rest:
-            kept.append(rest)
-    return kept, found
+    """A stream's head as one chunk without the worker's timing comment (``serve.timing``;
+    searched in the whole head, so a comment split over reads is found), and its report."""
+    rest, timing = take_timing(b"".join(head))
+    return ([rest] if rest else []), timing
 
 
 async def chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.events.curve import create_certificate
-from kvstrata.fleet.workers import WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerInfo, WorkerProtocolError
 from kvstrata.runtime.event_exposure import is_local_endpoint
 
 

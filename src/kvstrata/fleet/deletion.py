@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvstrata.errors import ApiError
 from kvstrata.fleet.fleet import Fleet
-from kvstrata.fleet.workers import worker_tls
+from kvstrata.fleet.worker_info import worker_tls
 from kvstrata.identity import BlockKey
 from kvstrata.identity.keys import event_block_hash
 from kvstrata.index.tombstones import StreamPosition

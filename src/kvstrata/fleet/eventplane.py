@@ -65,7 +65,7 @@ from kvstrata.events.curve import CurveClient, KeyPair
 from kvstrata.events.schema import KVEventBatch
 from kvstrata.events.subscriber import EventPlaneStats, PollResult, ZmqEventSubscriber
 from kvstrata.fleet.source import KvstrataSource, WorkerSource
-from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.index.core import GlobalIndex
 
 _log = logging.getLogger(__name__)

@@ -57,13 +57,8 @@ from kvstrata.fleet.table import Table
 from kvstrata.fleet.tokenizer import FleetTokenizer
 from kvstrata.fleet.views import Reservation, WorkerView
 from kvstrata.fleet.vllm_workers import salted_batch
-from kvstrata.fleet.workers import (
-    WorkerInfo,
-    WorkerProtocolError,
-    WorkerState,
-    default_profile,
-    worker_tls,
-)
+from kvstrata.fleet.worker_info import WorkerInfo, WorkerProtocolError, worker_tls
+from kvstrata.fleet.workers import WorkerState, default_profile
 from kvstrata.identity import secret_digest
 from kvstrata.index.core import ConsistencyMode, GlobalIndex, IndexDeletion, Medium
 from kvstrata.index.tombstones import StreamPosition
@@ -204,6 +199,8 @@ class Fleet(FleetRouting):
             previous = self._table.by_id.get(info.worker_id)
             if previous is not None:  # keep what was learned about this machine's speed
                 state.prefill_fit = previous.prefill_fit
+                state.reports_prefill = previous.reports_prefill
+                state.serving_overhead_s = previous.serving_overhead_s
                 state.decode_step_s = previous.decode_step_s
                 if previous.info.epoch == info.epoch:  # the same process, back after a
                     state.carry_requests(previous)  # failed request: its work still runs
@@ -317,6 +314,7 @@ class Fleet(FleetRouting):
                     blocks=(0, 0, 0, 0) if index is None else index.blocks_held(state.worker_id),
                     prefill_samples=state.prefill_fit.samples,
                     prefill_model=state.prefill_fit.model(),
+                    serving_overhead_s=state.serving_overhead_s,
                     decode_step_s=state.decode_step_s,
                 )
                 for state in self._table.by_id.values()

@@ -66,7 +66,7 @@ from kvstrata.fleet.failover import (
 )
 from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.fleet.vllm_workers import tenant_of_body
-from kvstrata.fleet.workers import worker_tls
+from kvstrata.fleet.worker_info import worker_tls
 from kvstrata.identity import DEFAULT_TENANT
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
@@ -258,6 +258,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
                     **view.prefill_model.terms(),
                     "spread": view.prefill_model.spread,
                 },
+                "serving_overhead_s": view.serving_overhead_s,
                 "decode_step_s": view.decode_step_s,
             }
             for view in fleet.worker_views()
@@ -398,9 +399,9 @@ async def _try_worker(request: _Forward, reservation: Reservation) -> Response |
             re_route(fleet, reservation, " before its first token", exc, request_id)
             return None
         head, timing = head_timing(head)
-        if timing is not None:  # the worker's own figure: learned instead of the TTFT
+        if timing is not None:  # the worker's own figure (before the first token is marked)
             fleet.observe_prefill(reservation, timing.matched_tokens, timing.compute_s)
-        relay = _relay(fleet, reservation, upstream, head, first_at, chunks, timing is None)
+        relay = _relay(fleet, reservation, upstream, head, first_at, chunks)
         # started here, so its cleanup (finish the reservation, close the upstream) runs
         # even if the client left and Starlette never iterates the body
         primed = [chunk for chunk in [await anext(relay, None)] if chunk is not None]
@@ -455,15 +456,13 @@ async def _relay(
     head: list[bytes],
     first_at: float | None,
     rest: AsyncIterator[bytes],
-    learn: bool,
 ) -> AsyncIterator[bytes]:
-    """Relay ``head`` and then ``rest``; ``first_at``: when the head's first token came;
-    ``learn``: whether its TTFT may teach the prefill model (no report from the worker)."""
+    """Relay ``head`` and then ``rest``; ``first_at``: when the head's first token came."""
     ttft: float | None = None
     completion: tuple[int, int] | None = None
     predicted = reservation.decision.predicted_ttft_s
     if first_at is not None:
-        ttft = fleet.first_token(reservation, first_at, learn=learn)
+        ttft = fleet.first_token(reservation, first_at)
         if ttft is not None:
             fleet.metrics.actual_ttft.observe(ttft)
             if predicted > 0:

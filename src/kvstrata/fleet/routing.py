@@ -178,20 +178,16 @@ class FleetRouting:
             return None
         return state
 
-    def first_token(
-        self, reservation: Reservation, now: float, *, learn: bool = True
-    ) -> float | None:
-        """Record the first token (TTFT); with ``learn`` (the worker reported no prefill
-        time of its own), learn the prefill model from it if it ran alone (nothing in flight
-        when placed, nothing placed beside it before this token)."""
+    def first_token(self, reservation: Reservation, now: float) -> float | None:
+        """Record the first token (TTFT); learn from it if it ran alone (nothing in flight
+        when placed, nothing placed beside it before this token): ``WorkerState.first_token``."""
         with self._lock:
             if self._router is not None:
                 self._router.first_token(reservation.request_id)
             state = self._state_of(reservation)
             if state is None:
                 return None
-            alone = reservation.alone and learn
-            return state.first_token(reservation.request_id, now, alone=alone)
+            return state.first_token(reservation.request_id, now, alone=reservation.alone)
 
     def observe_prefill(
         self, reservation: Reservation, matched_tokens: int, seconds: float
@@ -204,7 +200,7 @@ class FleetRouting:
             state = self._state_of(reservation)
             if state is not None:
                 new_tokens = reservation.prompt_tokens - matched_tokens
-                state.prefill_fit.observe(new_tokens, matched_tokens, seconds)
+                state.observe_prefill(reservation.request_id, new_tokens, matched_tokens, seconds)
 
     def finish(
         self,

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import httpx
 
-from kvstrata.fleet.workers import WorkerDump, WorkerInfo, fetch_dump, fetch_info
+from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo, fetch_dump, fetch_info
 
 
 class WorkerSource(Protocol):

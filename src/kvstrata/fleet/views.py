@@ -41,5 +41,7 @@ class WorkerView:
     prefill_samples: int
     prefill_model: PrefillModel
     """The router's online prefill fit for this worker (its spread too)."""
+    serving_overhead_s: float
+    """What the router adds to the fit's fixed cost to price a TTFT (``WorkerState``)."""
     decode_step_s: float
     """The router's running estimate of one decode step on this worker."""

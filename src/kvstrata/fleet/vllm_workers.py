@@ -41,7 +41,7 @@ from msgspec.structs import replace
 from kvstrata.events.curve import CurveKeyError, decode_public_key, load_public_key
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
 from kvstrata.fleet.engine_load import ScrapedLoad
-from kvstrata.fleet.workers import WorkerDump, WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo, WorkerProtocolError
 from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest, secret_digest
 from kvstrata.identity.salts import salt_tenant
 from kvstrata.telemetry.prom_text import samples

@@ -1,218 +1,26 @@
-"""What the router knows about each worker: its identity (``/kv/info``), its KV dump, its load.
-
-A worker is a ``kvstrata serve`` process started with an events endpoint. The router talks
-to it over HTTP or HTTPS (``/kv/info``, ``/kv/dump``, ``/health``, the OpenAI endpoints) and
-listens to its ZMQ event stream. ``/kv/info`` and ``/kv/dump`` are read with the router's own
-fleet key (``api_key``: ``Authorization: Bearer``); HTTPS is verified with ``worker_tls``.
-Everything here validates what the worker sends: a worker that answers garbage is treated
-as unreachable, never trusted.
+"""What the router learns about each worker from its answers: in-flight load, an online
+prefill fit and the serving overhead around it, decode interference (``WorkerState``). What
+it reads of the worker itself (``/kv/info``, ``/kv/dump``) is ``fleet.worker_info``.
 """
 
 from __future__ import annotations
 
-import math
-import ssl
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
-
-import httpx
 
 from kvstrata.costs import OnlinePrefillFit, PrefillModel
-from kvstrata.errors import InvalidInput
-from kvstrata.events.curve import CurveKeyError, decode_public_key
-from kvstrata.events.schema import EventDecodeError, KVEvent, decode_batch
 from kvstrata.fleet.engine_load import ScrapedLoad, UnseenWork
-from kvstrata.identity.keys import FingerprintDigest
-from kvstrata.index.model import Medium, parse_medium
+from kvstrata.fleet.worker_info import WorkerInfo
+from kvstrata.index.model import Medium
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg_inputs import InterferenceEstimate
 from kvstrata.router.model import WorkerLoad
-from kvstrata.router.placement import ComputePlace
 from kvstrata.runtime.scheduler import SchedulerConfig
-from kvstrata.runtime.transfer_config import TRANSPORTS
-from kvstrata.transfer.layout import KVLayout
 
-NEXT_SEQ_HEADER = "X-Kvstrata-Next-Seq"
-EPOCH_HEADER = "X-Kvstrata-Epoch"
-
-
-class WorkerProtocolError(InvalidInput):
-    """A worker's ``/kv/info`` or ``/kv/dump`` answer is not what the protocol says."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransferTarget:
-    """A decode worker's transfer listener (``/kv/info`` ``transfer``): where a prefill worker
-    streams KV to, and the pool layout it is priced with."""
-
-    host: str
-    port: int
-    layout: KVLayout
-    transport: str = "tcp"
-
-    @classmethod
-    def from_json(cls, body: Any) -> TransferTarget:
-        layout = KVLayout(**body["layout"])
-        port = int(body["port"])
-        transport = str(body.get("transport", "tcp"))  # older workers: tcp only
-        if layout.problem() is not None or not 0 < port < 65536 or transport not in TRANSPORTS:
-            raise ValueError(f"bad transfer entry {body!r:.200}")
-        return cls(str(body["host"]), port, layout, transport)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    worker_id: str
-    base_url: str
-    epoch: int
-    model: str
-    fingerprint: FingerprintDigest
-    block_size: int
-    events_endpoint: str
-    replay_endpoint: str | None
-    next_seq: int
-    secret_digest: str | None = None  # None: the worker does not say how it salts tenants
-    tiers: tuple[str, ...] = ()  # the media it holds KV in (empty: it does not say)
-    fetch_s_per_block: tuple[float | None, float | None, float | None, float | None] = (
-        None,
-        None,
-        None,
-        None,
-    )
-    """Measured seconds to bring one block from each medium (``Medium`` order; None: not
-    measured yet), from the worker's store: the router prices fetches with these."""
-    curve_public_key: bytes | None = None
-    """The event sockets' CURVE server key (None: plaintext sockets)."""
-    lower_events_endpoint: str | None = None
-    """A second stream into the same worker slot: the kvstrata connector's events (host,
-    disk, remote) beside vLLM's own (device)."""
-    lower_replay_endpoint: str | None = None
-    lower_curve_public_key: bytes | None = None
-    """The connector stream's CURVE server key (None: plaintext), for its sockets as
-    ``curve_public_key`` is for the main stream's."""
-    scraped: ScrapedLoad | None = None
-    """The engine's own load figures when it reports them (None: the router's count only)."""
-    transfer: TransferTarget | None = None
-    """A decode worker's transfer listener (None: it receives no KV transfers)."""
-    compute: ComputePlace | None = None
-    """Where the worker computes (``router.placement``; None: it does not say)."""
-
-    @property
-    def reaches_shared_tier(self) -> bool:
-        """Does the worker have the shared (remote) tier? (Unknown: assume it does.)"""
-        return not self.tiers or Medium.REMOTE in {parse_medium(t) for t in self.tiers}
-
-    @classmethod
-    def from_json(cls, base_url: str, body: Any) -> WorkerInfo:
-        try:
-            fingerprint = bytes.fromhex(body["fingerprint"])
-            info = cls(
-                worker_id=str(body["worker_id"]),
-                base_url=base_url,
-                epoch=int(body["epoch"]),
-                model=str(body["model"]),
-                fingerprint=FingerprintDigest(fingerprint),
-                block_size=int(body["block_size"]),
-                events_endpoint=str(body["events_endpoint"]),
-                replay_endpoint=(
-                    None if body.get("replay_endpoint") is None else str(body["replay_endpoint"])
-                ),
-                next_seq=int(body.get("next_seq", 0)),
-                secret_digest=(
-                    None if body.get("secret_digest") is None else str(body["secret_digest"])
-                ),
-                tiers=tuple(str(t) for t in body.get("tiers", ())),
-                fetch_s_per_block=_fetch_figures(body.get("fetch_s_per_block") or {}),
-                curve_public_key=(
-                    None
-                    if body.get("curve_public_key") is None
-                    else decode_public_key(str(body["curve_public_key"]))
-                ),
-                transfer=(
-                    None
-                    if body.get("transfer") is None
-                    else TransferTarget.from_json(body["transfer"])
-                ),
-                compute=(
-                    None if body.get("compute") is None else ComputePlace.from_json(body["compute"])
-                ),
-            )
-        except (
-            KeyError,
-            TypeError,
-            ValueError,
-            AttributeError,
-            OverflowError,
-            CurveKeyError,
-            InvalidInput,
-        ) as exc:
-            raise WorkerProtocolError(f"bad /kv/info from {base_url}: {exc!r}") from exc
-        if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
-            raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
-        return info
-
-
-def _fetch_figures(
-    body: dict[str, Any],
-) -> tuple[float | None, float | None, float | None, float | None]:
-    """``{tier name: seconds per block | null}`` → per ``Medium``; unknown names, negative or
-    non-finite figures are left out (a garbage figure must not steer the router)."""
-    figures: list[float | None] = [None, None, None, None]
-    for name, value in body.items():
-        medium = parse_medium(str(name))
-        if medium is None or value is None:
-            continue
-        seconds = float(value)
-        if math.isfinite(seconds) and seconds >= 0:
-            figures[medium] = seconds
-    return (figures[0], figures[1], figures[2], figures[3])
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerDump:
-    epoch: int
-    next_seq: int
-    events: list[KVEvent]
-    ts: float
-    history_by_replay: bool = False
-    """No snapshot: the stream's replay history from ``next_seq`` is the state (vLLM), so
-    what its buffer has evicted stays unknown rather than asking for this dump again."""
-
-
-def bearer(api_key: str | None) -> dict[str, str]:
-    """The ``Authorization`` header presenting ``api_key`` (none without one)."""
-    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-
-
-def worker_tls(ca_file: Path | None) -> ssl.SSLContext | bool:
-    """How the router's HTTP clients verify workers' HTTPS: this CA bundle, else the system
-    CAs (``True``)."""
-    return True if ca_file is None else ssl.create_default_context(cafile=str(ca_file))
-
-
-def fetch_info(client: httpx.Client, base_url: str, api_key: str | None = None) -> WorkerInfo:
-    response = client.get(f"{base_url}/kv/info", headers=bearer(api_key))
-    response.raise_for_status()
-    try:
-        body = response.json()
-    except (ValueError, RecursionError) as exc:
-        raise WorkerProtocolError(f"bad /kv/info from {base_url}: not JSON") from exc
-    return WorkerInfo.from_json(base_url, body)
-
-
-def fetch_dump(client: httpx.Client, base_url: str, api_key: str | None = None) -> WorkerDump:
-    """The worker's full resident state as events, and the live seq it corresponds to."""
-    response = client.get(f"{base_url}/kv/dump", headers=bearer(api_key))
-    response.raise_for_status()
-    try:
-        next_seq = int(response.headers[NEXT_SEQ_HEADER])
-        epoch = int(response.headers[EPOCH_HEADER])
-        decoded = decode_batch(response.content)
-    except (KeyError, ValueError, EventDecodeError) as exc:
-        raise WorkerProtocolError(f"bad /kv/dump from {base_url}: {exc!r}") from exc
-    return WorkerDump(epoch, next_seq, list(decoded.batch.events), decoded.batch.ts)
+OVERHEAD_WINDOW = 32
+"""Requests that ran alone the serving overhead is the median of: a few suffice (it barely
+varies), and a median ignores the one whose admission fetched blocks from a slower tier."""
 
 
 @dataclass
@@ -231,6 +39,8 @@ class _InFlight:
     """Requests placed on the worker before this one's first token that prefill here. The
     engine packs a newcomer's first chunk into the step of this prompt's last one, so its
     TTFT is not its prefill alone (nor its prefill beside the decodes it started with)."""
+    reported_s: float | None = None
+    """The prefill compute the worker reported for it (``serve.timing``), if it did."""
 
 
 @dataclass
@@ -253,6 +63,15 @@ class WorkerState:
     attached: bool = True
     failures: int = 0
     prefill_fit: OnlinePrefillFit = field(init=False)
+    """Fitted from each request's prefill compute the worker reports (``serve.timing``), or,
+    from a worker that reports none (vLLM), from the TTFTs of requests that ran alone."""
+    reports_prefill: bool = False
+    """The worker has reported a prefill compute: its TTFTs teach the serving overhead, never
+    the fit (a TTFT holds more than the compute)."""
+    serving_overhead_s: float = 0.0
+    """What a TTFT holds beyond the compute its worker reports (HTTP, tokenizing, admission,
+    sampling, the relay): the median of TTFT − reported compute over the last requests that
+    ran alone (0 before one). Priced as part of every prefill (:meth:`prefill_model`)."""
     interference: InterferenceEstimate = field(init=False)
     """What each running decode adds to a prefill step here, learned from loaded TTFTs."""
     decode_step_s: float = 0.02
@@ -272,6 +91,7 @@ class WorkerState:
     _unseen: UnseenWork | None = None
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
+    _overheads: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
 
     def __post_init__(self) -> None:
         self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
@@ -290,7 +110,7 @@ class WorkerState:
             measured[Medium.REMOTE] = shared_fetch_s
         prior = self.profile_prior.fetch_s_per_block
         a, b, c, d = (p if m is None else m for m, p in zip(measured, prior, strict=True))
-        profile = self.profile_prior.with_prefill(self.prefill_fit.model())
+        profile = self.profile_prior.with_prefill(self.prefill_model())
         return replace(profile, fetch_s_per_block=(a, b, c, d))
 
     def begin(
@@ -337,9 +157,29 @@ class WorkerState:
         for other in self._inflight.values():
             other.joined_by.discard(request_id)
 
+    def prefill_model(self) -> PrefillModel:
+        """The prefill fit priced as a TTFT: its fixed cost plus the serving overhead."""
+        model = self.prefill_fit.model()
+        if self.serving_overhead_s <= 0:
+            return model
+        return replace(model, overhead_s=model.overhead_s + self.serving_overhead_s)
+
+    def observe_prefill(
+        self, request_id: str, new_tokens: int, cached_tokens: int, seconds: float
+    ) -> None:
+        """The worker reported this request's prefill compute (``serve.timing``): refit."""
+        self.reports_prefill = True
+        self.prefill_fit.observe(new_tokens, cached_tokens, seconds)
+        flight = self._inflight.get(request_id)
+        if flight is not None:
+            flight.reported_s = seconds
+
     def first_token(self, request_id: str, now: float, *, alone: bool) -> float | None:
-        """Mark the first token; learn the prefill model from it if nothing else was running
-        (``alone``: when it was placed) and no other request joined before it (``joined_by``)."""
+        """Mark the first token. If nothing else was running (``alone``: when it was placed)
+        and no other request joined before it (``joined_by``), its TTFT is its prefill alone
+        with the serving around it: it teaches the serving overhead (TTFT − the compute the
+        worker reported) or, from a worker that reports none, the prefill fit. Placed beside
+        running decodes with nothing queued ahead, it teaches their interference."""
         flight = self._inflight.get(request_id)
         if flight is None or flight.first_token:
             return None
@@ -347,10 +187,13 @@ class WorkerState:
         ttft = now - flight.started
         if flight.prefilled_elsewhere or flight.joined_by:
             return ttft
-        if alone:
+        if alone and flight.reported_s is not None:
+            self._overheads.append(max(0.0, ttft - flight.reported_s))
+            self.serving_overhead_s = statistics.median(self._overheads)
+        elif alone and not self.reports_prefill:
             self.prefill_fit.observe(flight.new_tokens, flight.cached_tokens, ttft)
         elif flight.active_at_start > 0 and flight.queued_ahead == 0:  # no queue wait in it
-            alone_s = self.prefill_fit.model().seconds(flight.new_tokens, flight.cached_tokens)
+            alone_s = self.prefill_model().seconds(flight.new_tokens, flight.cached_tokens)
             self.interference.observe(ttft, alone_s, flight.new_tokens, flight.active_at_start)
         return ttft
 
@@ -454,7 +297,7 @@ class WorkerState:
     def _typical_prefill_s(self) -> float:
         """One fresh prefill of a typical prompt (the recent mean output length stands in
         for nothing: prompts are not remembered, so a 512-token prompt is assumed)."""
-        return self.prefill_fit.model().seconds(512, 0)
+        return self.prefill_model().seconds(512, 0)
 
     def inflight(self) -> int:
         return len(self._inflight)

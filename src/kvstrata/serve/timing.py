@@ -18,11 +18,15 @@ number of prompt tokens it found cached:
   A line that starts with ``:`` is a comment that SSE clients ignore (WHATWG HTML, "Server-
   sent events", interpreting an event stream), and the front door removes it
   (:func:`take_timing`), so what reaches a client is byte for byte the worker's answer
-  without the header.
+  without the comment. The comment rides on the first event with text: a stream that ends
+  or fails before any text carries none.
 
-Either is omitted when the worker does not know the figure (a prefill preempted half way: its
-steps were not one prefill). The front door learns from a report when there is one, and from
-a TTFT measured alone otherwise (a vLLM worker sends neither).
+The figure is an estimate of the request's prefill alone (exact for a prompt alone in its
+steps; beside others, the cost model's split of each measured step). Neither is sent when
+the worker does not know it (a prefill preempted half way: its steps were not one prefill).
+The front door fits a worker's prefill model from its reports and learns from TTFTs only
+what the reports leave out, the serving overhead around them (``fleet.workers``); from a
+worker that reports nothing (vLLM), the fit comes from TTFTs measured alone.
 """
 
 from __future__ import annotations
