@@ -149,8 +149,23 @@ def _args(**overrides: object) -> argparse.Namespace:
         "pin_cpus": True,
         "omp_threads": 1,
         "json": True,
+        "per_request": False,
     }
     return argparse.Namespace(**(values | overrides))
+
+
+def _row(
+    index: int, worker: str, tokens: int, ttft: float | None, predicted: float | None
+) -> dict[str, object]:
+    return {
+        "index": index,
+        "arrival_s": float(index),
+        "worker": worker,
+        "prompt_tokens": tokens,
+        "cached_tokens": 0,
+        "ttft_s": ttft,
+        "predicted_ttft_s": predicted,
+    }
 
 
 def _live(factor: float) -> LiveResult:
@@ -163,7 +178,12 @@ def _live(factor: float) -> LiveResult:
         fleet_ready_s=1.0,
         replay_wall_s=2.0,
         answered=[("w0", 40, factor * 1.0), ("w1", 20, factor * 2.0), ("w0", 40, factor * 3.0)],
-        predicted=[(0.5, factor * 1.0), (2.0, factor * 2.0), (1.0, factor * 3.0)],
+        per_request=[
+            _row(0, "w0", 40, factor * 1.0, 0.5),
+            _row(1, "w1", 20, factor * 2.0, 2.0),
+            _row(2, "w0", 40, factor * 3.0, 1.0),
+            _row(3, "w1", 20, None, 1.0),  # failed: no TTFT, left out of the prediction
+        ],
         router=[{"worker_id": "w0", "prefill_samples": 3}],
         decisions={"w0/lowest_ttft_plus_work": 2, "w1/lowest_ttft_plus_work": 1},
     )
@@ -195,6 +215,11 @@ def test_report_shape_medians_and_spread() -> None:
     assert prediction["n"] == 3 and prediction["within_2x"] == pytest.approx(2 / 3)
     assert prediction["actual_over_predicted"]["p50"] == pytest.approx(2.0)
     assert prediction["actual_over_predicted"]["p10"] == pytest.approx(1.2)
+    assert "requests" not in data["live_runs"][0]
+    listed = bench_calibrate._report(
+        [_live(1.0)], sims, hits, _args(per_request=True), {"rate_scale": 1.0}, 1456, MODEL
+    )
+    assert [row["index"] for row in listed["live_runs"][0]["requests"]] == [0, 1, 2, 3]
     json.dumps(data, allow_nan=False)
 
 
@@ -208,7 +233,7 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     if not TRACE_FILE.is_file():
         pytest.skip(f"{TRACE_FILE} missing")
     argv = ["bench", "calibrate", "--trace", str(TRACE_FILE), "--limit", "8"]
-    argv += ["--max-prompt-tokens", "512", "--probe-rounds", "0", "--json"]
+    argv += ["--max-prompt-tokens", "512", "--probe-rounds", "0", "--per-request", "--json"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["live"]["ttft_s"]["n"] + data["failures"] == 8
@@ -229,6 +254,11 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert len(router) == 2 and all(w["prefill_model"]["per_token_s"] > 0 for w in router)
     # every replayed request and both warm-ups were routed (and counted by reason)
     assert sum(data["live_runs"][0]["decisions"].values()) >= 8 + 2
+    rows = data["live_runs"][0]["requests"]  # the front door's prediction of every answer
+    assert [row["index"] for row in rows] == list(range(8))
+    answered = [row for row in rows if row["ttft_s"] is not None]
+    assert answered and all(row["predicted_ttft_s"] > 0 for row in answered)
+    assert data["live_runs"][0]["prediction"]["n"] == len(answered)
 
 
 def test_probe_lengths_cover_the_replayed_prompts() -> None:

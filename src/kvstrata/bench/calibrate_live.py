@@ -61,14 +61,26 @@ class LiveResult:
     replay_wall_s: float
     answered: list[tuple[str, int, float]]
     """Per answered request, in request order: (worker that served it, prompt tokens, TTFT)."""
-    predicted: list[tuple[float, float]]
-    """Per answered request the router predicted a TTFT for: (its prediction, the TTFT)."""
+    per_request: list[dict[str, Any]]
+    """Every replayed request in order: its index and arrival, the worker that served it,
+    prompt and cached tokens, its TTFT and the router's prediction of it (None where
+    missing). ``bench calibrate --per-request`` prints them: for a closer look at the
+    router's predictions."""
     router: list[dict[str, Any]]
     """The front door's ``/fleet/workers`` after the replay: each worker's router view (its
     online prefill fit and decode-step estimate), what its routing decisions were based on."""
     decisions: dict[str, int]
     """``worker/reason`` → routing decisions (the front door's ``/metrics``), this fleet's
     warm-up, probes and replay together."""
+
+    @property
+    def predicted(self) -> list[tuple[float, float]]:
+        """Per answered request the router predicted a TTFT for: (its prediction, the TTFT)."""
+        return [
+            (row["predicted_ttft_s"], row["ttft_s"])
+            for row in self.per_request
+            if row["ttft_s"] is not None and row["predicted_ttft_s"] is not None
+        ]
 
     @property
     def ttft_s(self) -> list[float]:
@@ -376,10 +388,17 @@ class LiveFleet:
                 for a, r in zip(answers, requests, strict=True)
                 if a.ttft_s is not None
             ],
-            predicted=[
-                (a.predicted_s, a.ttft_s)
-                for a in answers
-                if a.ttft_s is not None and a.predicted_s is not None
+            per_request=[
+                {
+                    "index": r.index,
+                    "arrival_s": r.arrival_s,
+                    "worker": a.worker,
+                    "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": a.cached,
+                    "ttft_s": a.ttft_s,
+                    "predicted_ttft_s": a.predicted_s,
+                }
+                for a, r in zip(answers, requests, strict=True)
             ],
             router=router,
             decisions=decisions,

@@ -24,7 +24,8 @@
    fit) and its decisions by worker and reason (``decisions``, from ``/metrics``), and how
    well it predicted each request's TTFT (``prediction``: measured ÷ predicted, p10 / p50 /
    p90, and the share within 2×; the prediction from the front door's
-   ``X-Kvstrata-Predicted-Ttft-S``).
+   ``X-Kvstrata-Predicted-Ttft-S``); with ``--per-request``, every request of each live run
+   (``requests``: arrival, worker, prompt and cached tokens, TTFT, prediction).
 
 Recalibrating ``reference-cpu``: when ``measured`` meets the goal and ``reference-cpu`` does
 not, the profile's constants are off for this machine; ``prefill_models.measured`` gives the
@@ -99,6 +100,12 @@ def register(sub: Any) -> None:
         help="each worker owns its share of the CPUs (`up --pin-cpus`), as reference-cpu assumes",
     )
     parser.add_argument("--seed", type=int, default=0, help="the simulator's seed")
+    parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="list every replayed request of each live run (arrival, worker, tokens, TTFT, "
+        "the router's prediction) in the JSON",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -240,6 +247,7 @@ def _report(
                 "replay_wall_s": round(live.replay_wall_s, 1),
                 "ratios": {n: (r["sim"][n]["ratio_p50"], r["sim"][n]["ratio_p90"]) for n in sims},
             }
+            | ({"requests": live.per_request} if args.per_request else {})
             for live, s, r in zip(lives, stats, per_repeat, strict=True)
         ],
         "failures": len(failures),
