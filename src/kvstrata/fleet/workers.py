@@ -16,6 +16,7 @@ from kvstrata.index.model import Medium
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg_inputs import InterferenceEstimate
 from kvstrata.router.model import WorkerLoad
+from kvstrata.router.queue import Queued, queued_seconds
 from kvstrata.runtime.scheduler import SchedulerConfig
 
 OVERHEAD_WINDOW = 32
@@ -41,6 +42,8 @@ class _InFlight:
     TTFT is not its prefill alone (nor its prefill beside the decodes it started with)."""
     reported_s: float | None = None
     """The prefill compute the worker reported for it (``serve.timing``), if it did."""
+    priced_s: float = 0.0
+    """The prefill fit's seconds for its prompt when it was placed (``router.queue``)."""
 
 
 @dataclass
@@ -92,6 +95,7 @@ class WorkerState:
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     _recent_outputs: deque[int] = field(default_factory=lambda: deque(maxlen=128))
     _overheads: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
+    _last_first_token_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
@@ -128,21 +132,24 @@ class WorkerState:
         for flight in self._inflight.values():
             if not flight.first_token:
                 flight.joined_by.add(request_id)
+        new_tokens = prompt_tokens - cached_tokens
         self._inflight[request_id] = _InFlight(
             prompt_tokens,
-            prompt_tokens - cached_tokens,
+            new_tokens,
             cached_tokens,
             predicted_prefill_s,
             expected,
             now,
             active_at_start=self.active_decodes(),
             queued_ahead=sum(1 for f in self._inflight.values() if not f.first_token),
+            priced_s=self.prefill_model().seconds(new_tokens, cached_tokens) if new_tokens else 0.0,
         )
 
     def carry_requests(self, previous: WorkerState) -> None:
         """Take over ``previous``'s requests in flight (the same incarnation re-attached):
         a fresh, empty table made a busy worker look idle until they ended."""
         self._inflight = previous._inflight
+        self._last_first_token_at = previous._last_first_token_at
         self._recent_outputs = previous._recent_outputs
         self.mean_output_tokens = previous.mean_output_tokens
 
@@ -184,6 +191,7 @@ class WorkerState:
         if flight is None or flight.first_token:
             return None
         flight.first_token = True
+        self._last_first_token_at = max(self._last_first_token_at, now)
         ttft = now - flight.started
         if flight.prefilled_elsewhere or flight.joined_by:
             return ttft
@@ -265,10 +273,10 @@ class WorkerState:
     def load(self, now: float | None = None) -> WorkerLoad:
         """What the policies read; ``now`` ages the engine's scraped figures (None: as read)."""
         flights = list(self._inflight.values())
-        queued = [f for f in flights if not f.first_token]
+        queued = [f for f in flights if not f.first_token]  # in placement order
         decoding = [f for f in flights if f.first_token]
+        queued_s = self._queued_prefill_s(queued, now)
         # Decode steps of the requests already running interleave with the queued prefills.
-        queued_s = sum(f.predicted_prefill_s for f in queued)
         queued_s += (
             sum(f.expected_output for f in decoding) * self.decode_step_s / max(1, len(decoding))
         )
@@ -293,6 +301,27 @@ class WorkerState:
             kv_utilisation=utilisation,
             healthy=self.healthy,
         )
+
+    def _queued_prefill_s(self, queued: list[_InFlight], now: float | None) -> float:
+        """``router.queue.queued_seconds`` over the requests without their first token:
+        re-priced with today's fit, the head less what it ran since it could start (the
+        latest of its placement, the worker's last first token and the end of other
+        clients' scraped backlog; not aged when ``now`` is None)."""
+        if not queued:
+            return 0.0
+        model = self.prefill_model()
+        items = [
+            Queued(
+                f.predicted_prefill_s,
+                f.priced_s,
+                model.seconds(f.new_tokens, f.cached_tokens) if f.priced_s > 0 else 0.0,
+            )
+            for f in queued
+        ]
+        head_since = max(queued[0].started, self._last_first_token_at)
+        if self._unseen is not None:  # other clients' backlog goes first
+            head_since = max(head_since, self._unseen.since + self._unseen.backlog_s)
+        return queued_seconds(items, 0.0 if now is None else now - head_since)
 
     def _typical_prefill_s(self) -> float:
         """One fresh prefill of a typical prompt (the recent mean output length stands in

@@ -22,9 +22,9 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
   ``fit_now(n, c) / fit_at_send(n, c)`` for the request's predicted new and cached tokens, so
   a queue filled while the fit was still the prior (which has no attention term and
   under-prices long prompts) corrects itself as first tokens come back, instead of keeping the
-  stale under-estimate until it drains. The live fleet's ``WorkerState.load`` sums the same
-  predictions (without either refinement). The simulator's true remaining prefill time is
-  never read.
+  stale under-estimate until it drains. One rule, :func:`kvstrata.router.queue.queued_seconds`,
+  which the live fleet's ``WorkerState.load`` applies to its own predictions too. The
+  simulator's true remaining prefill time is never read.
 * **Kept as the worker reports them, because a live router observes them**
   (:meth:`kvstrata.sim.worker.SimWorker.load`): ``queued_requests`` (its own in-flight
   record: sent, no first token yet), ``active_decodes`` (it proxies the stream, so it sees the
@@ -70,6 +70,7 @@ from typing import Final
 from kvstrata.costs import OnlinePrefillFit, PrefillModel
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.model import WorkerLoad
+from kvstrata.router.queue import Queued, queued_seconds
 
 DEFAULT_SERVICE_NOISE: Final = 0.1
 """σ of the per-job lognormal service-time factor (module docstring)."""
@@ -154,11 +155,10 @@ class _Sent:
     priced_s: float
     """The fit's prefill seconds for ``(new_tokens, cached_tokens)`` when it was sent."""
 
-    def now_s(self, model: PrefillModel) -> float:
-        """The prediction re-priced with ``model`` (the same request, today's fit)."""
-        if self.priced_s <= 0:
-            return self.predicted_s
-        return self.predicted_s * model.seconds(self.new_tokens, self.cached_tokens) / self.priced_s
+    def queued(self, model: PrefillModel) -> Queued:
+        """As :func:`kvstrata.router.queue.queued_seconds` reads it, priced now by ``model``."""
+        now_s = model.seconds(self.new_tokens, self.cached_tokens) if self.priced_s > 0 else 0.0
+        return Queued(self.predicted_s, self.priced_s, now_s)
 
 
 @dataclass
@@ -233,9 +233,8 @@ class RouterView:
         if not flights.predictions:
             return 0.0
         model = flights.fit.model()
-        seconds = [sent.now_s(model) for sent in flights.predictions]
-        head = max(0.0, seconds[0] - (now - flights.head_since_s))
-        return head + sum(seconds) - seconds[0]
+        queue = [sent.queued(model) for sent in flights.predictions]
+        return queued_seconds(queue, now - flights.head_since_s)
 
     def load(self, worker: int, observable: WorkerLoad, now: float) -> WorkerLoad:
         """``observable`` (the counts a live router sees) with the router's own queue time."""
