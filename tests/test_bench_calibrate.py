@@ -177,7 +177,6 @@ def _live(factor: float) -> LiveResult:
         probes=[(32, 0, 0.2), (1, 31, 0.1), (256, 0, 0.5)],
         fleet_ready_s=1.0,
         replay_wall_s=2.0,
-        answered=[("w0", 40, factor * 1.0), ("w1", 20, factor * 2.0), ("w0", 40, factor * 3.0)],
         per_request=[
             _row(0, "w0", 40, factor * 1.0, 0.5),
             _row(1, "w1", 20, factor * 2.0, 2.0),

@@ -59,8 +59,6 @@ class LiveResult:
     probes: list[tuple[int, int, float]]
     fleet_ready_s: float
     replay_wall_s: float
-    answered: list[tuple[str, int, float]]
-    """Per answered request, in request order: (worker that served it, prompt tokens, TTFT)."""
     per_request: list[dict[str, Any]]
     """Every replayed request in order: its index and arrival, the worker that served it,
     prompt and cached tokens, its TTFT and the router's prediction of it (None where
@@ -72,6 +70,16 @@ class LiveResult:
     decisions: dict[str, int]
     """``worker/reason`` → routing decisions (the front door's ``/metrics``), this fleet's
     warm-up, probes and replay together."""
+
+    @property
+    def answered(self) -> list[tuple[str, int, float]]:
+        """Per answered request, in request order: (worker that served it, prompt tokens,
+        TTFT)."""
+        return [
+            (row["worker"], row["prompt_tokens"], row["ttft_s"])
+            for row in self.per_request
+            if row["ttft_s"] is not None
+        ]
 
     @property
     def predicted(self) -> list[tuple[float, float]]:
@@ -383,11 +391,6 @@ class LiveFleet:
             probes=list(probes),
             fleet_ready_s=self.ready_s,
             replay_wall_s=wall,
-            answered=[
-                (a.worker, r.prompt_tokens, a.ttft_s)
-                for a, r in zip(answers, requests, strict=True)
-                if a.ttft_s is not None
-            ],
             per_request=[
                 {
                     "index": r.index,
