@@ -20,6 +20,37 @@ def test_the_head_loses_what_it_ran_and_predictions_follow_the_fit() -> None:
     assert queued_seconds([], 3.0) == 0.0
 
 
+def test_prompts_that_fit_in_one_step_share_its_fixed_cost() -> None:
+    """The engine packs waiting prompts into one step of ``step_tokens`` and pays the fixed
+    cost once (stop 39's diagnosis: short prompts late in a burst were predicted up to 4×
+    too long, one fixed cost each)."""
+    queue = [
+        Queued(1.0, 0.0, 0.0, 400, 0.1),
+        Queued(0.5, 0.0, 0.0, 100, 0.1),  # 500 ≤ 512: shares the head's step
+        Queued(0.5, 0.0, 0.0, 100, 0.1),  # 600 > 512: starts the next step
+        Queued(0.3, 0.0, 0.0, 50, 0.1),  # packs behind it
+    ]
+    assert queued_seconds(queue, 0.0) == pytest.approx(2.3)  # no budget: one step each
+    assert queued_seconds(queue, 0.0, 512) == pytest.approx(1.4 + 0.7)
+    assert queued_seconds(queue, 0.2, 512) == pytest.approx(1.2 + 0.7)  # the head pack aged
+    long_head = [Queued(2.0, 0.0, 0.0, 600, 0.1), Queued(0.5, 0.0, 0.0, 10, 0.1)]
+    assert queued_seconds(long_head, 0.0, 512) == pytest.approx(2.5)  # a longer step runs alone
+    unknown = [Queued(1.0, 0.0, 0.0, 100, 0.1), Queued(0.5, 0.0, 0.0, 0, 0.1)]
+    assert queued_seconds(unknown, 0.0, 512) == pytest.approx(1.5)  # unknown size: no pack
+    cheap = [Queued(1.0, 0.0, 0.0, 100, 0.1), Queued(0.05, 0.0, 0.0, 10, 0.1)]
+    assert queued_seconds(cheap, 0.0, 512) == pytest.approx(1.0)  # never below nothing
+
+
+def test_a_live_worker_packs_short_queued_prompts() -> None:
+    state = _state()
+    fixed = state.prefill_model().overhead_s
+    assert fixed > 0
+    state.begin("a", 200, 0, 1.0, None, now=0.0)
+    state.begin("b", 200, 0, 1.0, None, now=0.0)
+    state.begin("c", 200, 0, 1.0, None, now=0.0)  # 600: the next step
+    assert state.load(None).queued_s == pytest.approx(3.0 - fixed)
+
+
 def _state() -> WorkerState:
     info = WorkerInfo(
         "w0", "http://h", 1, "m", router_fingerprint("m", 16), 16, "tcp://h:1", None, 0
@@ -29,8 +60,8 @@ def _state() -> WorkerState:
 
 def test_a_live_worker_ages_its_head_from_the_last_first_token() -> None:
     state = _state()
-    state.begin("a", 256, 0, 1.0, 4, now=0.0)
-    state.begin("b", 256, 0, 2.0, 4, now=0.1)
+    state.begin("a", 300, 0, 1.0, 4, now=0.0)  # 600 tokens: too many for one engine step
+    state.begin("b", 300, 0, 2.0, 4, now=0.1)
     assert state.load(0.1).queued_s == pytest.approx(0.9 + 2.0)  # a has run 0.1 s
     state.first_token("a", 1.0, alone=False)
     decoding = 4 * state.decode_step_s  # a's expected output, one decode step each

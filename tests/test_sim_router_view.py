@@ -163,8 +163,9 @@ def _unshared(
 
 
 def test_every_policy_gives_a_request_the_same_per_job_noise() -> None:
-    """Common random numbers: with no cache hits, no decodes and no host tier a prefill lasts
-    model(prompt) × worker factor × job factor; the job factor must not depend on the policy."""
+    """Common random numbers: with no cache hits, no decodes and no host tier a prefill's
+    compute is model(prompt) × worker factor × job factor (packed or not: each prompt's own
+    part); the job factor must not depend on the policy."""
     profile = gpu_a100_8b().with_capacities(None, 0)
     requests = _unshared(200, rate=20.0, prompts=(600, 8000), output=1, seed=1)
     config = SimConfig(profile=profile, workers=4, seed=3)
@@ -173,7 +174,7 @@ def test_every_policy_gives_a_request_the_same_per_job_noise() -> None:
         sim = Simulation(requests, policy, config)
         sim.run()
         per_policy[policy] = [
-            job.prefill_s
+            job.compute_s
             / profile.cost.prefill.seconds(job.request.prompt_tokens, 0)
             / sim.noise.worker_factor[job.worker]
             for job in sorted(sim.jobs, key=lambda job: job.request.index)

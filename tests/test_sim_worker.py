@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from kvstrata.index.core import Medium
 from kvstrata.sim.cluster import _eviction_policy, build_metas
 from kvstrata.sim.profiles import gpu_a100_8b
@@ -89,3 +91,41 @@ def test_the_index_hears_only_of_host_blocks_the_host_took() -> None:
     assert host_stores == [held]
     device_stores = [r[2] for r in reports if r[0] == Medium.DEVICE.name and r[1]]
     assert device_stores == [sorted(ids[built.keys[h]] for h in a.hashes)]
+
+
+def test_prompts_that_fit_in_one_step_start_together_and_pay_one_fixed_cost() -> None:
+    """The engine packs waiting prompts into one step's token budget (``runtime.scheduler``):
+    the simulated worker does too, instead of one prompt per step."""
+    a = SimRequest(0, 0.0, 1024, 1, (1, 2))
+    b = SimRequest(1, 0.0, 512, 1, (3,))  # 1,536 ≤ 2,048: shares a's step
+    c = SimRequest(2, 0.0, 1024, 1, (4, 5))  # 2,560 > 2,048: the next step
+    worker, built, _ = _worker([a, b, c], device_blocks=64, host_blocks=0)
+    assert worker.cost.prefill_chunk_tokens == 2048
+    for request in (a, b, c):
+        worker.enqueue(_job(request, built))
+    model = worker.cost.prefill
+    end = worker.try_start(0.0)
+    assert end == pytest.approx(model.seconds(1024, 0) + model.seconds(512, 0) - model.overhead_s)
+    assert [job.request.index for job in worker.running] == [0, 1]
+    assert worker.load(0.0).queued_requests == 3  # two in prefill, one waiting
+    first = worker.finish_prefill(end)
+    assert [(job.request.index, job.leads) for job in first] == [(0, True), (1, False)]
+    assert first[0].ttft_s == first[1].ttft_s == end
+    # Each reports what it would have taken alone (what the engine's split reports).
+    assert [job.compute_s for job in first] == [model.seconds(1024, 0), model.seconds(512, 0)]
+    second = worker.try_start(end)
+    assert second == pytest.approx(end + model.seconds(1024, 0))
+
+
+def test_a_prompt_continuing_blocks_the_batch_computes_waits_for_them() -> None:
+    """As the engine's ``Admission.DEFER``: it hits them after the step, not beside it."""
+    a = SimRequest(0, 0.0, 512, 1, (1,))
+    b = SimRequest(1, 0.0, 612, 1, (1,))
+    worker, built, _ = _worker([a, b], device_blocks=64, host_blocks=0)
+    worker.enqueue(_job(a, built))
+    worker.enqueue(_job(b, built))
+    end = worker.try_start(0.0)
+    assert end is not None and [job.request.index for job in worker.running] == [0]
+    worker.finish_prefill(end)
+    assert worker.try_start(end) is not None
+    assert worker.running[0].hit_tokens == 512

@@ -304,7 +304,9 @@ class WorkerState:
 
     def _queued_prefill_s(self, queued: list[_InFlight], now: float | None) -> float:
         """``router.queue.queued_seconds`` over the requests without their first token:
-        re-priced with today's fit, the head less what it ran since it could start (the
+        re-priced with today's fit, packed into the engine's steps (the scheduler's default
+        token budget: the worker does not report its own), the head less what it ran since
+        it could start (the
         latest of its placement, the worker's last first token and the end of other
         clients' scraped backlog; not aged when ``now`` is None)."""
         if not queued:
@@ -315,13 +317,16 @@ class WorkerState:
                 f.predicted_prefill_s,
                 f.priced_s,
                 model.seconds(f.new_tokens, f.cached_tokens) if f.priced_s > 0 else 0.0,
+                f.new_tokens,
+                model.overhead_s,
             )
             for f in queued
         ]
         head_since = max(queued[0].started, self._last_first_token_at)
         if self._unseen is not None:  # other clients' backlog goes first
             head_since = max(head_since, self._unseen.since + self._unseen.backlog_s)
-        return queued_seconds(items, 0.0 if now is None else now - head_since)
+        ran_s = 0.0 if now is None else now - head_since
+        return queued_seconds(items, ran_s, self.interference.chunk_tokens)
 
     def _typical_prefill_s(self) -> float:
         """One fresh prefill of a typical prompt (the recent mean output length stands in

@@ -9,7 +9,11 @@ then. Read now:
   (new, cached) tokens (``then_s`` 0: kept as predicted), so a queue filled while the fit was
   still a prior corrects itself as first tokens come back instead of keeping the stale
   figure until it drains;
-* the **head** (the oldest) has been running since the later of its placement and the
+* prompts **pack** into steps as the engine serves them (:func:`packs_with`): with a step
+  budget of ``step_tokens`` new tokens, queued prompts that fit in one step beside the one
+  ahead of them share its fixed cost (the fit's ``fixed_s``, paid once per step, not once
+  per request). The simulated worker packs by the same rule (``sim.worker``);
+* the **head** (the oldest pack) has been running since the later of its placement and the
   previous first token on the worker: what it has run so far is taken off it (never below 0).
 
 Pure: figures in, seconds out.
@@ -21,6 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def packs_with(step_new_tokens: int, new_tokens: int, step_tokens: int) -> bool:
+    """Whether a prompt of ``new_tokens`` joins a step that already computes
+    ``step_new_tokens`` under a budget of ``step_tokens`` (0: no packing, one prompt per
+    step). The engine's scheduler (``runtime.scheduler``) fills each step's token budget from
+    the waiting queue in order; a prompt that overflows it takes the rest of the step as a
+    chunk and goes on in the next. This rule counts a prompt in a step only when it fits
+    whole, a longer prompt as steps of its own, and one of unknown size (0) never packs."""
+    return step_tokens > 0 and new_tokens > 0 and step_new_tokens + new_tokens <= step_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Queued:
     """One request waiting for its first token, as the router priced it."""
@@ -30,6 +44,10 @@ class Queued:
     """The fit's seconds for its prompt when it was placed (0: never re-priced)."""
     now_s: float
     """The fit's seconds for the same prompt now."""
+    new_tokens: int = 0
+    """Its predicted new tokens (what it adds to a step)."""
+    fixed_s: float = 0.0
+    """The fit's fixed cost of a step now: what it saves when it packs behind another."""
 
     def repriced_s(self) -> float:
         if self.then_s <= 0:
@@ -37,11 +55,20 @@ class Queued:
         return self.predicted_s * self.now_s / self.then_s
 
 
-def queued_seconds(queue: Sequence[Queued], head_ran_s: float) -> float:
-    """Seconds of prefill ahead of a new request: ``queue`` oldest first, re-priced, the head
-    less the ``head_ran_s`` it has run."""
-    if not queue:
+def queued_seconds(queue: Sequence[Queued], head_ran_s: float, step_tokens: int = 0) -> float:
+    """Seconds of prefill ahead of a new request: ``queue`` oldest first, re-priced, packed
+    into steps of ``step_tokens`` new tokens (0: no packing), the head pack less the
+    ``head_ran_s`` it has run."""
+    packs: list[float] = []
+    step_new = 0
+    for item in queue:
+        seconds = item.repriced_s()
+        if packs and packs_with(step_new, item.new_tokens, step_tokens):
+            packs[-1] += max(0.0, seconds - item.fixed_s)
+            step_new += item.new_tokens
+        else:
+            packs.append(seconds)
+            step_new = item.new_tokens
+    if not packs:
         return 0.0
-    seconds = [item.repriced_s() for item in queue]
-    head = max(0.0, seconds[0] - max(0.0, head_ran_s))
-    return head + sum(seconds) - seconds[0]
+    return max(0.0, packs[0] - max(0.0, head_ran_s)) + sum(packs[1:])

@@ -293,13 +293,13 @@ class Simulation:
             return
         worker = self.workers[n]
         if kind == _Kind.PREFILL_DONE:
-            job = worker.finish_prefill(self.now)
-            if self.view is not None:
-                new_tokens = job.request.prompt_tokens - job.hit_tokens
-                self.view.first_token(n, new_tokens, job.hit_tokens, job.compute_s, self.now)
-            self.router.first_token(str(job.request.index))
-            if job.finished:
-                self.router.finished(str(job.request.index))
+            for job in worker.finish_prefill(self.now):
+                if self.view is not None:
+                    new_tokens = job.request.prompt_tokens - job.hit_tokens
+                    self.view.first_token(n, new_tokens, job.hit_tokens, job.compute_s, self.now)
+                self.router.first_token(str(job.request.index))
+                if job.finished:
+                    self.router.finished(str(job.request.index))
             self._start(n)
         elif kind == _Kind.DECODE:
             if version != worker.decode_version:
@@ -375,7 +375,8 @@ class Simulation:
         end = self._window_end()
         busy = [0.0] * len(self.workers)
         for job in self.jobs:
-            busy[job.worker] += max(0.0, min(job.start_s + job.prefill_s, end) - job.start_s)
+            if job.leads:  # a packed batch is busy once, not once per prompt
+                busy[job.worker] += max(0.0, min(job.start_s + job.prefill_s, end) - job.start_s)
         return busy
 
     def _decode_demand(self) -> float:

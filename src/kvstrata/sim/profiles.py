@@ -78,8 +78,9 @@ one-request traces (figures below). Matched:
   (``kv_eviction_policy: lru`` in the replay summary).
 
 Not matched (the simulator's worker model, :mod:`kvstrata.sim.worker`): the mocker packs
-several waiting prefills into one 8,192-token iteration (two 12,000-token requests arriving
-together finish at 338 / 495 ms there, 250 / 499 ms here: ours runs one prefill at a time);
+the tail of one prefill and the head of the next into one 8,192-token iteration (two
+12,000-token requests arriving together finish at 338 / 495 ms there, 250 / 499 ms here: ours
+packs only prompts that fit whole in a step beside the head's);
 the decode step is linearised; reuse is counted in 64-token blocks there and full 512-token
 trace blocks here (on the conversation trace the infinite-cache reuse differs by 0.0002).
 """

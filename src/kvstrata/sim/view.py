@@ -22,7 +22,10 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
   ``fit_now(n, c) / fit_at_send(n, c)`` for the request's predicted new and cached tokens, so
   a queue filled while the fit was still the prior (which has no attention term and
   under-prices long prompts) corrects itself as first tokens come back, instead of keeping the
-  stale under-estimate until it drains. One rule, :func:`kvstrata.router.queue.queued_seconds`,
+  stale under-estimate until it drains. Queued prompts that fit in one engine step pack
+  and share its fixed cost, as the simulated worker serves them (the step budget is the
+  engine's configuration, which a live router knows too). One rule,
+  :func:`kvstrata.router.queue.queued_seconds`,
   which the live fleet's ``WorkerState.load`` applies to its own predictions too. The
   simulator's true remaining prefill time is never read.
 * **Kept as the worker reports them, because a live router observes them**
@@ -158,7 +161,7 @@ class _Sent:
     def queued(self, model: PrefillModel) -> Queued:
         """As :func:`kvstrata.router.queue.queued_seconds` reads it, priced now by ``model``."""
         now_s = model.seconds(self.new_tokens, self.cached_tokens) if self.priced_s > 0 else 0.0
-        return Queued(self.predicted_s, self.priced_s, now_s)
+        return Queued(self.predicted_s, self.priced_s, now_s, self.new_tokens, model.overhead_s)
 
 
 @dataclass
@@ -234,7 +237,8 @@ class RouterView:
             return 0.0
         model = flights.fit.model()
         queue = [sent.queued(model) for sent in flights.predictions]
-        return queued_seconds(queue, now - flights.head_since_s)
+        step_tokens = flights.base.prefill_chunk_tokens  # the engine's step budget: known
+        return queued_seconds(queue, now - flights.head_since_s, step_tokens)
 
     def load(self, worker: int, observable: WorkerLoad, now: float) -> WorkerLoad:
         """``observable`` (the counts a live router sees) with the router's own queue time."""

@@ -2,13 +2,21 @@
 
 Service model (times from the worker's :class:`~kvstrata.sim.profiles.SimProfile`):
 
-* **Prefill queue, FIFO, one prefill at a time.** A prefill starts when the previous one has
+* **Prefill queue, FIFO, one batch at a time.** A prefill starts when the previous batch has
   finished and the device pool has room for the request's KV. At its start the worker looks
   up its *own* caches (not the index: the index is only the router's belief): the longest
   prefix of the request's full blocks present in the device pool or, failing that, in the
   host tier. Host blocks are fetched (``fetch_s_per_block[HOST]`` each) unless fetching plus
   the shorter prefill is slower than recomputing everything (the engine's break-even rule),
   then the uncached tokens are computed: ``PrefillModel.seconds(new, cached)``.
+* **Short prompts pack into one step**, as the engine's scheduler fills a step's token
+  budget (``prefill_chunk_tokens``) from its waiting queue: the prompts behind the head join
+  its batch while their new tokens fit in one step with it
+  (:func:`kvstrata.router.queue.packs_with`, the rule the router's queue estimate uses) and
+  the device pool has room; one that continues blocks the batch computes waits for them
+  (the engine's ``Admission.DEFER``). A packed prompt shares the step's fixed cost
+  (``overhead_s``, paid once per batch); every prompt of a batch gets its first token at the
+  batch's end.
 * **Chunked prefill interferes with decode.** With ``b`` decodes running, the prefill of
   ``n`` new tokens takes ``ceil(n / chunk)`` iterations, each also running one decode step
   (``CostProfile.interference_s``); decodes advance one token per iteration meanwhile. The
@@ -58,6 +66,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.index.core import Medium
 from kvstrata.objects import KVObjectMeta
 from kvstrata.router.model import WorkerLoad
+from kvstrata.router.queue import packs_with
 from kvstrata.sim.profiles import BLOCK_TOKENS, SimProfile
 from kvstrata.sim.trace import SimRequest
 from kvstrata.store.policy import EvictionPolicy
@@ -99,6 +108,8 @@ class Job:
     done_s: float = 0.0
     finished: bool = False
     worker: int = -1
+    leads: bool = True
+    """The head of its batch (False: packed behind another prompt, sharing its step)."""
 
 
 def _no_noise(_request_index: int) -> float:
@@ -140,7 +151,8 @@ class SimWorker:
         self.queue: deque[Job] = deque()
         self.queued_s = 0.0
         self.queued_new_tokens = 0
-        self.current: Job | None = None
+        self.running: list[Job] = []
+        """The batch in prefill: the head of the queue and the prompts packed behind it."""
         self.current_end_s = 0.0
         self.blocked = False
         self.decoding: list[tuple[float, int, Job]] = []
@@ -178,12 +190,12 @@ class SimWorker:
           ``SimConfig.oracle`` passes it to the router; otherwise
           :class:`kvstrata.sim.view.RouterView` replaces it with the router's own estimate.
         """
-        running = self.current is not None
+        running = len(self.running)
         queued_s = self.queued_s + (max(0.0, self.current_end_s - now) if running else 0.0)
         blocks = self.observed_kv_tokens // BLOCK_TOKENS
         return WorkerLoad(
             worker_id=self.worker_id,
-            queued_requests=len(self.queue) + (1 if running else 0),
+            queued_requests=len(self.queue) + running,
             queued_prefill_tokens=self.queued_new_tokens,
             queued_s=queued_s,
             active_decodes=len(self.decoding),
@@ -200,65 +212,122 @@ class SimWorker:
 
     # ---------------------------------------------------------------- prefill
     def try_start(self, now: float) -> float | None:
-        """Start the head of the queue if possible; returns its end time (None: nothing)."""
-        if self.current is not None or not self.queue:
+        """Start the head of the queue, and the prompts behind it that pack into its step,
+        if possible; returns the batch's end time (None: nothing started)."""
+        if self.running or not self.queue:
             return None
         self.kv_tick(now)  # before pins change at ``now``
-        job = self.queue[0]
-        request = job.request
-        keys = job.keys
+        head = self.queue[0]
+        device_hits, host_hits = self._lookup(head)
+        if not self._reserve(head, now):
+            self.blocked = True
+            return None
+        self.blocked = False
+        fresh = self._admit(self._dequeue(), now)
+        batch = [(head, device_hits, host_hits)]
+        budget = self.cost.prefill_chunk_tokens
+        step_new = self._new_tokens(head, device_hits + host_hits)
+        while self.queue:
+            follower = self.queue[0]
+            device_hits, host_hits = self._lookup(follower)
+            if any(key in fresh for key in follower.keys[:device_hits]):
+                break  # it continues blocks this batch computes: it waits for them
+            new = self._new_tokens(follower, device_hits + host_hits)
+            if not packs_with(step_new, new, budget) or not self._reserve(follower, now):
+                break
+            fresh |= self._admit(self._dequeue(), now)
+            batch.append((follower, device_hits, host_hits))
+            step_new += new
+        return self._run(batch, now)
+
+    def _lookup(self, job: Job) -> tuple[int, int]:
+        """The job's cached prefix here: (leading blocks in the device pool, then the blocks
+        after them in the host tier)."""
         device, host = self.device, self.host
         device_hits = host_hits = 0
-        for key in keys:
+        for key in job.keys:
             if key in device:
                 device_hits += 1
             elif key in host:
                 host_hits += 1
             else:
                 break
-        matched = device_hits + host_hits
+        return device_hits, host_hits
+
+    def _new_tokens(self, job: Job, matched: int) -> int:
+        return job.request.prompt_tokens - job.request.hit_tokens(matched)
+
+    def _reserve(self, job: Job, now: float) -> bool:
+        """Pin the job's blocks the device pool holds and make room for the rest and its
+        private blocks; False (nothing pinned, nothing evicted) when they cannot fit."""
         pins = self.pins
-        present = [key for key in keys if key in device]
+        present = [key for key in job.keys if key in self.device]
         for key in present:
             pins[key] = pins.get(key, 0) + 1
-        private = request.kv_blocks - len(keys)
-        need = len(keys) - len(present) + private
+        need = len(job.keys) - len(present) + job.request.kv_blocks - len(job.keys)
         if not self._make_device_room(need, now):
             for key in present:
                 self._unpin(key)
-            self.blocked = True
-            return None
-        self.blocked = False
-        self.queue.popleft()
+            return False
+        return True
+
+    def _dequeue(self) -> Job:
+        job = self.queue.popleft()
         self.queued_s = max(0.0, self.queued_s - job.estimate_s)
+        return job
 
-        model = self.cost.prefill
-        prompt = request.prompt_tokens
-        cached = request.hit_tokens(matched)
-        prefill_s = model.seconds(prompt - cached, cached)
-        fetch_s = host_hits * self.cost.fetch_s_per_block[Medium.HOST]
-        full_s = model.seconds(prompt, 0)
-        if fetch_s + prefill_s > full_s:
-            prefill_s, fetch_s, cached, matched = full_s, 0.0, 0, 0
-            device_hits = host_hits = 0
-        batch = len(self.decoding)
-        interference_s = self.cost.interference_s(prompt - cached, batch)
-        factor = self.service_factor(request.index)
-        duration = (fetch_s + prefill_s + interference_s) * factor
-        job.start_s = now
-        job.prefill_s = duration
-        job.compute_s = prefill_s * factor
-        job.hit_tokens = cached
-        job.device_hit_blocks = device_hits
-        job.host_hit_blocks = host_hits
-
+    def _admit(self, job: Job, now: float) -> set[BlockKey]:
+        """Store a reserved job's blocks and hold its private ones; returns the blocks it
+        added to the device pool (it computes them)."""
+        fresh = {key for key in job.keys if key not in self.device}
         self._store(job, now)
-        self.private_blocks += private
+        self.private_blocks += job.request.kv_blocks - len(job.keys)
+        return fresh
+
+    def _run(self, batch: list[tuple[Job, int, int]], now: float) -> float:
+        """Price the admitted batch and start it (:meth:`try_start`).
+
+        Each prompt is priced alone: fetch + ``PrefillModel.seconds(new, cached)``, or a
+        full recompute when that is cheaper (the engine's break-even rule), × its noise
+        factor. Prompts packed behind the head share its step's fixed cost (``overhead_s``,
+        paid once); the decode steps interleaved with the batch's chunks come on top. Every
+        prompt of the batch gets its first token at the batch's end."""
+        model = self.cost.prefill
+        fetch_per_block = self.cost.fetch_s_per_block[Medium.HOST]
+        decodes = len(self.decoding)
+        head_s = duration = 0.0
+        new_total = 0
+        for position, (job, device_hits, host_hits) in enumerate(batch):
+            request = job.request
+            prompt = request.prompt_tokens
+            cached = request.hit_tokens(device_hits + host_hits)
+            prefill_s = model.seconds(prompt - cached, cached)
+            fetch_s = host_hits * fetch_per_block
+            full_s = model.seconds(prompt, 0)
+            if fetch_s + prefill_s > full_s:
+                prefill_s, fetch_s, cached = full_s, 0.0, 0
+                device_hits = host_hits = 0
+            factor = self.service_factor(request.index)
+            if position:
+                duration += (fetch_s + prefill_s - min(model.overhead_s, prefill_s)) * factor
+            else:
+                head_s = fetch_s + prefill_s
+            new_total += prompt - cached
+            job.start_s = now
+            job.compute_s = prefill_s * factor
+            job.hit_tokens = cached
+            job.device_hit_blocks = device_hits
+            job.host_hit_blocks = host_hits
+            job.leads = not position
+        interference_s = self.cost.interference_s(new_total, decodes)
+        duration += (head_s + interference_s) * self.service_factor(batch[0][0].request.index)
         self._advance(now)
-        self.current = job
+        for job, _, _ in batch:
+            job.prefill_s = duration
+        self.running = [job for job, _, _ in batch]
         self.current_end_s = now + duration
-        if batch and self.cost.prefill_chunk_tokens > 0:
-            chunks = -(-max(prompt - cached, 1) // self.cost.prefill_chunk_tokens)
+        if decodes and self.cost.prefill_chunk_tokens > 0:
+            chunks = -(-max(new_total, 1) // self.cost.prefill_chunk_tokens)
             self._prefill_step_rate = chunks / duration
         else:
             self._prefill_step_rate = 0.0
@@ -289,30 +358,31 @@ class SimWorker:
             host.add(key)
             host_policy.on_insert(metas[key], now)
 
-    def finish_prefill(self, now: float) -> Job:
-        job = self.current
-        assert job is not None, "finish_prefill without a running prefill"
-        self.current = None
-        self.queued_new_tokens = max(0, self.queued_new_tokens - job.predicted_new_tokens)
-        job.ttft_s = now - job.request.arrival_s
-        ids = [self._ids[key] for key in job.keys]
-        if ids:
-            self._report(self.worker_id, ids, Medium.DEVICE, True, now)
-            # Only what the host tier took (``_store`` stops where it has no room); nothing
-            # left the host since the prefill started (only a prefill's start evicts there).
-            held = [self._ids[key] for key in job.keys if key in self.host]
-            if held:
-                self._report(self.worker_id, held, Medium.HOST, True, now)
+    def finish_prefill(self, now: float) -> list[Job]:
+        """The running batch's first tokens: its jobs, in queue order."""
+        batch, self.running = self.running, []
+        assert batch, "finish_prefill without a running prefill"
         self._advance(now)
+        for job in batch:
+            self.queued_new_tokens = max(0, self.queued_new_tokens - job.predicted_new_tokens)
+            job.ttft_s = now - job.request.arrival_s
+            ids = [self._ids[key] for key in job.keys]
+            if ids:
+                self._report(self.worker_id, ids, Medium.DEVICE, True, now)
+                # Only what the host tier took (``_store`` stops where it has no room);
+                # nothing left the host since the prefill started (only a start evicts there).
+                held = [self._ids[key] for key in job.keys if key in self.host]
+                if held:
+                    self._report(self.worker_id, held, Medium.HOST, True, now)
+            remaining = job.request.output_tokens - 1
+            if remaining <= 0:
+                self._release(job, now)
+            else:
+                job.finish_steps = self.steps + remaining
+                heapq.heappush(self.decoding, (job.finish_steps, job.request.index, job))
         self._prefill_step_rate = 0.0
-        remaining = job.request.output_tokens - 1
-        if remaining <= 0:
-            self._release(job, now)
-        else:
-            job.finish_steps = self.steps + remaining
-            heapq.heappush(self.decoding, (job.finish_steps, job.request.index, job))
         self._update_rate()
-        return job
+        return batch
 
     # ---------------------------------------------------------------- decode
     def next_decode_s(self, now: float) -> float | None:
@@ -361,9 +431,9 @@ class SimWorker:
         batch = len(self.decoding)
         if not batch:
             self.step_rate = 0.0
-        elif self.current is not None and self._prefill_step_rate > 0.0:
+        elif self.running and self._prefill_step_rate > 0.0:
             self.step_rate = self._prefill_step_rate
-        elif self.current is not None:
+        elif self.running:
             self.step_rate = 0.0  # unchunked prefill: decodes wait for it
         else:
             self.step_rate = 1.0 / self.cost.decode_step_s(batch)
