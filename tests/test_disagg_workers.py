@@ -176,6 +176,8 @@ def test_transferred_prefill_is_a_hit_with_the_single_worker_answer(workers: Wor
     sent = _prefill(prefill, "req-1", tokens, info)
     assert sent["outcome"] == "sent", sent
     assert sent["blocks"] == 5 and sent["bytes"] > 0 and 0.0 <= sent["overlap"] <= 1.0
+    # its own compute, which the router fits the prefill worker from: not the transfer
+    assert 0 < sent["prefill_compute_s"] <= sent["seconds"] and sent["matched_tokens"] == 0
     text, matched = _complete(decode, tokens, {"request_id": "req-1", "timeout_s": 30})
     assert matched == 5 * BLOCK  # the transferred blocks, through lookup and promotion
     single, _ = _complete(prefill, tokens)

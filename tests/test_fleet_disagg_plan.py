@@ -15,6 +15,7 @@ from kvstrata.identity.keys import FingerprintDigest
 from kvstrata.index.core import GlobalIndex
 from kvstrata.router.disagg import DisaggConfig
 from kvstrata.router.disagg_inputs import Link
+from kvstrata.serve.timing import PrefillTiming
 from kvstrata.transfer.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
@@ -114,6 +115,32 @@ def test_remote_prefills_book_their_compute_on_the_prefill_worker_not_their_ttft
     # and its TTFT is no sample of the decode worker's own prefill of 2,048 tokens
     decode.first_token("r1", 0.3, alone=True)
     assert decode.prefill_fit.samples == 0
+
+
+def test_a_prefill_worker_learns_the_compute_its_reply_reports() -> None:
+    """Its fit learned the reply's whole seconds (the transfer to the decode worker
+    included), and only from a prefill that ran alone (stop 39's note)."""
+    decode, prefill = _state("d0", transfer=True), _state("p0", transfer=False)
+    _busy(decode, 8)
+    routing = _routing(decode, prefill)
+    one = prefill.profile().prefill.seconds(2048, 0)
+    plans = []
+    for k in range(2):  # two at once: neither ran alone
+        decode.begin(f"r{k}", 2048, 0, one, 8, 0.0)
+        plans.append(routing.plan_disagg("d0", f"r{k}", "t", list(range(2048)), record=True))
+    assert all(chosen.path == "disagg" for chosen in plans)
+    routing.finish_prefill(
+        "r0", plans[0], reachable=True, prompt_tokens=2048, seconds=9.0,
+        timing=PrefillTiming(3.0, 512),
+    )  # fmt: skip
+    assert prefill.prefill_fit.samples == 1 and prefill.reports_prefill
+    routing.finish_prefill("r1", plans[1], reachable=True, prompt_tokens=2048, seconds=9.0)
+    assert prefill.prefill_fit.samples == 1  # a whole-call figure from a reporting worker: no
+    routing.finish_prefill(
+        "r2", plans[1], reachable=True, prompt_tokens=100, seconds=1.0,
+        timing=PrefillTiming(0.5, 512),
+    )  # fmt: skip
+    assert prefill.prefill_fit.samples == 1  # more matched than the prompt: dropped
 
 
 def test_queue_wait_is_not_learned_as_decode_interference() -> None:

@@ -39,6 +39,7 @@ class PrefillResult:
     prompt_tokens: int
     first_token: int
     matched_tokens: int  # reused at admission (no listener call names these positions)
+    compute_s: float  # its own share of the steps (``RequestRecord.prefill_compute_s``)
     block_ids: tuple[int, ...]  # block i holds positions i·B … i·B+B−1 of the prompt
     committed: int  # the first ``committed`` block ids are committed (published) blocks
     keys: tuple[BlockKey, ...]  # chained keys of the prompt's full blocks
@@ -78,6 +79,7 @@ class PrefillHandle:
             prompt_tokens=len(generation.prompt_ids),
             first_token=generation.output_ids[0],
             matched_tokens=generation.record.matched_tokens,
+            compute_s=generation.record.prefill_compute_s,
             block_ids=held.block_ids,
             committed=held.committed,
             keys=held.keys,

@@ -22,6 +22,7 @@ import httpx
 from kvstrata.errors import InvalidInput
 from kvstrata.fleet.disagg import DisaggPlan
 from kvstrata.fleet.fleet import Fleet, Reservation
+from kvstrata.serve.timing import PrefillTiming, checked
 
 _log = logging.getLogger(__name__)
 CONNECT_GRACE_S = 0.05
@@ -83,13 +84,14 @@ async def prepare(
         error = None if finished.cancelled() else finished.exception()
         if error is not None:
             _log.warning("prefill worker %s failed: %r", chosen.prefill_worker_id, error)
-        seconds = None if error is not None or finished.cancelled() else _sent_seconds(finished)
+        sent = None if error is not None or finished.cancelled() else _sent(finished)
         fleet.finish_prefill(
             request_id,
             chosen,
             reachable=not isinstance(error, httpx.TransportError),
             prompt_tokens=len(tokens),
-            seconds=seconds,
+            seconds=None if sent is None else sent[0],
+            timing=None if sent is None else sent[1],
         )
 
     task.add_done_callback(ended)
@@ -97,13 +99,19 @@ async def prepare(
     return {**payload, "kvstrata_transfer": wait}, chosen
 
 
-def _sent_seconds(finished: asyncio.Task[httpx.Response]) -> float | None:
-    """The prefill's seconds from a ``sent`` reply (the prefill worker's fit learns them)."""
+def _sent(finished: asyncio.Task[httpx.Response]) -> tuple[float, PrefillTiming | None] | None:
+    """A ``sent`` reply's whole seconds and the prefill compute it reports (None when it
+    reports none, or figures out of range: ``serve.timing.checked``); None: not sent."""
     reply = finished.result()
     try:
         body = reply.json()
-        if reply.status_code == 200 and body.get("outcome") == "sent":
-            return float(body["seconds"])
+        if reply.status_code != 200 or body.get("outcome") != "sent":
+            return None
+        seconds = float(body["seconds"])
     except (ValueError, AttributeError, KeyError, TypeError):
-        pass
-    return None
+        return None
+    compute, matched = body.get("prefill_compute_s"), body.get("matched_tokens")
+    timing = None
+    if isinstance(compute, int | float) and isinstance(matched, int):
+        timing = checked(float(compute), matched)
+    return seconds, timing

@@ -28,6 +28,7 @@ from kvstrata.fleet.workers import WorkerState
 from kvstrata.index.core import GlobalIndex
 from kvstrata.router.core import Router
 from kvstrata.router.model import RouteDecision, RouteRequest
+from kvstrata.serve.timing import PrefillTiming
 
 _log = logging.getLogger("kvstrata.fleet.fleet")  # the fleet's logger, as before the split
 
@@ -157,14 +158,21 @@ class FleetRouting:
         reachable: bool,
         prompt_tokens: int = 0,
         seconds: float | None = None,
+        timing: PrefillTiming | None = None,
     ) -> None:
-        """A remote prefill ended (``seconds``: its reply's, learned when it ran alone); an
-        unreachable prefill worker gets no more traffic."""
+        """A remote prefill ended; an unreachable prefill worker gets no more traffic. The
+        prefill worker's fit learns the compute its reply reports (``timing``), or else
+        the reply's whole ``seconds`` (the transfer included) when it ran alone."""
         with self._lock:
             state = self._table.by_id.get(chosen.prefill_worker_id or "")
             if state is None or state.info.epoch != chosen.prefill_epoch:
                 return
-            if seconds is not None and state.running_alone():
+            if timing is not None and timing.matched_tokens <= prompt_tokens:
+                matched = timing.matched_tokens
+                state.observe_prefill(
+                    request_id, prompt_tokens - matched, matched, timing.compute_s
+                )
+            elif seconds is not None and state.running_alone() and not state.reports_prefill:
                 cached = chosen.prefill_cached_tokens
                 state.prefill_fit.observe(prompt_tokens - cached, cached, seconds)
             state.finish(request_id, time.time(), None, None)

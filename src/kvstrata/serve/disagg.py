@@ -3,8 +3,11 @@
 - ``POST /kv/prefill`` (prefill worker): ``{request_id, prompt_token_ids, tenant, target:
   {host, port, transport}}`` (``transport``: ``tcp``, the default, or ``nixl``, as the decode
   worker's ``/kv/info`` advertises) → prefill here and stream the KV to the decode worker at
-  ``target`` (``transfer_sender.prefill_and_send``) → ``{outcome, blocks, bytes, seconds, overlap,
-  reason}``. The caller needs a tenant key, as for completions; ``tenant`` may only narrow it.
+  ``target`` (``transfer_sender.prefill_and_send``) → ``{outcome, blocks, bytes, seconds,
+  prefill_compute_s, matched_tokens, overlap, reason}`` (``seconds``: the whole call, transfer
+  included; ``prefill_compute_s``: the prefill's own compute, what the router fits this
+  worker's prefill model from, as ``serve.timing`` reports it for a completion). The caller
+  needs a tenant key, as for completions; ``tenant`` may only narrow it.
   ``target`` must be one the worker's ``[transfer] allowed_targets`` admit (default loopback;
   ``runtime.transfer_config``), else 403 ``target_forbidden``: nothing is computed or sent.
 - ``kvstrata_transfer: {request_id, timeout_s}`` on a completion (decode worker): the request
@@ -200,6 +203,8 @@ def register_disagg(app: FastAPI, disagg: Disaggregation, guard: HttpAuth) -> No
             "blocks": result.blocks,
             "bytes": result.payload_bytes,
             "seconds": result.seconds,
+            "prefill_compute_s": result.compute_s,
+            "matched_tokens": result.matched_tokens,
             "overlap": result.overlap,
             "reason": result.reason,
         }

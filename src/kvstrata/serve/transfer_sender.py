@@ -73,6 +73,11 @@ class SendOutcome:
     seconds: float = 0.0
     overlap: float = 0.0
     reason: str = ""
+    compute_s: float = 0.0
+    """The prefill's own compute (``RequestRecord.prefill_compute_s``; 0: unknown), without
+    the handshake, the transfer or the wait for the last layer to go out."""
+    matched_tokens: int = 0
+    """Prompt tokens the prefill found cached here."""
 
 
 class _LayerFeed:
@@ -270,7 +275,15 @@ def _run(
         if handle is not None:
             handle.release()
     seconds = time.monotonic() - start
-    return SendOutcome("sent", blocks, worker.payload_bytes, seconds, worker.overlap(prefill_done))
+    return SendOutcome(
+        "sent",
+        blocks,
+        worker.payload_bytes,
+        seconds,
+        worker.overlap(prefill_done),
+        compute_s=result.compute_s,
+        matched_tokens=result.matched_tokens,
+    )
 
 
 def _pool_blocks(engine: ReferenceEngine, block_ids: tuple[int, ...]) -> torch.Tensor:
