@@ -266,6 +266,30 @@ def predictions(pairs: Iterable[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
+ORDER_TOLERANCE_S: Final = 0.05
+"""First tokens closer than this count as one step's (a packed step ends for all at once)."""
+
+
+def placement_order(rows: Iterable[tuple[str, float, float]]) -> dict[str, int]:
+    """Of ``(worker, placed_at, first_token_at)`` rows (wall clock), the pairs on one worker
+    whose first tokens came in the opposite order to their placements (by more than
+    :data:`ORDER_TOLERANCE_S`), out of all pairs on one worker. The engine serves its queue
+    in order and a later prompt's chunks go after an earlier one's, so an inversion means the
+    later request was admitted first (requests proxied together race to the worker), or a
+    preemption or an in-flight deferral reordered them."""
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for worker, placed, first in rows:
+        by_worker.setdefault(worker, []).append((placed, first))
+    pairs = inverted = 0
+    for items in by_worker.values():
+        items.sort()
+        for i, (_, first_i) in enumerate(items):
+            for _, first_j in items[i + 1 :]:
+                pairs += 1
+                inverted += first_i > first_j + ORDER_TOLERANCE_S
+    return {"pairs": pairs, "inverted": inverted}
+
+
 def compare(live: Sequence[float], sims: Mapping[str, Sequence[float]]) -> dict[str, Any]:
     """Both distributions and sim ÷ live at p50 and p90 for every simulated profile."""
     live_stats = percentiles(live)

@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstrata.bench.calibrate import TOKEN_HI, TOKEN_LO, LiveRequest, prompt_ids
 from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
 from kvstrata.errors import InvalidInput
+from kvstrata.runtime.placement import PLACED_AT_HEADER, parse_placed_at
 
 PROBE_FRESH: Final = (32, 256, 1024, 2048, 4096)
 PROBE_TAIL: Final = 16
@@ -62,8 +63,9 @@ class LiveResult:
     per_request: list[dict[str, Any]]
     """Every replayed request in order: its index and arrival, the worker that served it,
     prompt and cached tokens, its TTFT and the router's prediction of it (None where
-    missing). ``bench calibrate --per-request`` prints them: for a closer look at the
-    router's predictions."""
+    missing), when the front door placed it and when its first token came (wall clock).
+    ``bench calibrate --per-request`` prints them: for a closer look at the router's
+    predictions."""
     router: list[dict[str, Any]]
     """The front door's ``/fleet/workers`` after the replay: each worker's router view (its
     online prefill fit and decode-step estimate), what its routing decisions were based on."""
@@ -88,6 +90,16 @@ class LiveResult:
             (row["predicted_ttft_s"], row["ttft_s"])
             for row in self.per_request
             if row["ttft_s"] is not None and row["predicted_ttft_s"] is not None
+        ]
+
+    @property
+    def placements(self) -> list[tuple[str, float, float]]:
+        """Per answered request the front door reported a placement for: (worker, placed
+        at, first token at), wall clock."""
+        return [
+            (row["worker"], row["placed_at"], row["first_token_at"])
+            for row in self.per_request
+            if row["placed_at"] is not None and row["first_token_at"] is not None
         ]
 
     @property
@@ -148,6 +160,10 @@ class _Answer:
     cached: int = 0
     worker: str = "?"
     predicted_s: float | None = None
+    placed_at: float | None = None
+    """When the front door placed it (its wall clock, ``X-Kvstrata-Placed-At``)."""
+    first_token_at: float | None = None
+    """When its first token came (this client's wall clock: the same machine's)."""
     error: str | None = None
 
 
@@ -158,6 +174,7 @@ async def _send(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> _
         async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
             answer.worker = response.headers.get("x-kvstrata-worker", "?")
             answer.predicted_s = _seconds(response.headers.get("x-kvstrata-predicted-ttft-s"))
+            answer.placed_at = parse_placed_at(response.headers.get(PLACED_AT_HEADER))
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return answer
@@ -171,6 +188,7 @@ async def _send(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> _
                 choices = chunk.get("choices") or []
                 if answer.ttft_s is None and choices and choices[0].get("text") is not None:
                     answer.ttft_s = time.perf_counter() - started
+                    answer.first_token_at = time.time()
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
@@ -400,6 +418,8 @@ class LiveFleet:
                     "cached_tokens": a.cached,
                     "ttft_s": a.ttft_s,
                     "predicted_ttft_s": a.predicted_s,
+                    "placed_at": a.placed_at,
+                    "first_token_at": a.first_token_at,
                 }
                 for a, r in zip(answers, requests, strict=True)
             ],

@@ -24,8 +24,11 @@
    fit) and its decisions by worker and reason (``decisions``, from ``/metrics``), and how
    well it predicted each request's TTFT (``prediction``: measured ÷ predicted, p10 / p50 /
    p90, and the share within 2×; the prediction from the front door's
-   ``X-Kvstrata-Predicted-Ttft-S``); with ``--per-request``, every request of each live run
-   (``requests``: arrival, worker, prompt and cached tokens, TTFT, prediction).
+   ``X-Kvstrata-Predicted-Ttft-S``), and how often two requests on one worker got their first
+   tokens in the opposite order to their placements (``placement_order``: inverted pairs of
+   all pairs, ``bench.calibrate.placement_order``); with ``--per-request``, every request of
+   each live run (``requests``: arrival, worker, prompt and cached tokens, TTFT, prediction,
+   placement and first-token times).
 
 Recalibrating ``reference-cpu``: when ``measured`` meets the goal and ``reference-cpu`` does
 not, the profile's constants are off for this machine; ``prefill_models.measured`` gives the
@@ -48,6 +51,7 @@ from kvstrata.bench.calibrate import (
     compare,
     per_worker,
     percentiles,
+    placement_order,
     predictions,
     scale_trace,
     sim_profile,
@@ -240,6 +244,7 @@ def _report(
                 "served_by": live.workers,
                 "per_worker": per_worker(live.answered),
                 "prediction": predictions(live.predicted),
+                "placement_order": placement_order(live.placements),
                 "router": live.router,
                 "decisions": live.decisions,
                 "failures": live.failures,

@@ -68,6 +68,7 @@ from kvstrata.fleet.fleet import Fleet, Reservation
 from kvstrata.fleet.vllm_workers import tenant_of_body
 from kvstrata.fleet.worker_info import worker_tls
 from kvstrata.identity import DEFAULT_TENANT
+from kvstrata.runtime.placement import PLACED_AT_HEADER, placed_at_header
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve.auth import REQUEST_ID_HEADER, TENANT_HEADER, HttpAuth, request_id_of
 from kvstrata.serve.deletion_protocol import TOKEN_ID_LIMIT
@@ -376,7 +377,9 @@ async def _try_worker(request: _Forward, reservation: Reservation) -> Response |
         fleet, client, reservation, request.tenant, tokens, request.payload, request.headers
     )
     try:
-        upstream_request = client.build_request("POST", url, json=sent, headers=request.headers)
+        headers = request.headers.copy()  # when it was placed: the engine admits in order
+        headers[PLACED_AT_HEADER] = placed_at = placed_at_header(reservation.started)
+        upstream_request = client.build_request("POST", url, json=sent, headers=headers)
         sending = client.send(upstream_request, stream=True)
         upstream = await unless_dead(gone, unless_client_left(left, sending))
     except ClientGone:
@@ -384,7 +387,11 @@ async def _try_worker(request: _Forward, reservation: Reservation) -> Response |
     except (httpx.TransportError, WorkerGone) as exc:
         re_route(fleet, reservation, "", exc, request_id)
         return None
-    extra = {WORKER_HEADER: worker_id, PREDICTED_HEADER: f"{decision.predicted_ttft_s:.6f}"}
+    extra = {
+        WORKER_HEADER: worker_id,
+        PREDICTED_HEADER: f"{decision.predicted_ttft_s:.6f}",
+        PLACED_AT_HEADER: placed_at,
+    }
     if "retry-after" in upstream.headers:  # a worker's full queue (429): when to retry
         extra["Retry-After"] = upstream.headers["retry-after"]
     if body.stream and upstream.status_code == 200:
