@@ -76,7 +76,7 @@ class BatchRunner:
     # ---- sequences in and out ------------------------------------------------------------
     def add(self, seq: Seq) -> None:
         self._by_gen[id(seq.gen)] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, placed_at=seq.placed_at, arrived_s=seq.arrival)
 
     def cancel(self, generation: Generation) -> None:
         seq = self._by_gen.get(id(generation))

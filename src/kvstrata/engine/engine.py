@@ -242,6 +242,7 @@ class ReferenceEngine(StepLoop):
         request_id: str | None = None,
         on_layer: LayerListener | None = None,
         hold: Callable[[HeldBlocks], None] | None = None,
+        placed_at: float | None = None,
     ) -> Generation:
         """Queue a generation; iterate the result (or call ``run()``) to get its tokens.
 
@@ -251,7 +252,9 @@ class ReferenceEngine(StepLoop):
         called on the step thread after each layer of each step of this request has written
         its K/V, naming the blocks that step completed (``paged_attention.LayerListener``);
         ``hold`` receives the blocks of a request that
-        finished normally instead of their release (``prefill`` uses both).
+        finished normally instead of their release (``prefill`` uses both). ``placed_at``:
+        when a router placed the request (its wall clock), so requests proxied together are
+        admitted in the order they were placed (``runtime.scheduler``).
         """
         params = params or SamplingParams()
         params.validate()
@@ -289,7 +292,7 @@ class ReferenceEngine(StepLoop):
         else:
             generator.seed()
         seq = Seq(gen=generation, tenant=tenant, lookup=lookup, store=store, generator=generator)
-        seq.on_layer, seq.hold = on_layer, hold
+        seq.on_layer, seq.hold, seq.placed_at = on_layer, hold, placed_at
         seq.tokens = list(prompt)
         if lookup or store:
             seq.root = self._root(tenant)

@@ -45,6 +45,7 @@ class Sequence:
     store: bool
     generator: torch.Generator
     arrival: float = field(default_factory=time.perf_counter)
+    placed_at: float | None = None  # when a router placed it (its clock): admission order
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     table: list[int] = field(default_factory=list)

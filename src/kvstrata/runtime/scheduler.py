@@ -6,9 +6,15 @@ chunks of what is left (chunked prefill, oldest first), then waiting sequences a
 arrival order while the batch has room (``max_num_seqs``), budget remains and the engine's
 ``admit`` callback accepts them (it looks the prompt up and checks the device pool has room).
 Admission is FIFO: a sequence that does not fit (``Admission.WAIT``) blocks the ones behind
-it, so none starves. One exception, ``Admission.DEFER``: a sequence whose prompt continues
-blocks another running sequence is computing right now steps aside (keeping its place) until
-those blocks are published and it can hit them, instead of computing them a second time.
+it, so none starves. FIFO in *placement* order where a router placed the requests: a request
+a router placed (``placed_at``, the router's clock) before waiting requests that reached this
+engine at most :data:`REORDER_WINDOW_S` ahead of it takes its place before them. Requests
+proxied at the same time race to the engine, and the router priced each one's wait as the
+queue it placed it behind; the window bounds what a forged placement could gain, and a
+request without one is never overtaken. One exception to FIFO, ``Admission.DEFER``: a
+sequence whose prompt continues blocks another running sequence is computing right now steps
+aside (keeping its place) until those blocks are published and it can hit them, instead of
+computing them a second time.
 ``preempt_last`` hands the most recently admitted running sequence back to the front
 of the queue when the pool runs out of blocks mid-step (the engine recomputes it later; its
 committed blocks usually still hit).
@@ -23,9 +29,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 from kvstrata.errors import ConfigError
+
+REORDER_WINDOW_S: Final = 0.1
+"""How far back (in arrival at the engine) a request placed earlier may overtake waiting
+requests placed later: wider than requests proxied together take to race here
+(milliseconds), far below a queue's worth of steps."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,26 @@ class Scheduler(Generic[S]):
         self.config = config
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
+        self._placed: dict[int, tuple[float, float]] = {}
+        """id(waiting sequence) → (placed_at, arrived_s), until it is first planned."""
 
-    def add(self, seq: S) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: S, *, placed_at: float | None = None, arrived_s: float = 0.0) -> None:
+        """Queue ``seq``, which reached the engine at ``arrived_s`` (the engine's clock) and
+        was placed by a router at ``placed_at`` (None: not placed; it goes last), before the
+        waiting sequences placed after it that arrived at most :data:`REORDER_WINDOW_S`
+        before it (module docstring)."""
+        waiting = self.waiting
+        position = len(waiting)
+        if placed_at is not None:
+            self._placed[id(seq)] = (placed_at, arrived_s)
+            while position > 0:
+                ahead = self._placed.get(id(waiting[position - 1]))
+                if ahead is None or ahead[0] <= placed_at:
+                    break
+                if arrived_s - ahead[1] > REORDER_WINDOW_S:
+                    break
+                position -= 1
+        waiting.insert(position, seq)
 
     def plan(self, admit: Callable[[S], Admission]) -> list[tuple[S, int]]:
         """The next step's work: (sequence, tokens to compute), decodes first."""
@@ -92,6 +120,7 @@ class Scheduler(Generic[S]):
         try:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting.popleft()
+                self._placed.pop(id(seq), None)  # planned once: nothing overtakes it now
                 try:
                     decision = admit(seq)
                 except BaseException:
@@ -127,6 +156,7 @@ class Scheduler(Generic[S]):
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._placed.pop(id(seq), None)
 
     def __iter__(self) -> Iterator[S]:
         yield from self.running

@@ -44,6 +44,7 @@ from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ApiError, ContextTooLong, InvalidInput, QueueFull
 from kvstrata.runtime import tokenization
 from kvstrata.runtime.config import ServeLimits
+from kvstrata.runtime.placement import PLACED_AT_HEADER, parse_placed_at
 from kvstrata.security import OBSERVE, Authenticator, Principal, Role
 from kvstrata.serve import protocol, responses
 from kvstrata.serve.admin import ADMIN_TIERS, register_admin
@@ -265,6 +266,7 @@ class _Service:
                 self._params(body, len(prompt_ids)),
                 tenant=tenant,
                 request_id=request_id,
+                placed_at=parse_placed_at(request.headers.get(PLACED_AT_HEADER)),
             )
         except Exception as exc:
             return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
