@@ -13,6 +13,7 @@ from kvstrata.bench.calibrate import (
     Scaling,
     compare,
     percentiles,
+    placement_order,
     prompt_ids,
     scale_trace,
     sim_profile,
@@ -165,6 +166,8 @@ def _row(
         "cached_tokens": 0,
         "ttft_s": ttft,
         "predicted_ttft_s": predicted,
+        "placed_at": 100.0 + index,
+        "first_token_at": None if ttft is None else 100.0 + index + ttft,
     }
 
 
@@ -214,12 +217,25 @@ def test_report_shape_medians_and_spread() -> None:
     assert prediction["n"] == 3 and prediction["within_2x"] == pytest.approx(2 / 3)
     assert prediction["actual_over_predicted"]["p50"] == pytest.approx(2.0)
     assert prediction["actual_over_predicted"]["p10"] == pytest.approx(1.2)
+    assert data["live_runs"][0]["placement_order"] == {"pairs": 1, "inverted": 0}
     assert "requests" not in data["live_runs"][0]
     listed = bench_calibrate._report(
         [_live(1.0)], sims, hits, _args(per_request=True), {"rate_scale": 1.0}, 1456, MODEL
     )
     assert [row["index"] for row in listed["live_runs"][0]["requests"]] == [0, 1, 2, 3]
     json.dumps(data, allow_nan=False)
+
+
+def test_placement_order_counts_first_tokens_against_placements() -> None:
+    rows = [
+        ("w0", 1.00, 5.0),
+        ("w0", 1.01, 3.0),  # placed after the first, its first token 2 s before: inverted
+        ("w0", 1.02, 5.03),  # within the tolerance of the first's: one step's
+        ("w1", 1.00, 9.0),  # another worker: no pair with w0's
+        ("w1", 2.00, 9.5),
+    ]
+    assert placement_order(rows) == {"pairs": 4, "inverted": 1}
+    assert placement_order([]) == {"pairs": 0, "inverted": 0}
 
 
 def test_device_blocks_from_the_pool() -> None:
@@ -258,6 +274,7 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     answered = [row for row in rows if row["ttft_s"] is not None]
     assert answered and all(row["predicted_ttft_s"] > 0 for row in answered)
     assert data["live_runs"][0]["prediction"]["n"] == len(answered)
+    assert all(row["placed_at"] <= row["first_token_at"] for row in answered)
 
 
 def test_probe_lengths_cover_the_replayed_prompts() -> None:
