@@ -232,7 +232,7 @@ class SimWorker:
             device_hits, host_hits = self._lookup(follower)
             if any(key in fresh for key in follower.keys[:device_hits]):
                 break  # it continues blocks this batch computes: it waits for them
-            new = self._new_tokens(follower, device_hits + host_hits)
+            new = self._new_tokens(follower, device_hits + host_hits)  # before break-even
             if not packs_with(step_new, new, budget) or not self._reserve(follower, now):
                 break
             fresh |= self._admit(self._dequeue(), now)
@@ -264,7 +264,7 @@ class SimWorker:
         present = [key for key in job.keys if key in self.device]
         for key in present:
             pins[key] = pins.get(key, 0) + 1
-        need = len(job.keys) - len(present) + job.request.kv_blocks - len(job.keys)
+        need = job.request.kv_blocks - len(present)  # its missing full blocks + private ones
         if not self._make_device_room(need, now):
             for key in present:
                 self._unpin(key)
