@@ -119,7 +119,8 @@ def test_remote_prefills_book_their_compute_on_the_prefill_worker_not_their_ttft
 
 def test_a_prefill_worker_learns_the_compute_its_reply_reports() -> None:
     """Its fit learned the reply's whole seconds (the transfer to the decode worker
-    included), and only from a prefill that ran alone (stop 39's note)."""
+    included), and only from a prefill that ran alone (stop 39's note): now the compute
+    the reply reports, on a busy worker too."""
     decode, prefill = _state("d0", transfer=True), _state("p0", transfer=False)
     _busy(decode, 8)
     routing = _routing(decode, prefill)
@@ -129,18 +130,30 @@ def test_a_prefill_worker_learns_the_compute_its_reply_reports() -> None:
         decode.begin(f"r{k}", 2048, 0, one, 8, 0.0)
         plans.append(routing.plan_disagg("d0", f"r{k}", "t", list(range(2048)), record=True))
     assert all(chosen.path == "disagg" for chosen in plans)
+    assert not prefill.running_alone()
     routing.finish_prefill(
         "r0", plans[0], reachable=True, prompt_tokens=2048, seconds=9.0,
         timing=PrefillTiming(3.0, 512),
     )  # fmt: skip
     assert prefill.prefill_fit.samples == 1 and prefill.reports_prefill
+    assert prefill.prefill_fit._samples[-1] == (1536, 512, 3.0)  # the compute, not 9 s
     routing.finish_prefill("r1", plans[1], reachable=True, prompt_tokens=2048, seconds=9.0)
     assert prefill.prefill_fit.samples == 1  # a whole-call figure from a reporting worker: no
+
+
+def test_a_report_claiming_more_matched_tokens_than_the_prompt_is_dropped() -> None:
+    decode, prefill = _state("d0", transfer=True), _state("p0", transfer=False)
+    _busy(decode, 8)
+    routing = _routing(decode, prefill)
+    chosen = []
+    for k in range(2):  # two at once: the whole-call figure is no fallback either
+        decode.begin(f"r{k}", 2048, 0, 1.0, 8, 0.0)
+        chosen.append(routing.plan_disagg("d0", f"r{k}", "t", list(range(2048)), record=True))
     routing.finish_prefill(
-        "r2", plans[1], reachable=True, prompt_tokens=100, seconds=1.0,
+        "r0", chosen[0], reachable=True, prompt_tokens=100, seconds=1.0,
         timing=PrefillTiming(0.5, 512),
     )  # fmt: skip
-    assert prefill.prefill_fit.samples == 1  # more matched than the prompt: dropped
+    assert prefill.prefill_fit.samples == 0 and not prefill.reports_prefill
 
 
 def test_queue_wait_is_not_learned_as_decode_interference() -> None:

@@ -39,16 +39,33 @@ def test_prompts_that_fit_in_one_step_share_its_fixed_cost() -> None:
     assert queued_seconds(unknown, 0.0, 512) == pytest.approx(1.5)  # unknown size: no pack
     cheap = [Queued(1.0, 0.0, 0.0, 100, 0.1), Queued(0.05, 0.0, 0.0, 10, 0.1)]
     assert queued_seconds(cheap, 0.0, 512) == pytest.approx(1.0)  # never below nothing
+    unknown_head = [Queued(1.0, 0.0, 0.0, 0, 0.1), Queued(0.5, 0.0, 0.0, 100, 0.1)]
+    assert queued_seconds(unknown_head, 0.0, 512) == pytest.approx(1.5)  # nothing fits beside
+
+
+def test_a_step_that_has_begun_takes_no_newcomer() -> None:
+    """Review finding: a request placed while the head's step ran was packed into it."""
+    queue = [
+        Queued(1.0, 0.0, 0.0, 100, 0.1, placed_s=0.0),
+        Queued(0.5, 0.0, 0.0, 100, 0.1, placed_s=2.0),  # placed after the head started (1.0)
+        Queued(0.5, 0.0, 0.0, 100, 0.1, placed_s=2.1),  # packs with the one ahead of it
+    ]
+    assert queued_seconds(queue, 0.0, 512, head_since_s=1.0) == pytest.approx(1.0 + 0.9)
+    assert queued_seconds(queue, 0.0, 512, head_since_s=3.0) == pytest.approx(1.8)
 
 
 def test_a_live_worker_packs_short_queued_prompts() -> None:
     state = _state()
-    fixed = state.prefill_model().overhead_s
+    fixed = state.prefill_fit.model().overhead_s  # the engine's step, not the serving around it
     assert fixed > 0
-    state.begin("a", 200, 0, 1.0, None, now=0.0)
-    state.begin("b", 200, 0, 1.0, None, now=0.0)
-    state.begin("c", 200, 0, 1.0, None, now=0.0)  # 600: the next step
-    assert state.load(None).queued_s == pytest.approx(3.0 - fixed)
+    state.begin("a", 200, 0, 1.0, None, now=0.0)  # running from 0.0: nothing joins its step
+    state.begin("b", 200, 0, 1.0, None, now=0.1)
+    state.begin("c", 200, 0, 1.0, None, now=0.2)  # packs with b: 400 tokens
+    state.begin("d", 200, 0, 1.0, None, now=0.3)  # 600: the next step
+    assert state.load(None).queued_s == pytest.approx(1.0 + (2.0 - fixed) + 1.0)
+    state.first_token("a", 0.5, alone=False)  # b's step starts: c joins it, d does not
+    decoding = state.mean_output_tokens * state.decode_step_s
+    assert state.load(None).queued_s == pytest.approx((2.0 - fixed) + 1.0 + decoding)
 
 
 def _state() -> WorkerState:

@@ -312,13 +312,15 @@ class WorkerState:
         if not queued:
             return 0.0
         model = self.prefill_model()
+        step_fixed_s = self.prefill_fit.model().overhead_s  # the engine's, not the serving's
         items = [
             Queued(
                 f.predicted_prefill_s,
                 f.priced_s,
                 model.seconds(f.new_tokens, f.cached_tokens) if f.priced_s > 0 else 0.0,
                 f.new_tokens,
-                model.overhead_s,
+                step_fixed_s,
+                f.started,
             )
             for f in queued
         ]
@@ -326,7 +328,7 @@ class WorkerState:
         if self._unseen is not None:  # other clients' backlog goes first
             head_since = max(head_since, self._unseen.since + self._unseen.backlog_s)
         ran_s = 0.0 if now is None else now - head_since
-        return queued_seconds(items, ran_s, self.interference.chunk_tokens)
+        return queued_seconds(items, ran_s, self.interference.chunk_tokens, head_since)
 
     def _typical_prefill_s(self) -> float:
         """One fresh prefill of a typical prompt (the recent mean output length stands in

@@ -14,13 +14,16 @@ then. Read now:
   ahead of them share its fixed cost (the fit's ``fixed_s``, paid once per step, not once
   per request). The simulated worker packs by the same rule (``sim.worker``);
 * the **head** (the oldest pack) has been running since the later of its placement and the
-  previous first token on the worker: what it has run so far is taken off it (never below 0).
+  previous first token on the worker (``head_since_s``): what it has run so far is taken off
+  it (never below 0), and only requests placed before it started can be in it (a step that
+  has begun takes no newcomer).
 
 Pure: figures in, seconds out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +51,8 @@ class Queued:
     """Its predicted new tokens (what it adds to a step)."""
     fixed_s: float = 0.0
     """The fit's fixed cost of a step now: what it saves when it packs behind another."""
+    placed_s: float = 0.0
+    """When it was placed (the caller's clock, as ``head_since_s``)."""
 
     def repriced_s(self) -> float:
         if self.then_s <= 0:
@@ -55,20 +60,28 @@ class Queued:
         return self.predicted_s * self.now_s / self.then_s
 
 
-def queued_seconds(queue: Sequence[Queued], head_ran_s: float, step_tokens: int = 0) -> float:
+def queued_seconds(
+    queue: Sequence[Queued],
+    head_ran_s: float,
+    step_tokens: int = 0,
+    head_since_s: float = math.inf,
+) -> float:
     """Seconds of prefill ahead of a new request: ``queue`` oldest first, re-priced, packed
-    into steps of ``step_tokens`` new tokens (0: no packing), the head pack less the
+    into steps of ``step_tokens`` new tokens (0: no packing; the head's pack takes only
+    requests placed before ``head_since_s``, when it could start), the head pack less the
     ``head_ran_s`` it has run."""
     packs: list[float] = []
     step_new = 0
     for item in queue:
         seconds = item.repriced_s()
-        if packs and packs_with(step_new, item.new_tokens, step_tokens):
+        started = len(packs) == 1 and item.placed_s >= head_since_s
+        if packs and not started and packs_with(step_new, item.new_tokens, step_tokens):
             packs[-1] += max(0.0, seconds - item.fixed_s)
             step_new += item.new_tokens
         else:
             packs.append(seconds)
-            step_new = item.new_tokens
+            # a prompt of unknown size closes its step: nothing is known to fit beside it
+            step_new = item.new_tokens if item.new_tokens > 0 else step_tokens
     if not packs:
         return 0.0
     return max(0.0, packs[0] - max(0.0, head_ran_s)) + sum(packs[1:])

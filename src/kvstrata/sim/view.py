@@ -24,7 +24,7 @@ and every baseline alike — is handed :class:`RouterView`, built only from what
   under-prices long prompts) corrects itself as first tokens come back, instead of keeping the
   stale under-estimate until it drains. Queued prompts that fit in one engine step pack
   and share its fixed cost, as the simulated worker serves them (the step budget is the
-  engine's configuration, which a live router knows too). One rule,
+  engine's configuration; the live router assumes the reference engine's default). One rule,
   :func:`kvstrata.router.queue.queued_seconds`,
   which the live fleet's ``WorkerState.load`` applies to its own predictions too. The
   simulator's true remaining prefill time is never read.
@@ -157,11 +157,14 @@ class _Sent:
     cached_tokens: int
     priced_s: float
     """The fit's prefill seconds for ``(new_tokens, cached_tokens)`` when it was sent."""
+    sent_s: float
 
     def queued(self, model: PrefillModel) -> Queued:
         """As :func:`kvstrata.router.queue.queued_seconds` reads it, priced now by ``model``."""
         now_s = model.seconds(self.new_tokens, self.cached_tokens) if self.priced_s > 0 else 0.0
-        return Queued(self.predicted_s, self.priced_s, now_s, self.new_tokens, model.overhead_s)
+        return Queued(
+            self.predicted_s, self.priced_s, now_s, self.new_tokens, model.overhead_s, self.sent_s
+        )
 
 
 @dataclass
@@ -218,7 +221,7 @@ class RouterView:
         if not flights.predictions:
             flights.head_since_s = now
         priced = flights.fit.seconds(new_tokens, cached_tokens) if new_tokens > 0 else 0.0
-        flights.predictions.append(_Sent(predicted_s, new_tokens, cached_tokens, priced))
+        flights.predictions.append(_Sent(predicted_s, new_tokens, cached_tokens, priced, now))
 
     def first_token(
         self, worker: int, new_tokens: int, cached_tokens: int, measured_s: float, now: float
@@ -237,8 +240,9 @@ class RouterView:
             return 0.0
         model = flights.fit.model()
         queue = [sent.queued(model) for sent in flights.predictions]
-        step_tokens = flights.base.prefill_chunk_tokens  # the engine's step budget: known
-        return queued_seconds(queue, now - flights.head_since_s, step_tokens)
+        step_tokens = flights.base.prefill_chunk_tokens  # the engine's configuration
+        since = flights.head_since_s
+        return queued_seconds(queue, now - since, step_tokens, since)
 
     def load(self, worker: int, observable: WorkerLoad, now: float) -> WorkerLoad:
         """``observable`` (the counts a live router sees) with the router's own queue time."""
