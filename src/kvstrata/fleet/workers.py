@@ -314,11 +314,12 @@ class WorkerState:
         model = self.prefill_model()
         step_fixed_s = self.prefill_fit.model().overhead_s  # the engine's, not the serving's
         items = [
-            Queued(
+            Queued.priced(
                 f.predicted_prefill_s,
                 f.priced_s,
-                model.seconds(f.new_tokens, f.cached_tokens) if f.priced_s > 0 else 0.0,
+                model,
                 f.new_tokens,
+                f.cached_tokens,
                 step_fixed_s,
                 f.started,
             )

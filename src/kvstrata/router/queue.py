@@ -27,6 +27,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstrata.costs import PrefillModel
+
 
 def packs_with(step_new_tokens: int, new_tokens: int, step_tokens: int) -> bool:
     """Whether a prompt of ``new_tokens`` joins a step that already computes
@@ -53,6 +55,22 @@ class Queued:
     """The fit's fixed cost of a step now: what it saves when it packs behind another."""
     placed_s: float = 0.0
     """When it was placed (the caller's clock, as ``head_since_s``)."""
+
+    @classmethod
+    def priced(
+        cls,
+        predicted_s: float,
+        then_s: float,
+        model: PrefillModel,
+        new_tokens: int,
+        cached_tokens: int,
+        fixed_s: float,
+        placed_s: float,
+    ) -> Queued:
+        """A request placed at ``placed_s`` with its prompt priced now by ``model`` (a
+        prediction never priced, ``then_s`` 0, is kept as it was)."""
+        now_s = model.seconds(new_tokens, cached_tokens) if then_s > 0 else 0.0
+        return cls(predicted_s, then_s, now_s, new_tokens, fixed_s, placed_s)
 
     def repriced_s(self) -> float:
         if self.then_s <= 0:

@@ -161,9 +161,14 @@ class _Sent:
 
     def queued(self, model: PrefillModel) -> Queued:
         """As :func:`kvstrata.router.queue.queued_seconds` reads it, priced now by ``model``."""
-        now_s = model.seconds(self.new_tokens, self.cached_tokens) if self.priced_s > 0 else 0.0
-        return Queued(
-            self.predicted_s, self.priced_s, now_s, self.new_tokens, model.overhead_s, self.sent_s
+        return Queued.priced(
+            self.predicted_s,
+            self.priced_s,
+            model,
+            self.new_tokens,
+            self.cached_tokens,
+            model.overhead_s,
+            self.sent_s,
         )
 
 
