@@ -21,11 +21,13 @@ from kvstrata.bench.calibrate import (
 )
 from kvstrata.bench.calibrate_live import LiveResult, probe_lengths
 from kvstrata.cli import bench_calibrate
+from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.main import main
 from kvstrata.costs import PrefillModel
+from kvstrata.costs.profiles import cpu_family
 from kvstrata.errors import InvalidInput
 from kvstrata.sim.cluster import SimConfig, simulate
-from kvstrata.sim.profiles import reference_cpu
+from kvstrata.sim.profiles import REFERENCE_CPU, reference_cpu
 from kvstrata.workloads.mooncake import TraceRequest
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
@@ -194,8 +196,9 @@ def _live(factor: float) -> LiveResult:
 def test_report_shape_medians_and_spread() -> None:
     sims = {"reference-cpu": [1.1, 2.2, 3.3], "measured": [2.0, 4.0, 6.0]}
     hits = {"reference-cpu": 0.1, "measured": 0.1}
+    models = {"reference-cpu": MODEL, "measured": MODEL}
     data = bench_calibrate._report(
-        [_live(1.0), _live(1.2)], sims, hits, _args(), {"rate_scale": 1.0}, 1456, MODEL
+        [_live(1.0), _live(1.2)], sims, hits, _args(), {"rate_scale": 1.0}, 1456, models
     )
     assert data["live"]["ttft_s"]["p50"] == pytest.approx(2.2)  # median of 2.0 and 2.4
     assert data["ratio_p50"] == pytest.approx(1.0) and data["goal_met"] is True
@@ -220,7 +223,7 @@ def test_report_shape_medians_and_spread() -> None:
     assert data["live_runs"][0]["placement_order"] == {"pairs": 1, "inverted": 0}
     assert "requests" not in data["live_runs"][0]
     listed = bench_calibrate._report(
-        [_live(1.0)], sims, hits, _args(per_request=True), {"rate_scale": 1.0}, 1456, MODEL
+        [_live(1.0)], sims, hits, _args(per_request=True), {"rate_scale": 1.0}, 1456, models
     )
     assert [row["index"] for row in listed["live_runs"][0]["requests"]] == [0, 1, 2, 3]
     json.dumps(data, allow_nan=False)
@@ -236,6 +239,13 @@ def test_placement_order_counts_first_tokens_against_placements() -> None:
     ]
     assert placement_order(rows) == {"pairs": 4, "inverted": 1}
     assert placement_order([]) == {"pairs": 0, "inverted": 0}
+
+
+def test_cpu_model_reads_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n")
+    assert cpu_model(info) == "AMD EPYC 7B13"
+    assert cpu_model(tmp_path / "missing") != ""  # the platform's name, or "unknown"
 
 
 def test_device_blocks_from_the_pool() -> None:
@@ -257,6 +267,11 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert isinstance(data["goal_met"], bool) and data["ratio_p50"] > 0
     assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
+    headline = data["reference_profile"]  # the profile of the CPU this runs on
+    assert headline["cpu"] == cpu_model()
+    assert headline["name"] == REFERENCE_CPU[cpu_family(cpu_model()) or "intel-xeon"]
+    assert data["ratio_p50"] == data["sim"][headline["name"]]["ratio_p50"]
+    assert set(REFERENCE_CPU.values()) <= set(data["sim"])  # every CPU's, side by side
     assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes
     live_split = data["live_runs"][0]["per_worker"]
     assert sum(side["requests"] for side in live_split.values()) == data["live"]["ttft_s"]["n"]

@@ -27,6 +27,8 @@ from kvstrata.costs import (
 )
 from kvstrata.costs.profiles import (
     SMOLLM2_WORKER_TIMINGS,
+    SMOLLM2_WORKER_TIMINGS_BY_CPU,
+    cpu_family,
 )
 from kvstrata.errors import InvalidInput
 
@@ -73,6 +75,22 @@ def test_default_model_reproduces_the_reference_timings() -> None:
     assert len(fresh) >= 5 and max(n for n, _ in fresh) == 2048
     for n, seconds in fresh:  # the shape, not just two points: every fresh length within 7 %
         assert worker.seconds(n, 0) == pytest.approx(seconds, rel=0.07), n
+
+
+def test_worker_timings_per_cpu_family() -> None:
+    assert cpu_family("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz") == "intel-xeon"
+    assert cpu_family("AMD EPYC 7B13") == "amd-epyc" and cpu_family("AMD EPYC") == "amd-epyc"
+    assert cpu_family("Apple M2") is None and cpu_family("unknown") is None
+    assert smollm2_cpu_worker("intel-xeon") == smollm2_cpu_worker()  # the Xeon: the default
+    epyc = smollm2_cpu_worker("amd-epyc")
+    assert epyc == fit(SMOLLM2_WORKER_TIMINGS_BY_CPU["amd-epyc"], name=epyc.name)
+    assert epyc.name == "smollm2-cpu-worker-amd-epyc"
+    for n, c, seconds in SMOLLM2_WORKER_TIMINGS_BY_CPU["amd-epyc"]:
+        if c == 0 and n >= 128:  # the fresh curve from 128 tokens: within 5 % (docstring)
+            assert epyc.seconds(n, 0) == pytest.approx(seconds, rel=0.05), n
+    assert epyc.seconds(1024) > 1.5 * smollm2_cpu_worker().seconds(1024)  # a slower core
+    with pytest.raises(InvalidInput, match="no SmolLM2 worker timings"):
+        smollm2_cpu_worker("apple-m2")
 
 
 def test_named_profiles() -> None:

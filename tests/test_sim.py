@@ -17,7 +17,7 @@ from kvstrata.index.core import ConsistencyMode
 from kvstrata.router import POLICIES
 from kvstrata.router.costs import CostProfile
 from kvstrata.sim.cluster import RunResult, SimConfig, simulate
-from kvstrata.sim.profiles import gpu_a100_8b, reference_cpu
+from kvstrata.sim.profiles import gpu_a100_8b, profile, reference_cpu
 from kvstrata.sim.report import simulate_report, summarize
 from kvstrata.sim.trace import (
     SimRequest,
@@ -126,6 +126,10 @@ def test_reference_cpu_profile_is_slower_than_the_gpu_one() -> None:
     cpu, gpu = reference_cpu().cost.prefill, gpu_a100_8b().cost.prefill
     assert cpu.seconds(2048) > 10 * gpu.seconds(2048)
     assert cpu == smollm2_cpu_worker()  # one pinned worker's measured curve
+    epyc = profile("reference-cpu-epyc")  # the same worker on the other CPU measured
+    assert epyc.name == "reference-cpu-epyc" and reference_cpu().name == "reference-cpu"
+    assert epyc.cost.prefill == smollm2_cpu_worker("amd-epyc")
+    assert epyc.cost.decode_step_base_s == epyc.cost.prefill.overhead_s != cpu.overhead_s
 
 
 def test_chunked_interference() -> None:

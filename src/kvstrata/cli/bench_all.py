@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvstrata.bench.results_page import render_page
+from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.output import RECORD_ENV, emit
 from kvstrata.cli.vllm_venv import vllm_python
 from kvstrata.errors import InvalidInput
@@ -227,8 +228,9 @@ PLAN: Final[tuple[Entry, ...]] = (
         "calibrate",
         _cmd("bench calibrate --repeats 3 --json"),
         "Live `kvstrata up --workers 2` fleet (real SmolLM2 on CPU) against `kvstrata sim` "
-        "(`reference-cpu`) replaying the same scaled Mooncake slice: TTFT distributions side "
-        "by side; the live figures are medians over 3 fresh fleets.",
+        "(the `reference-cpu` profile measured on this CPU, `reference-cpu-epyc` on an AMD "
+        "EPYC) replaying the same scaled Mooncake slice: TTFT distributions side by side; the "
+        "live figures are medians over 3 fresh fleets.",
         quick=_cmd("bench calibrate --limit 8 --probe-rounds 1 --json"),
         needs=(MOONCAKE,),
     ),
@@ -376,7 +378,7 @@ def machine_meta(*, quick: bool) -> dict[str, Any]:
     return {
         "date": _now(),
         "commit": _git("rev-parse", "--short", "HEAD") + (" (dirty)" if _git_dirty() else ""),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": _memory_gib(),
         "gpu": "none" if not Path("/dev/nvidia0").exists() else "present",
@@ -434,16 +436,6 @@ def _git(*args: str) -> str:
 
 def _git_dirty() -> bool:
     return bool(_git("status", "--porcelain", "--untracked-files=no").replace("unknown", ""))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _memory_gib() -> float | None:

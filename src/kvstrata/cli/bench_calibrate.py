@@ -11,11 +11,15 @@
    (``--scale-with measured``, the default: the machine's real speed sets the rate) or by
    ``reference-cpu``'s. The slice is replayed through the front door; with ``--repeats R`` the
    fleet is restarted (empty caches) for every further repetition of the same requests.
-3. The same scaled requests are simulated with the ``reference-cpu`` profile and with that
-   profile's prefill replaced by the fit (``measured``), same workers, routing policy and
-   device pool (``--pool-gib`` in both), no host tier on either side.
+3. The same scaled requests are simulated with the ``reference-cpu`` profile of the CPU the
+   fleet runs on (``headline``: ``reference-cpu`` on an Intel Xeon, ``reference-cpu-epyc`` on
+   an AMD EPYC, from timings measured beforehand with ``kvstrata bench prefill``,
+   :mod:`kvstrata.costs.profiles`; a CPU without timings of its own gets the Xeon's, and
+   ``reference_profile.cpu_family`` is null), with every other CPU's reference profile, and
+   with the headline's prefill replaced by the fit (``measured``): same workers, routing
+   policy and device pool (``--pool-gib`` in both), no host tier on either side.
 4. Both TTFT distributions (p10/p50/p90/p99, mean) and sim ÷ live at p50 and p90. The goal
-   (issue 15 item 2) is both within 0.8–1.25 for ``reference-cpu`` and no failed request. With
+   (issue 15 item 2) is both within 0.8–1.25 for the headline profile and no failed request. With
    repetitions, the live figures are the median over repetitions of each percentile, each
    repetition's ratios are listed (``live_runs``) and ``ratio_spread`` gives their min/max.
    Each live run and each simulated profile gives its split over the workers
@@ -30,9 +34,9 @@
    each live run (``requests``: arrival, worker, prompt and cached tokens, TTFT, prediction,
    placement and first-token times).
 
-Recalibrating ``reference-cpu``: when ``measured`` meets the goal and ``reference-cpu`` does
-not, the profile's constants are off for this machine; ``prefill_models.measured`` gives the
-fitted terms to carry into ``kvstrata.costs.profiles`` (its two reference timings).
+Recalibrating: when ``measured`` meets the goal and the headline profile does not, its
+timings are off for this machine; re-measure them with ``kvstrata bench prefill`` (the command
+in :mod:`kvstrata.costs.profiles`), on a day other than the calibration's.
 """
 
 from __future__ import annotations
@@ -57,17 +61,20 @@ from kvstrata.bench.calibrate import (
     sim_profile,
     sim_requests,
 )
+from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.output import emit
 from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
+from kvstrata.costs.profiles import cpu_family
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config_schema import GIB
 from kvstrata.sim.cluster import SimConfig, simulate
-from kvstrata.sim.profiles import reference_cpu
+from kvstrata.sim.profiles import REFERENCE_CPU, reference_cpu
 from kvstrata.sim.trace import select_window
 from kvstrata.workloads.mooncake import read_trace
 
 DEFAULT_TRACE = Path("..") / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 HEADLINE = "reference-cpu"
+"""``--scale-with``'s name for the headline profile (the reference profile of this CPU)."""
 
 
 def register(sub: Any) -> None:
@@ -136,7 +143,11 @@ def run(args: argparse.Namespace) -> int:
     )
     window = select_window(read_trace(args.trace), args.start_s, None)
     window = sorted(window, key=lambda r: r.timestamp_ms)[: args.limit]
-    base = reference_cpu()
+    cpu = cpu_model()
+    family = cpu_family(cpu)
+    references = {name: reference_cpu(f) for f, name in REFERENCE_CPU.items()}
+    headline = REFERENCE_CPU[family or "intel-xeon"]
+    base = references[headline]
     requests, _ = scale_trace(window, scaling, base.cost.prefill)  # a bad slice fails here
     blocks = device_blocks(args.pool_gib, args.block_tokens)
     wall = time.perf_counter()
@@ -155,12 +166,15 @@ def run(args: argparse.Namespace) -> int:
         by_measured = args.scale_with == "measured" and measured is not None
         work_model = measured if by_measured and measured is not None else base.cost.prefill
         requests, record = scale_trace(window, scaling, work_model)
-        record["work_model_source"] = "measured" if by_measured else HEADLINE
+        record["work_model_source"] = "measured" if by_measured else headline
         lives.append(fleet.replay(requests, args.block_tokens, probes))
     for _ in range(1, args.repeats):
         with start() as fleet:
             lives.append(fleet.replay(requests, args.block_tokens))
-    profiles = {HEADLINE: sim_profile(base, args.block_tokens, blocks)}
+    profiles = {
+        name: sim_profile(references[name], args.block_tokens, blocks)
+        for name in sorted(references, key=lambda n: n != headline)  # the headline first
+    }
     if measured is not None:
         profiles["measured"] = sim_profile(base, args.block_tokens, blocks, prefill=measured)
     sims = {}
@@ -177,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
             (f"w{n}", r.prompt_tokens, t)
             for n, r, t in zip(result.worker_of, requests, result.ttft_s, strict=True)
         )
-    data = _report(lives, sims, sim_hit, args, record, blocks, measured)
+    models = {name: prof.cost.prefill for name, prof in profiles.items()}
+    data = _report(lives, sims, sim_hit, args, record, blocks, models, headline)
+    data["reference_profile"] = {"name": headline, "cpu": cpu, "cpu_family": family}
     for name, split in sim_split.items():
         data["sim"][name]["per_worker"] = split
     data["wall_s"] = round(time.perf_counter() - wall, 1)
@@ -192,7 +208,8 @@ def _report(
     args: argparse.Namespace,
     record: dict[str, Any],
     blocks: int,
-    measured: PrefillModel | None,
+    models: dict[str, PrefillModel],
+    headline: str = HEADLINE,
 ) -> dict[str, Any]:
     per_repeat = [compare(live.ttft_s, sims) for live in lives]
     stats = [percentiles(live.ttft_s) for live in lives]
@@ -219,12 +236,12 @@ def _report(
             "hit_rate": sim_hit[name],
             "ratio_spread": _spread(ratios),
         }
-    head = data["sim"][HEADLINE]
+    head = data["sim"][headline]
     failures = [f for live in lives for f in live.failures]
     return data | {
         "ratio_p50": head["ratio_p50"],
         "ratio_p90": head["ratio_p90"],
-        "goal": f"{GOAL_LO} <= sim/live <= {GOAL_HI} at p50 and p90 ({HEADLINE})",
+        "goal": f"{GOAL_LO} <= sim/live <= {GOAL_HI} at p50 and p90 ({headline})",
         "goal_met": bool(head["goal_met"]) and not failures,
         "scaling": record,
         "policy": args.policy,
@@ -261,10 +278,7 @@ def _report(
             for live in lives
             for n, c, t in live.probes
         ],
-        "prefill_models": {
-            HEADLINE: reference_cpu().cost.prefill.terms(),
-            **({"measured": measured.terms()} if measured is not None else {}),
-        },
+        "prefill_models": {name: model.terms() for name, model in models.items()},
         "source": f"{args.trace} from {args.start_s:g} s, first {args.limit}",
         "repeats": args.repeats,
     }

@@ -26,8 +26,16 @@ of those timings, priced a 400-token prompt 1.3× above what the fleet measured 
 bench calibrate``'s ``measured`` fit). The curve's fit (54 ms + 1.52 ms per token + 0.66 µs
 per token²) is within 7 % of every fresh length from 64 to 2,048 tokens. It still
 under-prices a few new tokens after a long hit (16 after 2,032: 0.10 s for 0.15 s measured),
-the paged gather that the three-term model does not have. Other machines differ: ``kvstrata
-bench calibrate`` reports the live fleet's own fit beside it.
+the paged gather that the three-term model does not have.
+
+Other CPUs differ, so the worker's timings are kept per CPU family
+(``SMOLLM2_WORKER_TIMINGS_BY_CPU``, chosen by :func:`cpu_family` from the CPU's model name):
+``intel-xeon`` above (the default), and ``amd-epyc``, measured on 2026-12-06 on a 2-core AMD
+EPYC with the same command: 29 ms + 2.57 ms per token + 1.13 µs per token², about 1.7× the
+Xeon's per-token cost. Its fit is within 5 % of the fresh lengths from 128 to 2,048 tokens
+but under-prices short prompts (64 tokens: 0.20 s for 0.23 s measured; 16: 0.07 s for 0.10
+s). ``kvstrata bench calibrate`` simulates with the profile of the CPU it runs on and reports
+the live fleet's own fit beside it.
 
 ``per_token`` — a base model without its attention term or overhead: every prompt token
 costs the same, so maximising saved seconds maximises saved tokens (what ``bench eviction``
@@ -47,6 +55,7 @@ from dataclasses import replace
 from typing import Final
 
 from kvstrata.costs.model import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
+from kvstrata.errors import InvalidInput
 
 SMOLLM2_ATTENTION_TO_LINEAR: Final = (4 * 576 * 30) / (2 * (106_168_320 + 49_152 * 576))
 """b / a from FLOP counts of SmolLM2-135M (see the module docstring): about 2.57e-4."""
@@ -65,7 +74,38 @@ SMOLLM2_WORKER_TIMINGS: Final[tuple[tuple[int, int, float], ...]] = (
     (512, 1536, 1.4213),
     (256, 512, 0.5334),
 )
-"""``(new_tokens, cached_tokens, seconds)`` of one pinned worker (docstring), 2026-12-05."""
+"""``(new_tokens, cached_tokens, seconds)`` of one pinned worker on the Intel Xeon (docstring),
+2026-12-05."""
+SMOLLM2_WORKER_TIMINGS_EPYC: Final[tuple[tuple[int, int, float], ...]] = (
+    (16, 0, 0.1018),
+    (64, 0, 0.2273),
+    (128, 0, 0.3743),
+    (256, 0, 0.6955),
+    (512, 0, 1.4734),
+    (1024, 0, 3.2177),
+    (2048, 0, 7.7052),
+    (16, 2032, 0.1650),
+    (512, 1536, 2.3009),
+    (256, 512, 0.8627),
+)
+"""The same points on the 2-core AMD EPYC (docstring), 2026-12-06."""
+SMOLLM2_WORKER_TIMINGS_BY_CPU: Final[dict[str, tuple[tuple[int, int, float], ...]]] = {
+    "intel-xeon": SMOLLM2_WORKER_TIMINGS,
+    "amd-epyc": SMOLLM2_WORKER_TIMINGS_EPYC,
+}
+"""One pinned worker's timings per CPU family (:func:`cpu_family`); ``intel-xeon`` first, the
+default."""
+_CPU_MARKERS: Final = (("intel-xeon", "xeon"), ("amd-epyc", "epyc"))
+
+
+def cpu_family(model_name: str) -> str | None:
+    """The family in ``SMOLLM2_WORKER_TIMINGS_BY_CPU`` a CPU model name (``/proc/cpuinfo``'s
+    ``model name``) belongs to, or None when no timings were measured on such a CPU."""
+    lowered = model_name.lower()
+    for family, marker in _CPU_MARKERS:
+        if marker in lowered:
+            return family
+    return None
 
 
 def _from_two_timings(
@@ -98,9 +138,16 @@ def smollm2_cpu() -> PrefillModel:
     )
 
 
-def smollm2_cpu_worker() -> PrefillModel:
-    """SmolLM2-135M fp32 as a fleet worker owning one core (see the module docstring)."""
-    return fit(SMOLLM2_WORKER_TIMINGS, name="smollm2-cpu-worker")
+def smollm2_cpu_worker(cpu: str = "intel-xeon") -> PrefillModel:
+    """SmolLM2-135M fp32 as a fleet worker owning one core of a ``cpu`` family CPU (see the
+    module docstring); the Xeon's model keeps its original name."""
+    try:
+        timings = SMOLLM2_WORKER_TIMINGS_BY_CPU[cpu]
+    except KeyError:
+        known = ", ".join(SMOLLM2_WORKER_TIMINGS_BY_CPU)
+        raise InvalidInput(f"no SmolLM2 worker timings for CPU {cpu!r} (known: {known})") from None
+    suffix = "" if cpu == "intel-xeon" else f"-{cpu}"
+    return fit(timings, name=f"smollm2-cpu-worker{suffix}")
 
 
 DEFAULT_PREFILL_MODEL: Final = smollm2_cpu()

@@ -39,8 +39,10 @@ each worker one core, one torch thread), from the measurements in ``kvstrata.cos
 
 * Prefill: ``kvstrata.costs.smollm2_cpu_worker()`` — the three-term model fitted to ten
   ``kvstrata bench prefill`` timings of one worker pinned to one core (fresh prefills of 16
-  to 2,048 tokens, three forwards after a hit; 2026-12-05): 54 ms fixed, 1.52 ms per token,
-  0.66 µs per token². (Until 2026-12-02 this profile used ``smollm2_cpu()``, one engine
+  to 2,048 tokens, three forwards after a hit; 2026-12-05, Intel Xeon): 54 ms fixed, 1.52 ms
+  per token, 0.66 µs per token². ``reference-cpu-epyc`` is the same profile with the timings
+  of a 2-core AMD EPYC (2026-12-06): 29 ms, 2.57 ms per token, 1.13 µs per token².
+  (Until 2026-12-02 this profile used ``smollm2_cpu()``, one engine
   owning both cores: a 2-worker fleet runs each prefill about 3× slower than that, and
   ``bench calibrate`` found the simulator 0.3× the live fleet; until 2026-12-05 two timings
   with the FLOP-count ratio, which overpriced short prompts.)
@@ -182,9 +184,15 @@ def gpu_a100_8b() -> SimProfile:
     return SimProfile("gpu-a100-8b", cost, kv_bytes, device_blocks=768, host_blocks=3072)
 
 
-def reference_cpu() -> SimProfile:
-    """SmolLM2-135M fp32, one fleet worker owning one core, from this project's measurements."""
-    prefill = smollm2_cpu_worker()
+REFERENCE_CPU: Final = {"intel-xeon": "reference-cpu", "amd-epyc": "reference-cpu-epyc"}
+"""The ``reference-cpu`` profile of each CPU family with measured worker timings
+(``kvstrata.costs.profiles.SMOLLM2_WORKER_TIMINGS_BY_CPU``)."""
+
+
+def reference_cpu(cpu: str = "intel-xeon") -> SimProfile:
+    """SmolLM2-135M fp32, one fleet worker owning one core of a ``cpu`` family CPU, from this
+    project's measurements (``reference-cpu`` is the Xeon's, ``reference-cpu-epyc`` the EPYC's)."""
+    prefill = smollm2_cpu_worker(cpu)
     block_bytes = SMOLLM2_KV_BYTES_PER_TOKEN * BLOCK_TOKENS
     cost = CostProfile(
         prefill=prefill,
@@ -195,7 +203,7 @@ def reference_cpu() -> SimProfile:
         block_size=BLOCK_TOKENS,
     )
     return SimProfile(
-        "reference-cpu", cost, SMOLLM2_KV_BYTES_PER_TOKEN, device_blocks=64, host_blocks=256
+        REFERENCE_CPU[cpu], cost, SMOLLM2_KV_BYTES_PER_TOKEN, device_blocks=64, host_blocks=256
     )
 
 
@@ -235,6 +243,7 @@ def dynamo_mocker() -> SimProfile:
 PROFILES: Final[dict[str, Callable[[], SimProfile]]] = {
     "gpu-a100-8b": gpu_a100_8b,
     "reference-cpu": reference_cpu,
+    "reference-cpu-epyc": lambda: reference_cpu("amd-epyc"),
     "dynamo-mocker": dynamo_mocker,
 }
 
