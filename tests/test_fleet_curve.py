@@ -25,12 +25,15 @@ from kvstrata.fleet.fleet import Fleet, FleetConfig, FleetTokenizer
 from kvstrata.fleet.worker_info import WorkerProtocolError
 from kvstrata.runtime.event_exposure import is_local_endpoint
 from kvstrata.runtime.events import KVEventEmitter, KVEventsConfig
+from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.serve.app import create_app
 from kvstrata.telemetry import KvMetrics
 from security_helpers import ADMIN_KEY, admin_auth
 from tier_helpers import worker_tiers
 
 B = 16
+SCHEDULER = {"max_num_batched_tokens": 256}
+"""Not the default: ``/kv/info`` must report the worker's own step budget."""
 BLOCK_BYTES = 2 * 2 * 2 * B * 16 * 4  # the tiny model's KV bytes per block (fp32)
 
 
@@ -57,7 +60,7 @@ def _worker(tiny_model: LoadedModel, events: KVEventsConfig) -> Iterator[Worker]
     metrics = KvMetrics()
     engine = build_engine(
         tiny_model,
-        EngineConfig(block_size=B, pool_blocks=12),
+        EngineConfig(block_size=B, pool_blocks=12, scheduler=SchedulerConfig(**SCHEDULER)),
         worker_tiers(host_bytes=16 * BLOCK_BYTES),
         metrics=metrics,
         events=emitter,
@@ -110,6 +113,7 @@ def test_router_with_the_fleet_keys_fills_its_index_from_a_curve_worker(
     try:
         attached = fleet.attach(curve_worker.url)
         assert attached.curve_public_key is not None
+        assert info["step_tokens"] == attached.step_tokens == 256  # its scheduler's budget
         _complete(curve_worker, list(range(300, 300 + 3 * B + 1)))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and sum(fleet.worker_views()[0].blocks) < 3:

@@ -153,6 +153,7 @@ INFO = {
     "tiers": ["device", "host"],
     "fetch_s_per_block": {"host": 1e-5},
     "secret_digest": "x",
+    "step_tokens": 512,
 }
 
 
@@ -165,6 +166,9 @@ INFO = {
 @example(changes={"fetch_s_per_block": [1]}, body=None)
 @example(changes={"fetch_s_per_block": {"host": 10**400}}, body=None)
 @example(changes={"transfer": {"host": "h", "port": 1, "layout": FLOAT_LAYOUT}}, body=None)
+@example(changes={"step_tokens": True}, body=None)
+@example(changes={"step_tokens": 0}, body=None)
+@example(changes={"step_tokens": 10**400}, body=None)
 def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
     """What a worker's ``/kv/info`` says: a ``WorkerInfo`` or a ``WorkerProtocolError``."""
     try:
@@ -173,6 +177,7 @@ def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
         return
     assert len(info.fingerprint) == 32 and info.block_size > 0 and info.events_endpoint
     assert all(f is None or (math.isfinite(f) and f >= 0) for f in info.fetch_s_per_block)
+    assert info.step_tokens is None or (type(info.step_tokens) is int and info.step_tokens > 0)
     if info.transfer is not None:  # what pricing a transfer to this worker needs
         assert type(info.transfer.layout.block_bytes()) is int
 

@@ -68,11 +68,29 @@ def test_a_live_worker_packs_short_queued_prompts() -> None:
     assert state.load(None).queued_s == pytest.approx((2.0 - fixed) + 1.0 + decoding)
 
 
-def _state() -> WorkerState:
+def _state(step_tokens: int | None = None) -> WorkerState:
     info = WorkerInfo(
-        "w0", "http://h", 1, "m", router_fingerprint("m", 16), 16, "tcp://h:1", None, 0
+        "w0", "http://h", 1, "m", router_fingerprint("m", 16), 16, "tcp://h:1", None, 0,
+        step_tokens=step_tokens,
     )  # fmt: skip
     return WorkerState(info, default_profile(16))
+
+
+def test_a_live_worker_packs_by_its_own_step_budget() -> None:
+    """A worker that reports its step budget (``/kv/info`` ``step_tokens``) is packed by it;
+    one that does not, by the reference engine's default (512)."""
+    queued = {}
+    for budget in (None, 256, 2048):
+        state = _state(budget)
+        state.begin("a", 200, 0, 1.0, None, now=0.0)  # running: nothing joins its step
+        for name in "bcd":
+            state.begin(name, 200, 0, 1.0, None, now=0.1)
+        queued[budget] = state.load(None).queued_s
+        assert state.interference.chunk_tokens == (budget or 512)
+    fixed = _state().prefill_fit.model().overhead_s
+    assert queued[256] == pytest.approx(4.0)  # 400 > 256: one step each
+    assert queued[None] == pytest.approx(4.0 - fixed)  # b and c share a step, d runs alone
+    assert queued[2048] == pytest.approx(4.0 - 2 * fixed)  # b, c and d share one
 
 
 def test_a_live_worker_ages_its_head_from_the_last_first_token() -> None:

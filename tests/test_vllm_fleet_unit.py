@@ -24,6 +24,7 @@ from kvstrata.fleet.frontdoor import _engine_tenant
 from kvstrata.fleet.vllm_servers import VllmServerSpec
 from kvstrata.fleet.vllm_workers import (
     DEFAULT_TENANT,
+    VLLM_STEP_TOKENS,
     VllmSource,
     VllmWorker,
     parse_metrics,
@@ -71,6 +72,12 @@ def test_worker_argument() -> None:
         VllmWorker.parse("http://h:1", 0, 32)
     with pytest.raises(ValueError, match="unknown part"):
         VllmWorker.parse("http://h:1,events=tcp://h:2,bogus=1", 0, 32)
+    assert worker.step_tokens == VLLM_STEP_TOKENS == 2048  # vLLM's default: it reports none
+    tuned = VllmWorker.parse("http://h:1,events=tcp://h:2,step_tokens=8192", 0, 32)
+    assert tuned.step_tokens == 8192
+    for bad in ("0", "-1", "many", "1e3", str(1 << 30)):
+        with pytest.raises(ValueError, match="step_tokens"):
+            VllmWorker.parse(f"http://h:1,events=tcp://h:2,step_tokens={bad}", 0, 32)
 
 
 def _stored(parent: int | None, extra: list[tuple[object, ...] | None] | None) -> BlockStored:

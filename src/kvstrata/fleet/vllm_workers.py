@@ -20,6 +20,10 @@ vLLM serves no ``/kv/info`` or ``/kv/dump``, so :class:`VllmSource` builds both:
   default) — the whole history of a server younger than that. Older history that the buffer
   lost leaves the worker's entries incomplete (routing misses, never wrong answers: vLLM
   checks its own hashes).
+- **Step budget.** vLLM does not report its ``max_num_batched_tokens`` either: a worker is
+  taken to run its OpenAI server's default, 2,048 tokens (``VLLM_STEP_TOKENS``:
+  ``EngineArgs.get_batch_defaults`` on CPU at world size 1, and on GPUs under 70 GiB), unless
+  ``step_tokens=N`` in ``--worker`` says otherwise. The router packs queued prompts by it.
 - **Tenants.** vLLM's ``cache_salt`` goes, untagged, into block 0's ``extra_keys`` of its
   ``BlockStored`` events (``vllm/distributed/kv_events.py``): :func:`salted_batch` turns it
   into the connector's tenant (``tenant_for_salt``), so both streams and the front door (which
@@ -41,7 +45,12 @@ from msgspec.structs import replace
 from kvstrata.events.curve import CurveKeyError, decode_public_key, load_public_key
 from kvstrata.events.schema import BlockStored, KVEvent, KVEventBatch
 from kvstrata.fleet.engine_load import ScrapedLoad
-from kvstrata.fleet.worker_info import WorkerDump, WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import (
+    MAX_STEP_TOKENS,
+    WorkerDump,
+    WorkerInfo,
+    WorkerProtocolError,
+)
 from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest, secret_digest
 from kvstrata.identity.salts import salt_tenant
 from kvstrata.telemetry.prom_text import samples
@@ -52,6 +61,10 @@ _LOAD_METRICS = {
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
 _START = "process_start_time_seconds"
+VLLM_STEP_TOKENS = 2048
+"""vLLM's default ``max_num_batched_tokens`` for its OpenAI server on CPU (world size 1) and
+on GPUs under 70 GiB (``vllm/engine/arg_utils.py``, ``get_batch_defaults``); 8,192 on larger
+GPUs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +81,16 @@ class VllmWorker:
     lower_curve_public_key: bytes | None = None
     """The connector stream's CURVE server key (its ``events.curve_secret_file``'s public
     half; None: plaintext, loopback only — ``fleet.curve_keys``)."""
+    step_tokens: int = VLLM_STEP_TOKENS
+    """The server's ``max_num_batched_tokens`` (vLLM does not report it): its OpenAI server's
+    default unless ``step_tokens=N`` says otherwise."""
 
     @classmethod
     def parse(cls, text: str, position: int, block_size: int) -> VllmWorker:
         """``URL,events=tcp://…[,replay=tcp://…][,lower=tcp://…][,lower_replay=tcp://…]
-        [,lower_curve=KEY][,id=NAME]`` (``--worker`` of ``kvstrata router --engine vllm``);
-        ``KEY``: the connector's public key in z85 text, or its ``zmq.auth`` certificate file."""
+        [,lower_curve=KEY][,step_tokens=N][,id=NAME]`` (``--worker`` of ``kvstrata router
+        --engine vllm``); ``KEY``: the connector's public key in z85 text, or its ``zmq.auth``
+        certificate file; ``N``: the server's ``--max-num-batched-tokens`` if it was set."""
         url, *pairs = text.split(",")
         fields: dict[str, str] = {}
         for pair in pairs:
@@ -91,6 +108,14 @@ class VllmWorker:
                 key = _server_key(fields["lower_curve"])
             except CurveKeyError as exc:
                 raise ValueError(f"--worker {text!r}: lower_curve: {exc}") from exc
+        step_tokens = VLLM_STEP_TOKENS
+        if "step_tokens" in fields:
+            try:
+                step_tokens = int(fields["step_tokens"])
+            except ValueError:
+                step_tokens = 0
+            if not 0 < step_tokens <= MAX_STEP_TOKENS:
+                raise ValueError(f"--worker {text!r}: step_tokens must be an integer ≥ 1")
         return cls(
             worker_id=fields.get("id", f"v{position}"),
             base_url=url.rstrip("/"),
@@ -100,10 +125,13 @@ class VllmWorker:
             lower_replay_endpoint=fields.get("lower_replay"),
             block_size=block_size,
             lower_curve_public_key=key,
+            step_tokens=step_tokens,
         )
 
 
-_PARTS = frozenset({"events", "replay", "lower", "lower_replay", "lower_curve", "id"})
+_PARTS = frozenset(
+    {"events", "replay", "lower", "lower_replay", "lower_curve", "step_tokens", "id"}
+)
 
 
 def _server_key(value: str) -> bytes:
@@ -178,6 +206,7 @@ class VllmSource:
             lower_replay_endpoint=worker.lower_replay_endpoint,
             lower_curve_public_key=worker.lower_curve_public_key,
             scraped=load,
+            step_tokens=worker.step_tokens,
         )
 
     def dump(self, http: httpx.Client, info: WorkerInfo, api_key: str | None) -> WorkerDump:

@@ -93,6 +93,9 @@ class WorkerInfo:
     """A decode worker's transfer listener (None: it receives no KV transfers)."""
     compute: ComputePlace | None = None
     """Where the worker computes (``router.placement``; None: it does not say)."""
+    step_tokens: int | None = None
+    """Tokens one engine step computes (its scheduler's ``max_num_batched_tokens``): how many
+    queued prompts the router packs into one step (``router.queue``). None: not reported."""
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -133,6 +136,7 @@ class WorkerInfo:
                 compute=(
                     None if body.get("compute") is None else ComputePlace.from_json(body["compute"])
                 ),
+                step_tokens=_step_tokens(body.get("step_tokens")),
             )
         except (
             KeyError,
@@ -147,6 +151,20 @@ class WorkerInfo:
         if len(fingerprint) != 32 or info.block_size <= 0 or not info.events_endpoint:
             raise WorkerProtocolError(f"bad /kv/info from {base_url}: {body!r:.200}")
         return info
+
+
+MAX_STEP_TOKENS = 1 << 24
+"""Above any engine's step budget: a larger ``step_tokens`` is garbage."""
+
+
+def _step_tokens(value: Any) -> int | None:
+    """``/kv/info``'s ``step_tokens``: absent or null, or an integer in [1, ``MAX_STEP_TOKENS``]
+    (ValueError otherwise: the whole answer is rejected, as for any other bad field)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_STEP_TOKENS:
+        raise ValueError(f"step_tokens must be an integer in [1, {MAX_STEP_TOKENS}]: {value!r}")
+    return value
 
 
 def _fetch_figures(

@@ -76,7 +76,9 @@ class WorkerState:
     sampling, the relay): the median of TTFT − reported compute over the last requests that
     ran alone (0 before one). Priced as part of every prefill (:meth:`prefill_model`)."""
     interference: InterferenceEstimate = field(init=False)
-    """What each running decode adds to a prefill step here, learned from loaded TTFTs."""
+    """What each running decode adds to a prefill step here, learned from loaded TTFTs; its
+    ``chunk_tokens`` is the worker's step budget (``WorkerInfo.step_tokens``, else the
+    reference engine's default), which also packs the queue estimate."""
     decode_step_s: float = 0.02
     mean_output_tokens: float = 64.0
     kv_blocks_capacity: int = 0
@@ -99,7 +101,8 @@ class WorkerState:
 
     def __post_init__(self) -> None:
         self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
-        self.interference = InterferenceEstimate(SchedulerConfig().max_num_batched_tokens)
+        step_tokens = self.info.step_tokens or SchedulerConfig().max_num_batched_tokens
+        self.interference = InterferenceEstimate(step_tokens)
 
     @property
     def worker_id(self) -> str:

@@ -12,6 +12,8 @@ some (a gap replay cannot fill, a new epoch), rebuilds its view from a dump. End
   a subscriber needs (with a client certificate the worker lists) to receive anything.
   ``transfer`` (a decode worker only): its transfer listener ``{host, port, layout,
   model_digest, active}`` (``serve.transfer_receiver``; ``docs/disaggregation.md``).
+  ``step_tokens``: the scheduler's step budget (``max_num_batched_tokens``), so the router
+  packs queued prompts into steps as this engine does (``router.queue``).
   ``compute``: where this worker computes (``router.placement``: host and boot, device, CPU
   affinity, read once at start), so a router can tell two workers that share cores apart
   from two machines.
@@ -210,4 +212,5 @@ def kv_info_body(
         "fetch_s_per_block": fetch,
         "secret_digest": secret_digest(engine.config.tenant_secret),
         "curve_public_key": publisher.curve_public_key,
+        "step_tokens": engine.config.scheduler.max_num_batched_tokens,
     }
