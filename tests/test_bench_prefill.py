@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvstrata.bench.prefill import run_prefill_curve
+from kvstrata.bench.prefill import PrefillCurve, run_prefill_curve
 from kvstrata.cli.bench_prefill import _points
 from kvstrata.cli.main import main
 from kvstrata.costs import fit
@@ -35,6 +35,23 @@ def test_each_point_is_timed_with_exactly_its_hit(tiny_model: LoadedModel) -> No
     assert [(n, c) for n, c, _ in curve.samples] == list(points)
     assert all(s > 0 for *_, s in curve.samples)
     assert curve.fitted == fit(curve.samples, name="tiny-measured")
+    assert curve.stat == "min" and all(len(t) == 2 for *_, t in curve.timings)
+    assert [s for *_, s in curve.samples] == [min(t) for *_, t in curve.timings]
+
+
+def test_a_curve_keeps_every_timing_and_its_statistic() -> None:
+    """``--stat median`` pins the typical forward, ``min`` the best (module docstring)."""
+    timings = ((16, 0, (0.3, 0.1, 0.2)), (64, 0, (0.5, 0.4, 0.9)), (16, 64, (0.2, 0.3, 0.25)))
+    low = PrefillCurve("m", 3, "min", timings, "m-measured")
+    typical = PrefillCurve("m", 3, "median", timings, "m-measured")
+    assert [s for *_, s in low.samples] == [0.1, 0.4, 0.2]
+    assert [s for *_, s in typical.samples] == [0.2, 0.5, 0.25]
+    assert typical.fitted == fit(typical.samples, name="m-measured")
+    data = typical.to_dict()
+    assert data["stat"] == "median" and data["samples"][1]["timings"] == [0.5, 0.4, 0.9]
+    assert data["samples"][1]["seconds"] == 0.5
+    with pytest.raises(InvalidInput, match="stat must be one of"):
+        PrefillCurve("m", 3, "p90", timings, "m-measured")
 
 
 def test_cli_prints_the_samples_and_the_fit(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,6 +60,11 @@ def test_cli_prints_the_samples_and_the_fit(capsys: pytest.CaptureFixture[str]) 
     data = json.loads(capsys.readouterr().out)
     assert [s["cached_tokens"] for s in data["samples"]] == [0, 0, 16]
     assert set(data["fit"]) == {"overhead_s", "per_token_s", "per_token_ctx_s", "spread"}
+    assert main(["bench", "prefill", "--model", "tiny", "--repeat", "3", "--stat", "median",
+                 "--points", "16,32,16+16", "--json"]) == 0  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert data["stat"] == "median" and all(len(s["timings"]) == 3 for s in data["samples"])
+    assert all(s["seconds"] == sorted(s["timings"])[1] for s in data["samples"])
 
 
 @pytest.mark.slow

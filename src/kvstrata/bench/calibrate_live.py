@@ -239,11 +239,11 @@ async def _time_points(
     repeats: int,
     say: Callable[[str], None],
     model: str,
-) -> list[tuple[int, int, float]]:
+) -> list[tuple[int, int, tuple[float, ...]]]:
     rng = random.Random(0x5EED)
-    samples: list[tuple[int, int, float]] = []
+    samples: list[tuple[int, int, tuple[float, ...]]] = []
     for new, cached in points:
-        best = math.inf
+        timings: list[float] = []
         for _ in range(repeats):  # fresh random tokens each time: no repeat hits an earlier one
             prefix = _random_tokens(rng, cached)
             if cached:  # stored by this untimed request, hit by the timed one
@@ -257,9 +257,9 @@ async def _time_points(
                 raise InvalidInput(
                     f"point {cached}+{new}: the worker reported {answer.cached} cached tokens"
                 )
-            best = min(best, answer.ttft_s)
-        say(f"served: {cached}+{new}: {best:.4f} s")
-        samples.append((new, cached, best))
+            timings.append(answer.ttft_s)
+        say(f"served: {cached}+{new}: " + ", ".join(f"{t:.4f}" for t in timings) + " s")
+        samples.append((new, cached, tuple(timings)))
     return samples
 
 
@@ -373,11 +373,11 @@ class LiveFleet:
 
     def time_points(
         self, points: Sequence[tuple[int, int]], repeats: int
-    ) -> list[tuple[int, int, float]]:
-        """``(new, cached, seconds)`` per ``(new, cached)`` point: the TTFT of one request of
-        ``max_tokens = 1`` on the idle fleet, minimum of ``repeats``, each on fresh random
-        tokens; ``cached > 0`` points first send the ``cached``-token prefix (untimed, stored)
-        and check the timed request hit exactly that many tokens."""
+    ) -> list[tuple[int, int, tuple[float, ...]]]:
+        """``(new, cached, timings)`` per ``(new, cached)`` point: the TTFTs of ``repeats``
+        requests of ``max_tokens = 1`` on the idle fleet, each on fresh random tokens;
+        ``cached > 0`` points first send the ``cached``-token prefix (untimed, stored) and
+        check the timed request hit exactly that many tokens."""
         return asyncio.run(
             _with_client(
                 lambda c: _time_points(c, self.base, points, repeats, self.say, self.model)

@@ -5,7 +5,12 @@ ones and samples one token (a TTFT without queueing). ``c > 0`` points first sto
 ``c``-token prefix in the engine's emptied device pool (not timed) and check the timed run matched
 exactly ``c`` tokens; ``c = 0`` points look nothing up. No timed run stores anything, so a
 point never turns the next one into a hit. Every point is timed ``repeats`` times and the
-minimum kept (as :func:`kvstrata.costs.calibrate` does: background load only adds time).
+minimum kept (as :func:`kvstrata.costs.calibrate` does: background load only adds time), or,
+with ``stat="median"``, the median: the cost of a typical forward rather than the best one.
+The simulator centres its service-time noise on its profile (``sim.view``, lognormal with
+median 1), so a profile meant as the simulator's service time is pinned from medians; the
+minimum stays the estimate of the engine's own cost. Every repeat's timing is kept
+(``timings``).
 
 **Served** (:func:`run_served_curve`, ``--served``): the same points timed as the fleet sees
 a worker: a real ``kvstrata up --pin-cpus`` fleet (``bench calibrate``'s, one core and one
@@ -23,9 +28,11 @@ exactly as a fleet that measured the same timings would.
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 from kvstrata.bench.ttft import synthetic_prompt
 from kvstrata.costs import PrefillModel, fit
@@ -33,21 +40,41 @@ from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import InvalidInput
 
+STATS: Final[dict[str, Callable[[Sequence[float]], float]]] = {
+    "min": min,
+    "median": statistics.median,
+}
+"""How a point's repeats become its sample (module docstring)."""
+
 
 @dataclass(frozen=True)
 class PrefillCurve:
     model: str
     repeats: int
-    samples: tuple[tuple[int, int, float], ...]
-    """``(new_tokens, cached_tokens, seconds)``, the minimum over the repeats."""
-    fitted: PrefillModel
+    stat: str
+    timings: tuple[tuple[int, int, tuple[float, ...]], ...]
+    """``(new_tokens, cached_tokens, every repeat's seconds)``."""
+    fit_name: str
+    samples: tuple[tuple[int, int, float], ...] = field(init=False)
+    """``(new_tokens, cached_tokens, seconds)``: ``stat`` of the repeats."""
+    fitted: PrefillModel = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.stat not in STATS:
+            raise InvalidInput(f"stat must be one of {', '.join(STATS)}, got {self.stat!r}")
+        reduce = STATS[self.stat]
+        samples = tuple((n, c, float(reduce(t))) for n, c, t in self.timings)
+        object.__setattr__(self, "samples", samples)
+        object.__setattr__(self, "fitted", fit(samples, name=self.fit_name))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "repeats": self.repeats,
+            "stat": self.stat,
             "samples": [
-                {"new_tokens": n, "cached_tokens": c, "seconds": s} for n, c, s in self.samples
+                {"new_tokens": n, "cached_tokens": c, "seconds": s, "timings": list(t)}
+                for (n, c, s), (*_, t) in zip(self.samples, self.timings, strict=True)
             ],
             "fit": {**self.fitted.terms(), "spread": self.fitted.spread},
         }
@@ -69,9 +96,11 @@ FLEET_BLOCK_TOKENS = 16
 blocks of a prefix are cached, so a served point's cached tokens must be a multiple of it."""
 
 
-def _check(points: tuple[tuple[int, int], ...], repeats: int, block: int) -> None:
+def _check(points: tuple[tuple[int, int], ...], repeats: int, block: int, stat: str) -> None:
     if repeats < 1:
         raise InvalidInput(f"repeats must be >= 1, got {repeats}")
+    if stat not in STATS:
+        raise InvalidInput(f"stat must be one of {', '.join(STATS)}, got {stat!r}")
     for n, c in points:
         if n < 1 or c < 0 or c % block:
             raise InvalidInput(
@@ -85,9 +114,11 @@ def run_prefill_curve(
     *,
     model: str,
     repeats: int,
+    stat: str = "min",
 ) -> PrefillCurve:
-    """Time every point ``repeats`` times (minimum kept) and fit the three-term model."""
-    _check(points, repeats, engine.config.block_size)
+    """Time every point ``repeats`` times (``stat`` of them kept) and fit the three-term
+    model."""
+    _check(points, repeats, engine.config.block_size, stat)
     prompt = synthetic_prompt(engine, max(n + c for n, c in points))
     warm = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate(prompt[:64], warm, lookup=False, store=False).run()  # first-call costs
@@ -98,8 +129,8 @@ def run_prefill_curve(
             engine.generate(prompt[:c], warm, lookup=False, store=True).run()
         return _forward_s(engine, prompt[: c + n], c)
 
-    samples = tuple((n, c, min(measure(n, c) for _ in range(repeats))) for n, c in points)
-    return PrefillCurve(model, repeats, samples, fit(samples, name=f"{model}-measured"))
+    timings = tuple((n, c, tuple(measure(n, c) for _ in range(repeats))) for n, c in points)
+    return PrefillCurve(model, repeats, stat, timings, f"{model}-measured")
 
 
 def run_served_curve(
@@ -109,12 +140,13 @@ def run_served_curve(
     workers: int,
     pool_gib: float,
     model: str = "smollm2",
+    stat: str = "min",
 ) -> PrefillCurve:
     """Time every point on a live fleet of ``model`` (module docstring) and fit the
     three-term model."""
     from kvstrata.bench.calibrate_live import live_fleet
 
-    _check(points, repeats, FLEET_BLOCK_TOKENS)
+    _check(points, repeats, FLEET_BLOCK_TOKENS, stat)
     with live_fleet(workers=workers, policy="kvstrata", pool_gib=pool_gib, model=model) as fleet:
-        samples = tuple(fleet.time_points(points, repeats))
-    return PrefillCurve(f"{model}-served", repeats, samples, fit(samples, name=f"{model}-served"))
+        timings = tuple(fleet.time_points(points, repeats))
+    return PrefillCurve(f"{model}-served", repeats, stat, timings, f"{model}-served")

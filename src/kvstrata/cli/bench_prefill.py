@@ -45,7 +45,14 @@ def register(sub: Any) -> None:
         default=DEFAULT_CALIBRATION_POINTS,
         help=f"NEW or CACHED+NEW, comma-separated (default {default})",
     )
-    parser.add_argument("--repeat", type=int, default=3, help="timings per point (minimum kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="timings per point")
+    parser.add_argument(
+        "--stat",
+        choices=["min", "median"],
+        default="min",
+        help="which of a point's timings is its sample: min (the engine's own cost) or median "
+        "(a typical forward: what a simulator profile is pinned from)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--served",
@@ -70,7 +77,9 @@ def _engine_curve(args: argparse.Namespace) -> PrefillCurve:
     pool_blocks = 2 * (longest + args.block_size) // args.block_size + 8
     engine = build_engine(loaded, EngineConfig(block_size=args.block_size, pool_blocks=pool_blocks))
     try:
-        return run_prefill_curve(engine, args.points, model=args.model, repeats=args.repeat)
+        return run_prefill_curve(
+            engine, args.points, model=args.model, repeats=args.repeat, stat=args.stat
+        )
     finally:
         engine.close()
 
@@ -87,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             pool_gib=args.pool_gib,
             model=args.model,
+            stat=args.stat,
         )
     else:
         curve = _engine_curve(args)
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     emit(
         data,
         as_json=args.json,
-        title=f"kvstrata bench prefill ({curve.model}, min of {args.repeat})",
+        title=f"kvstrata bench prefill ({curve.model}, {args.stat} of {args.repeat})",
         columns=("point (cached+new)", "seconds"),
         rows=rows,
     )
