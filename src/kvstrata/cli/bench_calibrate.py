@@ -36,7 +36,10 @@
 
 Recalibrating: when ``measured`` meets the goal and the headline profile does not, its
 timings are off for this machine; re-measure them with ``kvstrata bench prefill`` (the command
-in :mod:`kvstrata.costs.profiles`), on a day other than the calibration's.
+in :mod:`kvstrata.costs.profiles`), apart from the calibration (never from its probes). Both
+need the machine to themselves: a type checker run beside a calibration slowed its 2,048-token
+probes by 12–24 % and moved the p90 ratio from 0.92 to 0.77 (``docs/results-history.md``,
+stop 41).
 """
 
 from __future__ import annotations
