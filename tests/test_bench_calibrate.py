@@ -24,10 +24,9 @@ from kvstrata.cli import bench_calibrate
 from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.main import main
 from kvstrata.costs import PrefillModel
-from kvstrata.costs.profiles import cpu_family
 from kvstrata.errors import InvalidInput
 from kvstrata.sim.cluster import SimConfig, simulate
-from kvstrata.sim.profiles import REFERENCE_CPU, reference_cpu
+from kvstrata.sim.profiles import REFERENCE_CPU, reference_cpu, reference_for
 from kvstrata.workloads.mooncake import TraceRequest
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
@@ -229,6 +228,28 @@ def test_report_shape_medians_and_spread() -> None:
     json.dumps(data, allow_nan=False)
 
 
+def test_the_headline_is_the_profile_of_this_cpu() -> None:
+    """On an EPYC the goal and the top-level ratios are ``reference-cpu-epyc``'s, with the
+    Xeon's ``reference-cpu`` simulated beside it."""
+    sims = {
+        "reference-cpu-epyc": [1.0, 2.0, 3.0],
+        "reference-cpu": [0.5, 1.0, 1.5],
+        "measured": [1.1, 2.2, 3.3],
+    }
+    hits = dict.fromkeys(sims, 0.1)
+    models = dict.fromkeys(sims, MODEL)
+    data = bench_calibrate._report(
+        [_live(1.0)], sims, hits, _args(), {"rate_scale": 1.0}, 1456, models,
+        "reference-cpu-epyc",
+    )  # fmt: skip
+    assert data["goal"].endswith("(reference-cpu-epyc)")
+    epyc = data["sim"]["reference-cpu-epyc"]
+    assert (data["ratio_p50"], data["ratio_p90"]) == (epyc["ratio_p50"], epyc["ratio_p90"])
+    assert data["goal_met"] is epyc["goal_met"] is True
+    assert data["sim"]["reference-cpu"]["goal_met"] is False  # reported, not the headline
+    assert set(data["prefill_models"]) == set(sims) and set(REFERENCE_CPU.values()) <= set(sims)
+
+
 def test_placement_order_counts_first_tokens_against_placements() -> None:
     rows = [
         ("w0", 1.00, 5.0),
@@ -269,7 +290,7 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert "measured" not in data["sim"]  # no probes, no fit
     headline = data["reference_profile"]  # the profile of the CPU this runs on
     assert headline["cpu"] == cpu_model()
-    assert headline["name"] == REFERENCE_CPU[cpu_family(cpu_model()) or "intel-xeon"]
+    assert (headline["name"], headline["cpu_family"]) == reference_for(cpu_model())
     assert data["ratio_p50"] == data["sim"][headline["name"]]["ratio_p50"]
     assert set(REFERENCE_CPU.values()) <= set(data["sim"])  # every CPU's, side by side
     assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes

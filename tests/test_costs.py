@@ -81,6 +81,7 @@ def test_worker_timings_per_cpu_family() -> None:
     assert cpu_family("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz") == "intel-xeon"
     assert cpu_family("AMD EPYC 7B13") == "amd-epyc" and cpu_family("AMD EPYC") == "amd-epyc"
     assert cpu_family("Apple M2") is None and cpu_family("unknown") is None
+    assert cpu_family("Xeon and EPYC") is None  # ambiguous: no family's timings
     assert smollm2_cpu_worker("intel-xeon") == smollm2_cpu_worker()  # the Xeon: the default
     epyc = smollm2_cpu_worker("amd-epyc")
     assert epyc == fit(SMOLLM2_WORKER_TIMINGS_BY_CPU["amd-epyc"], name=epyc.name)

@@ -114,6 +114,7 @@ def test_router_with_the_fleet_keys_fills_its_index_from_a_curve_worker(
         attached = fleet.attach(curve_worker.url)
         assert attached.curve_public_key is not None
         assert info["step_tokens"] == attached.step_tokens == 256  # its scheduler's budget
+        assert fleet.worker_views()[0].step_tokens == 256  # what /fleet/workers shows
         _complete(curve_worker, list(range(300, 300 + 3 * B + 1)))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and sum(fleet.worker_views()[0].blocks) < 3:

@@ -26,7 +26,7 @@ from kvstrata.errors import ApiError
 from kvstrata.fleet.answers import only_role_preamble, usage_of
 from kvstrata.fleet.fleet import Fleet
 from kvstrata.fleet.frontdoor import _parse
-from kvstrata.fleet.worker_info import WorkerInfo, WorkerProtocolError
+from kvstrata.fleet.worker_info import MAX_STEP_TOKENS, WorkerInfo, WorkerProtocolError
 from kvstrata.runtime.config import ServeLimits
 from kvstrata.telemetry import KvMetrics
 
@@ -177,7 +177,8 @@ def test_worker_info_from_any_json(changes: dict[str, Any], body: Any) -> None:
         return
     assert len(info.fingerprint) == 32 and info.block_size > 0 and info.events_endpoint
     assert all(f is None or (math.isfinite(f) and f >= 0) for f in info.fetch_s_per_block)
-    assert info.step_tokens is None or (type(info.step_tokens) is int and info.step_tokens > 0)
+    budget = info.step_tokens
+    assert budget is None or (type(budget) is int and 0 < budget <= MAX_STEP_TOKENS)
     if info.transfer is not None:  # what pricing a transfer to this worker needs
         assert type(info.transfer.layout.block_bytes()) is int
 

@@ -13,11 +13,18 @@ import pytest
 from kvstrata.cli import sim_cmd
 from kvstrata.cli.main import main
 from kvstrata.costs import smollm2_cpu_worker
+from kvstrata.costs.profiles import SMOLLM2_WORKER_TIMINGS_BY_CPU
 from kvstrata.index.core import ConsistencyMode
 from kvstrata.router import POLICIES
 from kvstrata.router.costs import CostProfile
 from kvstrata.sim.cluster import RunResult, SimConfig, simulate
-from kvstrata.sim.profiles import gpu_a100_8b, profile, reference_cpu
+from kvstrata.sim.profiles import (
+    REFERENCE_CPU,
+    gpu_a100_8b,
+    profile,
+    reference_cpu,
+    reference_for,
+)
 from kvstrata.sim.report import simulate_report, summarize
 from kvstrata.sim.trace import (
     SimRequest,
@@ -126,6 +133,10 @@ def test_reference_cpu_profile_is_slower_than_the_gpu_one() -> None:
     cpu, gpu = reference_cpu().cost.prefill, gpu_a100_8b().cost.prefill
     assert cpu.seconds(2048) > 10 * gpu.seconds(2048)
     assert cpu == smollm2_cpu_worker()  # one pinned worker's measured curve
+    assert set(REFERENCE_CPU) == set(SMOLLM2_WORKER_TIMINGS_BY_CPU)  # a profile per family
+    assert reference_for("AMD EPYC 7B13") == ("reference-cpu-epyc", "amd-epyc")
+    assert reference_for("Intel(R) Xeon(R) Processor") == ("reference-cpu", "intel-xeon")
+    assert reference_for("Apple M2") == ("reference-cpu", None)  # no timings: the default's
     epyc = profile("reference-cpu-epyc")  # the same worker on the other CPU measured
     assert epyc.name == "reference-cpu-epyc" and reference_cpu().name == "reference-cpu"
     assert epyc.cost.prefill == smollm2_cpu_worker("amd-epyc")

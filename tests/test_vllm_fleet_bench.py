@@ -3,6 +3,7 @@ goals, policy order, output comparison and the router's ``--worker`` argument.""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,8 @@ def test_worker_arg_round_trips_through_the_routers_parser() -> None:
         lower_replay_endpoint=None,
     )
     assert VllmWorker.parse(worker_arg(worker), 0, 32) == worker
+    budget = replace(worker, step_tokens=4096)
+    assert VllmWorker.parse(worker_arg(budget), 0, 32) == budget
 
 
 def test_workload_validation() -> None:

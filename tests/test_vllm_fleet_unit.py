@@ -197,6 +197,23 @@ def test_server_command_configures_both_event_streams(tmp_path: Path) -> None:
     assert bare.worker().lower_events_endpoint is None
 
 
+def test_a_started_server_tells_the_router_its_step_budget(tmp_path: Path) -> None:
+    """The router packs a vLLM server's queue by the budget the server was given; vLLM's
+    default is left to vLLM and assumed (``VLLM_STEP_TOKENS``)."""
+    default = VllmServerSpec("v0", tmp_path, Path("python"), tmp_path)
+    assert "--max-num-batched-tokens" not in default.command()
+    assert default.worker().step_tokens == VLLM_STEP_TOKENS
+    given = VllmServerSpec("v1", tmp_path, Path("python"), tmp_path, step_tokens=4096)
+    argv = given.command()
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "4096"
+    assert given.worker().step_tokens == 4096
+    for extra in (["--max-num-batched-tokens", "1024"], ["--max-num-batched-tokens=1024"]):
+        spec = VllmServerSpec("v2", tmp_path, Path("python"), tmp_path, extra_args=extra)
+        assert spec.worker().step_tokens == 1024
+    with pytest.raises(ValueError, match="step_tokens"):
+        VllmWorker("v3", "http://h", "tcp://h:1", None, step_tokens=0)
+
+
 def test_up_hands_the_tenant_secret_to_every_connector(tmp_path: Path) -> None:
     """The router and the servers' connectors salt tenants with the same secret, whether it
     came as ``--tenant-secret-file`` or from ``--config`` (a private copy in the run dir)."""
@@ -267,9 +284,12 @@ def test_a_restarted_server_is_a_new_epoch_and_drops_its_old_entries() -> None:
         return httpx.Response(200, json={"data": [{"id": "smol"}]})
 
     http = httpx.Client(transport=httpx.MockTransport(handler))
-    source = VllmSource([VllmWorker("v0", "http://v0", "tcp://127.0.0.1:1", None)])
+    worker = VllmWorker("v0", "http://v0", "tcp://127.0.0.1:1", None, step_tokens=8192)
+    source = VllmSource([worker])
     first = source.info(http, "http://v0", None)
     assert first.epoch == 1_764_600_000_250 and first.model == "smol"
+    assert first.step_tokens == 8192  # the router packs its queue by the server's budget
+    assert WorkerState(first, default_profile(4)).interference.chunk_tokens == 8192
     index = GlobalIndex(first.fingerprint, 4)
     dump = source.dump(http, first, None)
     index.replace_worker("v0", dump.epoch, dump.events, next_seq=dump.next_seq)

@@ -67,11 +67,10 @@ from kvstrata.bench.calibrate import (
 from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.output import emit
 from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
-from kvstrata.costs.profiles import cpu_family
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config_schema import GIB
 from kvstrata.sim.cluster import SimConfig, simulate
-from kvstrata.sim.profiles import REFERENCE_CPU, reference_cpu
+from kvstrata.sim.profiles import REFERENCE_CPU, reference_cpu, reference_for
 from kvstrata.sim.trace import select_window
 from kvstrata.workloads.mooncake import read_trace
 
@@ -103,7 +102,8 @@ def register(sub: Any) -> None:
         "--scale-with",
         choices=["measured", HEADLINE],
         default="measured",
-        help="prefill model that sets the arrival rate (measured: the probes' fit, if any)",
+        help="prefill model that sets the arrival rate (measured: the probes' fit, if any; "
+        "reference-cpu: the reference profile of this CPU)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="live runs (fresh fleet each)")
     parser.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS of the fleet")
@@ -147,9 +147,8 @@ def run(args: argparse.Namespace) -> int:
     window = select_window(read_trace(args.trace), args.start_s, None)
     window = sorted(window, key=lambda r: r.timestamp_ms)[: args.limit]
     cpu = cpu_model()
-    family = cpu_family(cpu)
+    headline, family = reference_for(cpu)
     references = {name: reference_cpu(f) for f, name in REFERENCE_CPU.items()}
-    headline = REFERENCE_CPU[family or "intel-xeon"]
     base = references[headline]
     requests, _ = scale_trace(window, scaling, base.cost.prefill)  # a bad slice fails here
     blocks = device_blocks(args.pool_gib, args.block_tokens)

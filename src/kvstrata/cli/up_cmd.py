@@ -160,8 +160,9 @@ def register(sub: Any) -> None:
         required=True,
         help="worker base URL; with --engine vllm: "
         "URL,events=tcp://H:P[,replay=tcp://H:P][,lower=tcp://H:P][,lower_replay=tcp://H:P]"
-        "[,lower_curve=KEY][,id=NAME] (KEY: the connector stream's CURVE public key, z85 text "
-        "or its certificate file; needed beyond loopback and with --curve-secret-file)",
+        "[,lower_curve=KEY][,step_tokens=N][,id=NAME] (KEY: the connector stream's CURVE public "
+        "key, z85 text or its certificate file; needed beyond loopback and with "
+        "--curve-secret-file; N: the server's --max-num-batched-tokens, default 2048)",
     )
     router.add_argument(
         "--prefill-worker",

@@ -89,23 +89,25 @@ SMOLLM2_WORKER_TIMINGS_EPYC: Final[tuple[tuple[int, int, float], ...]] = (
     (256, 512, 0.8627),
 )
 """The same points on the 2-core AMD EPYC (docstring), 2026-12-06."""
+DEFAULT_CPU_FAMILY: Final = "intel-xeon"
+"""The family whose timings ``reference-cpu`` uses, and any CPU without timings of its own."""
 SMOLLM2_WORKER_TIMINGS_BY_CPU: Final[dict[str, tuple[tuple[int, int, float], ...]]] = {
-    "intel-xeon": SMOLLM2_WORKER_TIMINGS,
+    DEFAULT_CPU_FAMILY: SMOLLM2_WORKER_TIMINGS,
     "amd-epyc": SMOLLM2_WORKER_TIMINGS_EPYC,
 }
-"""One pinned worker's timings per CPU family (:func:`cpu_family`); ``intel-xeon`` first, the
-default."""
-_CPU_MARKERS: Final = (("intel-xeon", "xeon"), ("amd-epyc", "epyc"))
+"""One pinned worker's timings per CPU family (:func:`cpu_family`). A family is matched by
+vendor line only (every Xeon gets the Sapphire Rapids timings): a coarse match, which is why
+``bench calibrate`` also reports the CPU's full name."""
+_CPU_MARKERS: Final = {DEFAULT_CPU_FAMILY: "xeon", "amd-epyc": "epyc"}
 
 
 def cpu_family(model_name: str) -> str | None:
     """The family in ``SMOLLM2_WORKER_TIMINGS_BY_CPU`` a CPU model name (``/proc/cpuinfo``'s
-    ``model name``) belongs to, or None when no timings were measured on such a CPU."""
+    ``model name``) belongs to; None when no timings were measured on such a CPU, or when the
+    name matches more than one family."""
     lowered = model_name.lower()
-    for family, marker in _CPU_MARKERS:
-        if marker in lowered:
-            return family
-    return None
+    found = [family for family, marker in _CPU_MARKERS.items() if marker in lowered]
+    return found[0] if len(found) == 1 else None
 
 
 def _from_two_timings(
@@ -138,7 +140,7 @@ def smollm2_cpu() -> PrefillModel:
     )
 
 
-def smollm2_cpu_worker(cpu: str = "intel-xeon") -> PrefillModel:
+def smollm2_cpu_worker(cpu: str = DEFAULT_CPU_FAMILY) -> PrefillModel:
     """SmolLM2-135M fp32 as a fleet worker owning one core of a ``cpu`` family CPU (see the
     module docstring); the Xeon's model keeps its original name."""
     try:
@@ -146,7 +148,7 @@ def smollm2_cpu_worker(cpu: str = "intel-xeon") -> PrefillModel:
     except KeyError:
         known = ", ".join(SMOLLM2_WORKER_TIMINGS_BY_CPU)
         raise InvalidInput(f"no SmolLM2 worker timings for CPU {cpu!r} (known: {known})") from None
-    suffix = "" if cpu == "intel-xeon" else f"-{cpu}"
+    suffix = "" if cpu == DEFAULT_CPU_FAMILY else f"-{cpu}"
     return fit(timings, name=f"smollm2-cpu-worker{suffix}")
 
 

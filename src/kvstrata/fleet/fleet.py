@@ -316,6 +316,7 @@ class Fleet(FleetRouting):
                     prefill_model=state.prefill_fit.model(),
                     serving_overhead_s=state.serving_overhead_s,
                     decode_step_s=state.decode_step_s,
+                    step_tokens=state.interference.chunk_tokens,
                 )
                 for state in self._table.by_id.values()
             ]

@@ -260,6 +260,7 @@ def create_frontdoor_app(fleet: Fleet, auth: HttpAuth | None = None) -> FastAPI:
                     "spread": view.prefill_model.spread,
                 },
                 "serving_overhead_s": view.serving_overhead_s,
+                "step_tokens": view.step_tokens,
                 "decode_step_s": view.decode_step_s,
             }
             for view in fleet.worker_views()

@@ -45,3 +45,5 @@ class WorkerView:
     """What the router adds to the fit's fixed cost to price a TTFT (``WorkerState``)."""
     decode_step_s: float
     """The router's running estimate of one decode step on this worker."""
+    step_tokens: int
+    """The step budget the router packs this worker's queue by (``WorkerState``)."""

@@ -70,7 +70,7 @@ from kvstrata.bench.vllm_fleet_report import (
 )
 from kvstrata.errors import InvalidInput
 from kvstrata.fleet.vllm_servers import DEFAULT_BLOCK_SIZE, VllmServer, VllmServerSpec
-from kvstrata.fleet.vllm_workers import VllmWorker
+from kvstrata.fleet.vllm_workers import VLLM_STEP_TOKENS, VllmWorker
 
 WARM_PROMPT = "Hello, warm-up."
 SERVERS = 2
@@ -142,6 +142,8 @@ def worker_arg(worker: VllmWorker) -> str:
     ):
         if value is not None:
             parts.append(f"{name}={value}")
+    if worker.step_tokens != VLLM_STEP_TOKENS:
+        parts.append(f"step_tokens={worker.step_tokens}")
     return ",".join([*parts, f"id={worker.worker_id}"])
 
 

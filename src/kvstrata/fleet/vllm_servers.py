@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from kvstrata.fleet.vllm_workers import VllmWorker
+from kvstrata.fleet.vllm_workers import VLLM_STEP_TOKENS, VllmWorker
 from kvstrata.runtime.processes import die_with_parent, free_port, vllm_rpc_env
 
 DEFAULT_BLOCK_SIZE = 32
@@ -63,6 +63,9 @@ class VllmServerSpec:
     multiprocess: bool = True
     """False: scheduler and engine core in one process (starts in seconds; tests)."""
     extra_args: list[str] = field(default_factory=list)
+    step_tokens: int | None = None
+    """``--max-num-batched-tokens`` if set (None: vLLM's default, left to vLLM). The router
+    packs the server's queue by it (:meth:`budget`)."""
     tenant_secret_file: Path | None = None
     """The connector salts tenant namespaces with this secret (the router must use the same)."""
 
@@ -83,7 +86,22 @@ class VllmServerSpec:
                 f"tcp://{self.host}:{self.lower_replay_port}" if self.connector else None
             ),
             block_size=self.block_size,
+            step_tokens=self.budget(),
         )
+
+    def budget(self) -> int:
+        """The server's step budget as the router should assume it: ``step_tokens``, else a
+        ``--max-num-batched-tokens`` in ``extra_args``, else ``VLLM_STEP_TOKENS``."""
+        if self.step_tokens is not None:
+            return self.step_tokens
+        flag = "--max-num-batched-tokens"
+        for i, arg in enumerate(self.extra_args):
+            value = arg.partition("=")[2] if arg.startswith(flag + "=") else None
+            if arg == flag and i + 1 < len(self.extra_args):
+                value = self.extra_args[i + 1]
+            if value is not None and value.isdigit() and int(value) > 0:
+                return int(value)
+        return VLLM_STEP_TOKENS
 
     def transfer_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
@@ -129,6 +147,8 @@ class VllmServerSpec:
         ]  # fmt: skip
         if self.kv_cache_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.kv_cache_blocks)]
+        if self.step_tokens is not None:
+            argv += ["--max-num-batched-tokens", str(self.step_tokens)]
         if self.connector:
             argv += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         return argv + self.extra_args

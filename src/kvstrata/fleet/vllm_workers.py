@@ -21,9 +21,9 @@ vLLM serves no ``/kv/info`` or ``/kv/dump``, so :class:`VllmSource` builds both:
   lost leaves the worker's entries incomplete (routing misses, never wrong answers: vLLM
   checks its own hashes).
 - **Step budget.** vLLM does not report its ``max_num_batched_tokens`` either: a worker is
-  taken to run its OpenAI server's default, 2,048 tokens (``VLLM_STEP_TOKENS``:
-  ``EngineArgs.get_batch_defaults`` on CPU at world size 1, and on GPUs under 70 GiB), unless
-  ``step_tokens=N`` in ``--worker`` says otherwise. The router packs queued prompts by it.
+  taken to run its OpenAI server's default on CPU, 2,048 tokens (``VLLM_STEP_TOKENS``),
+  unless ``step_tokens=N`` in ``--worker`` says otherwise (``up --engine vllm`` passes the
+  servers' own). The router packs queued prompts by it.
 - **Tenants.** vLLM's ``cache_salt`` goes, untagged, into block 0's ``extra_keys`` of its
   ``BlockStored`` events (``vllm/distributed/kv_events.py``): :func:`salted_batch` turns it
   into the connector's tenant (``tenant_for_salt``), so both streams and the front door (which
@@ -62,9 +62,10 @@ _LOAD_METRICS = {
 }
 _START = "process_start_time_seconds"
 VLLM_STEP_TOKENS = 2048
-"""vLLM's default ``max_num_batched_tokens`` for its OpenAI server on CPU (world size 1) and
-on GPUs under 70 GiB (``vllm/engine/arg_utils.py``, ``get_batch_defaults``); 8,192 on larger
-GPUs."""
+"""vLLM's default ``max_num_batched_tokens`` for its OpenAI server on CPU at world size 1
+(``vllm/engine/arg_utils.py``, ``EngineArgs.get_batch_defaults``, in the vLLM this project
+installs); other platforms and versions differ (some GPUs get 8,192): give ``step_tokens``
+then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,10 @@ class VllmWorker:
     step_tokens: int = VLLM_STEP_TOKENS
     """The server's ``max_num_batched_tokens`` (vLLM does not report it): its OpenAI server's
     default unless ``step_tokens=N`` says otherwise."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.step_tokens <= MAX_STEP_TOKENS:
+            raise ValueError(f"step_tokens must be in [1, {MAX_STEP_TOKENS}]: {self.step_tokens}")
 
     @classmethod
     def parse(cls, text: str, position: int, block_size: int) -> VllmWorker:
@@ -115,7 +120,9 @@ class VllmWorker:
             except ValueError:
                 step_tokens = 0
             if not 0 < step_tokens <= MAX_STEP_TOKENS:
-                raise ValueError(f"--worker {text!r}: step_tokens must be an integer ≥ 1")
+                raise ValueError(
+                    f"--worker {text!r}: step_tokens must be an integer in [1, {MAX_STEP_TOKENS}]"
+                )
         return cls(
             worker_id=fields.get("id", f"v{position}"),
             base_url=url.rstrip("/"),

@@ -97,6 +97,9 @@ class WorkerInfo:
     """Tokens one engine step computes (its scheduler's ``max_num_batched_tokens``): how many
     queued prompts the router packs into one step (``router.queue``). None: not reported."""
 
+    def __post_init__(self) -> None:
+        _step_tokens(self.step_tokens)  # a budget built in code obeys the wire's bounds
+
     @property
     def reaches_shared_tier(self) -> bool:
         """Does the worker have the shared (remote) tier? (Unknown: assume it does.)"""

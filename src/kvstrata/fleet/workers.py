@@ -101,7 +101,9 @@ class WorkerState:
 
     def __post_init__(self) -> None:
         self.prefill_fit = OnlinePrefillFit(self.profile_prior.prefill)
-        step_tokens = self.info.step_tokens or SchedulerConfig().max_num_batched_tokens
+        step_tokens = self.info.step_tokens
+        if step_tokens is None:  # not reported: the reference engine's default
+            step_tokens = SchedulerConfig().max_num_batched_tokens
         self.interference = InterferenceEstimate(step_tokens)
 
     @property
@@ -307,9 +309,8 @@ class WorkerState:
 
     def _queued_prefill_s(self, queued: list[_InFlight], now: float | None) -> float:
         """``router.queue.queued_seconds`` over the requests without their first token:
-        re-priced with today's fit, packed into the engine's steps (the scheduler's default
-        token budget: the worker does not report its own), the head less what it ran since
-        it could start (the
+        re-priced with today's fit, packed into the engine's steps (the worker's step budget,
+        ``interference.chunk_tokens``), the head less what it ran since it could start (the
         latest of its placement, the worker's last first token and the end of other
         clients' scraped backlog; not aged when ``now`` is None)."""
         if not queued:

@@ -41,7 +41,10 @@ each worker one core, one torch thread), from the measurements in ``kvstrata.cos
   ``kvstrata bench prefill`` timings of one worker pinned to one core (fresh prefills of 16
   to 2,048 tokens, three forwards after a hit; 2026-12-05, Intel Xeon): 54 ms fixed, 1.52 ms
   per token, 0.66 µs per token². ``reference-cpu-epyc`` is the same profile with the timings
-  of a 2-core AMD EPYC (2026-12-06): 29 ms, 2.57 ms per token, 1.13 µs per token².
+  of a 2-core AMD EPYC (2026-12-06): 29 ms, 2.57 ms per token, 1.13 µs per token². Only the
+  prefill fit (and the decode terms derived from it) is the EPYC's: its fetch figures are
+  the Xeon's, and its decode step base is that fit's intercept, 29 ms, which under-prices a
+  short forward there (16 tokens: 0.07 s fitted, 0.10 s measured).
   (Until 2026-12-02 this profile used ``smollm2_cpu()``, one engine
   owning both cores: a 2-worker fleet runs each prefill about 3× slower than that, and
   ``bench calibrate`` found the simulator 0.3× the live fleet; until 2026-12-05 two timings
@@ -94,6 +97,7 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, smollm2_cpu_worker
+from kvstrata.costs.profiles import DEFAULT_CPU_FAMILY, cpu_family
 from kvstrata.errors import InvalidInput
 from kvstrata.router.costs import CostProfile
 
@@ -184,12 +188,19 @@ def gpu_a100_8b() -> SimProfile:
     return SimProfile("gpu-a100-8b", cost, kv_bytes, device_blocks=768, host_blocks=3072)
 
 
-REFERENCE_CPU: Final = {"intel-xeon": "reference-cpu", "amd-epyc": "reference-cpu-epyc"}
+REFERENCE_CPU: Final = {DEFAULT_CPU_FAMILY: "reference-cpu", "amd-epyc": "reference-cpu-epyc"}
 """The ``reference-cpu`` profile of each CPU family with measured worker timings
-(``kvstrata.costs.profiles.SMOLLM2_WORKER_TIMINGS_BY_CPU``)."""
+(``kvstrata.costs.profiles.SMOLLM2_WORKER_TIMINGS_BY_CPU``: the same keys)."""
 
 
-def reference_cpu(cpu: str = "intel-xeon") -> SimProfile:
+def reference_for(cpu_model: str) -> tuple[str, str | None]:
+    """The reference profile for a CPU model name, and its family (None: no timings of its
+    own, or an ambiguous name: the default family's profile)."""
+    family = cpu_family(cpu_model)
+    return REFERENCE_CPU[family or DEFAULT_CPU_FAMILY], family
+
+
+def reference_cpu(cpu: str = DEFAULT_CPU_FAMILY) -> SimProfile:
     """SmolLM2-135M fp32, one fleet worker owning one core of a ``cpu`` family CPU, from this
     project's measurements (``reference-cpu`` is the Xeon's, ``reference-cpu-epyc`` the EPYC's)."""
     prefill = smollm2_cpu_worker(cpu)
