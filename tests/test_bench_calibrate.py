@@ -228,6 +228,16 @@ def test_report_shape_medians_and_spread() -> None:
     json.dumps(data, allow_nan=False)
 
 
+def test_a_busy_machine_is_said_in_the_title() -> None:
+    runs = [{"foreign_load": {"foreign_share": 0.12}}, {"foreign_load": {"foreign_share": 0.01}}]
+    busy = {"machine_to_itself": False, "live_runs": runs}
+    assert bench_calibrate._busy_note(busy) == (
+        "; NOT the machine to itself: other processes used 12 %, 1 % of it per live run"
+    )
+    assert bench_calibrate._busy_note({"machine_to_itself": True, "live_runs": runs}) == ""
+    assert bench_calibrate._busy_note({"live_runs": []}) == ""  # an older bundle
+
+
 def test_the_headline_is_the_profile_of_this_cpu() -> None:
     """On an EPYC the goal and the top-level ratios are ``reference-cpu-epyc``'s, with the
     Xeon's ``reference-cpu`` simulated beside it."""
@@ -293,6 +303,8 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert (headline["name"], headline["cpu_family"]) == reference_for(cpu_model())
     assert data["ratio_p50"] == data["sim"][headline["name"]]["ratio_p50"]
     assert set(REFERENCE_CPU.values()) <= set(data["sim"])  # every CPU's, side by side
+    assert isinstance(data["machine_to_itself"], bool)  # what else ran meanwhile
+    assert data["live_runs"][0]["foreign_load"]["wall_s"] > 0
     assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes
     live_split = data["live_runs"][0]["per_worker"]
     assert sum(side["requests"] for side in live_split.values()) == data["live"]["ttft_s"]["n"]

@@ -32,7 +32,10 @@
    tokens in the opposite order to their placements (``placement_order``: inverted pairs of
    all pairs, ``bench.calibrate.placement_order``); with ``--per-request``, every request of
    each live run (``requests``: arrival, worker, prompt and cached tokens, TTFT, prediction,
-   placement and first-token times).
+   placement and first-token times). Each live run also says how much of the machine
+   processes outside the benchmark used meanwhile (``foreign_load``,
+   :mod:`kvstrata.bench.foreign_load`); ``machine_to_itself`` is false, and the title says
+   so, when one took more than 5 %: its figures measure a shared machine.
 
 Recalibrating: when ``measured`` meets the goal and the headline profile does not, its
 timings are off for this machine; re-measure them with ``kvstrata bench prefill`` (the command
@@ -64,6 +67,7 @@ from kvstrata.bench.calibrate import (
     sim_profile,
     sim_requests,
 )
+from kvstrata.bench.foreign_load import BUSY_SHARE, ForeignLoad
 from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.output import emit
 from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
@@ -162,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
         pin_cpus=args.pin_cpus,
     )
     lives: list[LiveResult] = []
-    with start() as fleet:
+    loads: list[ForeignLoad] = []
+    with ForeignLoad() as load, start() as fleet:
+        loads.append(load)
         probes = fleet.probe(args.probe_rounds, max(r.prompt_tokens for r in requests))
         measured = fit(probes, name="reference-cpu-measured") if len(probes) >= 3 else None
         by_measured = args.scale_with == "measured" and measured is not None
@@ -171,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         record["work_model_source"] = "measured" if by_measured else headline
         lives.append(fleet.replay(requests, args.block_tokens, probes))
     for _ in range(1, args.repeats):
-        with start() as fleet:
+        with ForeignLoad() as load, start() as fleet:
+            loads.append(load)
             lives.append(fleet.replay(requests, args.block_tokens))
     profiles = {
         name: sim_profile(references[name], args.block_tokens, blocks)
@@ -196,6 +203,11 @@ def run(args: argparse.Namespace) -> int:
     models = {name: prof.cost.prefill for name, prof in profiles.items()}
     data = _report(lives, sims, sim_hit, args, record, blocks, models, headline)
     data["reference_profile"] = {"name": headline, "cpu": cpu, "cpu_family": family}
+    shares = []
+    for run, load in zip(data["live_runs"], loads, strict=True):
+        run["foreign_load"] = figures = load.figures()
+        shares.append(figures["foreign_share"])
+    data["machine_to_itself"] = all(x is None or x <= BUSY_SHARE for x in shares)
     for name, split in sim_split.items():
         data["sim"][name]["per_worker"] = split
     data["wall_s"] = round(time.perf_counter() - wall, 1)
@@ -300,6 +312,15 @@ def _spread(pairs: list[tuple[float | None, float | None]]) -> dict[str, Any]:
     return out
 
 
+def _busy_note(data: dict[str, Any]) -> str:
+    """The title's warning when other processes took a share of the machine during a run."""
+    if data.get("machine_to_itself", True):
+        return ""
+    shares = [run.get("foreign_load", {}).get("foreign_share") for run in data["live_runs"]]
+    listed = ", ".join("?" if x is None else f"{100 * x:.0f} %" for x in shares)
+    return f"; NOT the machine to itself: other processes used {listed} of it per live run"
+
+
 def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
     names = list(data["sim"])
     rows = []
@@ -324,7 +345,7 @@ def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
             f"{args.workers} workers, policy {args.policy}, {args.block_tokens} tokens per trace "
             f"block, rate ×{scaling['rate_scale']:.3g} (target utilisation {args.utilisation}); "
             f"goal {data['goal']}: {'met' if data['goal_met'] else 'NOT met'}"
-            f"; failures {data['failures']}"
+            f"; failures {data['failures']}" + _busy_note(data)
         ),
         columns=("figure", "live fleet", *(f"sim {n}" for n in names)),
         rows=rows,

@@ -1,0 +1,135 @@
+"""CPU that processes outside a benchmark used while it ran: a live benchmark's evidence that
+it had the machine to itself.
+
+A live calibration on a 2-core machine pins one fleet worker to each core; anything else that
+runs meanwhile (a type checker, a test run, another benchmark) steals from them and inflates
+every TTFT it measures. At stop 41 a type checker run beside ``bench calibrate`` moved its p90
+ratio from 0.92 to 0.77, and nothing in the output said so. :class:`ForeignLoad` watches
+``/proc`` while the benchmark runs and reports what the processes that are not the
+benchmark's own used.
+
+- **Ours**: this process and its descendants (by parent pid, read at every sample), so a
+  fleet this process started counts as ours, however many sessions or process groups it
+  opens. Everything else is foreign, kernel threads included.
+- **Sampling**: every ``interval_s``, the CPU ticks (user + system, all threads) of every
+  process in ``/proc/<pid>/stat``. A process's ticks count from the sample that first saw it
+  (from 0 when it started during the watch), so a foreign process alive for one sample or
+  more is counted; one that starts and exits between two samples is missed, and so is the
+  last interval of one that exits: the figure is a lower bound.
+- **Figures** (:meth:`ForeignLoad.figures`): ``foreign_cpu_s``, ``wall_s``, ``cpus``,
+  ``foreign_share`` = foreign CPU seconds ÷ (wall seconds × CPUs), and ``top``: the three
+  foreign commands that used the most.
+
+Linux only (``/proc``); elsewhere every figure is None.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Final
+
+PROC: Final = Path("/proc")
+BUSY_SHARE: Final = 0.05
+"""Above this foreign share a live figure is flagged: other work took more than 5 % of the
+machine while it was measured."""
+
+
+def _read(proc: Path) -> dict[int, tuple[int, str, int, int]]:
+    """``pid → (ppid, command, cpu ticks, start time)`` of every readable process."""
+    out: dict[int, tuple[int, str, int, int]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        head, _, rest = raw.rpartition(")")  # the command may hold spaces and parentheses
+        fields = rest.split()
+        try:  # after the command: state ppid … utime(14) stime(15) … starttime(22)
+            ppid, ticks, start = int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[19])
+        except (IndexError, ValueError):
+            continue
+        out[int(entry.name)] = (ppid, head.partition("(")[2], ticks, start)
+    return out
+
+
+def _descendants(table: dict[int, tuple[int, str, int, int]], root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    ours, stack = {root}, [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in ours:
+                ours.add(child)
+                stack.append(child)
+    return ours
+
+
+class ForeignLoad:
+    """A context that watches foreign CPU use while it is open (module docstring)."""
+
+    def __init__(self, interval_s: float = 1.0, proc: Path = PROC) -> None:
+        self.interval_s = interval_s
+        self._proc = proc
+        self._root = os.getpid()
+        self._seen: dict[tuple[int, int], int] = {}  # (pid, start) → ticks at last sample
+        self._foreign: dict[tuple[int, int], tuple[str, int]] = {}  # → (command, ticks used)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="foreign-load", daemon=True)
+        self._started = self._ended = 0.0
+        self._available = proc.is_dir()
+
+    def __enter__(self) -> ForeignLoad:
+        self._started = time.monotonic()
+        if self._available:
+            self._sample(first=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            self._sample(first=False)
+        self._ended = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample(first=False)
+
+    def _sample(self, *, first: bool) -> None:
+        table = _read(self._proc)
+        ours = _descendants(table, self._root)
+        for pid, (_, command, ticks, start) in table.items():
+            key = (pid, start)
+            before = self._seen.get(key, ticks if first else 0)
+            self._seen[key] = ticks
+            if pid in ours or ticks <= before:
+                continue
+            name, used = self._foreign.get(key, (command, 0))
+            self._foreign[key] = (name, used + ticks - before)
+
+    def figures(self) -> dict[str, Any]:
+        """The figures of the watch (module docstring); call after it closed."""
+        wall = max(self._ended - self._started, 1e-9)
+        cpus = os.cpu_count() or 1
+        if not self._available:
+            return {"foreign_cpu_s": None, "wall_s": wall, "cpus": cpus, "foreign_share": None}
+        tick = os.sysconf("SC_CLK_TCK")
+        by_command: dict[str, int] = {}
+        for command, used in self._foreign.values():
+            by_command[command] = by_command.get(command, 0) + used
+        foreign_s = sum(by_command.values()) / tick
+        top = sorted(by_command.items(), key=lambda kv: -kv[1])[:3]
+        return {
+            "foreign_cpu_s": round(foreign_s, 2),
+            "wall_s": round(wall, 2),
+            "cpus": cpus,
+            "foreign_share": round(foreign_s / (wall * cpus), 4),
+            "top": [{"command": c, "cpu_s": round(t / tick, 2)} for c, t in top],
+        }

@@ -1,0 +1,68 @@
+"""``bench.foreign_load``: what processes outside a benchmark used while it ran, from the real
+``/proc`` with real busy processes (one of ours, one that is not)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench.foreign_load import ForeignLoad, _descendants, _read
+
+BUSY = (
+    "import ctypes, time\n"
+    "ctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)\n"  # PR_SET_NAME: /proc's comm
+    "t = time.time()\n"
+    "while time.time() - t < {s}: pass\n"
+)
+
+
+def _orphan_burner(seconds: float, name: str) -> None:
+    """A busy Python process that is not our descendant: started in the background by a
+    shell that exits at once, so it is reparented away from this process."""
+    script = BUSY.format(s=seconds, name=name)
+    subprocess.run(
+        ["sh", "-c", '"$0" -c "$1" >/dev/null 2>&1 &', sys.executable, script], check=True
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_a_foreign_busy_process_is_counted_and_our_own_child_is_not() -> None:
+    with ForeignLoad(interval_s=0.1) as load:
+        _orphan_burner(1.2, "kvs-foreign")
+        ours = subprocess.Popen([sys.executable, "-c", BUSY.format(s=1.2, name="kvs-ours")])
+        time.sleep(1.5)
+        ours.wait(timeout=10)
+    figures = load.figures()
+    top = {row["command"]: row["cpu_s"] for row in figures["top"]}
+    assert top.get("kvs-foreign", 0.0) >= 0.5, figures
+    assert figures["foreign_cpu_s"] >= top["kvs-foreign"]
+    assert 0 < figures["foreign_share"] <= 1 and figures["wall_s"] >= 1.5
+    assert "kvs-ours" not in top, figures  # our child burnt as long: not foreign
+
+
+def test_stat_lines_are_parsed_whatever_the_command_holds(tmp_path: Path) -> None:
+    """The command sits in parentheses and may hold spaces and ``)``; what follows is split."""
+    fields = ["S", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0", "7", "5"] + ["0"] * 6
+    for pid, comm in ((10, "sh"), (11, "a b) c"), (12, "x")):
+        ppid = "10" if pid == 11 else "1"
+        line = f"{pid} ({comm}) {' '.join([fields[0], ppid, *fields[2:], '123'])}\n"
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(line)
+    (tmp_path / "13").mkdir()  # unreadable / malformed entries are skipped
+    (tmp_path / "13" / "stat").write_text("13 (broken)\n")
+    (tmp_path / "self").mkdir()
+    table = _read(tmp_path)
+    assert table[11] == (10, "a b) c", 12, 123) and table[10][2] == 12
+    assert set(table) == {10, 11, 12}
+    assert _descendants(table, 10) == {10, 11}
+
+
+def test_without_proc_every_figure_is_none(tmp_path: Path) -> None:
+    with ForeignLoad(proc=tmp_path / "missing") as load:
+        pass
+    figures = load.figures()
+    assert figures["foreign_cpu_s"] is None and figures["foreign_share"] is None
