@@ -229,10 +229,15 @@ def test_report_shape_medians_and_spread() -> None:
 
 
 def test_a_busy_machine_is_said_in_the_title() -> None:
-    runs = [{"foreign_load": {"foreign_share": 0.12}}, {"foreign_load": {"foreign_share": 0.01}}]
+    runs = [
+        {"foreign_load": {"foreign_share": 0.12, "steal_share": 0.0}},
+        {"foreign_load": {"foreign_share": 0.01, "steal_share": 0.06}},  # a noisy neighbour
+        {"foreign_load": {"foreign_share": None}},  # not measured (no /proc)
+    ]
+    assert [bench_calibrate._taken(run) for run in runs] == [0.12, pytest.approx(0.07), None]
     busy = {"machine_to_itself": False, "live_runs": runs}
     assert bench_calibrate._busy_note(busy) == (
-        "; NOT the machine to itself: other processes used 12 %, 1 % of it per live run"
+        "; NOT the machine to itself: others (processes, steal) took 12 %, 7 %, ? per live run"
     )
     assert bench_calibrate._busy_note({"machine_to_itself": True, "live_runs": runs}) == ""
     assert bench_calibrate._busy_note({"live_runs": []}) == ""  # an older bundle

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.foreign_load import ForeignLoad, _descendants, _read
+from kvstrata.bench.foreign_load import ForeignLoad, _descendants, _read, _steal_ticks
 
 BUSY = (
     "import ctypes, time\n"
@@ -41,6 +41,7 @@ def test_a_foreign_busy_process_is_counted_and_our_own_child_is_not() -> None:
     assert top.get("kvs-foreign", 0.0) >= 0.5, figures
     assert figures["foreign_cpu_s"] >= top["kvs-foreign"]
     assert 0 < figures["foreign_share"] <= 1 and figures["wall_s"] >= 1.5
+    assert figures["steal_s"] >= 0 and 0 <= figures["steal_share"] <= 1
     assert "kvs-ours" not in top, figures  # our child burnt as long: not foreign
 
 
@@ -55,6 +56,9 @@ def test_stat_lines_are_parsed_whatever_the_command_holds(tmp_path: Path) -> Non
     (tmp_path / "13").mkdir()  # unreadable / malformed entries are skipped
     (tmp_path / "13" / "stat").write_text("13 (broken)\n")
     (tmp_path / "self").mkdir()
+    (tmp_path / "stat").write_text("cpu  10 0 5 100 1 0 2 37 0 0\ncpu0 5 0 2 50 0 0 1 20 0 0\n")
+    assert _steal_ticks(tmp_path) == 37  # the 8th figure: steal
+    assert _steal_ticks(tmp_path / "missing") == 0
     table = _read(tmp_path)
     assert table[11] == (10, "a b) c", 12, 123) and table[10][2] == 12
     assert set(table) == {10, 11, 12}

@@ -19,6 +19,9 @@ benchmark's own used.
 - **Figures** (:meth:`ForeignLoad.figures`): ``foreign_cpu_s``, ``wall_s``, ``cpus``,
   ``foreign_share`` = foreign CPU seconds ÷ (wall seconds × CPUs), and ``top``: the three
   foreign commands that used the most.
+- **Steal** (``steal_s``, ``steal_share``): the time this virtual machine's CPUs were ready
+  to run and the hypervisor ran something else (``/proc/stat``'s ``steal``), a neighbour
+  outside the machine that no process list shows. 0 where the hypervisor does not report it.
 
 Linux only (``/proc``); elsewhere every figure is None.
 """
@@ -57,6 +60,16 @@ def _read(proc: Path) -> dict[int, tuple[int, str, int, int]]:
     return out
 
 
+def _steal_ticks(proc: Path) -> int:
+    """All CPUs' steal ticks so far (the 8th figure of ``/proc/stat``'s ``cpu`` line; 0
+    when absent or unreadable)."""
+    try:
+        fields = (proc / "stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) if fields[0] == "cpu" and len(fields) > 8 else 0
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _descendants(table: dict[int, tuple[int, str, int, int]], root: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, *_) in table.items():
@@ -83,10 +96,12 @@ class ForeignLoad:
         self._thread = threading.Thread(target=self._run, name="foreign-load", daemon=True)
         self._started = self._ended = 0.0
         self._available = proc.is_dir()
+        self._steal = [0, 0]  # /proc/stat's steal ticks at the start and at the end
 
     def __enter__(self) -> ForeignLoad:
         self._started = time.monotonic()
         if self._available:
+            self._steal[0] = _steal_ticks(self._proc)
             self._sample(first=True)
             self._thread.start()
         return self
@@ -96,6 +111,7 @@ class ForeignLoad:
         if self._thread.is_alive():
             self._thread.join()
             self._sample(first=False)
+            self._steal[1] = _steal_ticks(self._proc)
         self._ended = time.monotonic()
 
     def _run(self) -> None:
@@ -125,11 +141,14 @@ class ForeignLoad:
         for command, used in self._foreign.values():
             by_command[command] = by_command.get(command, 0) + used
         foreign_s = sum(by_command.values()) / tick
+        steal_s = max(0, self._steal[1] - self._steal[0]) / tick
         top = sorted(by_command.items(), key=lambda kv: -kv[1])[:3]
         return {
             "foreign_cpu_s": round(foreign_s, 2),
             "wall_s": round(wall, 2),
             "cpus": cpus,
             "foreign_share": round(foreign_s / (wall * cpus), 4),
+            "steal_s": round(steal_s, 2),
+            "steal_share": round(steal_s / (wall * cpus), 4),
             "top": [{"command": c, "cpu_s": round(t / tick, 2)} for c, t in top],
         }

@@ -33,9 +33,10 @@
    all pairs, ``bench.calibrate.placement_order``); with ``--per-request``, every request of
    each live run (``requests``: arrival, worker, prompt and cached tokens, TTFT, prediction,
    placement and first-token times). Each live run also says how much of the machine
-   processes outside the benchmark used meanwhile (``foreign_load``,
-   :mod:`kvstrata.bench.foreign_load`); ``machine_to_itself`` is false, and the title says
-   so, when one took more than 5 %: its figures measure a shared machine.
+   processes outside the benchmark used meanwhile, and the hypervisor's steal
+   (``foreign_load``, :mod:`kvstrata.bench.foreign_load`); ``machine_to_itself`` is false,
+   and the title says so, when they took more than 5 % in a run: its figures measure a
+   shared machine.
 
 Recalibrating: when ``measured`` meets the goal and the headline profile does not, its
 timings are off for this machine; re-measure them with ``kvstrata bench prefill`` (the command
@@ -203,11 +204,10 @@ def run(args: argparse.Namespace) -> int:
     models = {name: prof.cost.prefill for name, prof in profiles.items()}
     data = _report(lives, sims, sim_hit, args, record, blocks, models, headline)
     data["reference_profile"] = {"name": headline, "cpu": cpu, "cpu_family": family}
-    shares = []
     for run, load in zip(data["live_runs"], loads, strict=True):
-        run["foreign_load"] = figures = load.figures()
-        shares.append(figures["foreign_share"])
-    data["machine_to_itself"] = all(x is None or x <= BUSY_SHARE for x in shares)
+        run["foreign_load"] = load.figures()
+    taken = [_taken(run) for run in data["live_runs"]]
+    data["machine_to_itself"] = all(t is None or t <= BUSY_SHARE for t in taken)
     for name, split in sim_split.items():
         data["sim"][name]["per_worker"] = split
     data["wall_s"] = round(time.perf_counter() - wall, 1)
@@ -312,13 +312,23 @@ def _spread(pairs: list[tuple[float | None, float | None]]) -> dict[str, Any]:
     return out
 
 
+def _taken(run: dict[str, Any]) -> float | None:
+    """The share of the machine that others took during a live run: other processes and the
+    hypervisor's other guests (steal); None when not measured."""
+    load = run.get("foreign_load", {})
+    if load.get("foreign_share") is None:
+        return None
+    return float(load["foreign_share"]) + float(load.get("steal_share") or 0.0)
+
+
 def _busy_note(data: dict[str, Any]) -> str:
-    """The title's warning when other processes took a share of the machine during a run."""
+    """The title's warning when others took a share of the machine during a run."""
     if data.get("machine_to_itself", True):
         return ""
-    shares = [run.get("foreign_load", {}).get("foreign_share") for run in data["live_runs"]]
-    listed = ", ".join("?" if x is None else f"{100 * x:.0f} %" for x in shares)
-    return f"; NOT the machine to itself: other processes used {listed} of it per live run"
+    listed = ", ".join(
+        "?" if x is None else f"{100 * x:.0f} %" for x in map(_taken, data["live_runs"])
+    )
+    return f"; NOT the machine to itself: others (processes, steal) took {listed} per live run"
 
 
 def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
