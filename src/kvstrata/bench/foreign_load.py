@@ -3,10 +3,10 @@ it had the machine to itself.
 
 A live calibration on a 2-core machine pins one fleet worker to each core; anything else that
 runs meanwhile (a type checker, a test run, another benchmark) steals from them and inflates
-every TTFT it measures. At stop 41 a type checker run beside ``bench calibrate`` moved its p90
-ratio from 0.92 to 0.77, and nothing in the output said so. :class:`ForeignLoad` watches
-``/proc`` while the benchmark runs and reports what the processes that are not the
-benchmark's own used.
+every TTFT it measures, and nothing in a TTFT says so. :class:`ForeignLoad` watches ``/proc``
+while the benchmark runs and reports what the processes that are not the benchmark's own
+used, so a run that shared its machine can be told from one where the machine itself was
+slower.
 
 - **Ours**: this process and its descendants (by parent pid, read at every sample), so a
   fleet this process started counts as ours, however many sessions or process groups it

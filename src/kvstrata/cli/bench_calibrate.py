@@ -41,8 +41,9 @@
 Recalibrating: when ``measured`` meets the goal and the headline profile does not, its
 timings are off for this machine; re-measure them with ``kvstrata bench prefill`` (the command
 in :mod:`kvstrata.costs.profiles`), apart from the calibration (never from its probes). Both
-need the machine to themselves: a type checker run beside a calibration slowed its 2,048-token
-probes by 12–24 % and moved the p90 ratio from 0.92 to 0.77 (``docs/results-history.md``,
+need the machine to themselves (``foreign_load`` says whether a run had it), and even then
+the machine's speed moves: three calibrations within two hours on one EPYC gave 0.852 /
+0.774, 0.930 / 0.920 and 0.789 / 0.756 with the same pinned profile (``docs/results-history.md``,
 stop 41).
 """
 
