@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvstrata.bench.results_page import render_page
-from kvstrata.cli.machine import cpu_model
+from kvstrata.cli.machine import cpu_model, memory_gib
 from kvstrata.cli.output import RECORD_ENV, emit
 from kvstrata.cli.vllm_venv import vllm_python
 from kvstrata.errors import InvalidInput
@@ -380,7 +380,7 @@ def machine_meta(*, quick: bool) -> dict[str, Any]:
         "commit": _git("rev-parse", "--short", "HEAD") + (" (dirty)" if _git_dirty() else ""),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "memory_gib": _memory_gib(),
+        "memory_gib": memory_gib(),
         "gpu": "none" if not Path("/dev/nvidia0").exists() else "present",
         "python": platform.python_version(),
         "inputs": "quick (smoke test, not published figures)" if quick else "full",
@@ -436,13 +436,3 @@ def _git(*args: str) -> str:
 
 def _git_dirty() -> bool:
     return bool(_git("status", "--porcelain", "--untracked-files=no").replace("unknown", ""))
-
-
-def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None

@@ -50,8 +50,8 @@ def register(sub: Any) -> None:
         "--stat",
         choices=["min", "median"],
         default="min",
-        help="which of a point's timings is its sample: min (the engine's own cost) or median "
-        "(a typical forward: what a simulator profile is pinned from)",
+        help="which of a point's timings is its sample: min (the engine's own cost; the pinned "
+        "profiles' statistic) or median (a typical forward)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(

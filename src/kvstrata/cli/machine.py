@@ -17,3 +17,14 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def memory_gib(meminfo: Path = Path("/proc/meminfo")) -> float | None:
+    """Total memory in GiB (``/proc/meminfo``), None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None

@@ -50,6 +50,7 @@ from kvstrata.fleet.worker_info import (
     WorkerDump,
     WorkerInfo,
     WorkerProtocolError,
+    check_step_tokens,
 )
 from kvstrata.identity import DEFAULT_TENANT, FingerprintDigest, secret_digest
 from kvstrata.identity.salts import salt_tenant
@@ -87,8 +88,7 @@ class VllmWorker:
     default unless ``step_tokens=N`` says otherwise."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.step_tokens <= MAX_STEP_TOKENS:
-            raise ValueError(f"step_tokens must be in [1, {MAX_STEP_TOKENS}]: {self.step_tokens}")
+        check_step_tokens(self.step_tokens)
 
     @classmethod
     def parse(cls, text: str, position: int, block_size: int) -> VllmWorker:
@@ -113,16 +113,13 @@ class VllmWorker:
                 key = _server_key(fields["lower_curve"])
             except CurveKeyError as exc:
                 raise ValueError(f"--worker {text!r}: lower_curve: {exc}") from exc
-        step_tokens = VLLM_STEP_TOKENS
-        if "step_tokens" in fields:
-            try:
-                step_tokens = int(fields["step_tokens"])
-            except ValueError:
-                step_tokens = 0
-            if not 0 < step_tokens <= MAX_STEP_TOKENS:
-                raise ValueError(
-                    f"--worker {text!r}: step_tokens must be an integer in [1, {MAX_STEP_TOKENS}]"
-                )
+        try:
+            step_tokens = int(fields.get("step_tokens", VLLM_STEP_TOKENS))
+            check_step_tokens(step_tokens)
+        except ValueError:
+            raise ValueError(
+                f"--worker {text!r}: step_tokens must be an integer in [1, {MAX_STEP_TOKENS}]"
+            ) from None
         return cls(
             worker_id=fields.get("id", f"v{position}"),
             base_url=url.rstrip("/"),

@@ -98,7 +98,7 @@ class WorkerInfo:
     queued prompts the router packs into one step (``router.queue``). None: not reported."""
 
     def __post_init__(self) -> None:
-        _step_tokens(self.step_tokens)  # a budget built in code obeys the wire's bounds
+        check_step_tokens(self.step_tokens)  # a budget built in code obeys the wire's bounds
 
     @property
     def reaches_shared_tier(self) -> bool:
@@ -139,7 +139,7 @@ class WorkerInfo:
                 compute=(
                     None if body.get("compute") is None else ComputePlace.from_json(body["compute"])
                 ),
-                step_tokens=_step_tokens(body.get("step_tokens")),
+                step_tokens=check_step_tokens(body.get("step_tokens")),
             )
         except (
             KeyError,
@@ -160,9 +160,10 @@ MAX_STEP_TOKENS = 1 << 24
 """Above any engine's step budget: a larger ``step_tokens`` is garbage."""
 
 
-def _step_tokens(value: Any) -> int | None:
-    """``/kv/info``'s ``step_tokens``: absent or null, or an integer in [1, ``MAX_STEP_TOKENS``]
-    (ValueError otherwise: the whole answer is rejected, as for any other bad field)."""
+def check_step_tokens(value: Any) -> int | None:
+    """A step budget (``/kv/info``'s ``step_tokens``, a vLLM worker's ``step_tokens=``): absent
+    or null, or an integer in [1, ``MAX_STEP_TOKENS``] (ValueError otherwise: a ``/kv/info``
+    answer holding one is rejected whole, as for any other bad field)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_STEP_TOKENS:
