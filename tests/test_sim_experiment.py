@@ -27,6 +27,7 @@ from kvstrata.sim.experiment import (
     goal_met,
     interval,
     p99_goal_under_floor,
+    paired,
     run_experiment,
     split_windows,
     sweep_points,
@@ -79,6 +80,16 @@ def test_goal_under_the_floor_on_hand_made_numbers() -> None:
     floor = Interval(median=16.4, lo=14.0, hi=22.0)
     assert p99_goal_under_floor(floor, 18.06)  # 0.8 x 18.06 = 14.4 < 22.0
     assert not p99_goal_under_floor(floor, 27.5)  # 0.8 x 27.5 = 22.0: reachable, just
+
+
+def test_paired_ratios_are_taken_repeat_by_repeat() -> None:
+    """Paired, not ratio of medians: kvstrata's worst repeat may be the baseline's worst too."""
+    mine, theirs = [10.0, 30.0, 12.0], [20.0, 25.0, 10.0]
+    span = paired(mine, theirs)
+    assert span == Interval(median=1.2, lo=0.5, hi=1.2)
+    assert interval(mine).hi / interval(theirs).median > span.hi  # the goal's form is stricter
+    assert paired(mine, [1.0, 0.0, 1.0]) is None  # no ratio to a zero
+    assert paired(mine, theirs[:2]) is None and paired([], []) is None
 
 
 def test_every_sweep_starts_at_the_published_defaults() -> None:
@@ -170,6 +181,11 @@ def _check_schema(report: dict[str, Any], loads: list[float], repeats: int) -> N
         assert 0.0 < floor["lo"] <= floor["median"] <= floor["hi"]
         best_p99 = load["policies"][best]["ttft_p99_s"]["median"]
         assert load["p99_goal_under_floor"] == (floor["hi"] > GOAL_P99_RATIO * best_p99)
+        pairs = load["paired"]
+        # Each repeat's own winner is at most the best-by-median baseline on that repeat.
+        for end in ("lo", "median", "hi"):
+            assert pairs["p99_vs_repeat_best"][end] >= pairs["p99_vs_best"][end]
+        assert min(pairs[n]["lo"] for n in ("kvstrata_p99_vs_floor", "best_p99_vs_floor")) > 0
         mine = load["policies"]["kvstrata"]
         assert load["goal_met"] == goal_met(
             Interval(**mine["ttft_p99_s"]),
@@ -232,6 +248,7 @@ def test_cli_table_says_the_figures_are_median_and_range(
         "best_baseline": "round-robin",
         "goal_met": False,
         "p99_goal_under_floor": False,
+        "paired": {"p99_vs_best": {"median": 0.9, "lo": 0.85, "hi": 1.1}},
         "policies": {"round-robin": dict.fromkeys(FIGURES, span)},
         "tuning": {"round-robin": {"params": {}}},
     }
@@ -243,6 +260,7 @@ def test_cli_table_says_the_figures_are_median_and_range(
     assert main([*argv, "--workers", "2", "--policies", "round-robin", "--quiet"]) == 0
     table = json.loads(record.read_text())
     assert "median [min, max] of the repeats" in table["title"]
+    assert "kvstrata p99 ÷ best's, paired 0.9 [0.85, 1.1]" in table["title"]
     assert "TTFT p99 s [min, max]" in table["columns"]
     assert table["rows"][0][3] == "2 [1, 3]"
     assert "warning" not in capsys.readouterr().err  # 200 requests a repeat: enough for a p99

@@ -114,6 +114,7 @@ def run_repeated(args: argparse.Namespace, policies: list[str], config: SimConfi
     goals = ", ".join(
         f"{load['utilisation']}: best {load['best_baseline']}, goal {load['goal_met']}"
         + (" (p99 goal under the floor)" if load["p99_goal_under_floor"] else "")
+        + _paired_note(load.get("paired"))
         for load in report["loads"]
     )
     emit(
@@ -131,6 +132,12 @@ def run_repeated(args: argparse.Namespace, policies: list[str], config: SimConfi
         rows=rows,
     )
     return 0
+
+
+def _paired_note(figures: dict[str, Any] | None) -> str:
+    """The title's paired figure: kvstrata's p99 ÷ the best baseline's, repeat by repeat."""
+    span = None if figures is None else figures.get("p99_vs_best")
+    return "" if span is None else f", kvstrata p99 ÷ best's, paired {_fmt(span)}"
 
 
 def _fmt(value: dict[str, float]) -> str:

@@ -33,6 +33,13 @@ The protocol (issue 15, item 1), for each target utilisation:
    traces) says how far below the best baseline any placement could go: where
    ``GOAL_P99_RATIO`` × the best median lies under the floor's upper end, no router meets
    the p99 goal at that load (``p99_goal_under_floor``: true).
+7. **Paired figures** (:func:`paired`, ``paired`` in the JSON): the goal above sets
+   kvstrata's worst repeat against the best baseline's median repeat. Every policy replays
+   the same repeats, so each repeat also gives a paired ratio: kvstrata's p99 ÷ the best
+   baseline's on that repeat (``p99_vs_best``), ÷ the lowest baseline p99 of that repeat
+   (``p99_vs_repeat_best``: each repeat's own winner), and each of the two p99s ÷ that
+   repeat's floor (``kvstrata_p99_vs_floor``, ``best_p99_vs_floor``: how much of the tail
+   is placement at all). Median and range as in 5. They report; the goal is 6.
 """
 
 from __future__ import annotations
@@ -127,6 +134,32 @@ def goal_met(
         kvstrata_p99.hi <= GOAL_P99_RATIO * best_baseline_p99_median
         and kvstrata_hit_rate_median >= GOAL_HIT_RATIO * infinite_hit_rate
     )
+
+
+def paired(numerators: Sequence[float], denominators: Sequence[float]) -> Interval | None:
+    """Median and range of the per-repeat ratios ``numerators[i] / denominators[i]`` (module
+    docstring, 7); None when a denominator is not positive or the lengths differ."""
+    if len(numerators) != len(denominators) or not numerators or min(denominators) <= 0:
+        return None
+    return interval([a / b for a, b in zip(numerators, denominators, strict=True)])
+
+
+def _paired_figures(
+    values: Mapping[str, Mapping[str, Sequence[float]]],
+    best: str,
+    baselines: Sequence[str],
+    floors: Sequence[float],
+) -> dict[str, dict[str, float] | None]:
+    mine = values[KVSTRATA]["ttft_p99_s"]
+    theirs = values[best]["ttft_p99_s"]
+    winners = [min(values[b]["ttft_p99_s"][i] for b in baselines) for i in range(len(mine))]
+    figures = {
+        "p99_vs_best": paired(mine, theirs),
+        "p99_vs_repeat_best": paired(mine, winners),
+        "kvstrata_p99_vs_floor": paired(mine, floors),
+        "best_p99_vs_floor": paired(theirs, floors),
+    }
+    return {name: None if span is None else span.as_dict() for name, span in figures.items()}
 
 
 def p99_goal_under_floor(floor: Interval, best_baseline_p99_median: float) -> bool:
@@ -288,6 +321,7 @@ def run_load(
         "kvstrata_p99_hi_vs_best_median": None,
         "kvstrata_hit_rate_vs_infinite": None,
         "p99_goal_under_floor": None,
+        "paired": None,
         "goal_met": False,
     }
     if mine is None or best is None:
@@ -296,6 +330,7 @@ def run_load(
     p99 = Interval(**mine["ttft_p99_s"])
     hit = mine["hit_rate"]["median"]
     out["p99_goal_under_floor"] = p99_goal_under_floor(interval(floors), best_p99)
+    out["paired"] = _paired_figures(values, best, baselines, floors)
     if best_p99 > 0:
         out["kvstrata_p99_hi_vs_best_median"] = round(p99.hi / best_p99, 4)
     if infinite > 0:
