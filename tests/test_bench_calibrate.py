@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 
+from kvstrata.bench import fresh_profile
 from kvstrata.bench.calibrate import (
     Scaling,
     compare,
@@ -265,6 +267,33 @@ def test_the_headline_is_the_profile_of_this_cpu() -> None:
     assert set(data["prefill_models"]) == set(sims) and set(REFERENCE_CPU.values()) <= set(sims)
 
 
+def test_the_fresh_profile_is_measured_by_the_pinned_profiles_command() -> None:
+    """A real ``kvstrata bench prefill`` subprocess (the tiny model), pinned where taskset is."""
+    data = fresh_profile.measure("16,32,64", 1, model="tiny")
+    assert [(s["new_tokens"], s["cached_tokens"]) for s in data["samples"]] == [
+        (16, 0), (32, 0), (64, 0)
+    ]  # fmt: skip
+    assert data["pinned"] is (shutil.which("taskset") is not None)
+    assert data["command"].startswith("OMP_NUM_THREADS=1 ")
+    assert "bench prefill --model tiny --points 16,32,64 --repeat 1 --stat min" in data["command"]
+    model = fresh_profile.model_of(data, "fresh")
+    assert model.name == "fresh" and model.seconds(64, 0) > 0
+    slower = {**data, "samples": [{**s, "seconds": 2 * s["seconds"]} for s in data["samples"]]}
+    assert fresh_profile.drift(data, slower) == {"16": 2.0, "32": 2.0, "64": 2.0}
+    with pytest.raises(InvalidInput, match=r"fresh profile: .* exited 2"):
+        fresh_profile.measure("16,x", 1, model="tiny")
+
+
+def test_the_title_gives_the_fresh_profiles_ratios() -> None:
+    fresh = {"ratio_p50": 0.96, "ratio_p90": 0.91, "goal_met": True}
+    data = {"sim": {"fresh": fresh}, "fresh_profile": {"after_vs_before": {"2048": 1.07}}}
+    assert bench_calibrate._fresh_note(data) == (
+        "; fresh (timings measured just before): 0.960 / 0.910, goal met,"
+        " 2,048 tokens after ÷ before 1.070"
+    )
+    assert bench_calibrate._fresh_note({"sim": {}}) == ""  # --no-fresh-profile
+
+
 def test_placement_order_counts_first_tokens_against_placements() -> None:
     rows = [
         ("w0", 1.00, 5.0),
@@ -295,7 +324,7 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
         pytest.skip(f"{TRACE_FILE} missing")
     argv = ["bench", "calibrate", "--trace", str(TRACE_FILE), "--limit", "8"]
     argv += ["--max-prompt-tokens", "512", "--probe-rounds", "0", "--per-request", "--json"]
-    assert main(argv) == 0
+    assert main([*argv, "--fresh-points", "16,64,128"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["live"]["ttft_s"]["n"] + data["failures"] == 8
     for key in ("p10", "p50", "p90", "p99", "mean"):
@@ -303,6 +332,13 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert isinstance(data["goal_met"], bool) and data["ratio_p50"] > 0
     assert data["scaling"]["requests"] == 8 and data["scaling"]["block_tokens"] == 16
     assert "measured" not in data["sim"]  # no probes, no fit
+    fresh = data["fresh_profile"]  # the engine alone, measured before and after the fleets
+    assert [len(fresh[when]["samples"]) for when in ("before", "after")] == [3, 3]
+    assert set(fresh["after_vs_before"]) == {"16", "64", "128"}
+    assert data["sim"]["fresh"]["ttft_s"]["p50"] > 0
+    model = fresh_profile.model_of(fresh["before"], "")  # simulated from the "before" fit
+    k = 512 // 16  # simulator tokens per live token (sim_profile)
+    assert data["prefill_models"]["fresh"]["per_token_s"] * k == pytest.approx(model.per_token_s)
     headline = data["reference_profile"]  # the profile of the CPU this runs on
     assert headline["cpu"] == cpu_model()
     assert (headline["name"], headline["cpu_family"]) == reference_for(cpu_model())

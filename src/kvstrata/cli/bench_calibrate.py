@@ -16,8 +16,12 @@
    an AMD EPYC, from timings measured beforehand with ``kvstrata bench prefill``,
    :mod:`kvstrata.costs.profiles`; a CPU without timings of its own gets the Xeon's, and
    ``reference_profile.cpu_family`` is null), with every other CPU's reference profile, and
-   with the headline's prefill replaced by the fit (``measured``): same workers, routing
-   policy and device pool (``--pool-gib`` in both), no host tier on either side.
+   with the headline's prefill replaced by the fit (``measured``), and, with
+   ``--fresh-profile`` (the default), replaced by the reference timings re-measured by their
+   own command just before the first fleet starts (``fresh``; measured again after the last
+   fleet stops: ``fresh_profile.after_vs_before`` says how far the engine's speed moved
+   meanwhile; :mod:`kvstrata.bench.fresh_profile`): same workers, routing policy and device
+   pool (``--pool-gib`` in both), no host tier on either side.
 4. Both TTFT distributions (p10/p50/p90/p99, mean) and sim ÷ live at p50 and p90. The goal
    (issue 15 item 2) is both within 0.8–1.25 for the headline profile and no failed request. With
    repetitions, the live figures are the median over repetitions of each percentile, each
@@ -56,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstrata.bench import fresh_profile
 from kvstrata.bench.calibrate import (
     GOAL_HI,
     GOAL_LO,
@@ -119,6 +124,18 @@ def register(sub: Any) -> None:
         default=True,
         help="each worker owns its share of the CPUs (`up --pin-cpus`), as reference-cpu assumes",
     )
+    parser.add_argument(
+        "--fresh-profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-measure the reference timings (engine alone, one pinned core) just before the "
+        "fleets and after them, and simulate with them too (`fresh`; kvstrata.bench.fresh_profile)",
+    )
+    parser.add_argument(
+        "--fresh-points",
+        default=fresh_profile.FRESH_POINTS,
+        help="--fresh-profile's points, NEW or CACHED+NEW (default: the pinned profile's)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the simulator's seed")
     parser.add_argument(
         "--per-request",
@@ -167,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         omp_threads=args.omp_threads,
         pin_cpus=args.pin_cpus,
     )
+    before = fresh_profile.measure(args.fresh_points) if args.fresh_profile else None
     lives: list[LiveResult] = []
     loads: list[ForeignLoad] = []
     with ForeignLoad() as load, start() as fleet:
@@ -182,12 +200,16 @@ def run(args: argparse.Namespace) -> int:
         with ForeignLoad() as load, start() as fleet:
             loads.append(load)
             lives.append(fleet.replay(requests, args.block_tokens))
+    after = fresh_profile.measure(args.fresh_points) if args.fresh_profile else None
     profiles = {
         name: sim_profile(references[name], args.block_tokens, blocks)
         for name in sorted(references, key=lambda n: n != headline)  # the headline first
     }
     if measured is not None:
         profiles["measured"] = sim_profile(base, args.block_tokens, blocks, prefill=measured)
+    if before is not None:
+        fresh = fresh_profile.model_of(before, f"{headline}-fresh")
+        profiles["fresh"] = sim_profile(base, args.block_tokens, blocks, prefill=fresh)
     sims = {}
     sim_hit = {}
     sim_split = {}
@@ -205,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
     models = {name: prof.cost.prefill for name, prof in profiles.items()}
     data = _report(lives, sims, sim_hit, args, record, blocks, models, headline)
     data["reference_profile"] = {"name": headline, "cpu": cpu, "cpu_family": family}
+    if before is not None and after is not None:
+        drift = fresh_profile.drift(before, after)
+        data["fresh_profile"] = {"before": before, "after": after, "after_vs_before": drift}
     for run, load in zip(data["live_runs"], loads, strict=True):
         run["foreign_load"] = load.figures()
     taken = [_taken(run) for run in data["live_runs"]]
@@ -332,6 +357,17 @@ def _busy_note(data: dict[str, Any]) -> str:
     return f"; NOT the machine to itself: others (processes, steal) took {listed} per live run"
 
 
+def _fresh_note(data: dict[str, Any]) -> str:
+    """The title's figures for the profile measured just before the fleets (``fresh``)."""
+    fresh = data["sim"].get("fresh")
+    if fresh is None or fresh["ratio_p50"] is None or fresh["ratio_p90"] is None:
+        return ""
+    moved = data.get("fresh_profile", {}).get("after_vs_before", {}).get("2048")
+    note = f"; fresh (timings measured just before): {fresh['ratio_p50']:.3f} / "
+    note += f"{fresh['ratio_p90']:.3f}, goal {'met' if fresh['goal_met'] else 'NOT met'}"
+    return note + ("" if moved is None else f", 2,048 tokens after ÷ before {moved:.3f}")
+
+
 def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
     names = list(data["sim"])
     rows = []
@@ -356,7 +392,7 @@ def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
             f"{args.workers} workers, policy {args.policy}, {args.block_tokens} tokens per trace "
             f"block, rate ×{scaling['rate_scale']:.3g} (target utilisation {args.utilisation}); "
             f"goal {data['goal']}: {'met' if data['goal_met'] else 'NOT met'}"
-            f"; failures {data['failures']}" + _busy_note(data)
+            f"; failures {data['failures']}" + _fresh_note(data) + _busy_note(data)
         ),
         columns=("figure", "live fleet", *(f"sim {n}" for n in names)),
         rows=rows,
