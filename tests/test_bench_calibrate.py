@@ -346,6 +346,9 @@ def test_tiny_live_replay_json_shape(capsys: pytest.CaptureFixture[str]) -> None
     assert set(REFERENCE_CPU.values()) <= set(data["sim"])  # every CPU's, side by side
     assert isinstance(data["machine_to_itself"], bool)  # what else ran meanwhile
     assert data["live_runs"][0]["foreign_load"]["wall_s"] > 0
+    used = data["live_runs"][0]["replay_cpu"]["processes"]  # who used the CPUs in the replay
+    assert {"up", "this process"} <= set(used) and {"serve w0", "serve w1"} & set(used)
+    assert sum(p["cpu_s"] for label, p in used.items() if label.startswith("serve")) > 0
     assert data["pin_cpus"] is True  # each worker owns a core, as reference-cpu assumes
     live_split = data["live_runs"][0]["per_worker"]
     assert sum(side["requests"] for side in live_split.values()) == data["live"]["ttft_s"]["n"]

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.foreign_load import ForeignLoad, _descendants, _read, _steal_ticks
+from kvstrata.bench.foreign_load import (
+    ForeignLoad,
+    _descendants,
+    _read,
+    _steal_ticks,
+    own_cpu,
+    own_cpu_use,
+)
 
 BUSY = (
     "import ctypes, time\n"
@@ -43,6 +50,24 @@ def test_a_foreign_busy_process_is_counted_and_our_own_child_is_not() -> None:
     assert 0 < figures["foreign_share"] <= 1 and figures["wall_s"] >= 1.5
     assert figures["steal_s"] >= 0 and 0 <= figures["steal_share"] <= 1
     assert "kvs-ours" not in top, figures  # our child burnt as long: not foreign
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_our_own_processes_cpu_is_split_by_kvstrata_subcommand() -> None:
+    """A child whose command line reads like a fleet worker's (``… kvstrata.cli.main serve …
+    --worker-id w7``) is labelled ``serve w7``, and its CPU counted from the first snapshot."""
+    before = own_cpu()
+    started = time.perf_counter()
+    argv = [sys.executable, "-c", BUSY.format(s=0.8, name="kvs-w7")]
+    worker = subprocess.Popen([*argv, "kvstrata.cli.main", "serve", "--worker-id", "w7"])
+    time.sleep(0.5)
+    during = own_cpu()  # the worker still runs: a live process's ticks
+    worker.wait(timeout=10)
+    use = own_cpu_use(before, during, time.perf_counter() - started)
+    assert 0.2 <= use["processes"]["serve w7"]["cpu_s"] <= 0.8, use
+    assert "this process" in use["processes"] and use["cpus"] >= 1
+    assert 0 < use["processes"]["serve w7"]["share"] <= 1
+    assert own_cpu_use(during, during, 1.0)["processes"]["serve w7"]["cpu_s"] == 0
 
 
 def test_stat_lines_are_parsed_whatever_the_command_holds(tmp_path: Path) -> None:

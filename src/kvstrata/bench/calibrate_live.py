@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -41,6 +41,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.bench.calibrate import TOKEN_HI, TOKEN_LO, LiveRequest, prompt_ids
+from kvstrata.bench.foreign_load import own_cpu, own_cpu_use
 from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.placement import PLACED_AT_HEADER, parse_placed_at
@@ -72,6 +73,9 @@ class LiveResult:
     decisions: dict[str, int]
     """``worker/reason`` → routing decisions (the front door's ``/metrics``), this fleet's
     warm-up, probes and replay together."""
+    cpu: dict[str, Any] = field(default_factory=dict)
+    """CPU seconds the fleet's processes and this one used during the replay
+    (``foreign_load.own_cpu_use``: the workers, the front door, the load generator)."""
 
     @property
     def answered(self) -> list[tuple[str, int, float]]:
@@ -390,13 +394,14 @@ class LiveFleet:
         block_tokens: int,
         probes: Sequence[tuple[int, int, float]] = (),
     ) -> LiveResult:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), own_cpu()
         answers = asyncio.run(
             _with_client(
                 lambda c: _replay(c, self.base, requests, block_tokens, self.say, self.model)
             )
         )
         wall = time.perf_counter() - started
+        cpu_use = own_cpu_use(cpu, own_cpu(), wall)
         router, decisions = _router_state(self.base, self.say)
         served: dict[str, int] = {}
         for answer in answers:
@@ -425,6 +430,7 @@ class LiveFleet:
             ],
             router=router,
             decisions=decisions,
+            cpu=cpu_use,
         )
 
 

@@ -24,6 +24,13 @@ slower.
   outside the machine that no process list shows. 0 where the hypervisor does not report it.
 
 Linux only (``/proc``); elsewhere every figure is None.
+
+**Our own processes** (:func:`own_cpu`, :func:`own_cpu_use`): the same ticks for this process
+and its descendants, each labelled by its kvstrata subcommand (``serve w0``, ``up``; this
+process is ``this process``), snapshotted around a window of interest (``bench calibrate``:
+one replay). On a 2-core machine whose two workers own a core each, whatever the front door,
+the router and the load generator use in that window comes out of the workers' cores, and
+neither the fleet's probes (one request at a time) nor the simulator see it.
 """
 
 from __future__ import annotations
@@ -152,3 +159,56 @@ class ForeignLoad:
             "steal_share": round(steal_s / (wall * cpus), 4),
             "top": [{"command": c, "cpu_s": round(t / tick, 2)} for c, t in top],
         }
+
+
+def _label(proc: Path, pid: int, root: int) -> str:
+    """A process's kvstrata subcommand and worker id (``serve w0``), from its command line."""
+    if pid == root:
+        return "this process"
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    for i, arg in enumerate(argv):
+        if arg.endswith(("kvstrata.cli.main", "kvstrata")) and i + 1 < len(argv):
+            label = argv[i + 1]
+            if "--worker-id" in argv[i + 2 :]:
+                label += " " + argv[argv.index("--worker-id", i + 2) + 1]
+            return label
+    return Path(argv[0]).name if argv and argv[0] else "?"
+
+
+def own_cpu(proc: Path = PROC) -> dict[tuple[int, int], tuple[str, int]]:
+    """``(pid, start) → (label, CPU ticks so far)`` of this process and its descendants."""
+    if not proc.is_dir():
+        return {}
+    root = os.getpid()
+    table = _read(proc)
+    return {
+        (pid, table[pid][3]): (_label(proc, pid, root), table[pid][2])
+        for pid in _descendants(table, root)
+        if pid in table
+    }
+
+
+def own_cpu_use(
+    before: dict[tuple[int, int], tuple[str, int]],
+    after: dict[tuple[int, int], tuple[str, int]],
+    wall_s: float,
+) -> dict[str, Any]:
+    """CPU seconds per label between two :func:`own_cpu` snapshots (a process first seen in
+    ``after`` counts from 0), each also as a share of the machine over ``wall_s``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpus = os.cpu_count() or 1
+    used: dict[str, int] = {}
+    for key, (label, ticks) in after.items():
+        used[label] = used.get(label, 0) + max(0, ticks - before.get(key, (label, 0))[1])
+    capacity = max(wall_s, 1e-9) * cpus
+    return {
+        "wall_s": round(wall_s, 2),
+        "cpus": cpus,
+        "processes": {
+            label: {"cpu_s": round(t / tick, 2), "share": round(t / tick / capacity, 4)}
+            for label, t in sorted(used.items(), key=lambda kv: -kv[1])
+        },
+    }

@@ -307,6 +307,7 @@ def _report(
                 "failures": live.failures,
                 "fleet_ready_s": round(live.fleet_ready_s, 1),
                 "replay_wall_s": round(live.replay_wall_s, 1),
+                "replay_cpu": live.cpu,
                 "ratios": {n: (r["sim"][n]["ratio_p50"], r["sim"][n]["ratio_p90"]) for n in sims},
             }
             | ({"requests": live.per_request} if args.per_request else {})
