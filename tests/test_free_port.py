@@ -50,3 +50,21 @@ def test_without_room_below_the_range_the_kernel_chooses(
     assert free_port() >= 10500  # no room below: the kernel's own choice
     narrow.write_text("garbage\n")
     assert processes._ephemeral_low() == 32768
+
+
+def test_a_child_python_runs_this_checkouts_code() -> None:
+    """``with_source_first``: the directory of this ``kvstrata`` package leads ``PYTHONPATH``,
+    whatever was there before; a child Python started with it imports this very package."""
+    import subprocess
+    import sys
+
+    import kvstrata
+
+    env = processes.with_source_first({"PYTHONPATH": "/elsewhere"})
+    assert env["PYTHONPATH"].split(":") == [processes.source_root(), "/elsewhere"]
+    assert processes.with_source_first({})["PYTHONPATH"] == processes.source_root()
+    code = "import kvstrata; print(kvstrata.__file__)"
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd="/"
+    )
+    assert Path(child.stdout.strip()).resolve() == Path(kvstrata.__file__).resolve()

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from kvstrata.bench.foreign_load import own_cpu, own_cpu_use
 from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.placement import PLACED_AT_HEADER, parse_placed_at
+from kvstrata.runtime.processes import with_source_first
 
 PROBE_FRESH: Final = (32, 256, 1024, 2048, 4096)
 PROBE_TAIL: Final = 16
@@ -138,12 +138,7 @@ def fleet_command(
 
 
 def _env(tmp: Path, omp_threads: int) -> dict[str, str]:
-    import kvstrata
-
-    env = server_env(tmp, omp_threads=omp_threads)
-    src = str(Path(kvstrata.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    return env
+    return with_source_first(server_env(tmp, omp_threads=omp_threads))
 
 
 def _body(tokens: list[int], max_tokens: int, model: str) -> dict[str, Any]:

@@ -26,11 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Final
 
 from kvstrata.costs import PrefillModel, fit
 from kvstrata.errors import InvalidInput
+from kvstrata.runtime.processes import with_source_first
 
 FRESH_POINTS: Final = "16,64,128,256,512,1024,2048,2032+16,1536+512,512+256"
 """The points the pinned timings were measured at (``costs.profiles``)."""
@@ -55,12 +55,8 @@ def measure(
 ) -> dict[str, Any]:
     """Run :func:`prefill_command` now: its JSON (``samples``, ``fit``), the command, whether
     it was pinned and its wall seconds. Raises ``InvalidInput`` when the command fails."""
-    import kvstrata
-
     command = prefill_command(points, repeats, model=model)
-    src = str(Path(kvstrata.__file__).resolve().parent.parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    env = with_source_first(dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
         done = subprocess.run(

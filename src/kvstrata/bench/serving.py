@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 import tempfile
@@ -80,6 +79,7 @@ from kvstrata.bench.serving_report import (
 )
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config_schema import GIB
+from kvstrata.runtime.processes import with_source_first
 
 WARM_PROMPT = "Hello, warm-up."
 
@@ -230,10 +230,7 @@ class Servers:
     def env(self, side: str, run_tmp: Path) -> dict[str, str]:
         env = server_env(run_tmp, omp_threads=self.settings.omp_threads)
         if side == "kvstrata":  # the server runs the kvstrata code this benchmark runs
-            import kvstrata
-
-            src = str(Path(kvstrata.__file__).resolve().parent.parent)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+            with_source_first(env)
         return env
 
 

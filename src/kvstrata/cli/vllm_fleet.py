@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import kvstrata
 from kvstrata.errors import InvalidInput
+from kvstrata.runtime.processes import source_root
 
 
 def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
@@ -33,7 +33,7 @@ def run_vllm_up(args: argparse.Namespace, serve: Callable[..., None]) -> int:
     if not Path(python).is_file():
         raise InvalidInput(f"{python} is missing: run `make vllm-venv` or pass --vllm-python")
     model_dir = ensure_checkpoint(args.model) if args.model in MODEL_NAMES else Path(args.model)
-    src = str(Path(kvstrata.__file__).resolve().parent.parent)
+    src = source_root()
     settings = load_worker_config(args.config, _overrides(args))
     with contextlib.ExitStack() as cleanup:
         run_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvstrata-vllm-")))

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import tempfile
 import time
@@ -49,7 +48,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import kvstrata
 from kvstrata.bench.servers import (
     free_port,
     http,
@@ -71,6 +69,7 @@ from kvstrata.bench.vllm_fleet_report import (
 from kvstrata.errors import InvalidInput
 from kvstrata.fleet.vllm_servers import DEFAULT_BLOCK_SIZE, VllmServer, VllmServerSpec
 from kvstrata.fleet.vllm_workers import VLLM_STEP_TOKENS, VllmWorker
+from kvstrata.runtime.processes import source_root, with_source_first
 
 WARM_PROMPT = "Hello, warm-up."
 SERVERS = 2
@@ -190,7 +189,7 @@ def _counters(servers: Sequence[VllmServer]) -> dict[str, dict[str, float]]:
 
 @contextlib.contextmanager
 def _fleet(workload: FleetWorkload, model_dir: Path, run_dir: Path) -> Iterator[list[VllmServer]]:
-    src = str(Path(kvstrata.__file__).resolve().parent.parent)
+    src = source_root()
     specs = [
         VllmServerSpec(
             worker_id=f"v{i}",
@@ -228,12 +227,7 @@ def run_one(
             warm = {"model": str(model_dir), "prompt": WARM_PROMPT, "max_tokens": 2}
             http(f"{server.spec.url}/v1/completions", warm | {"temperature": 0}, timeout=300)
         port = free_port()
-        env = server_env(run_dir)
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(
-                None, [str(Path(kvstrata.__file__).resolve().parent.parent), env.get("PYTHONPATH")]
-            )
-        )
+        env = with_source_first(server_env(run_dir))
         command = router_command(policy, model_dir, port, [s.spec.worker() for s in servers])
         with running_server(command, env, run_dir / "router.log", port, name="front door") as base:
             _wait_attached(base, len(servers))

@@ -17,6 +17,18 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 (an ``import`` there could wait forever on a lock another thread held at the fork)."""
 
 
+def source_root() -> str:
+    """The directory holding this ``kvstrata`` package (a checkout's ``src``)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def with_source_first(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :func:`source_root` first on ``PYTHONPATH``: a child Python started with
+    it runs the kvstrata code this process runs, installed or not."""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root(), env.get("PYTHONPATH")]))
+    return env
+
+
 def die_with_parent() -> None:
     """In the child (``preexec_fn``): ask Linux to SIGTERM it if its parent dies, even by
     SIGKILL, so no worker or server outlives the process that started it."""
