@@ -230,8 +230,9 @@ PLAN: Final[tuple[Entry, ...]] = (
         "Live `kvstrata up --workers 2` fleet (real SmolLM2 on CPU) against `kvstrata sim` "
         "(the `reference-cpu` profile measured on this CPU, `reference-cpu-epyc` on an AMD "
         "EPYC) replaying the same scaled Mooncake slice: TTFT distributions side by side; the "
-        "live figures are medians over 3 fresh fleets.",
-        quick=_cmd("bench calibrate --limit 8 --probe-rounds 1 --json"),
+        "live figures are medians over 3 fresh fleets. `fresh`: the same profile's timings "
+        "re-measured just before the fleets.",
+        quick=_cmd("bench calibrate --limit 8 --probe-rounds 1 --fresh-points 16,256,1024 --json"),
         needs=(MOONCAKE,),
     ),
     Entry(
