@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from kvstrata.bench.calibrate_live import LiveResult, probe_lengths
 from kvstrata.cli import bench_calibrate
 from kvstrata.cli.machine import cpu_model
 from kvstrata.cli.main import main
+from kvstrata.cli.output import RECORD_ENV
 from kvstrata.costs import PrefillModel
 from kvstrata.errors import InvalidInput
 from kvstrata.sim.cluster import SimConfig, simulate
@@ -243,6 +245,10 @@ def test_a_busy_machine_is_said_in_the_title() -> None:
     )
     assert bench_calibrate._busy_note({"machine_to_itself": True, "live_runs": runs}) == ""
     assert bench_calibrate._busy_note({"live_runs": []}) == ""  # an older bundle
+    fresh = {"before": runs[1], "after": {"error": "…"}}  # a busy "before", a failed "after"
+    assert bench_calibrate._busy_note(busy | {"fresh_profile": fresh}).endswith(
+        "per live run, 7 % of the fresh timings (before, after)"
+    )
 
 
 def test_the_headline_is_the_profile_of_this_cpu() -> None:
@@ -274,6 +280,8 @@ def test_the_fresh_profile_is_measured_by_the_pinned_profiles_command() -> None:
         (16, 0), (32, 0), (64, 0)
     ]  # fmt: skip
     assert data["pinned"] is (shutil.which("taskset") is not None)
+    assert fresh_profile.pinned_cpu() in os.sched_getaffinity(0)
+    assert data["foreign_load"]["wall_s"] > 0  # whether anything else ran meanwhile
     assert data["command"].startswith("OMP_NUM_THREADS=1 ")
     assert "bench prefill --model tiny --points 16,32,64 --repeat 1 --stat min" in data["command"]
     model = fresh_profile.model_of(data, "fresh")
@@ -284,12 +292,38 @@ def test_the_fresh_profile_is_measured_by_the_pinned_profiles_command() -> None:
         fresh_profile.measure("16,x", 1, model="tiny")
 
 
+def test_the_fresh_profile_keeps_out_of_the_callers_record_and_times_out_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "record.json"
+    monkeypatch.setenv(RECORD_ENV, str(record))
+    fresh_profile.measure("16,32,64", 1, model="tiny", hide=(RECORD_ENV,))
+    assert not record.exists()  # the child's table did not land in the caller's record
+    monkeypatch.setattr(fresh_profile, "_TIMEOUT_S", 0.2)  # less than a Python start-up
+    with pytest.raises(InvalidInput, match="timed out"):
+        fresh_profile.measure("16,32,64", 1, model="tiny")
+
+
+def test_a_failed_measurement_after_the_fleets_is_recorded_not_raised() -> None:
+    def fails() -> dict[str, str]:
+        raise InvalidInput("fresh profile: `x` exited 1: boom")
+
+    assert bench_calibrate._after(fails) == {"error": "fresh profile: `x` exited 1: boom"}
+    assert bench_calibrate._after(lambda: {"samples": []}) == {"samples": []}
+
+
 def test_the_title_gives_the_fresh_profiles_ratios() -> None:
     fresh = {"ratio_p50": 0.96, "ratio_p90": 0.91, "goal_met": True}
-    data = {"sim": {"fresh": fresh}, "fresh_profile": {"after_vs_before": {"2048": 1.07}}}
+    moved = {"16": 1.2, "1024": 0.99, "2032+16": 1.01, "512+256": 1.1}
+    record = {"before": {"pinned": True}, "after_vs_before": moved}
+    data = {"sim": {"fresh": fresh}, "fresh_profile": record}
     assert bench_calibrate._fresh_note(data) == (
         "; fresh (timings measured just before): 0.960 / 0.910, goal met,"
-        " 2,048 tokens after ÷ before 1.070"
+        " 2032+16 tokens after ÷ before 1.010"  # the longest point
+    )
+    unpinned = {"before": {"pinned": False}, "after_vs_before": None}  # "after" failed
+    assert bench_calibrate._fresh_note({"sim": {"fresh": fresh}, "fresh_profile": unpinned}) == (
+        "; fresh (UNPINNED timings measured just before): 0.960 / 0.910, goal met"
     )
     assert bench_calibrate._fresh_note({"sim": {}}) == ""  # --no-fresh-profile
 

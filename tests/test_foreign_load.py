@@ -13,6 +13,7 @@ import pytest
 from kvstrata.bench.foreign_load import (
     ForeignLoad,
     _descendants,
+    _label,
     _read,
     _steal_ticks,
     own_cpu,
@@ -58,16 +59,38 @@ def test_our_own_processes_cpu_is_split_by_kvstrata_subcommand() -> None:
     --worker-id w7``) is labelled ``serve w7``, and its CPU counted from the first snapshot."""
     before = own_cpu()
     started = time.perf_counter()
-    argv = [sys.executable, "-c", BUSY.format(s=0.8, name="kvs-w7")]
-    worker = subprocess.Popen([*argv, "kvstrata.cli.main", "serve", "--worker-id", "w7"])
-    time.sleep(0.5)
+    burn = (  # busy until 0.3 s of its own CPU, then says so and idles: however loaded the box
+        "import sys, time\nwhile time.process_time() < 0.3: pass\n"
+        "print('burnt', flush=True)\ntime.sleep(5)\n"
+    )
+    argv = [sys.executable, "-c", burn, "kvstrata.cli.main", "serve", "--worker-id", "w7"]
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert worker.stdout is not None and worker.stdout.readline() == "burnt\n"
     during = own_cpu()  # the worker still runs: a live process's ticks
+    worker.kill()
     worker.wait(timeout=10)
     use = own_cpu_use(before, during, time.perf_counter() - started)
-    assert 0.2 <= use["processes"]["serve w7"]["cpu_s"] <= 0.8, use
+    assert 0.25 <= use["processes"]["serve w7"]["cpu_s"] <= 2.0, use
     assert "this process" in use["processes"] and use["cpus"] >= 1
     assert 0 < use["processes"]["serve w7"]["share"] <= 1
     assert own_cpu_use(during, during, 1.0)["processes"]["serve w7"]["cpu_s"] == 0
+
+
+def test_labels_name_the_kvstrata_subcommand_and_worker(tmp_path: Path) -> None:
+    argvs = {
+        10: ["python", "-m", "kvstrata.cli.main", "serve", "--port", "1", "--worker-id", "w0"],
+        11: ["/venv/bin/kvstrata", "serve", "--worker-id=w3"],
+        12: ["/venv/bin/kvstrata", "up", "--workers", "2"],
+        13: ["/usr/bin/valkey-server", "--port", "7"],
+        14: ["python", "-m", "kvstrata.cli.main"],  # no subcommand: named by its program
+    }
+    for pid, argv in argvs.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+    labels = [_label(tmp_path, pid, root=1) for pid in argvs]
+    assert labels == ["serve w0", "serve w3", "up", "valkey-server", "python"]
+    assert _label(tmp_path, 1, root=1) == "this process"
+    assert _label(tmp_path, 99, root=1) == "?"  # gone meanwhile
 
 
 def test_stat_lines_are_parsed_whatever_the_command_holds(tmp_path: Path) -> None:

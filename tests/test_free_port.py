@@ -63,8 +63,11 @@ def test_a_child_python_runs_this_checkouts_code() -> None:
     env = processes.with_source_first({"PYTHONPATH": "/elsewhere"})
     assert env["PYTHONPATH"].split(":") == [processes.source_root(), "/elsewhere"]
     assert processes.with_source_first({})["PYTHONPATH"] == processes.source_root()
+    assert processes.source_root() == str(Path(kvstrata.__file__).resolve().parent.parent)
+    # -S: no site-packages, so no editable install either: only PYTHONPATH can find it
     code = "import kvstrata; print(kvstrata.__file__)"
-    child = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd="/"
-    )
+    argv = [sys.executable, "-S", "-c", code]
+    child = subprocess.run(argv, env=env, capture_output=True, text=True, check=True, cwd="/")
     assert Path(child.stdout.strip()).resolve() == Path(kvstrata.__file__).resolve()
+    bare = subprocess.run(argv, env={}, capture_output=True, text=True, cwd="/")
+    assert bare.returncode != 0 and "No module named 'kvstrata'" in bare.stderr

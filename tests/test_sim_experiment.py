@@ -92,6 +92,26 @@ def test_paired_ratios_are_taken_repeat_by_repeat() -> None:
     assert paired(mine, theirs[:2]) is None and paired([], []) is None
 
 
+def test_paired_figures_take_each_repeats_own_winner_and_floor() -> None:
+    p99 = {
+        "kvstrata": [9.0, 12.0, 10.0],
+        "dynamo": [10.0, 10.0, 10.0],  # best by median
+        "llm-d": [12.0, 8.0, 20.0],  # wins the second repeat
+    }
+    values = {name: {"ttft_p99_s": series} for name, series in p99.items()}
+    figures = experiment._paired_figures(values, "dynamo", ["dynamo", "llm-d"], [6.0, 8.0, 5.0])
+    assert figures["p99_vs_best"] == {"median": 1.0, "lo": 0.9, "hi": 1.2}
+    assert figures["p99_vs_repeat_best"] == {"median": 1.0, "lo": 0.9, "hi": 1.5}
+    assert figures["kvstrata_p99_vs_floor"] == {"median": 1.5, "lo": 1.5, "hi": 2.0}
+    assert figures["best_p99_vs_floor"] == {"median": 1.6667, "lo": 1.25, "hi": 2.0}
+    assert (
+        experiment._paired_figures(values, "dynamo", ["dynamo"], [0.0, 1.0, 1.0])[
+            "kvstrata_p99_vs_floor"
+        ]
+        is None
+    )  # no ratio to a zero floor
+
+
 def test_every_sweep_starts_at_the_published_defaults() -> None:
     assert LlmdWeights() == LlmdWeights(prefix=3.0, kv_utilisation=2.0, queue=2.0)
     assert DynamoWeights().prefill_load_scale == 1.0

@@ -35,6 +35,7 @@ neither the fleet's probes (one request at a time) nor the simulator see it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -166,15 +167,16 @@ def _label(proc: Path, pid: int, root: int) -> str:
     if pid == root:
         return "this process"
     try:
-        argv = (proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        raw = (proc / str(pid) / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return "?"
-    for i, arg in enumerate(argv):
-        if arg.endswith(("kvstrata.cli.main", "kvstrata")) and i + 1 < len(argv):
-            label = argv[i + 1]
-            if "--worker-id" in argv[i + 2 :]:
-                label += " " + argv[argv.index("--worker-id", i + 2) + 1]
-            return label
+    argv = raw.removesuffix("\0").split("\0")  # each argument ends with a NUL
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "kvstrata.cli.main" or Path(arg).name == "kvstrata":  # -m, or the script
+            rest = argv[i + 2 :]
+            worker = [b for a, b in itertools.pairwise(rest) if a == "--worker-id"]
+            worker += [a.partition("=")[2] for a in rest if a.startswith("--worker-id=")]
+            return " ".join([argv[i + 1], *worker[:1]])
     return Path(argv[0]).name if argv and argv[0] else "?"
 
 

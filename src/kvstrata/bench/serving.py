@@ -230,7 +230,7 @@ class Servers:
     def env(self, side: str, run_tmp: Path) -> dict[str, str]:
         env = server_env(run_tmp, omp_threads=self.settings.omp_threads)
         if side == "kvstrata":  # the server runs the kvstrata code this benchmark runs
-            with_source_first(env)
+            env = with_source_first(env)
         return env
 
 

@@ -20,8 +20,9 @@
    ``--fresh-profile`` (the default), replaced by the reference timings re-measured by their
    own command just before the first fleet starts (``fresh``; measured again after the last
    fleet stops: ``fresh_profile.after_vs_before`` says how far the engine's speed moved
-   meanwhile; :mod:`kvstrata.bench.fresh_profile`): same workers, routing policy and device
-   pool (``--pool-gib`` in both), no host tier on either side.
+   meanwhile; :mod:`kvstrata.bench.fresh_profile`). Both replace the prefill model only
+   (decode terms stay the pinned profile's). Same workers, routing policy and device pool
+   (``--pool-gib`` in both), no host tier on either side.
 4. Both TTFT distributions (p10/p50/p90/p99, mean) and sim ÷ live at p50 and p90. The goal
    (issue 15 item 2) is both within 0.8–1.25 for the headline profile and no failed request. With
    repetitions, the live figures are the median over repetitions of each percentile, each
@@ -57,6 +58,7 @@ import argparse
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +78,7 @@ from kvstrata.bench.calibrate import (
 )
 from kvstrata.bench.foreign_load import BUSY_SHARE, ForeignLoad
 from kvstrata.cli.machine import cpu_model
-from kvstrata.cli.output import emit
+from kvstrata.cli.output import RECORD_ENV, emit
 from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, fit
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config_schema import GIB
@@ -184,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         omp_threads=args.omp_threads,
         pin_cpus=args.pin_cpus,
     )
-    before = fresh_profile.measure(args.fresh_points) if args.fresh_profile else None
+    fresh = functools.partial(fresh_profile.measure, args.fresh_points, hide=(RECORD_ENV,))
+    before = fresh() if args.fresh_profile else None  # a failure here stops before any fleet
     lives: list[LiveResult] = []
     loads: list[ForeignLoad] = []
     with ForeignLoad() as load, start() as fleet:
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         with ForeignLoad() as load, start() as fleet:
             loads.append(load)
             lives.append(fleet.replay(requests, args.block_tokens))
-    after = fresh_profile.measure(args.fresh_points) if args.fresh_profile else None
+    after = _after(fresh) if args.fresh_profile else None
     profiles = {
         name: sim_profile(references[name], args.block_tokens, blocks)
         for name in sorted(references, key=lambda n: n != headline)  # the headline first
@@ -208,8 +211,8 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         profiles["measured"] = sim_profile(base, args.block_tokens, blocks, prefill=measured)
     if before is not None:
-        fresh = fresh_profile.model_of(before, f"{headline}-fresh")
-        profiles["fresh"] = sim_profile(base, args.block_tokens, blocks, prefill=fresh)
+        today = fresh_profile.model_of(before, f"{headline}-fresh")
+        profiles["fresh"] = sim_profile(base, args.block_tokens, blocks, prefill=today)
     sims = {}
     sim_hit = {}
     sim_split = {}
@@ -228,11 +231,12 @@ def run(args: argparse.Namespace) -> int:
     data = _report(lives, sims, sim_hit, args, record, blocks, models, headline)
     data["reference_profile"] = {"name": headline, "cpu": cpu, "cpu_family": family}
     if before is not None and after is not None:
-        drift = fresh_profile.drift(before, after)
+        drift = None if "error" in after else fresh_profile.drift(before, after)
         data["fresh_profile"] = {"before": before, "after": after, "after_vs_before": drift}
     for run, load in zip(data["live_runs"], loads, strict=True):
         run["foreign_load"] = load.figures()
-    taken = [_taken(run) for run in data["live_runs"]]
+    fresh_runs = [r for r in (before, after) if r is not None]  # each watched too
+    taken = [_taken(run) for run in [*data["live_runs"], *fresh_runs]]
     data["machine_to_itself"] = all(t is None or t <= BUSY_SHARE for t in taken)
     for name, split in sim_split.items():
         data["sim"][name]["per_worker"] = split
@@ -352,21 +356,42 @@ def _busy_note(data: dict[str, Any]) -> str:
     """The title's warning when others took a share of the machine during a run."""
     if data.get("machine_to_itself", True):
         return ""
-    listed = ", ".join(
-        "?" if x is None else f"{100 * x:.0f} %" for x in map(_taken, data["live_runs"])
-    )
-    return f"; NOT the machine to itself: others (processes, steal) took {listed} per live run"
+
+    def listed(runs: list[dict[str, Any]]) -> str:
+        return ", ".join("?" if x is None else f"{100 * x:.0f} %" for x in map(_taken, runs))
+
+    note = "; NOT the machine to itself: others (processes, steal) took "
+    note += f"{listed(data['live_runs'])} per live run"
+    fresh = data.get("fresh_profile", {})
+    runs = [fresh[k] for k in ("before", "after") if "foreign_load" in fresh.get(k, {})]
+    return note + (f", {listed(runs)} of the fresh timings (before, after)" if runs else "")
+
+
+def _after(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The fresh timings after the fleets; a failure is recorded, not raised: the live runs
+    before it stand on their own."""
+    try:
+        return measure()
+    except InvalidInput as exc:
+        return {"error": str(exc)}
 
 
 def _fresh_note(data: dict[str, Any]) -> str:
-    """The title's figures for the profile measured just before the fleets (``fresh``)."""
+    """The title's figures for the profile measured just before the fleets (``fresh``): its
+    ratios, whether it was pinned, and how the longest fresh point moved by the end."""
     fresh = data["sim"].get("fresh")
     if fresh is None or fresh["ratio_p50"] is None or fresh["ratio_p90"] is None:
         return ""
-    moved = data.get("fresh_profile", {}).get("after_vs_before", {}).get("2048")
-    note = f"; fresh (timings measured just before): {fresh['ratio_p50']:.3f} / "
-    note += f"{fresh['ratio_p90']:.3f}, goal {'met' if fresh['goal_met'] else 'NOT met'}"
-    return note + ("" if moved is None else f", 2,048 tokens after ÷ before {moved:.3f}")
+    record = data.get("fresh_profile", {})
+    pinned = record.get("before", {}).get("pinned", True)
+    note = f"; fresh ({'' if pinned else 'UNPINNED '}timings measured just before): "
+    note += f"{fresh['ratio_p50']:.3f} / {fresh['ratio_p90']:.3f}, goal "
+    note += "met" if fresh["goal_met"] else "NOT met"
+    moved = record.get("after_vs_before") or {}
+    if moved:
+        longest = max(moved, key=lambda label: sum(int(t) for t in label.split("+")))
+        note += f", {longest} tokens after ÷ before {moved[longest]:.3f}"
+    return note
 
 
 def _emit(data: dict[str, Any], args: argparse.Namespace) -> None:
