@@ -33,14 +33,12 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from kvstrata.bench.foreign_load import ForeignLoad
-from kvstrata.costs import PrefillModel, fit
+from kvstrata.costs import PrefillModel, fit, point_label
 from kvstrata.costs.profiles import SMOLLM2_WORKER_TIMINGS
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.processes import die_with_parent, with_source_first
 
-FRESH_POINTS: Final = ",".join(
-    f"{cached}+{new}" if cached else str(new) for new, cached, _ in SMOLLM2_WORKER_TIMINGS
-)
+FRESH_POINTS: Final = ",".join(point_label(n, c) for n, c, _ in SMOLLM2_WORKER_TIMINGS)
 """The points the pinned timings were measured at (``costs.profiles``)."""
 FRESH_REPEATS: Final = 3
 _TIMEOUT_S: Final = 1200.0
@@ -124,6 +122,5 @@ def drift(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     for s in after["samples"]:
         key = (s["new_tokens"], s["cached_tokens"])
         if seconds.get(key):
-            label = f"{key[1]}+{key[0]}" if key[1] else str(key[0])
-            out[label] = round(s["seconds"] / seconds[key], 4)
+            out[point_label(*key)] = round(s["seconds"] / seconds[key], 4)
     return out

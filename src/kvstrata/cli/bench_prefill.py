@@ -11,6 +11,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.cli.output import emit
+from kvstrata.costs import point_label
 from kvstrata.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def _points(text: str) -> tuple[tuple[int, int], ...]:
 def register(sub: Any) -> None:
     from kvstrata.costs import DEFAULT_CALIBRATION_POINTS
 
-    default = ",".join(f"{c}+{n}" if c else str(n) for n, c in DEFAULT_CALIBRATION_POINTS)
+    default = ",".join(point_label(n, c) for n, c in DEFAULT_CALIBRATION_POINTS)
     parser: argparse.ArgumentParser = sub.add_parser(
         "prefill", help="the reference engine's prefill cost at several lengths, and its fit"
     )
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     data = curve.to_dict()
     fitted = data["fit"]
     rows: list[tuple[str, str]] = [
-        (f"{c}+{n}" if c else f"{n}", f"{s:.4f} s  (model {curve.fitted.seconds(n, c):.4f} s)")
+        (point_label(n, c), f"{s:.4f} s  (model {curve.fitted.seconds(n, c):.4f} s)")
         for n, c, s in curve.samples
     ]
     rows += [

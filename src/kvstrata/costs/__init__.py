@@ -11,6 +11,7 @@ from kvstrata.costs.model import (
     PrefillModel,
     calibrate,
     fit,
+    point_label,
 )
 from kvstrata.costs.online import OnlinePrefillFit
 from kvstrata.costs.profiles import (
@@ -35,6 +36,7 @@ __all__ = [
     "fit",
     "llama3_8b_h100",
     "per_token",
+    "point_label",
     "smollm2_cpu",
     "smollm2_cpu_worker",
 ]

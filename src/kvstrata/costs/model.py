@@ -69,6 +69,11 @@ short and long contexts, so that t0, a and b are each well determined; all fit a
 context window (SmolLM2 allows 8,192)."""
 
 
+def point_label(new_tokens: int, cached_tokens: int) -> str:
+    """A timed point as ``bench prefill --points`` writes it: ``NEW``, or ``CACHED+NEW``."""
+    return f"{cached_tokens}+{new_tokens}" if cached_tokens else str(new_tokens)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillModel:
     """Seconds of one prefill forward of one model on one device (module docstring)."""
