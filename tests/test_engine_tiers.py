@@ -120,6 +120,9 @@ def test_corrupt_disk_object_is_recomputed_and_counted(engine: ReferenceEngine) 
         )
         == 1
     )
+    unloaded = {"reason": "digest_mismatch"}  # the planned blocks from the corrupt one on
+    want = (len(prompt) - 1) // B - 3
+    assert store.metrics.value("kvstrata_promotion_unloaded_blocks_total", unloaded) == want
 
 
 def test_break_even_threshold_recomputes(tiny_model: LoadedModel, tmp_path: Path) -> None:
@@ -227,3 +230,36 @@ def test_a_failing_store_lookup_fails_its_request_and_the_engine_goes_on(
     assert engine._queued == 0 and len(engine.batch.scheduler) == 0
     assert engine.generate(prompt, SamplingParams(max_tokens=2)).run().output_ids
     assert engine._queued == 0
+
+
+def test_a_promotion_under_pressure_keeps_its_blocks_and_the_tails_donor(
+    tiny_model: LoadedModel, tmp_path: Path
+) -> None:
+    """Both the pool and the host tier full: each promoted block evicts a pool block, which is
+    demoted into the host tier, whose LRU victim would be the prompt's own unread blocks —
+    the tail's donor first (block 7 of an 8-block prompt), then the plan's tail. Held for the
+    whole lookup, the prompt is found whole and the room comes from the demoted blocks."""
+    block = 2 * 2 * 2 * B * 16 * 4
+    options = worker_tiers(
+        host_bytes=12 * block, host=TierConfig("host", WritePolicy.WRITE_BACK), policy="lru"
+    )
+    engine = build_engine(tiny_model, EngineConfig(block_size=B, pool_blocks=16), options)
+    try:
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        prompt = tokens(8 * B, seed=21)
+        engine.generate(prompt, one).run()
+        engine.pool.clear()  # demoted: the host tier holds the prompt's 8 blocks
+        for seed in (22, 23):  # two other prompts fill the pool (nothing of them in the host)
+            engine.generate(tokens(8 * B, seed=seed), one).run()
+        assert engine.bridge is not None
+        metrics = engine.bridge.store.metrics
+        dropped = {"tier": "host", "outcome": "dropped"}
+        before = metrics.value("kvstrata_tier_evictions_total", dropped)
+        cached = engine.generate(prompt, GREEDY).run()
+        assert cached.record.matched_tokens == len(prompt) - 1  # 7 blocks and the donor's 15
+        fresh = engine.generate(prompt, GREEDY, use_cache=False).run()
+        assert cached.output_ids == fresh.output_ids
+        after = metrics.value("kvstrata_tier_evictions_total", dropped)
+        assert after > before  # the host tier was full: the demotions evicted something else
+    finally:
+        engine.close()

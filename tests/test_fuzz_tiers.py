@@ -202,6 +202,7 @@ remote_damage = st.one_of(
 @given(how=remote_damage, read_ahead=st.booleans(), probe=st.booleans())
 @example(how=("meta_json", ("changes", {"size": 1e400})), read_ahead=False, probe=True)
 @example(how=("meta_json", ("json", b"[]")), read_ahead=True, probe=True)
+@example(how=("meta_json", ("changes", {"ttl_s": "0" * 64})), read_ahead=False, probe=False)
 @example(how=("meta_json", ("json", b"[" * 100_000 + b"]" * 100_000)), read_ahead=False, probe=True)
 def test_remote_values_overwritten_with_random_bytes(
     remote: RemoteTier, how: tuple[str, Any], read_ahead: bool, probe: bool

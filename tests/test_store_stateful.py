@@ -4,6 +4,8 @@ Invariants checked after every step:
 - a lookup never returns a PENDING, EXPIRED, INVALID, deleted or other tenant's object, and a
   load never yields bytes other than those stored under that key;
 - tenant quotas are never exceeded on any tier;
+- an object a planned promotion holds (``TieredStore.hold``) is never evicted: it stays
+  until released, unless deleted, expired or found corrupt;
 - every object committed to the write-through disk tier survives a crash (host lost, disk
   re-opened and recovered);
 - the change feed, replayed from the start (recovered objects first after a crash), equals
@@ -24,6 +26,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import KVObjectMeta, Representation, payload_digest
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.events import ObjectStored
+from kvstrata.store.levels import Located
 from kvstrata.store.policies import LRUPolicy
 from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.store.value_policy import ValuePolicy
@@ -59,6 +62,8 @@ class StoreMachine(RuleBasedStateMachine):
         # key finds the copy present and, rightly, does not re-read it to check).
         self.corrupted: set[BlockKey] = set()
         self.replayed: dict[tuple[str, BlockKey], str] = {}  # the feed, applied: level → tenant
+        # planned promotions not finished yet, each with its keys deleted or corrupted since
+        self.holds: list[tuple[list[Located], set[BlockKey]]] = []
         self.store = self._open()
 
     def clock(self) -> float:
@@ -133,6 +138,20 @@ class StoreMachine(RuleBasedStateMachine):
                     assert not lease.meta.expired(self.now)
                     assert bytes(lease.buffer) == self.expected[located.key]
 
+    @rule(tenant=st.sampled_from(TENANTS), chain=st.integers(0, CHAINS - 1))
+    def hold(self, tenant: str, chain: int) -> None:
+        keys = [key_of(tenant, chain, d) for d in range(DEPTH)]
+        located = self.store.lookup(keys, RequestScope(tenant))
+        held = self.store.hold(located)
+        assert held == located[: len(held)]
+        self.holds.append((held, set(self.corrupted)))
+
+    @precondition(lambda self: bool(self.holds))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        held, _ = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+        self.store.release(held)
+
     @rule(seconds=st.sampled_from([1.0, 10.0, 30.0, 60.0]))
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -142,6 +161,8 @@ class StoreMachine(RuleBasedStateMachine):
         keys = [key_of(tenant, chain, d) for d in range(DEPTH)]
         self.store.delete(keys)
         self.deleted.update(keys)
+        for _, gone in self.holds:
+            gone.update(keys)
         self.corrupted.difference_update(keys)
         assert self.store.lookup(keys, RequestScope(tenant)) == []
 
@@ -156,6 +177,8 @@ class StoreMachine(RuleBasedStateMachine):
         raw[-1] ^= 0xFF
         path.write_bytes(bytes(raw))
         self.corrupted.add(key)  # it may now legitimately disappear
+        for _, gone in self.holds:
+            gone.add(key)
 
     @rule()
     def crash(self) -> None:
@@ -163,6 +186,7 @@ class StoreMachine(RuleBasedStateMachine):
         survivors = {k for k in disk.keys() if k in self.written and k not in self.corrupted}
         disk.close()  # the process dies: the host tier's memory is simply gone
         self.store = self._open()
+        self.holds = []  # the process died with its promotions
         self.replayed = {}  # a new store: its feed starts with what it recovered
         recovered = set(self.store.levels[1].tier.keys())
         assert survivors <= recovered
@@ -182,6 +206,13 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 assert self.replayed.pop((event.tier, event.key)) == event.tenant
         assert self.replayed == resident
+
+    @invariant()
+    def held_objects_stay(self) -> None:
+        for held, gone in self.holds:
+            for loc in held:
+                if loc.key not in gone and not loc.meta.expired(self.now):
+                    assert self.store.levels[loc.level].tier.contains(loc.key)
 
     @invariant()
     def quotas_hold(self) -> None:

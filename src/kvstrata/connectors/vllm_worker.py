@@ -223,7 +223,7 @@ class ConnectorWorker:
                 loaded += 1
         finally:
             if located:
-                self.bridge.finish_promotion()
+                self.bridge.finish_promotion(located)
         if loaded == len(located) < len(keys):  # gone since the scheduler looked
             self._count(load_missing=1)
         return loaded

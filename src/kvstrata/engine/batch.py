@@ -34,7 +34,7 @@ from kvstrata.errors import EngineError
 from kvstrata.identity import BlockKey
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
 from kvstrata.runtime.scheduler import Admission, Scheduler, SchedulerConfig
-from kvstrata.store.levels import RequestScope
+from kvstrata.store.levels import Located, RequestScope
 from kvstrata.telemetry import KvMetrics
 
 logger = logging.getLogger(__name__)
@@ -176,13 +176,34 @@ class BatchRunner:
         )
 
     def _lookup(self, seq: Seq) -> dict[str, int]:
-        """Reference the longest reusable prefix of ``seq.tokens`` (all but the last token)."""
+        """Reference the longest reusable prefix of ``seq.tokens`` (all but the last token).
+
+        What the store holds of the prompt beyond the device hit is held against eviction
+        for the whole lookup (``PoolBridge.hold``): each promoted block makes room in the pool,
+        a block evicted there may be demoted into a full store level, and that level's victim
+        must not be the tail's donor (block ``full``, loaded by a second promotion). Unheld, a
+        2,048-token prompt found its 2,032 full-block tokens and lost the 15 after them."""
         block_size = self.block_size
-        tokens = seq.tokens
-        full = (len(tokens) - 1) // block_size  # blocks wholly before the last token
-        keys = [seq.key(i, block_size) for i in range(len(tokens) // block_size)]
+        full = (len(seq.tokens) - 1) // block_size  # blocks wholly before the last token
+        keys = [seq.key(i, block_size) for i in range(len(seq.tokens) // block_size)]
         held = self.pool.lookup_prefix(keys[:full])
         self.pool.acquire(held)
+        stored: list[Located] = []
+        if self.bridge is not None and len(held) < len(keys):
+            stored = self.bridge.hold(keys[len(held) :], self._scope(seq))
+        try:
+            return self._reference(seq, keys, full, held)
+        finally:
+            if stored:
+                assert self.bridge is not None
+                self.bridge.release(stored)
+
+    def _reference(
+        self, seq: Seq, keys: list[BlockKey], full: int, held: list[int]
+    ) -> dict[str, int]:
+        """``_lookup`` past the device hit ``held``: promotions, relayout, the tail."""
+        block_size = self.block_size
+        tokens = seq.tokens
         by_tier = {"device": len(held) * block_size} if held else {}
         seq.table, seq.committed = list(held), len(held)
         if self.bridge is not None and len(held) < full:

@@ -29,7 +29,7 @@ from kvstrata.identity import BlockKey
 from kvstrata.objects import Representation
 from kvstrata.runtime.blocks import BlockInfo, EvictedBlock, ResidentBlock, block_tokens
 from kvstrata.runtime.bridge import LoadOutcome, RecomputeEstimate, StoreBridge
-from kvstrata.store.levels import RequestScope
+from kvstrata.store.levels import Located, RequestScope
 from kvstrata.store.prefetch import Prefetcher, can_prefetch
 from kvstrata.store.tiered import TieredStore
 
@@ -152,6 +152,14 @@ class PoolBridge:
             self.prefetcher.cancel(request_id)
 
     # ---- store → device ---------------------------------------------------------------------
+    def hold(self, keys: Sequence[BlockKey], scope: RequestScope) -> list[Located]:
+        """Hold what the store's local levels have of ``keys`` against eviction until
+        ``release`` (``TieredStore.hold_prefix``): an admission's promotions load them."""
+        return self.store.hold_prefix(keys, scope)
+
+    def release(self, held: Sequence[Located]) -> None:
+        self.store.release(held)
+
     def promote(
         self,
         keys: Sequence[BlockKey],
@@ -165,6 +173,7 @@ class PoolBridge:
         located = self.bridge.plan_promotion(keys, first, scope)
         size = self.pool.config.block_size
         dtype = self.pool.config.dtype
+        unloaded = ""  # why the plan ended early
         try:
             for offset, loc in enumerate(located):
                 i = first + offset
@@ -173,6 +182,7 @@ class PoolBridge:
                 info = BlockInfo(scope.tenant, i * size, tokens, created_at=loc.meta.created_at)
                 block_id = self.pool.allocate(loc.key, parent, info)
                 if block_id is None:
+                    unloaded = "pool_full"
                     break
 
                 def write(payload: memoryview, block_id: int = block_id) -> None:
@@ -188,6 +198,7 @@ class PoolBridge:
                     raise
                 if outcome is not LoadOutcome.LOADED:
                     self.pool.abort(block_id)
+                    unloaded = outcome.value
                     break
                 self.pool.commit(block_id)
                 self.pool.acquire([block_id])
@@ -199,5 +210,8 @@ class PoolBridge:
             raise
         finally:
             if located:
-                self.bridge.finish_promotion()
+                self.bridge.finish_promotion(located)
+        if unloaded:
+            short = len(located) - len(result.block_ids)
+            self.store.metrics.promotion_unloaded.labels(reason=unloaded).inc(short)
         return result

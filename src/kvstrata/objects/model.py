@@ -90,15 +90,35 @@ class Representation:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Representation:
         return cls(
-            dtype=str(data["dtype"]),
-            layout=str(data["layout"]),
-            block_size=int(data["block_size"]),
-            shape=tuple(int(x) for x in data["shape"]),
-            codec_id=str(data["codec_id"]),
-            codec_version=int(data["codec_version"]),
-            tp_rank=int(data["tp_rank"]),
-            tp_size=int(data["tp_size"]),
+            dtype=_text(data["dtype"]),
+            layout=_text(data["layout"]),
+            block_size=_integer(data["block_size"]),
+            shape=tuple(_integer(x) for x in data["shape"]),
+            codec_id=_text(data["codec_id"]),
+            codec_version=_integer(data["codec_version"]),
+            tp_rank=_integer(data["tp_rank"]),
+            tp_size=_integer(data["tp_size"]),
         )
+
+
+def _number(value: Any) -> float:
+    """A number a meta's writer wrote (JSON int or float); anything else — a string of digits
+    included, which ``float`` would take — is a meta no writer makes (``TypeError``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"a number was expected, not {type(value).__name__}")
+    return float(value)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"an integer was expected, not {type(value).__name__}")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a string was expected, not {type(value).__name__}")
+    return value
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
@@ -171,8 +191,8 @@ class KVObjectMeta:
         dict no writer makes — among them a time that is not a finite number or a negative
         TTL: a reader must count such an object invalid, never merely expired."""
         parent = data.get("parent")
-        created_at = float(data["created_at"])
-        ttl_s = None if data.get("ttl_s") is None else float(data["ttl_s"])
+        created_at = _number(data["created_at"])
+        ttl_s = None if data.get("ttl_s") is None else _number(data["ttl_s"])
         if not math.isfinite(created_at) or not (
             ttl_s is None or (math.isfinite(ttl_s) and ttl_s >= 0)
         ):
@@ -180,15 +200,15 @@ class KVObjectMeta:
         return cls(
             key=BlockKey(bytes.fromhex(data["key"])),
             parent=BlockKey(bytes.fromhex(parent)) if parent is not None else None,
-            tenant=str(data["tenant"]),
+            tenant=_text(data["tenant"]),
             representation=Representation.from_dict(data["representation"]),
-            size=int(data["size"]),
+            size=_integer(data["size"]),
             digest=bytes.fromhex(data["digest"]),
             created_at=created_at,
             ttl_s=ttl_s,
-            position=int(data.get("position", 0)),
-            recompute_s=float(data.get("recompute_s", 0.0)),
-            model=str(data.get("model", "")),
+            position=_integer(data.get("position", 0)),
+            recompute_s=_number(data.get("recompute_s", 0.0)),
+            model=_text(data.get("model", "")),
             tokens=_tokens_from(data.get("tokens")),
         )
 

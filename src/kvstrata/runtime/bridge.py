@@ -11,7 +11,8 @@ Every engine adapter does the same four things with the store, and they live her
 - ``plan_promotion`` finds the longest prefix the store holds beyond the device hit and applies
   the break-even test: fewer reusable tokens than a tier's ``min_reusable_tokens``, or a fetch
   estimated (from measured tier throughput) to take longer than recomputing those tokens,
-  means recompute;
+  means recompute; the plan's objects are held against eviction until ``finish_promotion``
+  (the loads themselves make room, and the room must not come out of the plan);
 - ``load_verified`` pins one object and hands its verified bytes to a sink — only when it
   carries exactly the adapter's representation and size (anything else is incompatible and
   recomputed, invariant 7). Digests are checked by the tiers on every read (a per-tier
@@ -155,12 +156,17 @@ class StoreBridge:
     def plan_promotion(
         self, keys: Sequence[BlockKey], first: int, scope: RequestScope
     ) -> list[Located]:
-        """The blocks ``keys[first:]`` worth loading from the store (empty: recompute)."""
+        """The blocks ``keys[first:]`` worth loading from the store (empty: recompute),
+        held against eviction (``TieredStore.hold``) until ``finish_promotion``."""
         located = self.store.lookup(keys[first:], scope)
         if not self.worth_loading(located, first):
             return []
-        self.store.read_ahead(located)  # a shared tier fetches the whole plan in one batch
-        return located
+        held = self.store.hold(located)
+        if len(held) < len(located) and not self.worth_loading(held, first):
+            self.store.release(held)  # what is left of the plan is not worth a load
+            return []
+        self.store.read_ahead(held)  # a shared tier fetches the whole plan in one batch
+        return held
 
     def worth_loading(self, located: Sequence[Located], first: int) -> bool:
         """The break-even test of ``plan_promotion`` alone (no read-ahead): may an engine
@@ -180,8 +186,10 @@ class StoreBridge:
             return False
         return True
 
-    def finish_promotion(self) -> None:
-        """Drop what ``plan_promotion`` read ahead and no load took (counted as unused)."""
+    def finish_promotion(self, located: Sequence[Located]) -> None:
+        """End the plan ``located`` (``plan_promotion``'s result): release its holds and drop
+        what it read ahead and no load took (counted as unused)."""
+        self.store.release(located)
         self.store.discard_read_ahead()
 
     def load_verified(self, located: Located, tenant: str, sink: PayloadSink) -> LoadOutcome:

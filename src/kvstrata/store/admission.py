@@ -13,9 +13,9 @@ Invariants kept here:
   locked section): a tenant over its quota evicts its own objects first, and an object that
   cannot fit is not admitted;
 - eviction asks the level's policy for a leaf victim among unpinned, committed objects that
-  no other thread is demoting, and demotes it to the next level when that level's write policy
-  wants it (the copy outside the lock), before removing it; a victim that vanished or got
-  pinned meanwhile is skipped.
+  no other thread is demoting and no planned promotion holds (``TieredStore.hold``), and
+  demotes it to the next level when that level's write policy wants it (the copy outside the
+  lock), before removing it; a victim that vanished or got pinned meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ class AdmittingCore(ErasingCore):
         used = level.tier.used_bytes
 
         def can_evict(key: BlockKey) -> bool:
-            return (index, key) not in self._moving and level.tier.evictable(key)
+            at = (index, key)
+            return at not in self._moving and at not in self._held and level.tier.evictable(key)
 
         while True:
             victim = level.policy.victim(self.clock(), tenant=tenant, can_evict=can_evict)

@@ -88,6 +88,8 @@ class StoreCore:
         self._storing: set[tuple[int, BlockKey]] = set()  # reserved, bytes in flight: invisible
         self._found_corrupt: set[tuple[str, BlockKey]] = set()  # drained, not yet claimed
         self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
+        # (level, key) → planned promotions holding it: never a victim until released
+        self._held: dict[tuple[int, BlockKey], int] = {}
         self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
         # (level, key) → seconds of a shared level's batched read-ahead its next load adds
         self._ahead_s: dict[tuple[int, BlockKey], float] = {}

@@ -74,6 +74,14 @@ class StoreMetrics:
             ["reason"],
             registry=r,
         )
+        self.promotion_unloaded = Counter(
+            "kvstrata_promotion_unloaded_blocks",
+            "Blocks a planned promotion did not load (recomputed instead), by why: the pool"
+            " had no room, or the load's outcome (missing, digest_mismatch, incompatible,"
+            " tier_error)",
+            ["reason"],
+            registry=r,
+        )
 
         self.prefetch_bytes = Counter(
             "kvstrata_prefetch_bytes",
