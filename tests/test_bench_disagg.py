@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from kvstrata.bench.servers import counter_totals
 from kvstrata.cli.bench_all import PLAN
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg import choose
@@ -105,6 +106,9 @@ def test_quick_entry_prints_one_json_object_with_the_named_figures() -> None:
     assert result["prefill_send_gbps"] > 0
     assert 0.0 <= result["overlap"] <= 1.0
     assert result["link_source"] == "measured"
+    decode = result["decode_worker"]  # every hit was whole: nothing cut short on the way
+    assert set(decode) == {"promotion_unloaded_blocks", "breakeven_recompute", "evictions"}
+    assert sum(decode["promotion_unloaded_blocks"].values()) == 0
 
 
 def test_overhead_estimate_learns_the_unpriced_gap_clipped_at_zero() -> None:
@@ -115,3 +119,22 @@ def test_overhead_estimate_learns_the_unpriced_gap_clipped_at_zero() -> None:
     assert estimate.value_s == pytest.approx(0.03)
     estimate.observe(float("nan"), 0.03)
     assert estimate.samples == 2
+
+
+def test_counter_totals_sums_a_family_by_its_labels() -> None:
+    page = (
+        "# HELP kvstrata_tier_evictions_total Objects evicted\n"
+        "# TYPE kvstrata_tier_evictions_total counter\n"
+        'kvstrata_tier_evictions_total{outcome="dropped",tier="host"} 3.0\n'
+        'kvstrata_tier_evictions_total{outcome="dropped",tier="host2"} 1.0\n'
+        'kvstrata_tier_evictions_total{outcome="demoted",tier="host"} 2.0\n'
+        'kvstrata_tier_evictions_created{outcome="demoted",tier="host"} 1.7e9\n'
+        'kvstrata_tier_hits_total{tier="host"} 9.0\n'
+    )
+    by_both = counter_totals(page, "kvstrata_tier_evictions", ("tier", "outcome"))
+    assert by_both == {"host/dropped": 3.0, "host2/dropped": 1.0, "host/demoted": 2.0}
+    assert counter_totals(page, "kvstrata_tier_evictions", ("outcome",)) == {
+        "dropped": 4.0,
+        "demoted": 2.0,
+    }
+    assert counter_totals(page, "kvstrata_absent", ("tier",)) == {}

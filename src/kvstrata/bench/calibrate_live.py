@@ -37,11 +37,17 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.bench.calibrate import TOKEN_HI, TOKEN_LO, LiveRequest, prompt_ids
 from kvstrata.bench.foreign_load import own_cpu, own_cpu_use
-from kvstrata.bench.servers import free_port, running_server, server_env, sigterm_unwinds, tail
+from kvstrata.bench.servers import (
+    counter_totals,
+    free_port,
+    running_server,
+    server_env,
+    sigterm_unwinds,
+    tail,
+)
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.placement import PLACED_AT_HEADER, parse_placed_at
 from kvstrata.runtime.processes import with_source_first
@@ -340,15 +346,8 @@ def _router_state(
 
 def _decisions(exposition: str) -> dict[str, int]:
     """``worker/reason`` → count of the router's decisions in a ``/metrics`` page."""
-    out: dict[str, int] = {}
-    for family in text_string_to_metric_families(exposition):
-        if family.name != "kvstrata_router_decisions":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                key = f"{sample.labels['worker']}/{sample.labels['reason']}"
-                out[key] = out.get(key, 0) + int(sample.value)
-    return out
+    totals = counter_totals(exposition, "kvstrata_router_decisions", ("worker", "reason"))
+    return {key: int(value) for key, value in totals.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,12 @@ meanwhile. The router's figure for it is what a fleet's queue estimate holds: th
 predicted prefill seconds (the decode worker's fit) less the lead. Those points teach the
 fits nothing (their TTFTs did not run alone).
 
+``decode_worker``: why the decode worker did not load blocks it held — its counters at the
+end of the sweep, by reason: ``promotion_unloaded_blocks`` (a plan cut short: ``pool_full``,
+``missing``, …), ``breakeven_recompute`` (a plan not made: ``fetch_slower``,
+``below_min_tokens``) and the host tier's ``evictions`` by outcome. A point whose
+``decode_hit_tokens`` falls short of the prompt is explained there.
+
 Both workers share this machine's cores: a remote prefill competes with the decode streams
 for CPU, which a real deployment (two machines) would not; the figures say what this box does.
 Each worker's ``/kv/info`` ``compute`` entry tells the router so (``shared_compute``).
@@ -58,6 +64,7 @@ from typing import Any
 import httpx
 
 from kvstrata.bench.disagg_workers import WorkerPair
+from kvstrata.bench.servers import counter_totals
 from kvstrata.bench.transfer_link import LinkProbe, transfer_stack_gbps
 from kvstrata.costs import OnlinePrefillFit
 from kvstrata.router.costs import CostProfile
@@ -331,6 +338,7 @@ def run_disagg_bench(
                         _point(client, pool, pair, learned, link, length, 0, config.repeats,
                                transfers, queued)
                     )  # fmt: skip
+        decode_worker = _decode_counters(client, pair.decode)
     raw_after = raw_socket_gbps(RAW_SOCKET_BYTES)
     probes = [
         _link_probe(pair.layout, config.link_probe_bytes, pair.transfer_transport)
@@ -338,7 +346,27 @@ def run_disagg_bench(
     ]
     raw = (raw_before, raw_after)
     summary = _summary(config, pair.layout, points, transfers, raw, link, probes)
-    return summary | {"transport": pair.transfer_transport, "shared_compute": pair.shared_compute}
+    return summary | {
+        "transport": pair.transfer_transport,
+        "shared_compute": pair.shared_compute,
+        "decode_worker": decode_worker,
+    }
+
+
+def _decode_counters(client: httpx.Client, url: str) -> dict[str, dict[str, float]]:
+    """The decode worker's counters that explain a short hit (module docstring)."""
+    page = client.get(f"{url}/metrics")
+    page.raise_for_status()
+    evictions = counter_totals(page.text, "kvstrata_tier_evictions", ("tier", "outcome"))
+    return {
+        "promotion_unloaded_blocks": counter_totals(
+            page.text, "kvstrata_promotion_unloaded_blocks", ("reason",)
+        ),
+        "breakeven_recompute": counter_totals(
+            page.text, "kvstrata_breakeven_recompute", ("reason",)
+        ),
+        "evictions": {k: v for k, v in evictions.items() if not k.startswith("device/")},
+    }
 
 
 def _link_probe(layout: KVLayout, total_bytes: int, transport: str) -> LinkProbe:

@@ -31,6 +31,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.processes import free_port as free_port  # re-exported for the benches
 from kvstrata.runtime.processes import vllm_rpc_env
@@ -128,6 +130,20 @@ def sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def counter_totals(exposition: str, name: str, labels: Sequence[str]) -> dict[str, float]:
+    """The ``<name>_total`` samples of a Prometheus ``/metrics`` page, keyed by the values of
+    ``labels`` joined with ``/`` (samples that agree on them are summed)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = "/".join(sample.labels.get(label, "") for label in labels)
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def tail(log: Path, chars: int = 4000) -> str:
