@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvstrata.engine.engine import EngineConfig, ReferenceEngine
 from kvstrata.engine.factory import build_engine
@@ -23,6 +24,8 @@ from kvstrata.errors import ConfigError
 from kvstrata.runtime.config import load_worker_config
 from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.serve import transfer_receiver
+from kvstrata.serve.disagg import DisaggMetrics, Disaggregation
+from kvstrata.serve.protocol import TransferWait
 from kvstrata.serve.transfer_receiver import DecodeTransfers
 from kvstrata.serve.transfer_sender import _same, prefill_and_send
 from kvstrata.transfer.handshake import decode_answer
@@ -40,6 +43,7 @@ from kvstrata.transfer.messages import (
     encode,
 )
 from kvstrata.transfer.tcp import GREETING, TcpTransport
+from tier_helpers import worker_tiers
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SECRET = b"in-process-secret"
@@ -287,3 +291,75 @@ def test_an_offer_of_other_than_the_prompts_full_blocks_in_order_is_refused(
 def export_prefix_after(engine: ReferenceEngine, prompt: list[int]) -> ExportedPrefix:
     engine.generate(prompt, SamplingParams(max_tokens=1)).run()
     return export_prefix(engine, prompt, "default")
+
+
+def _send(tiny_model: LoadedModel, receiver: DecodeTransfers, prompt: list[int], rid: str) -> None:
+    sender = ReferenceEngine(tiny_model, EngineConfig(block_size=16, pool_blocks=64))
+    sender.start_loop()
+    try:
+        address = (receiver.host, receiver.port)
+        sent = prefill_and_send(sender, prompt, "default", rid, address, tenant_secret=SECRET)
+        assert sent.outcome == "sent", sent
+    finally:
+        sender.stop_loop()
+    status = receiver.wait(rid, 10)
+    assert status is not None and status.committed
+
+
+def _held(engine: ReferenceEngine) -> int:
+    assert engine.bridge is not None
+    return len(engine.bridge.store._held)
+
+
+def test_received_blocks_stay_until_their_request_took_them(tiny_model: LoadedModel) -> None:
+    """Between the commit and the decode request's lookup, saves into a full host tier (LRU:
+    the received chain is its oldest) must not evict the received chain; the request's first
+    token ends the hold."""
+    block = 2 * 2 * 2 * 16 * 16 * 4  # the tiny model's block bytes
+    worker = worker_tiers(host_bytes=24 * block, policy="lru")
+    config = EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
+    engine = build_engine(tiny_model, config, worker)
+    engine.start_loop()
+    receiver = DecodeTransfers(engine, tenant_secret=SECRET).start()
+    try:
+        prompt = _tokens(16 * 6 + 3, seed=61)
+        _send(tiny_model, receiver, prompt, "held")
+        assert _held(engine) == 6
+        for seed in range(62, 68):  # 6 prompts of 6 blocks: more than the tier holds
+            engine.generate(_tokens(16 * 6 + 3, seed=seed), SamplingParams(max_tokens=1)).run()
+        assert engine.bridge is not None
+        dropped = {"tier": "host", "outcome": "dropped"}
+        assert engine.bridge.store.metrics.value("kvstrata_tier_evictions_total", dropped) > 0
+        engine.call(engine.pool.clear).result()  # only the host tier can serve it now
+        disagg = Disaggregation(engine, DisaggMetrics(CollectorRegistry()), receiver=receiver)
+        generation = engine.generate(prompt, GREEDY)
+        disagg.release_at_first_token(TransferWait(request_id="held"), generation)
+        generation.run()
+        assert generation.record.matched_tokens == 96
+        assert _held(engine) == 0
+        fresh = engine.generate(prompt, GREEDY, use_cache=False).run()
+        assert generation.output_ids == fresh.output_ids
+    finally:
+        receiver.close()
+        engine.close()
+
+
+def test_a_hold_nobody_takes_ends_after_hold_s(tiny_model: LoadedModel) -> None:
+    worker = load_worker_config(raw={"tiers": [{"name": "host", "gib": 0.01}]}, source="test")
+    config = EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
+    engine = build_engine(tiny_model, config, worker)
+    engine.start_loop()
+    receiver = DecodeTransfers(engine, tenant_secret=SECRET, hold_s=0.3).start()
+    try:
+        _send(tiny_model, receiver, _tokens(16 * 3, seed=71), "orphan")
+        assert _held(engine) == 3
+        deadline = time.monotonic() + 5
+        while _held(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _held(engine) == 0
+        _send(tiny_model, receiver, _tokens(16 * 3, seed=72), "closing")
+        assert _held(engine) == 3
+    finally:
+        receiver.close()
+    assert _held(engine) == 0  # close ends every hold
+    engine.close()

@@ -268,6 +268,8 @@ class _Service:
                 request_id=request_id,
                 placed_at=parse_placed_at(request.headers.get(PLACED_AT_HEADER)),
             )
+            if wait is not None and self.disagg is not None:  # the transfer's blocks: held
+                self.disagg.release_at_first_token(wait, generation)  # until its lookup
         except Exception as exc:
             return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
         _log_at_end(endpoint, body.stream, generation)

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import Field
 
 from kvstrata.engine.engine import ReferenceEngine
+from kvstrata.engine.generation import Generation
 from kvstrata.errors import ApiError
 from kvstrata.runtime.transfer_config import TransferConfig
 from kvstrata.security import Principal, Role
@@ -139,6 +140,20 @@ class Disaggregation:
             counts={"blocks": status.blocks if status is not None else 0, "bytes": payload},
         )
         return path
+
+    def release_at_first_token(self, wait: TransferWait, generation: Generation) -> None:
+        """End the hold on transfer ``wait``'s received blocks (``DecodeTransfers.release``)
+        at the request's first token, or its end: its lookup has taken what it found."""
+        receiver, released = self.receiver, [False]
+        if receiver is None:
+            return
+
+        def release() -> None:  # on the engine thread, after each token: once is enough
+            if not released[0]:
+                released[0] = True
+                receiver.release(wait.request_id)
+
+        generation.subscribe(release)
 
 
 def register_disagg(app: FastAPI, disagg: Disaggregation, guard: HttpAuth) -> None:

@@ -17,14 +17,20 @@ connection on its own thread:
 
 Each transfer's end (``TransferStatus``) is kept by request id for a bounded time so a decode
 request (``/v1/completions`` with ``kvstrata_transfer``) can ``wait`` for it, whichever of the
-two arrives first. The store's lock is never held across I/O: reservations and commits are
-the store's short locked sections, bytes are written outside them.
+two arrives first. A committed transfer's blocks are held against eviction
+(``TieredStore.hold_prefix``) until its decode request calls ``release`` — at its first token,
+when the engine's own lookup holds what it loads — or for ``hold_s`` at most (a decode
+request that never comes): between the commit and that lookup, other requests' saves into a
+full tier could otherwise evict the received chain's leaves, the blocks its request needs.
+The store's lock is never held across I/O: reservations and commits are the store's short
+locked sections, bytes are written outside them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +47,7 @@ from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
 from kvstrata.security.keys import valid_namespace
+from kvstrata.store.levels import Located, RequestScope
 from kvstrata.telemetry.transfer_metrics import TransferMetrics
 from kvstrata.transfer.convert import convert_blocks, torch_dtype
 from kvstrata.transfer.handshake import (
@@ -73,6 +80,9 @@ logger = logging.getLogger("kvstrata.serve.transfer")
 
 _HANDSHAKE_TIMEOUT_S = 10.0
 _KEEP_S = 300.0  # how long a finished transfer's status waits for its decode request
+HOLD_S = 30.0
+"""How long a committed transfer's blocks are held for a decode request that has not released
+them (far longer than a request waits for admission on a worker that keeps up)."""
 _MAX_TRACKED = 4096
 MAX_CONNECTIONS = 64
 """Transfer connections served at once; one beyond is closed at accept (each holds a thread
@@ -103,6 +113,8 @@ class _Waiter:
         self.status: TransferStatus | None = None
         self.created = now
         self.callbacks: list[Callable[[TransferStatus], None]] = []  # guarded by the lock
+        self.held: list[Located] = []  # the received blocks held for the request (the lock)
+        self.held_until = 0.0
 
 
 class DecodeTransfers:
@@ -119,6 +131,7 @@ class DecodeTransfers:
         audit: AuditLog = NULL_AUDIT,
         receive_timeout_s: float = 60.0,
         tenant_secret: bytes = b"",
+        hold_s: float = HOLD_S,
     ) -> None:
         if not tenant_secret:
             raise ConfigError(
@@ -137,6 +150,7 @@ class DecodeTransfers:
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.audit = audit
         self.receive_timeout_s = receive_timeout_s
+        self.hold_s = hold_s
         self.tenant_secret = tenant_secret
         self.layout = pool_layout(engine.pool.config)
         self.model_digest = engine.fingerprint.model_digest()
@@ -147,7 +161,8 @@ class DecodeTransfers:
             transports=(Transport(transport),),
             allow_lossy=False,
         )
-        self._ingress = StoreIngress(engine.bridge.store)
+        self._store = engine.bridge.store
+        self._ingress = StoreIngress(self._store)
         self._lock = threading.Lock()
         self._waiters: OrderedDict[str, _Waiter] = OrderedDict()
         self._active = 0
@@ -182,8 +197,9 @@ class DecodeTransfers:
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._receiving:
-                    return
+                    break
             time.sleep(0.02)
+        self._release_held(until=math.inf)
 
     def info(self) -> dict[str, object]:
         """What ``GET /kv/info`` advertises under ``"transfer"``."""
@@ -236,6 +252,7 @@ class DecodeTransfers:
 
     def _waiter(self, request_id: str) -> _Waiter:
         now = time.monotonic()
+        dropped: list[Located] = []
         with self._lock:
             waiter = self._waiters.get(request_id)
             if waiter is None:
@@ -244,13 +261,37 @@ class DecodeTransfers:
                 len(self._waiters) > _MAX_TRACKED
                 or next(iter(self._waiters.values())).created < now - _KEEP_S
             ):
-                self._waiters.popitem(last=False)
-            return waiter
+                dropped += self._waiters.popitem(last=False)[1].held
+        self._store.release(dropped)
+        return waiter
 
-    def _finish(self, status: TransferStatus) -> None:
+    # ---- holds on received blocks (module docstring) -----------------------------------------
+    def release(self, request_id: str) -> None:
+        """The decode request of transfer ``request_id`` has its blocks (or gave up): end
+        their hold. Idempotent; unknown ids are ignored."""
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            held = waiter.held if waiter is not None else []
+            if waiter is not None:
+                waiter.held = []
+        self._store.release(held)
+
+    def _release_held(self, *, until: float) -> None:
+        """End every hold that lasts until before ``until`` (monotonic seconds)."""
+        held: list[Located] = []
+        with self._lock:
+            for waiter in self._waiters.values():
+                if waiter.held and waiter.held_until <= until:
+                    held += waiter.held
+                    waiter.held = []
+        self._store.release(held)
+
+    def _finish(self, status: TransferStatus, held: Sequence[Located] = ()) -> None:
         waiter = self._waiter(status.request_id)
         with self._lock:
             waiter.status = status
+            if held:
+                waiter.held, waiter.held_until = list(held), time.monotonic() + self.hold_s
             callbacks = list(waiter.callbacks)
         waiter.done.set()
         for callback in callbacks:
@@ -260,6 +301,7 @@ class DecodeTransfers:
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stop.is_set():
+            self._release_held(until=time.monotonic())
             try:
                 conn = self._listener.accept(timeout_s=0.2)
             except TransportError:
@@ -336,16 +378,19 @@ class DecodeTransfers:
         finally:
             with self._lock:
                 self._receiving.discard(receiver)
-        self._finish(
-            TransferStatus(
-                intro.request_id,
-                result.outcome,
-                len(result.committed),
-                result.payload_bytes,
-                time.monotonic() - start,
-                detail=result.detail,
-            )
+        held: list[Located] = []
+        if result.ok:  # held for its decode request until it releases them (or hold_s)
+            scope = RequestScope(intro.tenant, self.engine.model_id, intro.request_id)
+            held = self._store.hold_prefix(result.committed, scope)
+        status = TransferStatus(
+            intro.request_id,
+            result.outcome,
+            len(result.committed),
+            result.payload_bytes,
+            time.monotonic() - start,
+            detail=result.detail,
         )
+        self._finish(status, held)
 
     def _check(
         self,
