@@ -165,6 +165,7 @@ class DecodeTransfers:
         self._ingress = StoreIngress(self._store)
         self._lock = threading.Lock()
         self._waiters: OrderedDict[str, _Waiter] = OrderedDict()
+        self._holding: dict[str, _Waiter] = {}  # the waiters whose blocks are held
         self._active = 0
         self._receiving: set[TransferReceiver] = set()  # cancelled by close()
         self._listener: Listener | None = None
@@ -261,7 +262,8 @@ class DecodeTransfers:
                 len(self._waiters) > _MAX_TRACKED
                 or next(iter(self._waiters.values())).created < now - _KEEP_S
             ):
-                dropped += self._waiters.popitem(last=False)[1].held
+                request, old = self._waiters.popitem(last=False)
+                dropped += self._unhold(request, old)
         self._store.release(dropped)
         return waiter
 
@@ -270,29 +272,35 @@ class DecodeTransfers:
         """The decode request of transfer ``request_id`` has its blocks (or gave up): end
         their hold. Idempotent; unknown ids are ignored."""
         with self._lock:
-            waiter = self._waiters.get(request_id)
-            held = waiter.held if waiter is not None else []
-            if waiter is not None:
-                waiter.held = []
+            waiter = self._holding.get(request_id)
+            held = self._unhold(request_id, waiter) if waiter is not None else []
         self._store.release(held)
 
     def _release_held(self, *, until: float) -> None:
         """End every hold that lasts until before ``until`` (monotonic seconds)."""
         held: list[Located] = []
         with self._lock:
-            for waiter in self._waiters.values():
-                if waiter.held and waiter.held_until <= until:
-                    held += waiter.held
-                    waiter.held = []
+            for request_id, waiter in list(self._holding.items()):
+                if waiter.held_until <= until:
+                    held += self._unhold(request_id, waiter)
         self._store.release(held)
+
+    def _unhold(self, request_id: str, waiter: _Waiter) -> list[Located]:
+        """Under the lock: take ``waiter``'s held blocks (the caller releases them unlocked)."""
+        held, waiter.held = waiter.held, []
+        self._holding.pop(request_id, None)
+        return held
 
     def _finish(self, status: TransferStatus, held: Sequence[Located] = ()) -> None:
         waiter = self._waiter(status.request_id)
         with self._lock:
             waiter.status = status
+            before = self._unhold(status.request_id, waiter)  # a repeated id: never leak
             if held:
                 waiter.held, waiter.held_until = list(held), time.monotonic() + self.hold_s
+                self._holding[status.request_id] = waiter
             callbacks = list(waiter.callbacks)
+        self._store.release(before)
         waiter.done.set()
         for callback in callbacks:
             callback(status)

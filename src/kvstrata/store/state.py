@@ -2,11 +2,11 @@
 
 ``StoreCore`` owns everything the store lock guards — the levels (tier, policy, config, the
 enable switch), use counts, pending deletes, which keys are being stored (reserved, bytes in
-flight: invisible) or demoted (not picked as a victim again), the change feed and the
-prefetched objects not used yet — plus the short, I/O-free operations on it: views
-(``resident``, ``take_events``), rollout checks, the registration of a finished store, the
-removal of a victim, the completion of a delete. ``TieredStore`` (``tiered``) adds the
-movement of bytes, which happens outside the lock.
+flight: invisible), demoted (not picked as a victim again) or held (``TieredStore.hold``),
+the change feed and the prefetched objects not used yet — plus the short, I/O-free
+operations on it: views (``resident``, ``take_events``), rollout checks, the registration of
+a finished store, the removal of a victim, the completion of a delete. ``TieredStore``
+(``tiered``) adds the movement of bytes, which happens outside the lock.
 
 Prefetch accounting (``TieredStore.prefetch`` copies a queued request's blocks from a shared
 level into a faster one): an object a prefetch made visible in a level is *unused* until the
@@ -88,7 +88,7 @@ class StoreCore:
         self._storing: set[tuple[int, BlockKey]] = set()  # reserved, bytes in flight: invisible
         self._found_corrupt: set[tuple[str, BlockKey]] = set()  # drained, not yet claimed
         self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
-        # (level, key) → planned promotions holding it: never a victim until released
+        # (level, key) → holds on it (planned promotions, received transfers): no victim
         self._held: dict[tuple[int, BlockKey], int] = {}
         self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
         # (level, key) → seconds of a shared level's batched read-ahead its next load adds

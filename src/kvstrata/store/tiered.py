@@ -149,7 +149,9 @@ class TieredStore(AdmittingCore):
         next: the engine's pool evicts a block to take the loaded one, that block is demoted
         into this store, and the level, full, evicts a leaf — at that moment the plan's own
         tail. Without a hold a long plan lost its tail that way under load and recomputed it
-        (``bench disagg``: 1,488 of 2,047 transferred tokens found). A hold only keeps the
+        (``bench disagg``: 1,488 of 2,047 transferred tokens found). A received transfer is
+        held the same way until its request has read it (``serve.transfer_receiver``), and an
+        engine's lookup holds what the store has of its prompt. A hold only keeps the
         policy from picking the object: a delete, an expiry or a failed check still removes
         it. Holds nest (a count per level and key); objects of a level that evicts itself
         (a shared remote tier) cannot be held and are passed through."""
