@@ -357,7 +357,13 @@ def test_a_hold_nobody_takes_ends_after_hold_s(tiny_model: LoadedModel) -> None:
         while _held(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _held(engine) == 0
-        _send(tiny_model, receiver, _tokens(16 * 3, seed=72), "closing")
+        _send(tiny_model, receiver, _tokens(16 * 3, seed=72), "again")
+        _send(tiny_model, receiver, _tokens(16 * 4, seed=73), "again")  # a repeated id
+        assert _held(engine) == 4  # the first transfer's hold ended with the second's
+        disagg = Disaggregation(engine, DisaggMetrics(CollectorRegistry()), receiver=receiver)
+        disagg.release_at_first_token(TransferWait(request_id="again"), None)  # it failed
+        assert _held(engine) == 0
+        _send(tiny_model, receiver, _tokens(16 * 3, seed=74), "closing")
         assert _held(engine) == 3
     finally:
         receiver.close()

@@ -410,3 +410,6 @@ def test_a_hold_ends_at_what_left_and_does_not_stop_a_delete() -> None:
     assert store.lookup(keys, RequestScope("t0"))[-1].key == keys[0]
     store.release(held)
     assert not store._held
+    store._moving.add((0, keys[0]))  # picked as a victim by another thread, being demoted
+    assert store.hold(store.lookup(keys, RequestScope("t0"))) == []  # not held: it is going
+    assert not store._held

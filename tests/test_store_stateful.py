@@ -5,7 +5,8 @@ Invariants checked after every step:
   load never yields bytes other than those stored under that key;
 - tenant quotas are never exceeded on any tier;
 - an object a planned promotion holds (``TieredStore.hold``) is never evicted: it stays
-  until released, unless deleted, expired or found corrupt;
+  until released, unless deleted, expired or found corrupt (one thread here: an object
+  another thread already picked as a victim is not held in the first place);
 - every object committed to the write-through disk tier survives a crash (host lost, disk
   re-opened and recovered);
 - the change feed, replayed from the start (recovered objects first after a crash), equals

@@ -188,6 +188,7 @@ class BatchRunner:
         keys = [seq.key(i, block_size) for i in range(len(seq.tokens) // block_size)]
         held = self.pool.lookup_prefix(keys[:full])
         self.pool.acquire(held)
+        seq.table, seq.committed = list(held), len(held)  # released with ``seq``, come what may
         stored: list[Located] = []
         if self.bridge is not None and len(held) < len(keys):
             stored = self.bridge.hold(keys[len(held) :], self._scope(seq))
@@ -205,7 +206,6 @@ class BatchRunner:
         block_size = self.block_size
         tokens = seq.tokens
         by_tier = {"device": len(held) * block_size} if held else {}
-        seq.table, seq.committed = list(held), len(held)
         if self.bridge is not None and len(held) < full:
             promoted = self.bridge.promote(keys[:full], len(held), self._scope(seq), tokens)
             seq.table += promoted.block_ids

@@ -271,6 +271,8 @@ class _Service:
             if wait is not None and self.disagg is not None:  # the transfer's blocks: held
                 self.disagg.release_at_first_token(wait, generation)  # until its lookup
         except Exception as exc:
+            if wait is not None and self.disagg is not None:  # no request: release them now
+                self.disagg.release_at_first_token(wait, None)
             return protocol.error_response(_as_api_error(exc, prompt_param, request_id))
         _log_at_end(endpoint, body.stream, generation)
         assembler = TextAssembler(engine.decode, body.stop_strings())

@@ -141,11 +141,15 @@ class Disaggregation:
         )
         return path
 
-    def release_at_first_token(self, wait: TransferWait, generation: Generation) -> None:
+    def release_at_first_token(self, wait: TransferWait, generation: Generation | None) -> None:
         """End the hold on transfer ``wait``'s received blocks (``DecodeTransfers.release``)
-        at the request's first token, or its end: its lookup has taken what it found."""
+        at the request's first token, or its end: its lookup has taken what it found (now,
+        without a ``generation``: the request failed before the engine took it)."""
         receiver, released = self.receiver, [False]
         if receiver is None:
+            return
+        if generation is None:
+            receiver.release(wait.request_id)
             return
 
         def release() -> None:  # on the engine thread, after each token: once is enough

@@ -262,8 +262,8 @@ class DecodeTransfers:
                 len(self._waiters) > _MAX_TRACKED
                 or next(iter(self._waiters.values())).created < now - _KEEP_S
             ):
-                request, old = self._waiters.popitem(last=False)
-                dropped += self._unhold(request, old)
+                request, _ = self._waiters.popitem(last=False)
+                dropped += self._unhold(request)
         self._store.release(dropped)
         return waiter
 
@@ -272,8 +272,7 @@ class DecodeTransfers:
         """The decode request of transfer ``request_id`` has its blocks (or gave up): end
         their hold. Idempotent; unknown ids are ignored."""
         with self._lock:
-            waiter = self._holding.get(request_id)
-            held = self._unhold(request_id, waiter) if waiter is not None else []
+            held = self._unhold(request_id)
         self._store.release(held)
 
     def _release_held(self, *, until: float) -> None:
@@ -282,25 +281,30 @@ class DecodeTransfers:
         with self._lock:
             for request_id, waiter in list(self._holding.items()):
                 if waiter.held_until <= until:
-                    held += self._unhold(request_id, waiter)
+                    held += self._unhold(request_id)
         self._store.release(held)
 
-    def _unhold(self, request_id: str, waiter: _Waiter) -> list[Located]:
-        """Under the lock: take ``waiter``'s held blocks (the caller releases them unlocked)."""
+    def _unhold(self, request_id: str) -> list[Located]:
+        """Under the lock: take the blocks held for ``request_id`` (the caller releases them,
+        unlocked) from the waiter that holds them, whether or not it is still tracked."""
+        waiter = self._holding.pop(request_id, None)
+        if waiter is None:
+            return []
         held, waiter.held = waiter.held, []
-        self._holding.pop(request_id, None)
         return held
 
     def _finish(self, status: TransferStatus, held: Sequence[Located] = ()) -> None:
         waiter = self._waiter(status.request_id)
         with self._lock:
             waiter.status = status
-            before = self._unhold(status.request_id, waiter)  # a repeated id: never leak
-            if held:
+            unheld = self._unhold(status.request_id)  # a repeated id: never leak a hold
+            if held and not self._stop.is_set():  # else close() may have released all
                 waiter.held, waiter.held_until = list(held), time.monotonic() + self.hold_s
                 self._holding[status.request_id] = waiter
+            else:
+                unheld += held
             callbacks = list(waiter.callbacks)
-        self._store.release(before)
+        self._store.release(unheld)
         waiter.done.set()
         for callback in callbacks:
             callback(status)

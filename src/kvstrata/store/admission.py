@@ -13,9 +13,10 @@ Invariants kept here:
   locked section): a tenant over its quota evicts its own objects first, and an object that
   cannot fit is not admitted;
 - eviction asks the level's policy for a leaf victim among unpinned, committed objects that
-  no other thread is demoting and no planned promotion holds (``TieredStore.hold``), and
-  demotes it to the next level when that level's write policy wants it (the copy outside the
-  lock), before removing it; a victim that vanished or got pinned meanwhile is skipped.
+  no other thread is demoting and nothing holds (``TieredStore.hold``: a planned promotion,
+  an engine's lookup, a received transfer), and demotes it to the next level when that
+  level's write policy wants it (the copy outside the lock), before removing it; a victim
+  that vanished or got pinned meanwhile is skipped.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class TieredStore(AdmittingCore):
     def hold(self, located: Sequence[Located]) -> list[Located]:
         """Keep the objects of a planned promotion from being evicted until ``release``;
         returns the prefix of ``located`` still present (the plan ends at the first object
-        gone since the lookup).
+        gone since the lookup, or already picked as a victim and being demoted).
 
         A promotion loads its plan one object at a time, and each load can make room for the
         next: the engine's pool evicts a block to take the loaded one, that block is demoted
@@ -160,9 +160,10 @@ class TieredStore(AdmittingCore):
             for loc in located:
                 tier = self.levels[loc.level].tier
                 if not tier.evicts_itself:
-                    if loc.key in self._pending_delete or not tier.contains(loc.key):
-                        break
                     at = (loc.level, loc.key)
+                    gone = loc.key in self._pending_delete or at in self._moving
+                    if gone or not tier.contains(loc.key):  # moving: a victim already
+                        break
                     self._held[at] = self._held.get(at, 0) + 1
                 held.append(loc)
         return held
