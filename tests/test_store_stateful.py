@@ -7,6 +7,8 @@ Invariants checked after every step:
 - an object a planned promotion holds (``TieredStore.hold``) is never evicted: it stays
   until released, unless deleted, expired or found corrupt (one thread here: an object
   another thread already picked as a victim is not held in the first place);
+- the held objects of a level never pass ``HOLD_SHARE`` of its capacity, and the store's
+  count of their bytes is theirs exactly;
 - every object committed to the write-through disk tier survives a crash (host lost, disk
   re-opened and recovered);
 - the change feed, replayed from the start (recovered objects first after a crash), equals
@@ -29,6 +31,7 @@ from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.events import ObjectStored
 from kvstrata.store.levels import Located
 from kvstrata.store.policies import LRUPolicy
+from kvstrata.store.state import HOLD_SHARE
 from kvstrata.store.tiered import RequestScope, TieredStore
 from kvstrata.store.value_policy import ValuePolicy
 from kvstrata.tiers.disk import DiskTier
@@ -214,6 +217,15 @@ class StoreMachine(RuleBasedStateMachine):
             for loc in held:
                 if loc.key not in gone and not loc.meta.expired(self.now):
                     assert self.store.levels[loc.level].tier.contains(loc.key)
+
+    @invariant()
+    def holds_stay_under_their_cap(self) -> None:
+        held = [0] * len(self.store.levels)
+        for (level, _), hold in self.store._held.items():
+            held[level] += hold.size
+        assert held == self.store._held_bytes
+        for level, total in zip(self.store.levels, held, strict=True):
+            assert total <= HOLD_SHARE * level.tier.capacity_bytes
 
     @invariant()
     def quotas_hold(self) -> None:

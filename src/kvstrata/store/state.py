@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Final
 
 from kvstrata.identity import BlockKey
@@ -60,6 +61,17 @@ PREFETCH = "prefetch"
 _MAX_FOUND_CORRUPT: Final = 4096
 DIGEST_MISMATCH: Final = "digest_mismatch"
 """The invalidation reason of an object whose bytes failed verification on a read."""
+HOLD_SHARE: Final = 0.5
+"""The most of a level's capacity that holds may keep from eviction (``TieredStore.hold``):
+holds delay eviction, never fill a level. Half: a full level still has as much room to
+evict as the largest set of objects any caller may hold, and its holders get what they most
+often need (one prompt's blocks, a handful of transfers) long before the cap."""
+
+
+@dataclass(slots=True)
+class _Hold:
+    count: int
+    size: int  # bytes counted against the level's cap while held
 
 
 class StoreCore:
@@ -89,7 +101,8 @@ class StoreCore:
         self._found_corrupt: set[tuple[str, BlockKey]] = set()  # drained, not yet claimed
         self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
         # (level, key) → holds on it (planned promotions, received transfers): no victim
-        self._held: dict[tuple[int, BlockKey], int] = {}
+        self._held: dict[tuple[int, BlockKey], _Hold] = {}
+        self._held_bytes = [0] * len(self.levels)  # per level: bytes of the held objects
         self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
         # (level, key) → seconds of a shared level's batched read-ahead its next load adds
         self._ahead_s: dict[tuple[int, BlockKey], float] = {}
@@ -266,6 +279,29 @@ class StoreCore:
                 return "dropped_low_value", None
             return "demoted", target
         return "dropped", None
+
+    def _take_hold(self, at: tuple[int, BlockKey], size: int, capacity: int) -> bool:
+        """One more hold on ``at`` (level, key) of ``size`` bytes; False when it would take the
+        level's held bytes past ``HOLD_SHARE`` of ``capacity`` (``TieredStore.hold``)."""
+        hold = self._held.get(at)
+        if hold is not None:  # held already: no new bytes
+            hold.count += 1
+            return True
+        level = at[0]
+        if self._held_bytes[level] + size > HOLD_SHARE * capacity:
+            return False
+        self._held[at] = _Hold(1, size)
+        self._held_bytes[level] += size
+        return True
+
+    def _drop_hold(self, at: tuple[int, BlockKey]) -> None:
+        hold = self._held.get(at)
+        if hold is None:
+            return
+        hold.count -= 1
+        if hold.count <= 0:
+            del self._held[at]
+            self._held_bytes[at[0]] -= hold.size
 
     def _held_anywhere(self, key: BlockKey) -> bool:
         return any(level.tier.meta(key) is not None for level in self.levels)

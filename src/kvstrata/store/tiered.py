@@ -142,19 +142,24 @@ class TieredStore(AdmittingCore):
 
     def hold(self, located: Sequence[Located]) -> list[Located]:
         """Keep the objects of a planned promotion from being evicted until ``release``;
-        returns the prefix of ``located`` still present (the plan ends at the first object
-        gone since the lookup, or already picked as a victim and being demoted).
+        returns the prefix of ``located`` held (the plan ends at the first object gone since
+        the lookup, already picked as a victim and being demoted, or past the level's cap).
 
         A promotion loads its plan one object at a time, and each load can make room for the
         next: the engine's pool evicts a block to take the loaded one, that block is demoted
         into this store, and the level, full, evicts a leaf — at that moment the plan's own
         tail. Without a hold a long plan lost its tail that way under load and recomputed it
         (``bench disagg``: 1,488 of 2,047 transferred tokens found). A received transfer is
-        held the same way until its request has read it (``serve.transfer_receiver``), and an
-        engine's lookup holds what the store has of its prompt. A hold only keeps the
-        policy from picking the object: a delete, an expiry or a failed check still removes
-        it. Holds nest (a count per level and key); objects of a level that evicts itself
-        (a shared remote tier) cannot be held and are passed through."""
+        held the same way until its request has read it (``serve.transfer_receiver``), an
+        engine's lookup holds what the store has of its prompt, and the vLLM connector holds
+        what its scheduler was promised until the load (``connectors.vllm_holds``). A hold
+        only keeps the policy from picking the object: a delete, an expiry or a failed check
+        still removes it. Holds nest (a count per level and key); objects of a level that
+        evicts itself (a shared remote tier) cannot be held and are passed through.
+
+        **Cap**: the objects held on a level never exceed ``HOLD_SHARE`` of its capacity (a
+        hold that would pass it is refused, counted in ``kvstrata_store_holds_refused``), so
+        holds can delay eviction but never leave a level without room for new objects."""
         held: list[Located] = []
         with self._lock:
             for loc in located:
@@ -164,7 +169,9 @@ class TieredStore(AdmittingCore):
                     gone = loc.key in self._pending_delete or at in self._moving
                     if gone or not tier.contains(loc.key):  # moving: a victim already
                         break
-                    self._held[at] = self._held.get(at, 0) + 1
+                    if not self._take_hold(at, loc.meta.size, tier.capacity_bytes):
+                        self.metrics.holds_refused.labels(tier=self.levels[loc.level].name).inc()
+                        break
                 held.append(loc)
         return held
 
@@ -179,12 +186,7 @@ class TieredStore(AdmittingCore):
         """End the holds ``hold`` returned (each object of its result, once)."""
         with self._lock:
             for loc in located:
-                at = (loc.level, loc.key)
-                count = self._held.get(at, 0)
-                if count > 1:
-                    self._held[at] = count - 1
-                elif count == 1:
-                    del self._held[at]
+                self._drop_hold((loc.level, loc.key))
 
     def read_ahead(self, located: Sequence[Located]) -> None:
         """Fetch the objects of a planned promotion level by level in one batch each (a

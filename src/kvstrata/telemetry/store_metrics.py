@@ -74,6 +74,13 @@ class StoreMetrics:
             ["reason"],
             registry=r,
         )
+        self.holds_refused = Counter(
+            "kvstrata_store_holds_refused",
+            "Holds against eviction refused because the level's held objects had reached their"
+            " cap (half its capacity): the holder's later blocks may be evicted",
+            ["tier"],
+            registry=r,
+        )
         self.promotion_unloaded = Counter(
             "kvstrata_promotion_unloaded_blocks",
             "Blocks a planned promotion did not load (recomputed instead), by why: the pool"
