@@ -33,6 +33,8 @@ _HELP = {
     "save_skipped_present": "KV blocks not saved again: kvstrata already held them",
     "save_skipped_failed_load": "KV blocks not saved: computed on a block whose load failed",
     "lookups": "scheduler lookups answered by the worker's store",
+    "lookup_holds_expired": "lookups whose promised blocks were held until the hold expired,"
+    " never loaded (request aborted or scheduled without a load)",
     "pd_offers_sent": "kv_producer: kvstrata offers returned in kv_transfer_params",
     "pd_offers_accepted": "kv_consumer: producer offers the handshake accepted",
     "pd_refused": "kv_consumer: producer offers refused (the request prefilled locally)",

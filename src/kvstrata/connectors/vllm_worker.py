@@ -34,7 +34,9 @@ when loads staged too).
 
 ``lookup(tenant, keys)`` answers the scheduler side (in-process or through ``vllm_lookup``) with
 the blocks held *and* worth loading (the bridge's break-even test, the one ``plan_promotion``
-applies), so the scheduler never promises blocks the load would then refuse; the store is
+applies), so the scheduler never promises blocks the load would then refuse, and holds what
+it promised against eviction until the request's load (``vllm_holds``: a promise used to be
+broken by other requests' saves in between, and vLLM recomputed the blocks); the store is
 thread-safe, so lookups may come from the lookup server's thread.
 """
 
@@ -55,6 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstrata.connectors.vllm_holds import LookupHolds
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_loader import BackgroundLoad, Placer
 from kvstrata.connectors.vllm_plan import BlockSave, RequestLoad, RequestSave
@@ -114,6 +117,7 @@ class ConnectorStats:
     bytes_loaded: int = 0
     load_errors: int = 0  # blocks reported to vLLM for recomputation
     load_missing: int = 0
+    lookup_holds_expired: int = 0  # promises held until no longer renewed, never loaded
     load_digest_mismatch: int = 0
     load_incompatible: int = 0
     blocks_saved: int = 0
@@ -172,6 +176,7 @@ class ConnectorWorker:
             )
             self._stats_thread.start()
             atexit.register(self._write_stats_at_exit)  # a process that ends without close()
+        self._holds = LookupHolds(store)
         self.bridge = StoreBridge(
             store,
             representation=codec.representation,
@@ -196,7 +201,10 @@ class ConnectorWorker:
             return len(located)
         # The keys start after vLLM's own hit, whose length is not sent: context offset 0.
         found = len(located) if self.bridge.worth_loading(located, 0) else 0
-        self._count(lookups=1, lookup_blocks_found=found)
+        expired = 0
+        if req_id is not None:  # kept from eviction until the load (``vllm_holds``)
+            _, expired = self._holds.take(req_id, located[:found])
+        self._count(lookups=1, lookup_blocks_found=found, lookup_holds_expired=expired)
         return found
 
     def holds(self, key: BlockKey) -> bool:
@@ -224,6 +232,7 @@ class ConnectorWorker:
         finally:
             if located:
                 self.bridge.finish_promotion(located)
+            self._holds.end(request.req_id)
         if loaded == len(located) < len(keys):  # gone since the scheduler looked
             self._count(load_missing=1)
         return loaded
@@ -437,6 +446,7 @@ class ConnectorWorker:
         if self._stats_thread is not None:
             self._stats_thread.join()
         self.write_stats(force=True)
+        self._holds.close()
         self.store.close()
         self.audit.close()
         if self.emitter is not None:

@@ -1,0 +1,101 @@
+"""Holds on what the vLLM scheduler was promised, from its lookup to the request's load.
+
+vLLM asks the connector, scheduler side, how many tokens of a waiting request kvstrata can
+provide (``get_num_new_matched_tokens`` → ``ConnectorWorker.lookup``), allocates device blocks
+for them, and a step or more later the worker side loads them (``ConnectorWorker.fetch``).
+Between the answer and the load the store may evict the promised blocks (another request's
+saves fill the level): the load then comes up short, and vLLM recomputes what is missing
+(counted as ``load_missing``). LMCache's connector pins what its lookup found for the same
+reason (``LMCacheEngine.lookup(..., pin=True)``, released by ``lookup_unpin`` after the
+retrieve).
+
+``LookupHolds`` keeps, per vLLM request, a ``TieredStore.hold`` on the blocks its latest lookup
+answered:
+
+* a new lookup for the same request replaces its hold (vLLM asks again each time it tries to
+  schedule a request that is still waiting, and a preempted request is looked up again);
+* the request's load ends it (``end``, once the load has read what it could);
+* a hold that no lookup renewed for ``LOOKUP_HOLD_S`` ends: a request aborted, or scheduled
+  without a load, before it was loaded. Expired holds are reaped on every ``take``;
+* ``close`` ends them all.
+
+The store caps what holds may keep on a level (``store.state.HOLD_SHARE``), so a long queue of
+looked-up requests delays eviction but never fills a level. Objects of a shared remote tier
+cannot be held (it evicts on its own); their promise stays best effort, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from kvstrata.store.levels import Located
+from kvstrata.store.tiered import TieredStore
+
+LOOKUP_HOLD_S: Final = 10.0
+"""How long a lookup's hold lasts without a newer lookup or a load of its request. vLLM loads
+a request in the step it schedules it, milliseconds to a few seconds after the lookup; a
+request it keeps waiting is looked up again at each attempt, which renews the hold."""
+
+
+class LookupHolds:
+    """Per vLLM request: the store hold on what its latest lookup promised (module docstring).
+
+    Thread-safe: lookups come from the lookup server's thread, loads from the fetch thread.
+    The store's own calls run outside this object's lock."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        hold_s: float = LOOKUP_HOLD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._hold_s = hold_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[list[Located], float]] = {}  # req → (held, deadline)
+        self._closed = False
+
+    def take(self, req_id: str, located: Sequence[Located]) -> tuple[int, int]:
+        """Hold ``located`` (a lookup's answer) for ``req_id`` in place of its previous hold;
+        returns how many leading blocks are held (the store ends a hold at its level's cap or
+        at a block gone since the lookup) and how many other requests' holds expired now."""
+        held = self._store.hold(located) if located else []
+        now = self._clock()
+        expired: list[str] = []
+        with self._lock:
+            if self._closed:
+                stale = [held]
+            else:
+                previous = self._held.pop(req_id, None)
+                stale = [previous[0]] if previous is not None else []
+                if held:
+                    self._held[req_id] = (held, now + self._hold_s)
+                expired = [r for r, (_, deadline) in self._held.items() if deadline <= now]
+                for r in expired:
+                    stale.append(self._held.pop(r)[0])
+        for blocks in stale:
+            self._store.release(blocks)
+        return len(held), len(expired)
+
+    def end(self, req_id: str) -> None:
+        """The request's load is over (or it needs no hold any more): release its hold."""
+        with self._lock:
+            entry = self._held.pop(req_id, None)
+        if entry is not None:
+            self._store.release(entry[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries, self._held = list(self._held.values()), {}
+        for held, _ in entries:
+            self._store.release(held)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
