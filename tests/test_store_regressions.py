@@ -373,20 +373,21 @@ def test_a_promotion_keeps_its_plan_while_its_loads_make_room() -> None:
     cause used to evict the tail, so the plan lost it (``bench disagg`` found 1,488 of 2,047
     transferred tokens); held, the plan loads whole and the room comes from elsewhere."""
     clock = FakeClock()
-    host = HostTier(6 * OBJ, OBJ, clock=clock)
+    host = HostTier(5 * OBJ, OBJ, clock=clock)
     store = TieredStore([(host, LRUPolicy(), TierConfig("host"))], clock=clock)
     bridge = _bridge(store)
     for meta, payload in chain("plan", 3):
         clock.now += 1
         store.put(meta, filler(payload))
-    for i in range(3):
+    for i in range(2):
         clock.now += 1
         meta, payload = chain(f"other{i}", 1)[0]
         store.put(meta, filler(payload))
+    # 3 of 5 objects: past HOLD_SHARE, which caps reservations only, never a load under way
     assert _promote_while_making_room(store, bridge, "plan") == ["loaded"] * 3
     assert all(host.contains(m.key) for m, _ in chain("plan", 3))
     # Released: the plan's objects are ordinary victims again (LRU: the plan goes first).
-    for i in range(6):
+    for i in range(5):
         clock.now += 1
         meta, payload = chain(f"later{i}", 1)[0]
         assert store.put(meta, filler(payload))
@@ -394,12 +395,12 @@ def test_a_promotion_keeps_its_plan_while_its_loads_make_room() -> None:
     assert not store._held
 
 
-def test_holds_stop_at_half_a_level_so_it_always_has_room() -> None:
-    """Holds that could cover a whole level would leave it nothing to evict: every store
-    refused (a received transfer, a demotion) until a holder let go. The level's held bytes
-    stop at ``HOLD_SHARE`` of its capacity; past it a hold is refused and counted, nested
-    holds on held objects cost nothing, and a full level stores new objects by evicting
-    what is not held."""
+def test_reservations_stop_at_half_a_level_so_it_always_has_room() -> None:
+    """Reservations (received transfers, vLLM promises: holds for requests yet to come) that
+    could cover a whole level would leave it nothing to evict. Past ``HOLD_SHARE`` of the
+    level, every hold counted, a reservation is refused and counted; nested holds on held
+    objects cost nothing; a load's own holds are never capped; a full level stores new
+    objects by evicting what is not held."""
     clock = FakeClock()
     host = HostTier(6 * OBJ, OBJ, clock=clock)
     store = TieredStore([(host, LRUPolicy(), TierConfig("host"))], clock=clock)
@@ -409,12 +410,15 @@ def test_holds_stop_at_half_a_level_so_it_always_has_room() -> None:
         store.put(meta, filler(payload))
     keys = [m.key for m, _ in objs]
     located = store.lookup(keys, RequestScope("t0"))
-    held = store.hold(located)
+    held = store.hold(located, reserve=True)
     assert [loc.key for loc in held] == keys[:3]  # 3 of 6 objects: the cap
     refused = store.metrics.holds_refused.labels(tier="host")._value.get()
     assert refused == 1
-    again = store.hold(located[:3])  # held already: nested, no new bytes
+    again = store.hold(located[:3], reserve=True)  # held already: nested, no new bytes
     assert again == located[:3] and store._held_bytes == [3 * OBJ]
+    loading = store.hold(located)  # a load in progress: not capped
+    assert loading == located and store._held_bytes == [5 * OBJ]
+    store.release(loading)
     for i in range(4):  # the level is full of the chain: new objects evict its free tail
         clock.now += 1
         meta, payload = chain(f"new{i}", 1)[0]
@@ -423,7 +427,8 @@ def test_holds_stop_at_half_a_level_so_it_always_has_room() -> None:
     store.release(again)
     store.release(held)
     assert not store._held and store._held_bytes == [0]
-    assert len(store.hold(store.lookup(keys[:3], RequestScope("t0")))) == 3  # room again
+    reserved = store.hold(store.lookup(keys[:3], RequestScope("t0")), reserve=True)
+    assert len(reserved) == 3  # room again
 
 
 def test_a_hold_ends_at_what_left_and_does_not_stop_a_delete() -> None:

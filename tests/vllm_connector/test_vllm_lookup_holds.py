@@ -68,7 +68,7 @@ def test_promised_blocks_survive_saves_that_fill_the_tier_until_their_load(
 def test_without_the_hold_the_same_saves_break_the_promise(tmp_path: Path) -> None:
     """The test above with holds turned off: the load finds the prompt evicted."""
     worker, planner = _host_worker(tmp_path)
-    worker._holds.take = lambda req_id, located: (0, 0)  # type: ignore[method-assign]
+    worker._holds.take = lambda req_id, located: 0  # type: ignore[method-assign]
     loads = _promise(planner, "b")
     for i in range(8):
         _save(worker, planner, f"other{i}", 1000 * (i + 1))
@@ -79,8 +79,8 @@ def test_without_the_hold_the_same_saves_break_the_promise(tmp_path: Path) -> No
 
 def test_a_promise_never_loaded_is_released_when_no_lookup_renews_it(tmp_path: Path) -> None:
     """A request looked up and then aborted (never loaded) holds its blocks for
-    ``LOOKUP_HOLD_S``; a renewed lookup restarts that time; past it the next lookup of any
-    request ends the hold and counts it; ``close`` ends the rest."""
+    ``LOOKUP_HOLD_S``; a renewed lookup restarts that time; past it the next engine step
+    ends the hold and counts it, with no lookup needed; ``close`` ends the rest."""
     worker, planner = _host_worker(tmp_path)
     now = [0.0]
     worker._holds = LookupHolds(worker.store, clock=lambda: now[0])
@@ -89,10 +89,26 @@ def test_a_promise_never_loaded_is_released_when_no_lookup_renews_it(tmp_path: P
     _promise(planner, "aborted")  # still waiting in vLLM's queue: asked again, renewed
     now[0] = LOOKUP_HOLD_S + 1
     _promise(planner, "other")
+    worker.end_step()
     assert len(worker._holds) == 2 and worker.stats.lookup_holds_expired == 0
     now[0] = 2 * LOOKUP_HOLD_S
-    _promise(planner, "third")  # "aborted" was last renewed LOOKUP_HOLD_S + 1 s ago
-    assert len(worker._holds) == 2 and worker.stats.lookup_holds_expired == 1
+    worker.end_step()  # "aborted" was last renewed LOOKUP_HOLD_S + 1 s ago
+    assert len(worker._holds) == 1 and worker.stats.lookup_holds_expired == 1
     worker.close()
     assert len(worker._holds) == 0 and not worker.store._held
     assert _stats_file(tmp_path)["lookup_holds_expired"] == 1
+
+
+def test_a_load_that_never_ran_still_ends_its_hold(tmp_path: Path) -> None:
+    """A step's fetch thread stops at a failing request: the requests after it are never
+    fetched, and their promises must not wait for expiry (``finish_load`` ends them)."""
+    worker, planner = _host_worker(tmp_path)
+    loads = _promise(planner, "b")
+
+    def fail(request: RequestLoad, place: object) -> int:
+        raise RuntimeError("the fetch thread failed")
+
+    worker.fetch = fail  # type: ignore[assignment,method-assign]
+    assert worker.load(loads) == {3, 4}
+    assert len(worker._holds) == 0 and not worker.store._held
+    worker.close()

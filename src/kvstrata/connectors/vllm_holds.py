@@ -15,13 +15,17 @@ answered:
 * a new lookup for the same request replaces its hold (vLLM asks again each time it tries to
   schedule a request that is still waiting, and a preempted request is looked up again);
 * the request's load ends it (``end``, once the load has read what it could);
-* a hold that no lookup renewed for ``LOOKUP_HOLD_S`` ends: a request aborted, or scheduled
-  without a load, before it was loaded. Expired holds are reaped on every ``take``;
+* a hold that no lookup renewed for ``LOOKUP_HOLD_S`` ends (``reap``, every engine step): a
+  request aborted, or scheduled without a load, before it was loaded;
 * ``close`` ends them all.
 
-The store caps what holds may keep on a level (``store.state.HOLD_SHARE``), so a long queue of
-looked-up requests delays eviction but never fills a level. Objects of a shared remote tier
-cannot be held (it evicts on its own); their promise stays best effort, as before.
+Holds are matched to loads by request id only: a load of a request that was looked up again
+since (preempted, resumed) ends the newer hold a little early, which only costs protection.
+
+These are reservations (``TieredStore.hold(..., reserve=True)``): the store refuses one past
+``store.state.HOLD_SHARE`` of a level, so a long queue of looked-up requests delays eviction
+but never fills a level; blocks past the cap are promised unprotected, as before. Objects of
+a shared remote tier cannot be held (it evicts on its own); their promise stays best effort.
 """
 
 from __future__ import annotations
@@ -60,27 +64,22 @@ class LookupHolds:
         self._held: dict[str, tuple[list[Located], float]] = {}  # req → (held, deadline)
         self._closed = False
 
-    def take(self, req_id: str, located: Sequence[Located]) -> tuple[int, int]:
-        """Hold ``located`` (a lookup's answer) for ``req_id`` in place of its previous hold;
-        returns how many leading blocks are held (the store ends a hold at its level's cap or
-        at a block gone since the lookup) and how many other requests' holds expired now."""
-        held = self._store.hold(located) if located else []
-        now = self._clock()
-        expired: list[str] = []
+    def take(self, req_id: str, located: Sequence[Located]) -> int:
+        """Hold ``located`` (a lookup's answer) for ``req_id`` in place of its previous hold
+        (released first, so it never counts against the cap of its own replacement); returns
+        how many leading blocks are held or passed through (the store ends a reservation at
+        its level's cap or at a block gone since the lookup)."""
+        self.end(req_id)
+        held = self._store.hold(located, reserve=True) if located else []
         with self._lock:
             if self._closed:
-                stale = [held]
+                stale = held
             else:
-                previous = self._held.pop(req_id, None)
-                stale = [previous[0]] if previous is not None else []
+                stale = []
                 if held:
-                    self._held[req_id] = (held, now + self._hold_s)
-                expired = [r for r, (_, deadline) in self._held.items() if deadline <= now]
-                for r in expired:
-                    stale.append(self._held.pop(r)[0])
-        for blocks in stale:
-            self._store.release(blocks)
-        return len(held), len(expired)
+                    self._held[req_id] = (held, self._clock() + self._hold_s)
+        self._store.release(stale)
+        return len(held)
 
     def end(self, req_id: str) -> None:
         """The request's load is over (or it needs no hold any more): release its hold."""
@@ -88,6 +87,17 @@ class LookupHolds:
             entry = self._held.pop(req_id, None)
         if entry is not None:
             self._store.release(entry[0])
+
+    def reap(self) -> int:
+        """End the holds no lookup renewed for ``LOOKUP_HOLD_S``; returns how many (the worker
+        calls it every engine step, and the module docstring's expiry depends on it)."""
+        now = self._clock()
+        with self._lock:
+            expired = [r for r, (_, deadline) in self._held.items() if deadline <= now]
+            stale = [self._held.pop(r)[0] for r in expired]
+        for held in stale:
+            self._store.release(held)
+        return len(stale)
 
     def close(self) -> None:
         with self._lock:

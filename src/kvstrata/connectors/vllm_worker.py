@@ -201,10 +201,9 @@ class ConnectorWorker:
             return len(located)
         # The keys start after vLLM's own hit, whose length is not sent: context offset 0.
         found = len(located) if self.bridge.worth_loading(located, 0) else 0
-        expired = 0
         if req_id is not None:  # kept from eviction until the load (``vllm_holds``)
-            _, expired = self._holds.take(req_id, located[:found])
-        self._count(lookups=1, lookup_blocks_found=found, lookup_holds_expired=expired)
+            self._holds.take(req_id, located[:found])
+        self._count(lookups=1, lookup_blocks_found=found)
         return found
 
     def holds(self, key: BlockKey) -> bool:
@@ -222,9 +221,10 @@ class ConnectorWorker:
         failing a check or whose tier errs (or a load given up) ends the request's load."""
         keys = [BlockKey(k) for k in request.keys]
         scope = RequestScope(tenant=request.tenant, model=self.model, request_id=request.req_id)
-        located = self.bridge.plan_promotion(keys, 0, scope)
+        located: list[Located] = []
         loaded = 0
         try:
+            located = self.bridge.plan_promotion(keys, 0, scope)
             for loc, block_id in zip(located, request.block_ids, strict=False):
                 if not self._load_one(loc, request.tenant, block_id, place):
                     break
@@ -240,6 +240,8 @@ class ConnectorWorker:
     def finish_load(self, load: BackgroundLoad) -> set[int]:
         """Book a finished step's load (step thread); returns the block ids vLLM recomputes."""
         result = load.finish()
+        for request in load.loads:  # a fetch that never ran (an earlier one raised) too
+            self._holds.end(request.req_id)
         loaded = sum(item.loaded for item in result.fetched)
         for request in load.loads:
             done = next((f.loaded for f in result.fetched if f.request is request), 0)
@@ -400,8 +402,10 @@ class ConnectorWorker:
                 self._dirty = True
 
     def end_step(self) -> None:
+        expired = self._holds.reap()  # promises no lookup renewed and no load took
         with self._stats_lock:
             self.stats.steps += 1
+            self.stats.lookup_holds_expired += expired
         if self.emitter is not None:
             self.emitter.flush()
 

@@ -393,7 +393,7 @@ class DecodeTransfers:
         held: list[Located] = []
         if result.ok:  # held for its decode request until it releases them (or hold_s)
             scope = RequestScope(intro.tenant, self.engine.model_id, intro.request_id)
-            held = self._store.hold_prefix(result.committed, scope)
+            held = self._store.hold_prefix(result.committed, scope, reserve=True)
         status = TransferStatus(
             intro.request_id,
             result.outcome,

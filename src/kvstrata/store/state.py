@@ -62,10 +62,10 @@ _MAX_FOUND_CORRUPT: Final = 4096
 DIGEST_MISMATCH: Final = "digest_mismatch"
 """The invalidation reason of an object whose bytes failed verification on a read."""
 HOLD_SHARE: Final = 0.5
-"""The most of a level's capacity that holds may keep from eviction (``TieredStore.hold``):
-holds delay eviction, never fill a level. Half: a full level still has as much room to
-evict as the largest set of objects any caller may hold, and its holders get what they most
-often need (one prompt's blocks, a handful of transfers) long before the cap."""
+"""The share of a level's capacity past which a reservation (``TieredStore.hold`` with
+``reserve=True``: a received transfer, a vLLM scheduler's promise) is refused. Half: the
+level keeps at least as much evictable room as its reservations take, and they get what
+they most often need (a handful of prompts) long before the cap."""
 
 
 @dataclass(slots=True)
@@ -280,15 +280,15 @@ class StoreCore:
             return "demoted", target
         return "dropped", None
 
-    def _take_hold(self, at: tuple[int, BlockKey], size: int, capacity: int) -> bool:
-        """One more hold on ``at`` (level, key) of ``size`` bytes; False when it would take the
-        level's held bytes past ``HOLD_SHARE`` of ``capacity`` (``TieredStore.hold``)."""
+    def _take_hold(self, at: tuple[int, BlockKey], size: int, cap: float | None) -> bool:
+        """One more hold on ``at`` (level, key) of ``size`` bytes; False when a first hold
+        would take the level's held bytes past ``cap`` (None: no cap; ``TieredStore.hold``)."""
         hold = self._held.get(at)
         if hold is not None:  # held already: no new bytes
             hold.count += 1
             return True
         level = at[0]
-        if self._held_bytes[level] + size > HOLD_SHARE * capacity:
+        if cap is not None and self._held_bytes[level] + size > cap:
             return False
         self._held[at] = _Hold(1, size)
         self._held_bytes[level] += size

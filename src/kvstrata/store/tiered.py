@@ -49,7 +49,7 @@ from kvstrata.store.admission import AdmittingCore, PayloadFill
 from kvstrata.store.config import TierConfig, WritePolicy
 from kvstrata.store.levels import Located, RejectedObject, RequestScope
 from kvstrata.store.policy import EvictionPolicy
-from kvstrata.store.state import PREFETCH
+from kvstrata.store.state import HOLD_SHARE, PREFETCH
 from kvstrata.store.writeback import WriteBackQueue
 from kvstrata.telemetry.store_metrics import StoreMetrics
 from kvstrata.tiers.base import CORRUPT, LoadLease, Tier
@@ -140,47 +140,58 @@ class TieredStore(AdmittingCore):
                 found.append(hit)
         return found, shared
 
-    def hold(self, located: Sequence[Located]) -> list[Located]:
-        """Keep the objects of a planned promotion from being evicted until ``release``;
-        returns the prefix of ``located`` held (the plan ends at the first object gone since
-        the lookup, already picked as a victim and being demoted, or past the level's cap).
+    def hold(self, located: Sequence[Located], *, reserve: bool = False) -> list[Located]:
+        """Keep objects from being evicted until ``release``; returns the prefix of
+        ``located`` held: it ends at the first object gone since the lookup or already picked
+        as a victim and being demoted, and, for a ``reserve``, at the level's cap.
 
-        A promotion loads its plan one object at a time, and each load can make room for the
-        next: the engine's pool evicts a block to take the loaded one, that block is demoted
-        into this store, and the level, full, evicts a leaf — at that moment the plan's own
-        tail. Without a hold a long plan lost its tail that way under load and recomputed it
-        (``bench disagg``: 1,488 of 2,047 transferred tokens found). A received transfer is
-        held the same way until its request has read it (``serve.transfer_receiver``), an
-        engine's lookup holds what the store has of its prompt, and the vLLM connector holds
-        what its scheduler was promised until the load (``connectors.vllm_holds``). A hold
-        only keeps the policy from picking the object: a delete, an expiry or a failed check
-        still removes it. Holds nest (a count per level and key); objects of a level that
-        evicts itself (a shared remote tier) cannot be held and are passed through.
+        **A load in progress** (``reserve=False``). A promotion loads its plan one object at a
+        time, and each load can make room for the next: the engine's pool evicts a block to
+        take the loaded one, that block is demoted into this store, and the level, full,
+        evicts a leaf — at that moment the plan's own tail. Without a hold a long plan lost
+        its tail that way under load and recomputed it (``bench disagg``: 1,488 of 2,047
+        transferred tokens found). The engine's admission holds what the store has of its
+        prompt for its whole lookup the same way. These holds end with the load, so they are
+        not capped: a plan is never cut short by them.
 
-        **Cap**: the objects held on a level never exceed ``HOLD_SHARE`` of its capacity (a
-        hold that would pass it is refused, counted in ``kvstrata_store_holds_refused``), so
-        holds can delay eviction but never leave a level without room for new objects."""
+        **A reservation for a request yet to come** (``reserve=True``): a received transfer
+        until its request reads it (``serve.transfer_receiver``), what the vLLM scheduler was
+        promised until the load (``connectors.vllm_holds``). They can last seconds and pile
+        up, so one is refused (counted in ``kvstrata_store_holds_refused``) where it would take
+        the level's held bytes, every kind counted, past ``HOLD_SHARE`` of its capacity: its
+        later objects are then only unprotected, not lost. Reservations delay eviction; they
+        never hold more than that share of a level.
+
+        A hold only keeps the policy from picking the object: a delete, an expiry or a failed
+        check still removes it (its hold still counts until released). Holds nest (a count
+        per level and key); objects of a level that evicts itself (a shared remote tier)
+        cannot be held and are passed through."""
         held: list[Located] = []
         with self._lock:
             for loc in located:
-                tier = self.levels[loc.level].tier
+                level = self.levels[loc.level]
+                tier = level.tier
                 if not tier.evicts_itself:
                     at = (loc.level, loc.key)
+                    meta = tier.meta(loc.key)
                     gone = loc.key in self._pending_delete or at in self._moving
-                    if gone or not tier.contains(loc.key):  # moving: a victim already
+                    if gone or meta is None:  # moving: a victim already
                         break
-                    if not self._take_hold(at, loc.meta.size, tier.capacity_bytes):
-                        self.metrics.holds_refused.labels(tier=self.levels[loc.level].name).inc()
+                    cap = HOLD_SHARE * tier.capacity_bytes if reserve else None
+                    if not self._take_hold(at, meta.size, cap):
+                        self.metrics.holds_refused.labels(tier=level.name).inc()
                         break
                 held.append(loc)
         return held
 
-    def hold_prefix(self, keys: Sequence[BlockKey], scope: RequestScope) -> list[Located]:
+    def hold_prefix(
+        self, keys: Sequence[BlockKey], scope: RequestScope, *, reserve: bool = False
+    ) -> list[Located]:
         """``hold`` the longest prefix of ``keys`` that the local levels hold, found and held
         in one locked section (no shared level is probed: its objects cannot be held)."""
         with self._lock:
             found, _ = self._lookup_locked(keys, scope, local_only=True)
-            return self.hold(found)
+            return self.hold(found, reserve=reserve)
 
     def release(self, located: Sequence[Located]) -> None:
         """End the holds ``hold`` returned (each object of its result, once)."""

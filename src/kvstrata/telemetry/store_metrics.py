@@ -76,8 +76,9 @@ class StoreMetrics:
         )
         self.holds_refused = Counter(
             "kvstrata_store_holds_refused",
-            "Holds against eviction refused because the level's held objects had reached their"
-            " cap (half its capacity): the holder's later blocks may be evicted",
+            "Reservations against eviction (a received transfer, a vLLM scheduler's promise)"
+            " refused at the level's cap on held objects (half its capacity): the reserved"
+            " blocks past it are not protected and may be evicted before their request",
             ["tier"],
             registry=r,
         )
