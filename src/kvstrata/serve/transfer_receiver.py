@@ -22,8 +22,10 @@ two arrives first. A committed transfer's blocks are held against eviction
 when the engine's own lookup holds what it loads — or for ``hold_s`` at most (a decode
 request that never comes): between the commit and that lookup, other requests' saves into a
 full tier could otherwise evict the received chain's leaves, the blocks its request needs.
-The store's lock is never held across I/O: reservations and commits are the store's short
-locked sections, bytes are written outside them.
+The hold is a reservation (``reserve=True``): past the store's cap on held objects
+(``store.state.HOLD_SHARE`` of a level) the rest of a chain is not protected. The store's
+lock is never held across I/O: reservations and commits are the store's short locked
+sections, bytes are written outside them.
 """
 
 from __future__ import annotations
