@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvstrata.bench.decode import pool_blocks_for, run_decode_curve
 from kvstrata.bench.prefill import PrefillCurve, run_prefill_curve
 from kvstrata.cli.bench_prefill import _points
 from kvstrata.cli.main import main
@@ -81,3 +82,41 @@ def test_served_points_time_a_real_fleet_and_check_each_hit(
     assert samples == [(16, 0), (48, 0), (16, 32), (32, 64)]
     assert all(s["seconds"] > 0 for s in data["samples"])
     assert data["fit"]["spread"] >= 0
+
+
+def test_decode_curve_times_only_steps_that_decode_the_whole_batch(
+    tiny_model: LoadedModel,
+) -> None:
+    """Each batch size's samples are steps that computed one token for each of its ``b``
+    sequences (never a prefill step, nor a step of a batch still filling or draining): as
+    many as the tokens decoded after the first; the fit is the least-squares line."""
+    blocks = pool_blocks_for((1, 3), 40, 5, 16, 512)
+    engine = ReferenceEngine(tiny_model, EngineConfig(block_size=16, pool_blocks=blocks))
+    try:
+        curve = run_decode_curve(engine, (1, 3), context=40, steps=5)
+        with pytest.raises(InvalidInput, match="fewer than"):
+            run_decode_curve(engine, (1, 64), context=40, steps=5)
+    finally:
+        engine.close()
+    assert [b for b, _ in curve.timings] == [1, 3]
+    # 1 + 5 + 2 tokens each (one prefill step of 40 or 120 tokens): 7 decode steps of the batch
+    assert all(len(t) == 7 for _, t in curve.timings)
+    (_, s1), (_, s3) = curve.samples
+    assert s1 == min(curve.timings[0][1]) and curve.per_sequence_s == pytest.approx((s3 - s1) / 2)
+    assert curve.base_s == pytest.approx(s1 - curve.per_sequence_s)
+    data = curve.to_dict()
+    assert data["fit"]["decode_step_base_s"] == curve.base_s
+    assert [s["batch"] for s in data["samples"]] == [1, 3]
+
+
+def test_cli_decode_adds_the_curve_and_refuses_bad_batches(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "prefill", "--model", "tiny", "--repeat", "1", "--points", "16,32,64"]
+    assert main([*argv, "--decode", "1,2", "--decode-context", "24", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["batch"] for s in data["decode"]["samples"]] == [1, 2]
+    assert data["decode"]["context_tokens"] == 24
+    for bad in (["--decode", "2,2"], ["--decode", "0,1"], ["--decode", "1,2", "--served"]):
+        assert main([*argv, *bad]) != 0
+        assert "kvstrata:" in capsys.readouterr().err

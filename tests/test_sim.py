@@ -13,7 +13,7 @@ import pytest
 from kvstrata.cli import sim_cmd
 from kvstrata.cli.main import main
 from kvstrata.costs import smollm2_cpu_worker
-from kvstrata.costs.profiles import SMOLLM2_WORKER_TIMINGS_BY_CPU
+from kvstrata.costs.profiles import SMOLLM2_WORKER_DECODE_BY_CPU, SMOLLM2_WORKER_TIMINGS_BY_CPU
 from kvstrata.index.core import ConsistencyMode
 from kvstrata.router import POLICIES
 from kvstrata.router.costs import CostProfile
@@ -140,7 +140,11 @@ def test_reference_cpu_profile_is_slower_than_the_gpu_one() -> None:
     epyc = profile("reference-cpu-epyc")  # the same worker on the other CPU measured
     assert epyc.name == "reference-cpu-epyc" and reference_cpu().name == "reference-cpu"
     assert epyc.cost.prefill == smollm2_cpu_worker("amd-epyc")
-    assert epyc.cost.decode_step_base_s == epyc.cost.prefill.overhead_s != cpu.overhead_s
+    # the EPYC's decode step measured, the Xeon's derived from its prefill fit
+    base, per_sequence = SMOLLM2_WORKER_DECODE_BY_CPU["amd-epyc"]
+    assert epyc.cost.decode_step_s(2) == pytest.approx(base + 2 * per_sequence)
+    assert reference_cpu().cost.decode_step_base_s == cpu.overhead_s
+    assert epyc.cost.decode_rides_prefill and reference_cpu().cost.decode_rides_prefill
 
 
 def test_chunked_interference() -> None:
@@ -151,6 +155,10 @@ def test_chunked_interference() -> None:
     assert profile.interference_s(5000, 4) == pytest.approx(3 * (0.01 + 0.004))
     unchunked = CostProfile(decode_interference_s=0.002)
     assert unchunked.interference_s(5000, 4) == pytest.approx(0.008)
+    rides = replace(profile, decode_rides_prefill=True)  # decode rows in the chunk's forward
+    assert rides.interference_s(5000, 0) == 0.0
+    assert rides.interference_s(5000, 4) == pytest.approx(3 * 0.004)
+    assert rides.decode_step_s(4) == profile.decode_step_s(4)  # decodes alone: a whole step
 
 
 def test_time_window() -> None:

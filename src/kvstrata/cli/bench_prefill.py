@@ -2,7 +2,9 @@
 
 Run pinned to one core (``OMP_NUM_THREADS=1 taskset -c 0 kvstrata bench prefill``) it
 measures what one ``kvstrata up --pin-cpus`` worker costs: the samples the ``reference-cpu``
-simulator profile is fitted to (:mod:`kvstrata.costs.profiles`).
+simulator profile is fitted to (:mod:`kvstrata.costs.profiles`). With ``--decode BATCHES``
+(engine alone only) it also times the engine's decode steps by batch size and fits their line
+(:mod:`kvstrata.bench.decode`), the profile's decode terms.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from kvstrata.costs import point_label
 from kvstrata.errors import InvalidInput
 
 if TYPE_CHECKING:
+    from kvstrata.bench.decode import DecodeCurve
     from kvstrata.bench.prefill import PrefillCurve
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: want batch sizes, e.g. 1,2,4,8") from exc
 
 
 def _points(text: str) -> tuple[tuple[int, int], ...]:
@@ -56,6 +66,19 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
+        "--decode",
+        type=_batches,
+        default=(),
+        help="also time decode-only steps at these batch sizes (comma-separated, e.g. "
+        "1,2,4,8; engine alone) and fit seconds = base + per sequence x batch",
+    )
+    parser.add_argument(
+        "--decode-context", type=int, default=512, help="--decode: prompt tokens per sequence"
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=8, help="--decode: tokens decoded per sequence"
+    )
+    parser.add_argument(
         "--served",
         action="store_true",
         help="time the points through a live `kvstrata up --pin-cpus` fleet's front door"
@@ -67,20 +90,39 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _engine_curve(args: argparse.Namespace) -> PrefillCurve:
+def _engine_curve(args: argparse.Namespace) -> tuple[PrefillCurve, DecodeCurve | None]:
+    from kvstrata.bench.decode import check_decode, pool_blocks_for, run_decode_curve
     from kvstrata.bench.prefill import run_prefill_curve
     from kvstrata.engine.engine import EngineConfig
     from kvstrata.engine.factory import build_engine
     from kvstrata.engine.model_loader import load_model
+    from kvstrata.runtime.scheduler import SchedulerConfig
 
     longest = max(n + c for n, c in args.points)
-    loaded = load_model(args.model)
     pool_blocks = 2 * (longest + args.block_size) // args.block_size + 8
+    if args.decode:
+        check_decode(args.decode, args.decode_context, args.decode_steps, args.stat)
+        step_tokens = SchedulerConfig().max_num_batched_tokens  # build_engine's default
+        needed = pool_blocks_for(
+            args.decode, args.decode_context, args.decode_steps, args.block_size, step_tokens
+        )
+        pool_blocks = max(pool_blocks, needed)
+    loaded = load_model(args.model)
     engine = build_engine(loaded, EngineConfig(block_size=args.block_size, pool_blocks=pool_blocks))
     try:
-        return run_prefill_curve(
+        curve = run_prefill_curve(
             engine, args.points, model=args.model, repeats=args.repeat, stat=args.stat
         )
+        decode = None
+        if args.decode:
+            decode = run_decode_curve(
+                engine,
+                args.decode,
+                context=args.decode_context,
+                steps=args.decode_steps,
+                stat=args.stat,
+            )
+        return curve, decode
     finally:
         engine.close()
 
@@ -90,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.points:
         raise InvalidInput("--points: give at least 3 points")
+    if args.decode and args.served:
+        raise InvalidInput("--decode times the engine alone: leave out --served")
+    decode: DecodeCurve | None = None
     if args.served:
         curve = run_served_curve(
             args.points,
@@ -100,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             stat=args.stat,
         )
     else:
-        curve = _engine_curve(args)
+        curve, decode = _engine_curve(args)
     data = curve.to_dict()
     fitted = data["fit"]
     rows: list[tuple[str, str]] = [
@@ -113,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
         ("fit per token²", f"{fitted['per_token_ctx_s'] * 1e6:.3f} µs"),
         ("fit spread (RMS log)", f"{fitted['spread']:.3f}"),
     ]
+    if decode is not None:
+        data["decode"] = decode.to_dict()
+        rows += [(f"decode, batch {b}", f"{s:.4f} s / step") for b, s in decode.samples]
+        rows += [
+            ("decode fit base", f"{decode.base_s * 1e3:.1f} ms"),
+            ("decode fit per sequence", f"{decode.per_sequence_s * 1e3:.2f} ms"),
+        ]
     emit(
         data,
         as_json=args.json,

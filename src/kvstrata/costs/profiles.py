@@ -98,6 +98,16 @@ SMOLLM2_WORKER_TIMINGS_BY_CPU: Final[dict[str, tuple[tuple[int, int, float], ...
 """One pinned worker's timings per CPU family (:func:`cpu_family`). A family is matched by
 vendor line only (every Xeon gets the Sapphire Rapids timings): a coarse match, which is why
 ``bench calibrate`` also reports the CPU's full name."""
+SMOLLM2_WORKER_DECODE_BY_CPU: Final[dict[str, tuple[float, float]]] = {
+    "amd-epyc": (0.0624, 0.0104),
+}
+"""``(decode_step_base_s, decode_per_sequence_s)``: one pinned worker's decode-only steps,
+``seconds = base + per_sequence · batch`` fitted to batches of 1, 2, 4 and 8 sequences of 512
+prompt tokens (minimum of 9–10 steps each: 61, 97, 104, 144 ms), measured on 2026-12-07 on
+the 2-core AMD EPYC with the prefill curve's command plus ``--decode 1,2,4,8``
+(:mod:`kvstrata.bench.decode`); a second run gave 67 ms + 9.0 ms. A family without its own
+(the Xeon) prices decode from its prefill fit (``sim.profiles.reference_cpu``), which on the
+EPYC gave 29 ms + 3.7 ms: a one-sequence step at half its measured cost."""
 _CPU_MARKERS: Final = {DEFAULT_CPU_FAMILY: "xeon", "amd-epyc": "epyc"}
 
 

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,14 @@ from kvstrata.store.levels import Located, RequestScope
 from kvstrata.telemetry import KvMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class StepShape(NamedTuple):
+    """One step's batch: its sequences, the tokens it computed, and its seconds."""
+
+    sequences: int
+    tokens: int
+    seconds: float
 
 
 class BatchRunner:
@@ -72,6 +81,7 @@ class BatchRunner:
         self._dequeued = dequeued
         self._by_gen: dict[int, Seq] = {}
         self.step_s_avg = 0.05
+        self.last_step: StepShape | None = None  # read by bench prefill's decode curve
 
     # ---- sequences in and out ------------------------------------------------------------
     def add(self, seq: Seq) -> None:
@@ -109,9 +119,10 @@ class BatchRunner:
         elapsed = time.perf_counter() - started
         self.metrics.running.set(len(self.scheduler.running))  # what finished this step left
         self.step_s_avg = 0.9 * self.step_s_avg + 0.1 * elapsed
+        self.last_step = StepShape(len(work), sum(n for _, n in work), elapsed)
         self.metrics.step.observe(elapsed)
-        self.metrics.batch_sequences.observe(len(work))
-        self.metrics.batch_tokens.observe(sum(n for _, n in work))
+        self.metrics.batch_sequences.observe(self.last_step.sequences)
+        self.metrics.batch_tokens.observe(self.last_step.tokens)
         return True
 
     # ---- admission: lookup, promotion, the partial tail --------------------------------------

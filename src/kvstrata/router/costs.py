@@ -34,6 +34,10 @@ class CostProfile:
     runs one decode step of the worker's batch, ``decode_step_base_s +
     decode_interference_s · active_decodes``; with no decode running nothing is added.
     ``prefill_chunk_tokens = 0`` keeps the unchunked rule ``active · decode_interference_s``.
+    ``decode_rides_prefill``: the engine computes a chunk and its iteration's decode tokens
+    in one forward (the reference engine packs every row of a step), so a chunk pays only
+    ``decode_interference_s · active_decodes`` more, not a second fixed cost; a step of
+    decodes alone still pays ``decode_step_base_s``.
     """
 
     prefill: PrefillModel = GENERIC_PREFILL
@@ -42,6 +46,7 @@ class CostProfile:
     block_size: int = 16
     decode_step_base_s: float = 0.0
     prefill_chunk_tokens: int = 0
+    decode_rides_prefill: bool = False
 
     def fetch_s(self, tier_blocks: tuple[int, int, int, int]) -> float:
         return sum(n * s for n, s in zip(tier_blocks, self.fetch_s_per_block, strict=True))
@@ -57,6 +62,8 @@ class CostProfile:
         if self.prefill_chunk_tokens <= 0:
             return active_decodes * self.decode_interference_s
         chunks = -(-max(new_tokens, 1) // self.prefill_chunk_tokens)
+        if self.decode_rides_prefill:
+            return chunks * active_decodes * self.decode_interference_s
         return chunks * self.decode_step_s(active_decodes)
 
     def with_prefill(self, prefill: PrefillModel) -> CostProfile:

@@ -42,16 +42,20 @@ each worker one core, one torch thread), from the measurements in ``kvstrata.cos
   to 2,048 tokens, three forwards after a hit; 2026-12-05, Intel Xeon): 54 ms fixed, 1.52 ms
   per token, 0.66 µs per token². ``reference-cpu-epyc`` is the same profile with the timings
   of a 2-core AMD EPYC (2026-12-06): 29 ms, 2.57 ms per token, 1.13 µs per token². Only the
-  prefill fit (and the decode terms derived from it) is the EPYC's: its fetch figures are
-  the Xeon's, and its decode step base is that fit's intercept, 29 ms, which under-prices a
-  short forward there (16 tokens: 0.07 s fitted, 0.10 s measured).
+  prefill fit and the decode terms are the EPYC's: its fetch figures are the Xeon's.
   (Until 2026-12-02 this profile used ``smollm2_cpu()``, one engine
   owning both cores: a 2-worker fleet runs each prefill about 3× slower than that, and
   ``bench calibrate`` found the simulator 0.3× the live fleet; until 2026-12-05 two timings
   with the FLOP-count ratio, which overpriced short prompts.)
-* Decode step: ``a`` = that fit's fixed cost per forward, ``b`` = one more token in the
-  batch = the per-token cost + attention over ~1k context tokens (same fit; the reference
-  engine itself does not batch decodes, so this describes a batched engine at its speed).
+* Decode step of ``n`` sequences alone: ``a + b · n``. On the EPYC measured
+  (``kvstrata.costs.profiles.SMOLLM2_WORKER_DECODE_BY_CPU``, ``bench prefill --decode``): 62 ms +
+  10.4 ms per sequence. On the Xeon, not measured, derived from its prefill fit: ``a`` = its
+  fixed cost per forward, ``b`` = the per-token cost + attention over ~1k context tokens; on
+  the EPYC that derivation gave 29 ms + 3.7 ms, half a measured one-sequence step (61 ms).
+  A prefill chunk that runs beside ``n`` decodes costs ``b · n`` more, not a whole decode
+  step more (``CostProfile.decode_rides_prefill``): the engine packs a step's prefill chunk
+  and its decode tokens into one forward, as a live fleet's step trace showed (mixed steps
+  cost the prefill model's price plus ~12 ms per decode row).
 * KV bytes per token 46,080 (fp32, 30 layers, 3 KV heads of 64): 23.6 MB per block;
   host → device at 12.15 GB/s (``kvstrata bench tiers`` host get): 1.94 ms per block;
   disk 14.5 GB/s (page cache warm).
@@ -97,7 +101,7 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from kvstrata.costs import SMOLLM2_KV_BYTES_PER_TOKEN, PrefillModel, smollm2_cpu_worker
-from kvstrata.costs.profiles import DEFAULT_CPU_FAMILY, cpu_family
+from kvstrata.costs.profiles import DEFAULT_CPU_FAMILY, SMOLLM2_WORKER_DECODE_BY_CPU, cpu_family
 from kvstrata.errors import InvalidInput
 from kvstrata.router.costs import CostProfile
 
@@ -205,13 +209,17 @@ def reference_cpu(cpu: str = DEFAULT_CPU_FAMILY) -> SimProfile:
     project's measurements (``reference-cpu`` is the Xeon's, ``reference-cpu-epyc`` the EPYC's)."""
     prefill = smollm2_cpu_worker(cpu)
     block_bytes = SMOLLM2_KV_BYTES_PER_TOKEN * BLOCK_TOKENS
+    base, per_sequence = SMOLLM2_WORKER_DECODE_BY_CPU.get(
+        cpu, (prefill.overhead_s, prefill.per_token_s + prefill.per_token_ctx_s * 1024)
+    )
     cost = CostProfile(
         prefill=prefill,
         fetch_s_per_block=_fetch_s(block_bytes, 12.15e9, 14.5e9, 1.0e9),
-        decode_interference_s=prefill.per_token_s + prefill.per_token_ctx_s * 1024,
-        decode_step_base_s=prefill.overhead_s,
+        decode_interference_s=per_sequence,
+        decode_step_base_s=base,
         prefill_chunk_tokens=2048,
         block_size=BLOCK_TOKENS,
+        decode_rides_prefill=True,
     )
     return SimProfile(
         REFERENCE_CPU[cpu], cost, SMOLLM2_KV_BYTES_PER_TOKEN, device_blocks=64, host_blocks=256
