@@ -26,10 +26,10 @@ cost is not linear in ``b`` at small batches (2 and 3 sequences took longer than
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvstrata.bench.prefill import STATS
 from kvstrata.bench.ttft import synthetic_prompt
 from kvstrata.engine.engine import ReferenceEngine
 from kvstrata.engine.sampling import SamplingParams
@@ -39,10 +39,6 @@ DEFAULT_BATCHES: Final = (1, 2, 4, 8)
 DEFAULT_CONTEXT: Final = 512
 """Prompt tokens per sequence: near the calibration replay's prompts (390 tokens on average)."""
 DEFAULT_STEPS: Final = 8
-_STATS: Final[dict[str, Callable[[Sequence[float]], float]]] = {
-    "min": min,
-    "median": statistics.median,
-}
 
 
 @dataclass(frozen=True)
@@ -56,9 +52,10 @@ class DecodeCurve:
     per_sequence_s: float = field(init=False)
 
     def __post_init__(self) -> None:
-        pick = _STATS[self.stat]
+        pick = STATS[self.stat]
         samples = tuple((b, float(pick(seconds))) for b, seconds in self.timings)
-        base, slope = _line(samples)
+        fit = statistics.linear_regression([float(b) for b, _ in samples], [s for _, s in samples])
+        base, slope = fit.intercept, fit.slope
         object.__setattr__(self, "samples", samples)
         object.__setattr__(self, "base_s", base)
         object.__setattr__(self, "per_sequence_s", slope)
@@ -78,24 +75,14 @@ class DecodeCurve:
         }
 
 
-def _line(samples: tuple[tuple[int, float], ...]) -> tuple[float, float]:
-    """Least-squares ``(intercept, slope)`` of seconds over batch size."""
-    xs = [float(b) for b, _ in samples]
-    ys = [s for _, s in samples]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-    return mean_y - slope * mean_x, slope
-
-
 def check_decode(batches: tuple[int, ...], context: int, steps: int, stat: str) -> None:
     """Before any timing: bad arguments fail now, not after minutes of forwards."""
     if len(set(batches)) < 2 or min(batches) < 1:
         raise InvalidInput("decode batches: give at least two different sizes, each >= 1")
     if context < 1 or steps < 1:
         raise InvalidInput("decode context and steps must be >= 1")
-    if stat not in _STATS:
-        raise InvalidInput(f"stat must be one of {', '.join(_STATS)}, got {stat!r}")
+    if stat not in STATS:
+        raise InvalidInput(f"stat must be one of {', '.join(STATS)}, got {stat!r}")
 
 
 def answer_tokens(batch: int, context: int, steps: int, step_tokens: int) -> int:
