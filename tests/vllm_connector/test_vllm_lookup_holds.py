@@ -68,7 +68,7 @@ def test_promised_blocks_survive_saves_that_fill_the_tier_until_their_load(
 def test_without_the_hold_the_same_saves_break_the_promise(tmp_path: Path) -> None:
     """The test above with holds turned off: the load finds the prompt evicted."""
     worker, planner = _host_worker(tmp_path)
-    worker._holds.take = lambda req_id, located: 0  # type: ignore[method-assign]
+    worker._holds.take = lambda req_id, located: None  # type: ignore[method-assign]
     loads = _promise(planner, "b")
     for i in range(8):
         _save(worker, planner, f"other{i}", 1000 * (i + 1))

@@ -14,7 +14,8 @@ answered:
 
 * a new lookup for the same request replaces its hold (vLLM asks again each time it tries to
   schedule a request that is still waiting, and a preempted request is looked up again);
-* the request's load ends it (``end``, once the load has read what it could);
+* the request's load ends it (``end``, from ``ConnectorWorker.finish_load`` for every request
+  of the step, fetched or not: a fetch thread stops at the first that raises);
 * a hold that no lookup renewed for ``LOOKUP_HOLD_S`` ends (``reap``, every engine step): a
   request aborted, or scheduled without a load, before it was loaded;
 * ``close`` ends them all.
@@ -64,11 +65,10 @@ class LookupHolds:
         self._held: dict[str, tuple[list[Located], float]] = {}  # req → (held, deadline)
         self._closed = False
 
-    def take(self, req_id: str, located: Sequence[Located]) -> int:
+    def take(self, req_id: str, located: Sequence[Located]) -> None:
         """Hold ``located`` (a lookup's answer) for ``req_id`` in place of its previous hold
-        (released first, so it never counts against the cap of its own replacement); returns
-        how many leading blocks are held or passed through (the store ends a reservation at
-        its level's cap or at a block gone since the lookup)."""
+        (released first, so it never counts against the cap of its own replacement); the
+        store ends a reservation at its level's cap or at a block gone since the lookup."""
         self.end(req_id)
         held = self._store.hold(located, reserve=True) if located else []
         with self._lock:
@@ -79,7 +79,6 @@ class LookupHolds:
                 if held:
                     self._held[req_id] = (held, self._clock() + self._hold_s)
         self._store.release(stale)
-        return len(held)
 
     def end(self, req_id: str) -> None:
         """The request's load is over (or it needs no hold any more): release its hold."""

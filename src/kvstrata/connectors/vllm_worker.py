@@ -221,10 +221,9 @@ class ConnectorWorker:
         failing a check or whose tier errs (or a load given up) ends the request's load."""
         keys = [BlockKey(k) for k in request.keys]
         scope = RequestScope(tenant=request.tenant, model=self.model, request_id=request.req_id)
-        located: list[Located] = []
+        located = self.bridge.plan_promotion(keys, 0, scope)
         loaded = 0
         try:
-            located = self.bridge.plan_promotion(keys, 0, scope)
             for loc, block_id in zip(located, request.block_ids, strict=False):
                 if not self._load_one(loc, request.tenant, block_id, place):
                     break
@@ -232,7 +231,6 @@ class ConnectorWorker:
         finally:
             if located:
                 self.bridge.finish_promotion(located)
-            self._holds.end(request.req_id)
         if loaded == len(located) < len(keys):  # gone since the scheduler looked
             self._count(load_missing=1)
         return loaded
@@ -240,7 +238,7 @@ class ConnectorWorker:
     def finish_load(self, load: BackgroundLoad) -> set[int]:
         """Book a finished step's load (step thread); returns the block ids vLLM recomputes."""
         result = load.finish()
-        for request in load.loads:  # a fetch that never ran (an earlier one raised) too
+        for request in load.loads:  # the promise is kept: fetched, failed or never fetched
             self._holds.end(request.req_id)
         loaded = sum(item.loaded for item in result.fetched)
         for request in load.loads:

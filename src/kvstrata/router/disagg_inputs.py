@@ -87,7 +87,8 @@ class InterferenceEstimate:
     The worker schedules chunked prefill (``prefill_chunk_tokens`` per step, the scheduler's
     token budget; 0: unchunked), so a prefill of ``n`` tokens beside ``A`` decodes takes
     ``steps(n)`` steps, each ``ι_A · A`` longer than alone: the ``CostProfile`` chunked rule
-    with ``decode_interference_s = ι_A`` (no base step: it is in the alone fit already).
+    with ``decode_interference_s = ι_A``, the decodes riding in the prefill's own steps
+    (``decode_rides_prefill``: no base step, it is in the alone fit already).
 
     Not thread-safe: owned by whoever owns the worker's state (the fleet lock, the bench's
     single thread)."""
@@ -122,7 +123,7 @@ class InterferenceEstimate:
             profile,
             decode_interference_s=self.value_s,
             prefill_chunk_tokens=self.chunk_tokens,
-            decode_step_base_s=0.0,
+            decode_rides_prefill=True,
         )
 
 

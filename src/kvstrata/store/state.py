@@ -100,7 +100,7 @@ class StoreCore:
         self._storing: set[tuple[int, BlockKey]] = set()  # reserved, bytes in flight: invisible
         self._found_corrupt: set[tuple[str, BlockKey]] = set()  # drained, not yet claimed
         self._moving: set[tuple[int, BlockKey]] = set()  # victims being demoted: not re-picked
-        # (level, key) → holds on it (planned promotions, received transfers): no victim
+        # (level, key) → holds on it (loads under way, reservations): never a victim
         self._held: dict[tuple[int, BlockKey], _Hold] = {}
         self._held_bytes = [0] * len(self.levels)  # per level: bytes of the held objects
         self._prefetched: dict[tuple[str, BlockKey], int] = {}  # (level, key) → bytes, unused
