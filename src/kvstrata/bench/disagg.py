@@ -67,6 +67,7 @@ from kvstrata.bench.disagg_workers import WorkerPair
 from kvstrata.bench.servers import counter_totals
 from kvstrata.bench.transfer_link import LinkProbe, transfer_stack_gbps
 from kvstrata.costs import OnlinePrefillFit
+from kvstrata.costs.online import DEFAULT_MIN_SHAPES
 from kvstrata.router.costs import CostProfile
 from kvstrata.router.disagg import choose
 from kvstrata.router.disagg_inputs import (
@@ -162,16 +163,29 @@ class _Streams:
             thread.join(timeout=self._timeout_s)
 
 
+def calibration_lengths(lengths: Sequence[int]) -> list[int]:
+    """The prompt lengths ``_calibrate`` times: every swept length, then halvings of the
+    shortest until there are ``DEFAULT_MIN_SHAPES`` (4) distinct lengths, the fewest
+    ``OnlinePrefillFit`` leaves its prior with. With fewer (``--lengths 256,2048`` gave 3)
+    both workers' fits stayed the prior for the whole sweep: 2,048 tokens were predicted at
+    0.22 s for 7.19 s measured, and the queued points chose local where disaggregation was
+    ~2x faster. A length of 1 cannot be halved: a sweep of 1 alone calibrates with fewer."""
+    shapes = set(lengths)
+    shortest = min(shapes)
+    while len(shapes) < DEFAULT_MIN_SHAPES and shortest > 1:
+        shortest //= 2
+        shapes.add(shortest)
+    return sorted(shapes)
+
+
 def _calibrate(
     client: httpx.Client, pair: WorkerPair, learned: _Learned, lengths: Sequence[int]
 ) -> None:
     """Alone prefills on each worker (what a fleet learns its fits from) and a decode step.
 
-    Every swept length and half the shortest, twice each: enough samples and distinct shapes
-    for ``OnlinePrefillFit`` to leave its prior (8 samples, 4 shapes). With three shapes, as
-    before, the prefill worker's fit stayed the prior for the whole sweep (only the decode
-    worker's kept learning, from the local path's alone TTFTs)."""
-    shapes = sorted({*lengths, max(1, min(lengths) // 2)})
+    ``calibration_lengths(lengths)``, twice each: enough samples and distinct shapes for
+    ``OnlinePrefillFit`` to leave its prior (8 samples, 4 shapes)."""
+    shapes = calibration_lengths(lengths)
     for url, fit in ((pair.decode, learned.decode_fit), (pair.prefill, learned.prefill_fit)):
         for length in shapes * 2:
             body = {"prompt": _prompt(length), "max_tokens": 1, "temperature": 0}
