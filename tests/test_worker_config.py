@@ -129,6 +129,14 @@ def test_read_layouts_from_the_file(tmp_path: Path) -> None:
             "[[tiers]]\nname = 'host'\ngib = 1\n[tiers.rollout]\ncanary = 2\n",
             "tiers.rollout.canary",
         ),
+        (
+            "[[tiers]]\nname = 'host'\ngib = 1\n[tiers.rollout]\ntenants = []\n",
+            "tiers.rollout.tenants",
+        ),
+        (
+            "[[tiers]]\nname = 'host'\ngib = 1\n[tiers.rollout]\nmodels = []\n",
+            "tiers.rollout.models",
+        ),
         ("[events]\nendpoint = '127.0.0.1:5'\n", "events.endpoint"),
         ("[pool]\nread_layouts = [{block_size = 0}]\n", "pool.read_layouts.block_size"),
         ("[pool]\nread_layouts = [{order = 'LKHT'}]\n", "pool.read_layouts.order"),

@@ -159,13 +159,19 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("tiers.quota_gib", "table[float]", {}, "per-tenant byte quota in GiB (`{tenant = gib}`)"),
     Key("tiers.default_quota_gib", "float", None, "quota of tenants not in `quota_gib`"),
     Key("tiers.rollout.enabled", "bool", True, "the tier's switch at start (admin can flip it)"),
-    Key("tiers.rollout.tenants", "list[str]", None, "only these tenants use the tier"),
+    Key(
+        "tiers.rollout.tenants",
+        "list[str]",
+        None,
+        "only these tenants use the tier (left out: every tenant; an empty list is an error)",
+    ),
     Key(
         "tiers.rollout.models",
         "list[str]",
         None,
         "only these models use the tier: `kvstrata serve` names a model by its fingerprint"
-        " (`fingerprint` in `/kv/info`), the vLLM connector by its served model name",
+        " (`fingerprint` in `/kv/info`), the vLLM connector by its served model name (left"
+        " out: every model; an empty list is an error)",
     ),
     Key("tiers.rollout.canary", "float", 1.0, "share of requests that use the tier, in [0, 1]"),
     Key(

@@ -140,10 +140,15 @@ def _rollout(table: Mapping[str, Any], where: str, index: int, base: Path) -> Ro
     if min_tokens < 0:
         raise rollout.fail("min_reusable_tokens", "must be >= 0")
     tenants, models = rollout.get("tenants"), rollout.get("models")
+    for name, names in (("tenants", tenants), ("models", models)):
+        if names is not None and not names:  # an allow-list of none: everyone, or no one?
+            raise rollout.fail(
+                name, "an empty list names no one: leave it out for every one, or set enabled"
+            )
     return RolloutConfig(
         enabled=rollout.get("enabled"),
-        tenants=frozenset(tenants) if tenants else None,
-        models=frozenset(models) if models else None,
+        tenants=frozenset(tenants) if tenants is not None else None,
+        models=frozenset(models) if models is not None else None,
         canary_fraction=canary,
         min_reusable_tokens=min_tokens,
     )
