@@ -214,6 +214,15 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert config.pool_bytes == GIB // 2
 
 
+def test_a_zero_size_removes_its_tier_whatever_the_order_of_the_keys(tmp_path: Path) -> None:
+    disk = str(tmp_path / "d")
+    for settings in (
+        {"host_gib": 0.25, "disk_dir": disk, "disk_gib": 0},
+        {"disk_gib": 0, "disk_dir": disk, "host_gib": 0.25},  # re-created it without a size
+    ):
+        assert [spec.name for spec in connector_config(settings).tiers] == ["host"]
+
+
 def test_one_set_of_defaults_for_serve_up_and_the_connector(tmp_path: Path) -> None:
     defaults = WorkerConfig()
     serve = serve_cmd.worker_config(_args("serve"))

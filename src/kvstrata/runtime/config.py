@@ -36,7 +36,14 @@ from typing import Any
 from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.identity import secret_digest
 from kvstrata.runtime.config_reader import Reader, check_keys, merge, read_secret, text
-from kvstrata.runtime.config_schema import GIB, MIB, OVERRIDES, PATH_OVERRIDES, TIER_NAMES
+from kvstrata.runtime.config_schema import (
+    GIB,
+    MIB,
+    OVERRIDES,
+    PATH_OVERRIDES,
+    SIZE_OVERRIDES,
+    TIER_NAMES,
+)
 from kvstrata.runtime.config_tiers import TierSpec, disk_tier, host_tier, parse_tier, remote_tier
 from kvstrata.runtime.events import KVEventsConfig
 from kvstrata.runtime.read_layouts import READ_LAYOUTS, ReadLayout, parse_read_layout
@@ -120,7 +127,11 @@ def load_worker_config(
     if raw is not None:
         data = merge(data, dict(raw))
     check_keys(data, where)
-    for name, value in (overrides or {}).items():
+    # Tier sizes last: "0 removes it" must hold whatever order the keys came in (a
+    # ``disk_dir`` applied after ``disk_gib = 0`` re-created a disk tier without a size).
+    for name, value in sorted(
+        (overrides or {}).items(), key=lambda item: item[0] in SIZE_OVERRIDES
+    ):
         if value is None:
             continue
         handler = OVERRIDES.get(name)

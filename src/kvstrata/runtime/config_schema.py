@@ -427,6 +427,8 @@ _OVERRIDE_LIST: Final = (
     Override("curve_clients_dir", "events.curve_clients_dir", _set("events.curve_clients_dir")),
 )
 OVERRIDES: Final[Mapping[str, Override]] = {o.name: o for o in _OVERRIDE_LIST}
+SIZE_OVERRIDES: Final = frozenset({"host_gib", "disk_gib", "remote_gib"})
+"""Overrides applied after every other: a size of 0 removes its tier, whatever names it."""
 PATH_OVERRIDES: Final = frozenset(
     {
         "disk_dir",
