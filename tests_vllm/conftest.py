@@ -76,9 +76,8 @@ def smol() -> Path:
     return model_dir()
 
 
-@pytest.fixture(scope="session")
-def prompt_ids(smol: Path) -> list[int]:
-    """A chat prompt of several hundred tokens whose answer is not empty."""
+def chat_prompt(smol: Path, question: str) -> list[int]:
+    """A chat prompt of several hundred tokens (a repetitive story, then ``question``)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smol))
@@ -88,12 +87,18 @@ def prompt_ids(smol: Path) -> list[int]:
     ) * 8
     messages = [
         {"role": "system", "content": "You are a helpful assistant. " + story},
-        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "user", "content": question},
     ]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(smol: Path) -> list[int]:
+    """A chat prompt of several hundred tokens whose answer is not empty."""
+    return chat_prompt(smol, "What is the capital of France?")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 Usage: ``python tests_vllm/driver.py SPEC.json`` where SPEC is::
 
     {"model": DIR, "connector": {extra_config…} | null, "example_dir": DIR | null,
+     "speculative": {speculative_config…} | null,
      "steps": [{"op": "generate", "prompt": [token ids], "salt": null, "max_tokens": 16},
                {"op": "reset"},
                {"op": "tamper", "dir": DISK_DIR}]}
@@ -51,6 +52,8 @@ def main() -> None:
         enable_prefix_caching=True,
         seed=0,
     )
+    if spec.get("speculative") is not None:
+        kwargs["speculative_config"] = spec["speculative"]
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvstrataConnector",

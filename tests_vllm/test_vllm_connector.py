@@ -10,6 +10,9 @@ Scenarios (each one vLLM process):
 - ``plain``: the same prompt on vLLM without a connector: every kvstrata answer equals it.
 - saves run on the connector's background saver after the step; a finished request's blocks
   are let go once its saves are done (``requests_released``), and the next request hits.
+- ``speculative``: n-gram speculative decoding (a model-free proposer): reuse stays on; the
+  blocks stored while decoding hold only accepted tokens' KV (a follow-up turn over the first
+  answer hits them and answers as a cold run of the same engine does).
 - ``tamper``: disk tier only; the stored files' payload bytes are flipped while vLLM runs;
   the next load fails its digest check, is reported, vLLM recomputes, the output stays right;
   the block is stored again and a third run hits.
@@ -23,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BLOCK, generations, run_driver
+from conftest import BLOCK, chat_prompt, generations, run_driver
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -189,3 +192,42 @@ def test_a_load_past_its_deadline_is_recomputed(
     assert answer["tokens"] == plain_tokens
     assert stats["load_timeouts"] == 1
     assert stats["load_errors"] == _reusable(prompt_ids) // BLOCK and stats["tokens_loaded"] == 0
+
+
+def test_ngram_speculative_decoding_keeps_reuse_and_stores_only_accepted_tokens(
+    tmp_path: Path, smol: Path
+) -> None:
+    """n-gram speculation on a prompt it can copy from (several tokens a step). Its answer
+    fills blocks that are stored while drafts are in flight each step; a second process, on
+    a follow-up turn over that answer, loads them from the disk tier and answers exactly as a
+    cold run (another ``cache_salt``: no kvstrata or vLLM hit) of the same engine."""
+    prompt = chat_prompt(smol, "Repeat the first sentence of the system prompt exactly.")
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    spec = {"model": str(smol), "speculative": speculative}
+    first_stats = tmp_path / "first.json"
+    disk = {"disk_dir": str(tmp_path / "disk"), "disk_gib": 1}
+    steps = [{"op": "generate", "prompt": prompt, "max_tokens": 48}]
+    (first,) = generations(
+        run_driver(tmp_path, spec | {"connector": disk | {"stats_path": str(first_stats)},
+                                     "steps": steps})
+    )  # fmt: skip
+    assert _stats(first_stats)["steps"] < len(first["tokens"])  # drafts accepted: speculation ran
+    answered = prompt + first["tokens"]
+    prefilled = len(prompt) // BLOCK * BLOCK  # the blocks stored after the prefill step
+    assert (len(answered) - 1) // BLOCK * BLOCK > prefilled, first  # the answer filled more
+    turn = answered + chat_prompt(smol, "Thank you.")[-8:]  # the close of a user turn
+    steps = [
+        {"op": "generate", "prompt": turn, "max_tokens": 24},
+        {"op": "generate", "prompt": turn, "max_tokens": 24, "salt": "cold"},
+    ]
+    stats_path = tmp_path / "stats.json"
+    hit, cold = generations(
+        run_driver(tmp_path, spec | {"connector": disk | {"stats_path": str(stats_path)},
+                                     "steps": steps})
+    )  # fmt: skip
+    assert cold["num_cached_tokens"] == 0
+    # every prompt block, and at least one block stored while decoding with drafts in flight
+    assert prefilled < hit["num_cached_tokens"] <= (len(answered) - 1) // BLOCK * BLOCK
+    assert hit["tokens"] == cold["tokens"]
+    stats = _stats(stats_path)
+    assert stats["load_errors"] == 0 and stats["tokens_loaded"] == hit["num_cached_tokens"]

@@ -173,6 +173,8 @@ def test_fingerprint_names_the_vllm_kernel_and_refuses_what_it_cannot_identify()
         {"speculative": "eagle"},  # the drafter's layers join the KV vLLM hands over
     ):
         assert isinstance(vllm_fingerprint(_view(**changes)), ReuseDisabled), changes
+    for method in ("ngram", "ngram_gpu", "suffix"):  # no drafter layers: the target's KV alone
+        assert vllm_fingerprint(_view(speculative=method)) == fp, method
     assert tenant_for_salt(None).name == "default"
     assert tenant_for_salt("a") != tenant_for_salt("b")
     assert "my-secret-salt" not in tenant_for_salt("my-secret-salt").name
@@ -213,6 +215,24 @@ def test_planner_matches_beyond_the_local_hit_and_plans_each_block_once() -> Non
     )
     assert disabled.matched_tokens("r3", tokens, None, 0) == 0
     assert disabled.build([ScheduledRequest("r3", [1, 2, 3, 4], True, 0, 4 * BS)]).saves == []
+
+
+def test_planner_stores_no_block_a_speculative_step_fills_with_drafts() -> None:
+    """A decode step with speculation schedules the last token and k drafts; the drafts are not
+    the request's tokens yet, so a block they would complete is stored only once the tokens
+    that fill it were accepted (and their KV written by the step that computed them)."""
+    planner = SchedulerPlanner(_fingerprint(), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 3 * BS - 1))  # two full blocks, block 2 two tokens short
+    assert planner.matched_tokens("r", tokens, None, 0) == 0
+    planner.after_alloc("r", [10, 11, 12], 0)
+    (save,) = planner.build([ScheduledRequest("r", [10, 11, 12], True, 0, len(tokens))]).saves
+    assert [b.block_id for b in save.blocks] == [10, 11]
+    # last token + 3 drafts would reach past block 2's end: nothing more is stored
+    assert planner.build([ScheduledRequest("r", [], False, len(tokens) - 1, 4)]).saves == []
+    tokens.extend([500, 501, 502])  # two drafts and the bonus token accepted
+    (save,) = planner.build([ScheduledRequest("r", [13], False, len(tokens) - 1, 4)]).saves
+    assert [b.block_id for b in save.blocks] == [12]
+    assert save.blocks[0].tokens == tuple(tokens[2 * BS : 3 * BS])
 
 
 def _reason() -> ReuseDisabledReason:

@@ -11,8 +11,14 @@ template, dtype, block size, parallelism) and adds the vLLM-specific rules:
   kernel, and KV of another vLLM version, device or backend never matches);
 - devices other than ``cpu``/``cuda``, tensor or pipeline parallelism (each rank would need its
   own keys), quantised weights, LoRA adapters, multimodal processors and speculative decoding
-  (a drafter's layers join the KV cache vLLM hands the connector, and its checkpoint is not in
-  the fingerprint) disable reuse.
+  with a drafter model (EAGLE, MTP, a draft model, Medusa, …: its layers may join the KV cache
+  vLLM hands the connector, and its checkpoint is not in the fingerprint) disable reuse;
+- speculative decoding with a model-free proposer (``MODEL_FREE_SPECULATION``: n-gram prompt
+  lookup, suffix decoding) keeps it: the KV cache holds the target model's layers alone, and
+  the scheduler side stores only blocks of accepted tokens (a step's full blocks are counted
+  over the request's tokens, which hold no draft; draft positions lie past them and are
+  rewritten once their true tokens are computed). The fingerprint does not name the method:
+  the blocks are the model's KV, as those of an engine without speculation are.
 
 ``cache_salt`` → tenant: every salt is its own tenant namespace (name ``salt-<BLAKE3 of the
 salt>``, so the salt itself never reaches disk metadata or events); no salt → ``default``.
@@ -35,6 +41,8 @@ from kvstrata.identity import (
 from kvstrata.identity.salts import salt_tenant
 
 KV_LAYOUT = "vllm.kv.v1[block]"
+MODEL_FREE_SPECULATION = frozenset({"ngram", "ngram_gpu", "suffix"})
+"""``speculative_config.method`` values whose proposer has no layers (module docstring)."""
 SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
 
 
@@ -69,7 +77,7 @@ def vllm_fingerprint(view: VllmModelView) -> ModelFingerprint | ReuseDisabled:
         return ReuseDisabled(ReuseDisabledReason.QUANTIZED_WEIGHTS, view.quantization)
     if view.lora_enabled:
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, "LoRA adapters")
-    if view.speculative is not None:
+    if view.speculative is not None and view.speculative not in MODEL_FREE_SPECULATION:
         detail = f"speculative decoding ({view.speculative}): drafter KV and checkpoint"
         return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, detail)
     if facts.multimodal_processor is not None:
