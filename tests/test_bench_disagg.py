@@ -97,7 +97,8 @@ def test_quick_entry_prints_one_json_object_with_the_named_figures() -> None:
     # The calibration fits the decode worker's own cost model (4 lengths: it leaves its prior),
     # and for this tiny model recomputing 63 tokens and fetching them cost about the same: a
     # point's transfer either became a whole hit, or the worker's break-even test chose to
-    # recompute (counted). Nothing in between.
+    # recompute (counted). Nothing in between. (A break-even that wrongly refused every fetch
+    # would pass here: test_engine_tiers checks that test on its own.)
     fetch_slower = decode["breakeven_recompute"].get("fetch_slower", 0)
     recomputed = sum(point["decode_hit_tokens"] == 0 for point in result["points"])
     assert recomputed <= fetch_slower

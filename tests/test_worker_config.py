@@ -16,7 +16,7 @@ from kvstrata.identity import secret_digest
 from kvstrata.runtime.config import ServeLimits, WorkerConfig, load_worker_config
 from kvstrata.runtime.config_schema import GIB, KEYS, OVERRIDES, reference_markdown
 from kvstrata.runtime.read_layouts import ReadLayout
-from kvstrata.store.config import WritePolicy
+from kvstrata.store.config import RolloutConfig, WritePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "worker.toml"
@@ -221,6 +221,29 @@ def test_a_zero_size_removes_its_tier_whatever_the_order_of_the_keys(tmp_path: P
         {"disk_gib": 0, "disk_dir": disk, "host_gib": 0.25},  # re-created it without a size
     ):
         assert [spec.name for spec in connector_config(settings).tiers] == ["host"]
+
+
+@pytest.mark.parametrize("sizes_first", [True, False])
+def test_every_tier_overrides_reach_tiers_named_only_by_their_size(
+    tmp_path: Path, sizes_first: bool
+) -> None:
+    sizes = {"host_gib": 0.25, "disk_dir": str(tmp_path / "d"), "disk_gib": 0.5}
+    every = {
+        "eviction_policy": "s3fifo",
+        "tier_ttl_s": 60,
+        "verify_reads": False,
+        "tier_tenants": "a,b",
+        "tier_canary": 0.5,
+        "min_reusable_tokens": 64,
+    }
+    config = connector_config(sizes | every if sizes_first else every | sizes)
+    assert [spec.name for spec in config.tiers] == ["host", "disk"]
+    for spec in config.tiers:
+        assert spec.eviction_policy == "s3fifo" and spec.config.ttl_s == 60
+        assert spec.config.verify_reads is False
+        assert spec.config.rollout == RolloutConfig(
+            tenants=frozenset({"a", "b"}), canary_fraction=0.5, min_reusable_tokens=64
+        )
 
 
 def test_one_set_of_defaults_for_serve_up_and_the_connector(tmp_path: Path) -> None:

@@ -198,9 +198,11 @@ def test_ngram_speculative_decoding_keeps_reuse_and_stores_only_accepted_tokens(
     tmp_path: Path, smol: Path
 ) -> None:
     """n-gram speculation on a prompt it can copy from (several tokens a step). Its answer
-    fills blocks that are stored while drafts are in flight each step; a second process, on
-    a follow-up turn over that answer, loads them from the disk tier and answers exactly as a
-    cold run (another ``cache_salt``: no kvstrata or vLLM hit) of the same engine."""
+    fills blocks that are stored while it speculates; a second process, on a follow-up turn
+    over that answer, loads them from the disk tier and answers exactly as a cold run
+    (another ``cache_salt``: no kvstrata or vLLM hit) of the same engine. That compares KV
+    computed while decoding with a cold prefill's, as vLLM's own prefix cache does when it
+    reuses a decoded block: bf16 rounding could in principle flip a greedy token."""
     prompt = chat_prompt(smol, "Repeat the first sentence of the system prompt exactly.")
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     spec = {"model": str(smol), "speculative": speculative}

@@ -169,7 +169,9 @@ def calibration_lengths(lengths: Sequence[int]) -> list[int]:
     ``OnlinePrefillFit`` leaves its prior with. With fewer (``--lengths 256,2048`` gave 3)
     both workers' fits stayed the prior for the whole sweep: 2,048 tokens were predicted at
     0.22 s for 7.19 s measured, and the queued points chose local where disaggregation was
-    ~2x faster. A length of 1 cannot be halved: a sweep of 1 alone calibrates with fewer."""
+    ~2x faster. Halving stops at 1 token: a sweep whose shortest length reaches 1 first (its
+    shortest below 8 with fewer than 4 lengths, e.g. ``[2, 2048]``) calibrates with fewer
+    shapes, and its fits keep their prior."""
     shapes = set(lengths)
     shortest = min(shapes)
     while len(shapes) < DEFAULT_MIN_SHAPES and shortest > 1:

@@ -41,8 +41,8 @@ from kvstrata.runtime.config_schema import (
     MIB,
     OVERRIDES,
     PATH_OVERRIDES,
-    SIZE_OVERRIDES,
     TIER_NAMES,
+    override_phase,
 )
 from kvstrata.runtime.config_tiers import TierSpec, disk_tier, host_tier, parse_tier, remote_tier
 from kvstrata.runtime.events import KVEventsConfig
@@ -127,11 +127,9 @@ def load_worker_config(
     if raw is not None:
         data = merge(data, dict(raw))
     check_keys(data, where)
-    # Tier sizes last: "0 removes it" must hold whatever order the keys came in (a
-    # ``disk_dir`` applied after ``disk_gib = 0`` re-created a disk tier without a size).
     for name, value in sorted(
-        (overrides or {}).items(), key=lambda item: item[0] in SIZE_OVERRIDES
-    ):
+        (overrides or {}).items(), key=lambda item: override_phase(*item)
+    ):  # a stable sort: in the given order within a phase
         if value is None:
             continue
         handler = OVERRIDES.get(name)

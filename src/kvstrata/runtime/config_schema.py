@@ -288,6 +288,8 @@ class Override:
     name: str
     help: str
     apply: Callable[[dict[str, Any], Any], None]
+    every_tier: bool = False
+    """Sets a key of every tier there is: applied once every override that adds a tier ran."""
 
 
 def _set(path: str) -> Callable[[dict[str, Any], Any], None]:
@@ -340,6 +342,11 @@ def _every_tier(key: str) -> Callable[[dict[str, Any], Any], None]:
     return apply
 
 
+def _every(name: str, key: str) -> Override:
+    """``name`` sets ``key`` of every tier."""
+    return Override(name, f"{key} of every tier", _every_tier(key), every_tier=True)
+
+
 _OVERRIDE_LIST: Final = (
     Override("model", "model", _set("model")),
     Override("served_model_name", "served_model_name", _set("served_model_name")),
@@ -375,17 +382,13 @@ _OVERRIDE_LIST: Final = (
         "remote_write_policy", "the remote tier's write_policy", _tier_key("remote", "write_policy")
     ),
     Override("remote_namespace", "the remote tier's namespace", _tier_key("remote", "namespace")),
-    Override("tier_ttl_s", "ttl_s of every tier", _every_tier("ttl_s")),
-    Override("eviction_policy", "eviction_policy of every tier", _every_tier("eviction_policy")),
-    Override("policy", "eviction_policy of every tier", _every_tier("eviction_policy")),
-    Override("verify_reads", "verify_reads of every tier", _every_tier("verify_reads")),
-    Override("tier_tenants", "rollout.tenants of every tier", _every_tier("rollout.tenants")),
-    Override("tier_canary", "rollout.canary of every tier", _every_tier("rollout.canary")),
-    Override(
-        "min_reusable_tokens",
-        "rollout.min_reusable_tokens of every tier",
-        _every_tier("rollout.min_reusable_tokens"),
-    ),
+    _every("tier_ttl_s", "ttl_s"),
+    _every("eviction_policy", "eviction_policy"),
+    _every("policy", "eviction_policy"),
+    _every("verify_reads", "verify_reads"),
+    _every("tier_tenants", "rollout.tenants"),
+    _every("tier_canary", "rollout.canary"),
+    _every("min_reusable_tokens", "rollout.min_reusable_tokens"),
     Override("tenant_secret_file", "tenant_secret_file", _set("tenant_secret_file")),
     Override("debug_endpoints", "debug_endpoints", _set("debug_endpoints")),
     Override("max_tokens_limit", "limits.max_tokens", _set("limits.max_tokens")),
@@ -428,7 +431,24 @@ _OVERRIDE_LIST: Final = (
 )
 OVERRIDES: Final[Mapping[str, Override]] = {o.name: o for o in _OVERRIDE_LIST}
 SIZE_OVERRIDES: Final = frozenset({"host_gib", "disk_gib", "remote_gib"})
-"""Overrides applied after every other: a size of 0 removes its tier, whatever names it."""
+"""A tier's size: 0 removes the tier (``override_phase``)."""
+
+
+def override_phase(name: str, value: Any) -> int:
+    """When an override applies, whatever order the flags or keys came in: 0, one that adds
+    or sets (a tier's size or key, a top-level key); 1, one that sets a key of every tier
+    (``Override.every_tier``: after the tiers exist, or a tier named only by its size would
+    miss it); 2, a size of 0 (it removes the tier: after any key that would re-create it)."""
+    if name in SIZE_OVERRIDES and isinstance(value, int | float | str):
+        try:
+            if float(value) == 0.0:
+                return 2
+        except ValueError:
+            pass  # not a number: applied in phase 0 and refused by the tier's check
+    override = OVERRIDES.get(name)
+    return 1 if override is not None and override.every_tier else 0
+
+
 PATH_OVERRIDES: Final = frozenset(
     {
         "disk_dir",

@@ -142,8 +142,11 @@ def _rollout(table: Mapping[str, Any], where: str, index: int, base: Path) -> Ro
     tenants, models = rollout.get("tenants"), rollout.get("models")
     for name, names in (("tenants", tenants), ("models", models)):
         if names is not None and not names:  # an allow-list of none: everyone, or no one?
+            what = name.removesuffix("s")
             raise rollout.fail(
-                name, "an empty list names no one: leave it out for every one, or set enabled"
+                name,
+                f"an empty list names no {what}: leave the key out for every {what}, or set"
+                " rollout.enabled = false for none",
             )
     return RolloutConfig(
         enabled=rollout.get("enabled"),
