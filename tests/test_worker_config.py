@@ -223,6 +223,36 @@ def test_a_zero_size_removes_its_tier_whatever_the_order_of_the_keys(tmp_path: P
         assert [spec.name for spec in connector_config(settings).tiers] == ["host"]
 
 
+@pytest.mark.parametrize("size", ["abc", [0], True, False])
+def test_a_size_that_is_no_number_is_a_config_error(size: object) -> None:
+    with pytest.raises(ConfigError) as raised:
+        connector_config({"host_gib": size})
+    assert raised.value.key == "tiers.gib"
+
+
+def test_overrides_over_a_file_with_tiers_in_any_order(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        '[[tiers]]\nname = "host"\ngib = 1\n[tiers.rollout]\ncanary = 0.5\n'
+        '[[tiers]]\nname = "disk"\npath = "d"\ngib = 1\n',
+    )
+    for overrides in (
+        {"host_gib": 0, "host_write_policy": "write-back", "policy": "s3fifo"},
+        {"policy": "s3fifo", "host_write_policy": "write-back", "host_gib": 0},
+    ):
+        (disk,) = load_worker_config(path, overrides).tiers  # 0 removed the file's host tier
+        assert disk.name == "disk" and disk.eviction_policy == "s3fifo"
+    tiers = load_worker_config(path, {"tier_tenants": "a", "remote_gib": 0}).tiers
+    assert [t.config.rollout.tenants for t in tiers] == [frozenset({"a"})] * 2
+    assert tiers[0].config.rollout.canary_fraction == 0.5  # the file's other rollout key stays
+
+
+def test_every_override_that_names_tiers_is_marked_for_its_phase() -> None:
+    for override in OVERRIDES.values():
+        assert override.every_tier == override.help.endswith("of every tier"), override.name
+        assert override.size == override.help.endswith("gib (0 removes it)"), override.name
+
+
 @pytest.mark.parametrize("sizes_first", [True, False])
 def test_every_tier_overrides_reach_tiers_named_only_by_their_size(
     tmp_path: Path, sizes_first: bool

@@ -13,8 +13,9 @@ index), a ``[connector]`` table (vLLM only) and a ``[limits]`` table (``serve`` 
 
 Overrides (``OVERRIDES``) are flat names — the ``serve`` flags without dashes, and the flat keys
 the connector has always taken (``host_gib``, ``disk_dir``, ...) — applied to the parsed
-file before validation. Parsing happens once, at the edge: inner components take the frozen
-result and never read files or the environment. A bad file or value raises ``ConfigError``
+file before validation, in the phases of ``override_phase`` (whatever order they came in).
+Parsing happens once, at the edge: inner components take the frozen result and never read
+files or the environment. A bad file or value raises ``ConfigError``
 naming the key and the file, never a traceback.
 
 This module owns the worker's whole config and the sections read here; the generic reading

@@ -290,6 +290,8 @@ class Override:
     apply: Callable[[dict[str, Any], Any], None]
     every_tier: bool = False
     """Sets a key of every tier there is: applied once every override that adds a tier ran."""
+    size: bool = False
+    """A tier's size: 0 removes the tier, after every override that could re-create it."""
 
 
 def _set(path: str) -> Callable[[dict[str, Any], Any], None]:
@@ -314,14 +316,31 @@ def _tier_table(data: dict[str, Any], name: str) -> dict[str, Any]:
     return entry
 
 
+def _zero_size(value: Any) -> bool:
+    """A tier size that removes its tier: a number (or numeric text) equal to 0. Anything
+    else, a bool included, is set as the size and judged by the tier's check (a
+    ``ConfigError`` naming the key, never a traceback)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return False
+    try:
+        return float(value) == 0.0
+    except ValueError:
+        return False
+
+
 def _tier_size(name: str) -> Callable[[dict[str, Any], Any], None]:
     def apply(data: dict[str, Any], value: Any) -> None:
-        if float(value) == 0.0:  # 0 GiB: no such tier
+        if _zero_size(value):  # 0 GiB: no such tier
             data["tiers"] = [e for e in data.get("tiers", []) if e.get("name") != name]
         else:
             _tier_table(data, name)["gib"] = value
 
     return apply
+
+
+def _size(name: str, tier: str) -> Override:
+    """``name`` sets the size of ``tier`` in GiB; 0 removes it (``override_phase``)."""
+    return Override(name, f"the {tier} tier's gib (0 removes it)", _tier_size(tier), size=True)
 
 
 def _tier_key(name: str, key: str) -> Callable[[dict[str, Any], Any], None]:
@@ -359,12 +378,12 @@ _OVERRIDE_LIST: Final = (
         _set("scheduler.max_num_batched_tokens"),
     ),
     Override("max_waiting", "scheduler.max_waiting", _set("scheduler.max_waiting")),
-    Override("host_gib", "the host tier's gib (0 removes it)", _tier_size("host")),
+    _size("host_gib", "host"),
     Override(
         "host_write_policy", "the host tier's write_policy", _tier_key("host", "write_policy")
     ),
     Override("disk_dir", "the disk tier's path", _tier_key("disk", "path")),
-    Override("disk_gib", "the disk tier's gib (0 removes it)", _tier_size("disk")),
+    _size("disk_gib", "disk"),
     Override(
         "disk_write_policy", "the disk tier's write_policy", _tier_key("disk", "write_policy")
     ),
@@ -372,7 +391,7 @@ _OVERRIDE_LIST: Final = (
     Override("durable", "the disk tier's durable", _tier_key("disk", "durable")),
     Override("remote_url", "the remote tier's url", _tier_key("remote", "url")),
     Override("remote_cluster", "the remote tier's cluster seeds", _tier_key("remote", "cluster")),
-    Override("remote_gib", "the remote tier's gib (0 removes it)", _tier_size("remote")),
+    _size("remote_gib", "remote"),
     Override(
         "remote_password_file",
         "the remote tier's password_file",
@@ -430,8 +449,6 @@ _OVERRIDE_LIST: Final = (
     Override("curve_clients_dir", "events.curve_clients_dir", _set("events.curve_clients_dir")),
 )
 OVERRIDES: Final[Mapping[str, Override]] = {o.name: o for o in _OVERRIDE_LIST}
-SIZE_OVERRIDES: Final = frozenset({"host_gib", "disk_gib", "remote_gib"})
-"""A tier's size: 0 removes the tier (``override_phase``)."""
 
 
 def override_phase(name: str, value: Any) -> int:
@@ -439,14 +456,12 @@ def override_phase(name: str, value: Any) -> int:
     or sets (a tier's size or key, a top-level key); 1, one that sets a key of every tier
     (``Override.every_tier``: after the tiers exist, or a tier named only by its size would
     miss it); 2, a size of 0 (it removes the tier: after any key that would re-create it)."""
-    if name in SIZE_OVERRIDES and isinstance(value, int | float | str):
-        try:
-            if float(value) == 0.0:
-                return 2
-        except ValueError:
-            pass  # not a number: applied in phase 0 and refused by the tier's check
     override = OVERRIDES.get(name)
-    return 1 if override is not None and override.every_tier else 0
+    if override is None:
+        return 0  # refused as unknown when applied
+    if override.size and _zero_size(value):
+        return 2
+    return 1 if override.every_tier else 0
 
 
 PATH_OVERRIDES: Final = frozenset(
@@ -496,7 +511,9 @@ def reference_markdown() -> str:
         "## Overrides",
         "",
         "`kvstrata serve` flags are these names with dashes (`--host-gib`); the connector takes",
-        "them as flat keys of `kv_connector_extra_config` beside `config`.",
+        "them as flat keys of `kv_connector_extra_config` beside `config`. They apply whatever",
+        "order they come in: an override of every tier reaches every tier, one that a size adds",
+        "included, and a size of 0 removes its tier even when another override names it.",
         "",
         "| override | sets |",
         "|---|---|",
