@@ -14,7 +14,9 @@ from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.fleet.supervisor import WorkerSpec
 from kvstrata.identity import secret_digest
 from kvstrata.runtime.config import ServeLimits, WorkerConfig, load_worker_config
-from kvstrata.runtime.config_schema import GIB, KEYS, OVERRIDES, reference_markdown
+from kvstrata.runtime.config_overrides import OVERRIDES
+from kvstrata.runtime.config_reference import reference_markdown
+from kvstrata.runtime.config_schema import GIB, KEYS
 from kvstrata.runtime.read_layouts import ReadLayout
 from kvstrata.store.config import RolloutConfig, WritePolicy
 

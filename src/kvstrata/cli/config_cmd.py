@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
-from kvstrata.runtime.config_schema import reference_markdown
+from kvstrata.runtime.config_reference import reference_markdown
 
 
 def register(sub: Any) -> None:

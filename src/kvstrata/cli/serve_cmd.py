@@ -23,7 +23,8 @@ from kvstrata.cli import security_args
 from kvstrata.engine.model_loader import MODEL_NAMES, LoadedModel
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.config import WorkerConfig, load_worker_config
-from kvstrata.runtime.config_schema import EVICTION_POLICIES, GIB, OVERRIDES
+from kvstrata.runtime.config_overrides import OVERRIDES
+from kvstrata.runtime.config_schema import EVICTION_POLICIES, GIB
 from kvstrata.security import AuditLog, SecurityConfig
 from kvstrata.store.config import WritePolicy
 

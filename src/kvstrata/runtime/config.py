@@ -36,15 +36,9 @@ from typing import Any
 
 from kvstrata.errors import ConfigError, InvalidInput
 from kvstrata.identity import secret_digest
+from kvstrata.runtime.config_overrides import OVERRIDES, PATH_OVERRIDES, override_phase
 from kvstrata.runtime.config_reader import Reader, check_keys, merge, read_secret, text
-from kvstrata.runtime.config_schema import (
-    GIB,
-    MIB,
-    OVERRIDES,
-    PATH_OVERRIDES,
-    TIER_NAMES,
-    override_phase,
-)
+from kvstrata.runtime.config_schema import GIB, MIB, TIER_NAMES
 from kvstrata.runtime.config_tiers import TierSpec, disk_tier, host_tier, parse_tier, remote_tier
 from kvstrata.runtime.events import KVEventsConfig
 from kvstrata.runtime.read_layouts import READ_LAYOUTS, ReadLayout, parse_read_layout
