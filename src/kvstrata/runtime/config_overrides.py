@@ -95,23 +95,24 @@ def _every_tier(key: str) -> Callable[[dict[str, Any], Any], None]:
     return apply
 
 
+def _key(name: str, path: str) -> Override:
+    """``name`` sets the key ``path`` (its help is the path)."""
+    return Override(name, path, _set(path))
+
+
 def _every(name: str, key: str) -> Override:
     """``name`` sets ``key`` of every tier."""
     return Override(name, f"{key} of every tier", _every_tier(key), every_tier=True)
 
 
 OVERRIDE_LIST: Final = (
-    Override("model", "model", _set("model")),
-    Override("served_model_name", "served_model_name", _set("served_model_name")),
-    Override("pool_gib", "pool.gib", _set("pool.gib")),
-    Override("block_size", "pool.block_size", _set("pool.block_size")),
-    Override("max_num_seqs", "scheduler.max_num_seqs", _set("scheduler.max_num_seqs")),
-    Override(
-        "max_num_batched_tokens",
-        "scheduler.max_num_batched_tokens",
-        _set("scheduler.max_num_batched_tokens"),
-    ),
-    Override("max_waiting", "scheduler.max_waiting", _set("scheduler.max_waiting")),
+    _key("model", "model"),
+    _key("served_model_name", "served_model_name"),
+    _key("pool_gib", "pool.gib"),
+    _key("block_size", "pool.block_size"),
+    _key("max_num_seqs", "scheduler.max_num_seqs"),
+    _key("max_num_batched_tokens", "scheduler.max_num_batched_tokens"),
+    _key("max_waiting", "scheduler.max_waiting"),
     _size("host_gib", "host"),
     Override(
         "host_write_policy", "the host tier's write_policy", _tier_key("host", "write_policy")
@@ -142,45 +143,35 @@ OVERRIDE_LIST: Final = (
     _every("tier_tenants", "rollout.tenants"),
     _every("tier_canary", "rollout.canary"),
     _every("min_reusable_tokens", "rollout.min_reusable_tokens"),
-    Override("tenant_secret_file", "tenant_secret_file", _set("tenant_secret_file")),
-    Override("debug_endpoints", "debug_endpoints", _set("debug_endpoints")),
-    Override("max_tokens_limit", "limits.max_tokens", _set("limits.max_tokens")),
-    Override("max_body_mib", "limits.max_body_mib", _set("limits.max_body_mib")),
-    Override("body_timeout_s", "limits.body_timeout_s", _set("limits.body_timeout_s")),
-    Override("events_endpoint", "events.endpoint", _set("events.endpoint")),
-    Override("replay_endpoint", "events.replay_endpoint", _set("events.replay_endpoint")),
-    Override("events_replay_endpoint", "events.replay_endpoint", _set("events.replay_endpoint")),
-    Override("events_topic", "events.topic", _set("events.topic")),
-    Override("worker_id", "events.worker_id", _set("events.worker_id")),
-    Override(
-        "lookup_timeout_ms", "connector.lookup_timeout_ms", _set("connector.lookup_timeout_ms")
-    ),
-    Override("load_timeout_ms", "connector.load_timeout_ms", _set("connector.load_timeout_ms")),
-    Override(
-        "save_queue_blocks", "connector.save_queue_blocks", _set("connector.save_queue_blocks")
-    ),
-    Override("pd_wait_ms", "connector.pd_wait_ms", _set("connector.pd_wait_ms")),
-    Override("stats_path", "connector.stats_path", _set("connector.stats_path")),
-    Override(
-        "lookup_curve_secret_file",
-        "connector.lookup_curve_secret_file",
-        _set("connector.lookup_curve_secret_file"),
-    ),
-    Override("transfer_host", "transfer.host", _set("transfer.host")),
-    Override("transfer_port", "transfer.port", _set("transfer.port")),
-    Override("transfer_transport", "transfer.transport", _set("transfer.transport")),
-    Override(
-        "allowed_transfer_targets", "transfer.allowed_targets", _set("transfer.allowed_targets")
-    ),
-    Override("keys_file", "security.keys_file", _set("security.keys_file")),
-    Override("fleet_key_file", "security.fleet_key_file", _set("security.fleet_key_file")),
-    Override("audit_path", "security.audit_path", _set("security.audit_path")),
-    Override("tombstone_ttl_s", "security.tombstone_ttl_s", _set("security.tombstone_ttl_s")),
-    Override("tls_cert_file", "security.tls_cert_file", _set("security.tls_cert_file")),
-    Override("tls_key_file", "security.tls_key_file", _set("security.tls_key_file")),
-    Override("tls_ca_file", "security.tls_ca_file", _set("security.tls_ca_file")),
-    Override("curve_secret_file", "events.curve_secret_file", _set("events.curve_secret_file")),
-    Override("curve_clients_dir", "events.curve_clients_dir", _set("events.curve_clients_dir")),
+    _key("tenant_secret_file", "tenant_secret_file"),
+    _key("debug_endpoints", "debug_endpoints"),
+    _key("max_tokens_limit", "limits.max_tokens"),
+    _key("max_body_mib", "limits.max_body_mib"),
+    _key("body_timeout_s", "limits.body_timeout_s"),
+    _key("events_endpoint", "events.endpoint"),
+    _key("replay_endpoint", "events.replay_endpoint"),
+    _key("events_replay_endpoint", "events.replay_endpoint"),
+    _key("events_topic", "events.topic"),
+    _key("worker_id", "events.worker_id"),
+    _key("lookup_timeout_ms", "connector.lookup_timeout_ms"),
+    _key("load_timeout_ms", "connector.load_timeout_ms"),
+    _key("save_queue_blocks", "connector.save_queue_blocks"),
+    _key("pd_wait_ms", "connector.pd_wait_ms"),
+    _key("stats_path", "connector.stats_path"),
+    _key("lookup_curve_secret_file", "connector.lookup_curve_secret_file"),
+    _key("transfer_host", "transfer.host"),
+    _key("transfer_port", "transfer.port"),
+    _key("transfer_transport", "transfer.transport"),
+    _key("allowed_transfer_targets", "transfer.allowed_targets"),
+    _key("keys_file", "security.keys_file"),
+    _key("fleet_key_file", "security.fleet_key_file"),
+    _key("audit_path", "security.audit_path"),
+    _key("tombstone_ttl_s", "security.tombstone_ttl_s"),
+    _key("tls_cert_file", "security.tls_cert_file"),
+    _key("tls_key_file", "security.tls_key_file"),
+    _key("tls_ca_file", "security.tls_ca_file"),
+    _key("curve_secret_file", "events.curve_secret_file"),
+    _key("curve_clients_dir", "events.curve_clients_dir"),
 )
 OVERRIDES: Final[Mapping[str, Override]] = {o.name: o for o in OVERRIDE_LIST}
 
