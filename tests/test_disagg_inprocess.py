@@ -26,7 +26,7 @@ from kvstrata.runtime.scheduler import SchedulerConfig
 from kvstrata.serve import transfer_receiver
 from kvstrata.serve.disagg import DisaggMetrics, Disaggregation
 from kvstrata.serve.protocol import TransferWait
-from kvstrata.serve.transfer_receiver import DecodeTransfers
+from kvstrata.serve.transfer_receiver import DecodeTransfers, TransferStatus
 from kvstrata.serve.transfer_sender import _same, prefill_and_send
 from kvstrata.transfer.handshake import decode_answer
 from kvstrata.transfer.intro import TransferIntro, encode_intro, intro_mac
@@ -293,7 +293,9 @@ def export_prefix_after(engine: ReferenceEngine, prompt: list[int]) -> ExportedP
     return export_prefix(engine, prompt, "default")
 
 
-def _send(tiny_model: LoadedModel, receiver: DecodeTransfers, prompt: list[int], rid: str) -> None:
+def _send(
+    tiny_model: LoadedModel, receiver: DecodeTransfers, prompt: list[int], rid: str
+) -> TransferStatus:
     sender = ReferenceEngine(tiny_model, EngineConfig(block_size=16, pool_blocks=64))
     sender.start_loop()
     try:
@@ -304,6 +306,7 @@ def _send(tiny_model: LoadedModel, receiver: DecodeTransfers, prompt: list[int],
         sender.stop_loop()
     status = receiver.wait(rid, 10)
     assert status is not None and status.committed
+    return status
 
 
 def _held(engine: ReferenceEngine) -> int:
@@ -358,7 +361,8 @@ def test_a_hold_nobody_takes_ends_after_hold_s(tiny_model: LoadedModel) -> None:
             time.sleep(0.05)
         assert _held(engine) == 0
         _send(tiny_model, receiver, _tokens(16 * 3, seed=72), "again")
-        _send(tiny_model, receiver, _tokens(16 * 4, seed=73), "again")  # a repeated id
+        # A repeated id: its wait is for this transfer, not the first one's end.
+        assert _send(tiny_model, receiver, _tokens(16 * 4, seed=73), "again").blocks == 4
         assert _held(engine) == 4  # the first transfer's hold ended with the second's
         disagg = Disaggregation(engine, DisaggMetrics(CollectorRegistry()), receiver=receiver)
         disagg.release_at_first_token(TransferWait(request_id="again"), None)  # it failed

@@ -253,6 +253,15 @@ class DecodeTransfers:
                 if notify in waiter.callbacks:
                     waiter.callbacks.remove(notify)
 
+    def _begin(self, request_id: str) -> None:
+        """A transfer under a repeated id began: a later ``wait`` waits for it, not for the
+        earlier one's end (before the answer goes out, so the sender's return comes after)."""
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            if waiter is not None and waiter.done.is_set():
+                self._waiters[request_id] = _Waiter(time.monotonic())
+                self._waiters.move_to_end(request_id)
+
     def _waiter(self, request_id: str) -> _Waiter:
         now = time.monotonic()
         dropped: list[Located] = []
@@ -360,6 +369,7 @@ class DecodeTransfers:
             self._refused(intro, conn, RefuseReason.TENANT_FORBIDDEN.value, 0.0, record=False)
             return
         started.append(intro.request_id)
+        self._begin(intro.request_id)
         answer = answer_offer(raw_offer, self.capabilities, max_bytes=MAX_MESSAGE_BYTES)
         offer: TransferOffer | None = None
         plan: ConversionPlan | None = None
