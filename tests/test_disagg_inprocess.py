@@ -352,11 +352,12 @@ def test_a_hold_nobody_takes_ends_after_hold_s(tiny_model: LoadedModel) -> None:
     config = EngineConfig(block_size=16, pool_blocks=64, tenant_secret=SECRET)
     engine = build_engine(tiny_model, config, worker)
     engine.start_loop()
-    receiver = DecodeTransfers(engine, tenant_secret=SECRET, hold_s=0.3).start()
+    # Long enough that a loaded box checks each hold before it ends; short enough to wait out.
+    receiver = DecodeTransfers(engine, tenant_secret=SECRET, hold_s=1.5).start()
     try:
         _send(tiny_model, receiver, _tokens(16 * 3, seed=71), "orphan")
         assert _held(engine) == 3
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while _held(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _held(engine) == 0

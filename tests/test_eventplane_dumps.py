@@ -74,7 +74,7 @@ def test_an_attach_whose_dump_fails_raises_and_leaves_no_stream() -> None:
     index, lock = fresh_index()
     with _publisher("w0") as publisher:
         worker = ScriptedWorker(publisher, fail=frozenset({1}))
-        plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.05)
+        plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
         plane.start()
         try:
             with pytest.raises(httpx.ConnectError, match="refused"):
@@ -204,7 +204,7 @@ def test_a_detach_fails_an_attach_still_waiting_for_its_dump() -> None:
     index, lock = fresh_index()
     with _publisher("w0") as publisher:
         worker = ScriptedWorker(publisher, stall=frozenset({1}))
-        plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.05)
+        plane = EventPlane(index, lock, source=worker, subscribe_settle_s=0.3)
         plane.start()
         try:
             with ThreadPoolExecutor(1) as pool:

@@ -20,30 +20,37 @@ from kvstrata.bench.foreign_load import (
     own_cpu_use,
 )
 
-BUSY = (
+BUSY = (  # busy until {s} s of its own CPU (however loaded the box), or 30 s of wall time
     "import ctypes, time\n"
     "ctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)\n"  # PR_SET_NAME: /proc's comm
     "t = time.time()\n"
-    "while time.time() - t < {s}: pass\n"
+    "while time.process_time() < {s} and time.time() - t < 30: pass\n"
 )
 
 
-def _orphan_burner(seconds: float, name: str) -> None:
+def _orphan_burner(seconds: float, name: str) -> int:
     """A busy Python process that is not our descendant: started in the background by a
-    shell that exits at once, so it is reparented away from this process."""
+    shell that exits at once, so it is reparented away from this process. Its pid."""
     script = BUSY.format(s=seconds, name=name)
-    subprocess.run(
-        ["sh", "-c", '"$0" -c "$1" >/dev/null 2>&1 &', sys.executable, script], check=True
-    )
+    shell = ["sh", "-c", '"$0" -c "$1" >/dev/null 2>&1 & echo $!', sys.executable, script]
+    return int(subprocess.run(shell, check=True, capture_output=True, text=True).stdout)
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
 def test_a_foreign_busy_process_is_counted_and_our_own_child_is_not() -> None:
     with ForeignLoad(interval_s=0.1) as load:
-        _orphan_burner(1.2, "kvs-foreign")
-        ours = subprocess.Popen([sys.executable, "-c", BUSY.format(s=1.2, name="kvs-ours")])
+        foreign = _orphan_burner(1.0, "kvs-foreign")
+        ours = subprocess.Popen([sys.executable, "-c", BUSY.format(s=1.0, name="kvs-ours")])
         time.sleep(1.5)
-        ours.wait(timeout=10)
+        ours.wait(timeout=40)
+        assert _gone(foreign, 40)  # it burnt its 1 s of CPU, however long that took
     figures = load.figures()
     top = {row["command"]: row["cpu_s"] for row in figures["top"]}
     assert top.get("kvs-foreign", 0.0) >= 0.5, figures

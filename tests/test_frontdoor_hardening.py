@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -190,8 +190,14 @@ def test_a_worker_re_attached_after_a_failed_request_keeps_its_requests_in_fligh
     """One request failing before its first token marks the worker unhealthy; the health
     round re-attaches it (same epoch) — with an empty in-flight table, so a worker still
     streaming four answers looked idle to the router."""
-    worker = _Worker(tokens_s=0.5)
+    worker = _Worker(tokens_s=1.0)  # each stream runs ~10 s: the checks below come well before
     with _front(worker) as (fleet, base):
+
+        async def until(condition: Callable[[], bool], within_s: float = 4.0) -> bool:
+            deadline = time.monotonic() + within_s
+            while not condition() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return condition()
 
         async def stream(prompt: str) -> int:
             body = {"prompt": prompt, "max_tokens": 10, "stream": True}
@@ -205,10 +211,10 @@ def test_a_worker_re_attached_after_a_failed_request_keeps_its_requests_in_fligh
 
         async def scenario() -> list[int]:
             running = [asyncio.create_task(stream("hello")) for _ in range(4)]
-            await asyncio.sleep(1.0)
-            assert _inflight(fleet) == [4]
+            assert await until(lambda: _inflight(fleet) == [4])
             assert await stream("boom") == 503  # its only worker was flagged
-            await asyncio.sleep(1.0)  # health rounds: re-attached, healthy again
+            # Health rounds: re-attached, healthy again.
+            assert await until(lambda: fleet.worker_views()[0].healthy)
             views = fleet.worker_views()
             assert views[0].healthy and views[0].inflight == 4
             return list(await asyncio.gather(*running))
