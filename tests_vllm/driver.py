@@ -4,13 +4,15 @@ Usage: ``python tests_vllm/driver.py SPEC.json`` where SPEC is::
 
     {"model": DIR, "connector": {extra_config…} | null, "example_dir": DIR | null,
      "speculative": {speculative_config…} | null,
-     "steps": [{"op": "generate", "prompt": [token ids], "salt": null, "max_tokens": 16},
+     "steps": [{"op": "generate", "prompt": [token ids], "salt": null, "max_tokens": 16,
+                "logprobs": null},
                {"op": "reset"},
                {"op": "tamper", "dir": DISK_DIR}]}
 
 Each step prints one JSON line (``generate``: output token ids, text, ``num_cached_tokens``,
-seconds). A real process per scenario: vLLM engines do not share one process cleanly, and a
-fresh process is what "another process reuses the KV" means.
+seconds, and with ``"logprobs": k`` the chosen tokens' logprobs). A real process per
+scenario: vLLM engines do not share one process cleanly, and a fresh process is what "another
+process reuses the KV" means.
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ def main() -> None:
         elif op == "tamper":
             print(json.dumps({"op": "tamper", "files": tamper(Path(step["dir"]))}), flush=True)
         elif op == "generate":
-            params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 16))
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=step.get("max_tokens", 16),
+                logprobs=step.get("logprobs"),
+            )
             prompt = TokensPrompt(prompt_token_ids=step["prompt"])
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
@@ -90,6 +96,15 @@ def main() -> None:
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - t0
             ttft = None
+            sampled = out.outputs[0].logprobs  # with "logprobs": k, the chosen tokens' logprobs
+            chosen = (
+                [
+                    float(d[t].logprob)
+                    for t, d in zip(out.outputs[0].token_ids, sampled, strict=True)
+                ]
+                if sampled
+                else None
+            )
             metrics = getattr(out, "metrics", None)
             if metrics is not None and getattr(metrics, "first_token_latency", None):
                 ttft = float(metrics.first_token_latency)
@@ -100,6 +115,7 @@ def main() -> None:
                         "tokens": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text,
                         "num_cached_tokens": out.num_cached_tokens,
+                        "logprobs": chosen,
                         "seconds": seconds,
                         "ttft_s": ttft,
                     }

@@ -13,6 +13,9 @@ Scenarios (each one vLLM process):
 - ``speculative``: n-gram speculative decoding (a model-free proposer): reuse stays on; the
   blocks stored while decoding hold only accepted tokens' KV (a follow-up turn over the first
   answer hits them and answers as a cold run of the same engine does).
+- ``bit-identical``: random-token prompts whose prefix another request computed; the hit
+  from kvstrata has the same greedy tokens and logprobs, bit for bit, as vLLM's own
+  prefix-cache hit on the same KV.
 - ``tamper``: disk tier only; the stored files' payload bytes are flipped while vLLM runs;
   the next load fails its digest check, is reported, vLLM recomputes, the output stays right;
   the block is stored again and a third run hits.
@@ -233,3 +236,40 @@ def test_ngram_speculative_decoding_keeps_reuse_and_stores_only_accepted_tokens(
     assert hit["tokens"] == cold["tokens"]
     stats = _stats(stats_path)
     assert stats["load_errors"] == 0 and stats["tokens_loaded"] == hit["num_cached_tokens"]
+
+
+def test_a_kvstrata_hit_is_bit_identical_to_vllms_own_prefix_cache_hit(
+    tmp_path: Path, smol: Path
+) -> None:
+    """The bf16 check that tells kvstrata's KV from vLLM's own: a prompt whose 512-token
+    prefix another request computed, once hit in vLLM's own prefix cache, once (that cache
+    reset) loaded from kvstrata. Both reuse the KV of the same single-request prefill, so the
+    greedy tokens **and their logprobs** must be equal bit for bit — a stored block with any
+    wrong byte shows up here, where an output-text check in bf16 may not, and batch-variant
+    numerics cannot (one request per step in both)."""
+    import random
+
+    rng = random.Random(7)
+    pairs = []
+    for _ in range(2):  # random tokens, like `bench vllm-serving`'s prefix-repetition prompts
+        prefix = [rng.randrange(100, 49000) for _ in range(16 * BLOCK)]
+        pairs.append([prefix + [rng.randrange(100, 49000) for _ in range(BLOCK)] for _ in "ab"])
+
+    def gen(prompt: list[int]) -> dict[str, Any]:
+        return {"op": "generate", "prompt": prompt, "max_tokens": 16, "logprobs": 1}
+
+    reset: dict[str, Any] = {"op": "reset"}
+    own = [step for a, b in pairs for step in (gen(a), gen(b), reset)]
+    loaded = [step for a, b in pairs for step in (gen(a), reset, gen(b), reset)]
+    stats_path = tmp_path / "stats.json"
+    connector = {"host_gib": 0.25, "disk_gib": 0, "stats_path": str(stats_path)}
+    vllm_hits = generations(run_driver(tmp_path, {"model": str(smol), "steps": own}))[1::2]
+    kvstrata_hits = generations(
+        run_driver(tmp_path, {"model": str(smol), "connector": connector, "steps": loaded})
+    )[1::2]
+    for theirs, ours in zip(vllm_hits, kvstrata_hits, strict=True):
+        assert theirs["num_cached_tokens"] == ours["num_cached_tokens"] == 16 * BLOCK
+        assert ours["tokens"] == theirs["tokens"]
+        assert ours["logprobs"] == theirs["logprobs"] and len(ours["logprobs"]) == 16
+    stats = _stats(stats_path)
+    assert stats["tokens_loaded"] == 2 * 16 * BLOCK and stats["load_errors"] == 0
