@@ -274,9 +274,11 @@ def test_output_mismatches_are_counted_per_mode() -> None:
     assert out["mismatches_by_mode"]["kvstrata"] == 2
     assert out["mismatches_by_mode"]["example_connector"] == 2 * 3
     assert out["mismatches_by_mode"]["plain_small"] == 0
-    assert {"workload": "fits", "mode": "kvstrata", "rep": 1, "request": 1} in out[
-        "mismatch_examples"
-    ]
+    example = {"workload": "fits", "mode": "kvstrata", "rep": 1, "request": 1, "text": "X"}
+    assert (
+        example | {"reference": "b", "reference_run": "plain_small rep 0"}
+        in out["mismatch_examples"]
+    )
     assert data["goals"]["outputs_equal"]["met"] is False
 
 

