@@ -355,13 +355,19 @@ def own_server() -> Iterator[ValkeyServer]:
     server.stop()
 
 
+STALL_S = 2.0  # the tier's timeout (0.5 s) + the probe's (0.15 s) + slack for a loaded box
+
+
 @contextlib.contextmanager
 def _stalled(server: ValkeyServer, seconds: float) -> Iterator[None]:
     """The server sleeps for ``seconds``: every other call waits meanwhile (and runs after
     it, also one whose caller timed out). Returns once it is over."""
     staller = redis.Redis.from_url(server.url, socket_timeout=seconds + 10)
     busy = threading.Thread(target=staller.execute_command, args=("DEBUG", "SLEEP", seconds))
-    probe = redis.Redis.from_url(server.url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+    # A probe unanswered for 0.15 s: the server sleeps (a loaded box can delay a healthy reply
+    # that long only rarely; the stalls below leave the tier's 0.5 s timeout a second of slack
+    # after it).
+    probe = redis.Redis.from_url(server.url, socket_timeout=0.15, retry=Retry(NoBackoff(), 0))
     busy.start()
     try:
         deadline = time.monotonic() + 5.0
@@ -412,7 +418,7 @@ def test_a_timed_out_commit_is_not_sent_again_and_the_key_stores_at_once(
     slot = patient.prepare_store(meta)
     assert slot is not None
     slot.buffer[:] = payload
-    _stall_during(patient, "_run_script", own_server, 0.8, name="commit")
+    _stall_during(patient, "_run_script", own_server, STALL_S, name="commit")
     with pytest.raises(TierError, match="committing"):
         patient.complete_store(slot, True)
     assert patient.remote_counters.refused == {}
@@ -426,7 +432,7 @@ def test_a_timed_out_reservation_is_not_sent_again_and_the_key_stores_at_once(
     patient: RemoteTier, own_server: ValkeyServer
 ) -> None:
     meta, payload = make_object(3)
-    _stall_during(patient, "_run_script", own_server, 0.8, name="reserve")
+    _stall_during(patient, "_run_script", own_server, STALL_S, name="reserve")
     with pytest.raises(TierError):
         patient.prepare_store(meta)
     assert patient.remote_counters.refused == {}
@@ -445,7 +451,7 @@ def test_a_timed_out_write_leaves_no_bytes_without_an_entry(
     slot = patient.prepare_store(meta)
     assert slot is not None
     slot.buffer[:] = payload
-    _stall_during(patient, "_write_object", own_server, 1.3)
+    _stall_during(patient, "_write_object", own_server, STALL_S + 0.5)
     with pytest.raises(TierError, match="writing"):
         patient.complete_store(slot, True)
     entry = _entry(patient, meta.key)
