@@ -361,6 +361,7 @@ def test_a_hold_nobody_takes_ends_after_hold_s(tiny_model: LoadedModel) -> None:
         while _held(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _held(engine) == 0
+        receiver.hold_s = 600  # from here on, only a release or a newer transfer ends a hold
         _send(tiny_model, receiver, _tokens(16 * 3, seed=72), "again")
         # A repeated id: its wait is for this transfer, not the first one's end.
         assert _send(tiny_model, receiver, _tokens(16 * 4, seed=73), "again").blocks == 4

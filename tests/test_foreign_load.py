@@ -37,10 +37,19 @@ def _orphan_burner(seconds: float, name: str) -> int:
 
 
 def _gone(pid: int, timeout_s: float) -> bool:
+    """``pid`` exited (a zombie its reaper has not collected yet counts as gone)."""
+
+    def running() -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
     deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not Path(f"/proc/{pid}").exists()
+    return not running()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")

@@ -244,9 +244,9 @@ def test_a_kvstrata_hit_is_bit_identical_to_vllms_own_prefix_cache_hit(
     """The bf16 check that tells kvstrata's KV from vLLM's own: a prompt whose 512-token
     prefix another request computed, once hit in vLLM's own prefix cache, once (that cache
     reset) loaded from kvstrata. Both reuse the KV of the same single-request prefill, so the
-    greedy tokens **and their logprobs** must be equal bit for bit — a stored block with any
-    wrong byte shows up here, where an output-text check in bf16 may not, and batch-variant
-    numerics cannot (one request per step in both)."""
+    greedy tokens **and their logprobs** must be equal bit for bit — a wrong stored block
+    shows up here even where the greedy text in bf16 would not, and batch-variant numerics
+    cannot excuse a difference (one request per step in both)."""
     import random
 
     rng = random.Random(7)

@@ -50,7 +50,7 @@ batch with three others gave chosen-token logprobs 0.06–0.18 apart, and one of
 prompts like the ones here flipped a greedy token (float32: ~1e-5 apart, no flips). Under concurrent
 serving a prompt's KV (recomputed, or reused from whichever batch computed it) therefore
 depends on arrival timing in every mode, so a bf16 mismatch alone does not show a wrong block.
-``--dtype float32`` does: there rounding cannot flip a token, a wrong block still would. The
+``--dtype float32`` does: there rounding can hardly flip a token, a wrong block still would. The
 real-vLLM tests check the other half: a kvstrata hit equals vLLM's own prefix-cache hit on the
 same KV bit for bit (tokens and logprobs). Each mismatch example carries both texts.
 """

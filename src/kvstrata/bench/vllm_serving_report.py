@@ -121,7 +121,7 @@ def compare_outputs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if text != expected:
                 mismatches += 1
                 by_mode[mode] += 1
-                if len(examples) < MAX_EXAMPLES:  # the texts: where they part, by how much
+                if len(examples) < MAX_EXAMPLES:  # with both texts, to see where they part
                     examples.append(
                         {"workload": key[0], "mode": mode, "rep": run["rep"], "request": index,
                          "text": text, "reference": expected, "reference_run": source}

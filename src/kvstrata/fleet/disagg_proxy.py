@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 import httpx
@@ -56,7 +57,9 @@ async def prepare(
     if chosen.path == "local":
         _count(fleet, chosen)
         return payload, chosen
-    transfer_id = f"{request_id}-kv"
+    # One id per attempt: a client that retries under its own X-Request-Id (or two tenants
+    # that pick the same one) never meets an earlier transfer's end or hold on the decode side.
+    transfer_id = f"{request_id}-{uuid.uuid4().hex[:12]}-kv"
     body: dict[str, Any] = {
         "request_id": transfer_id,
         "prompt_token_ids": tokens,

@@ -36,8 +36,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 
 import torch
 
@@ -49,6 +49,7 @@ from kvstrata.objects import KVObjectMeta
 from kvstrata.runtime.blocks import BlockInfo, block_tokens
 from kvstrata.security.audit import NULL_AUDIT, Action, AuditLog
 from kvstrata.security.keys import valid_namespace
+from kvstrata.serve.transfer_status import TransferStatus, TransferWaiter
 from kvstrata.store.levels import Located, RequestScope
 from kvstrata.telemetry.transfer_metrics import TransferMetrics
 from kvstrata.transfer.convert import convert_blocks, torch_dtype
@@ -89,34 +90,6 @@ _MAX_TRACKED = 4096
 MAX_CONNECTIONS = 64
 """Transfer connections served at once; one beyond is closed at accept (each holds a thread
 and, until its handshake ends, up to a frame's worth of bytes its peer sent)."""
-
-
-@dataclass(frozen=True)
-class TransferStatus:
-    """How one transfer ended on this worker: ``outcome`` is a ``TransferMetrics`` outcome;
-    ``reason`` a ``RefuseReason`` value for a refused handshake (else empty)."""
-
-    request_id: str
-    outcome: str
-    blocks: int
-    payload_bytes: int
-    seconds: float
-    reason: str = ""
-    detail: str = ""  # why a transfer that began did not commit (logs, never a label)
-
-    @property
-    def committed(self) -> bool:
-        return self.outcome == "committed"
-
-
-class _Waiter:
-    def __init__(self, now: float) -> None:
-        self.done = threading.Event()
-        self.status: TransferStatus | None = None
-        self.created = now
-        self.callbacks: list[Callable[[TransferStatus], None]] = []  # guarded by the lock
-        self.held: list[Located] = []  # the received blocks held for the request (the lock)
-        self.held_until = 0.0
 
 
 class DecodeTransfers:
@@ -166,8 +139,8 @@ class DecodeTransfers:
         self._store = engine.bridge.store
         self._ingress = StoreIngress(self._store)
         self._lock = threading.Lock()
-        self._waiters: OrderedDict[str, _Waiter] = OrderedDict()
-        self._holding: dict[str, _Waiter] = {}  # the waiters whose blocks are held
+        self._waiters: OrderedDict[str, TransferWaiter] = OrderedDict()
+        self._holding: dict[str, TransferWaiter] = {}  # the waiters whose blocks are held
         self._active = 0
         self._receiving: set[TransferReceiver] = set()  # cancelled by close()
         self._listener: Listener | None = None
@@ -253,22 +226,25 @@ class DecodeTransfers:
                 if notify in waiter.callbacks:
                     waiter.callbacks.remove(notify)
 
-    def _begin(self, request_id: str) -> None:
-        """A transfer under a repeated id began: a later ``wait`` waits for it, not for the
-        earlier one's end (before the answer goes out, so the sender's return comes after)."""
+    def _begin(self, request_id: str) -> TransferWaiter:
+        """A transfer began (before its answer goes out): the waiter its end will set. A
+        decode request's wait that came first shares it; one another transfer under the same
+        id owns (ended or not) is replaced, so a later ``wait`` waits for this one."""
         with self._lock:
             waiter = self._waiters.get(request_id)
-            if waiter is not None and waiter.done.is_set():
-                self._waiters[request_id] = _Waiter(time.monotonic())
+            if waiter is None or waiter.owned or waiter.status is not None:
+                waiter = self._waiters[request_id] = TransferWaiter(time.monotonic())
                 self._waiters.move_to_end(request_id)
+            waiter.owned = True
+        return waiter
 
-    def _waiter(self, request_id: str) -> _Waiter:
+    def _waiter(self, request_id: str) -> TransferWaiter:
         now = time.monotonic()
         dropped: list[Located] = []
         with self._lock:
             waiter = self._waiters.get(request_id)
             if waiter is None:
-                waiter = self._waiters[request_id] = _Waiter(now)
+                waiter = self._waiters[request_id] = TransferWaiter(now)
             while self._waiters and (
                 len(self._waiters) > _MAX_TRACKED
                 or next(iter(self._waiters.values())).created < now - _KEEP_S
@@ -304,8 +280,13 @@ class DecodeTransfers:
         held, waiter.held = waiter.held, []
         return held
 
-    def _finish(self, status: TransferStatus, held: Sequence[Located] = ()) -> None:
-        waiter = self._waiter(status.request_id)
+    def _finish(
+        self,
+        status: TransferStatus,
+        held: Sequence[Located] = (),
+        waiter: TransferWaiter | None = None,
+    ) -> None:
+        waiter = waiter if waiter is not None else self._waiter(status.request_id)
         with self._lock:
             waiter.status = status
             unheld = self._unhold(status.request_id)  # a repeated id: never leak a hold
@@ -340,19 +321,22 @@ class DecodeTransfers:
 
     def _serve(self, conn: Connection) -> None:
         """One connection, counted in ``_active`` from its accept to its end."""
-        started: list[str] = []  # the request id, once the intro named it
+        started: list[tuple[str, TransferWaiter]] = []  # the request id, once the intro named it
         try:
             self._serve_one(conn, started)
         except Exception as exc:  # a connection's failure is its own, never the worker's
             logger.exception("transfer connection failed")
             if started:
-                self._finish(TransferStatus(started[0], "failed", 0, 0, 0.0, detail=str(exc)))
+                (request_id, waiter), detail = started[0], str(exc)
+                self._finish(
+                    TransferStatus(request_id, "failed", 0, 0, 0.0, detail=detail), (), waiter
+                )
         finally:
             with self._lock:
                 self._active -= 1
             conn.close()
 
-    def _serve_one(self, conn: Connection, started: list[str]) -> None:
+    def _serve_one(self, conn: Connection, started: list[tuple[str, TransferWaiter]]) -> None:
         start = time.monotonic()
         try:
             intro = decode_intro(bytes(conn.recv_frame(timeout_s=_HANDSHAKE_TIMEOUT_S)))
@@ -368,8 +352,8 @@ class DecodeTransfers:
             conn.send_frame(encode(refuse(RefuseReason.TENANT_FORBIDDEN, detail)))
             self._refused(intro, conn, RefuseReason.TENANT_FORBIDDEN.value, 0.0, record=False)
             return
-        started.append(intro.request_id)
-        self._begin(intro.request_id)
+        waiter = self._begin(intro.request_id)
+        started.append((intro.request_id, waiter))
         answer = answer_offer(raw_offer, self.capabilities, max_bytes=MAX_MESSAGE_BYTES)
         offer: TransferOffer | None = None
         plan: ConversionPlan | None = None
@@ -379,10 +363,10 @@ class DecodeTransfers:
         conn.send_frame(encode(answer))
         if isinstance(answer, Refuse) or offer is None or plan is None:
             reason = answer.reason.value if isinstance(answer, Refuse) else "malformed"
-            self._refused(intro, conn, reason, time.monotonic() - start)
+            self._refused(intro, conn, reason, time.monotonic() - start, waiter=waiter)
             return
         if self._stop.is_set():  # closing: take nothing more into the store
-            self._refused(intro, conn, "closing", time.monotonic() - start)
+            self._refused(intro, conn, "closing", time.monotonic() - start, waiter=waiter)
             return
         metas = self._metas(intro, offer, plan)
         receiver = TransferReceiver(
@@ -414,7 +398,7 @@ class DecodeTransfers:
             time.monotonic() - start,
             detail=result.detail,
         )
-        self._finish(status, held)
+        self._finish(status, held, waiter)
 
     def _check(
         self,
@@ -486,6 +470,7 @@ class DecodeTransfers:
         seconds: float,
         *,
         record: bool = True,
+        waiter: TransferWaiter | None = None,
     ) -> None:
         path = getattr(conn, "path", "tcp")
         self.metrics.observe(path, "refused", 0, seconds)
@@ -497,4 +482,5 @@ class DecodeTransfers:
             tier=self._ingress.name,
         )
         if record:
-            self._finish(TransferStatus(intro.request_id, "refused", 0, 0, seconds, reason))
+            status = TransferStatus(intro.request_id, "refused", 0, 0, seconds, reason)
+            self._finish(status, (), waiter)
