@@ -46,9 +46,9 @@ def server_env(tmp: Path, *, omp_threads: int | None = None) -> dict[str, str]:
     threads = str(omp_threads) if omp_threads is not None else env.get("OMP_NUM_THREADS", "1")
     env.update(
         HF_HUB_OFFLINE="1",
-        # 1, not 2: with a KV connector (kvstrata's or vLLM's ExampleConnector alike), 2 OpenMP
-        # threads on this busy 2-core box made every kernel wait (64 decode steps: 2.1 s plain,
-        # 3–135 s with a connector); with 1 thread both take ~2 s.
+        # For kvstrata's own servers; a multiprocess vLLM worker takes its thread count from
+        # its core binding instead (vllm_cpu_env below makes it equal with and without a
+        # connector: 1 on 2 cores).
         OMP_NUM_THREADS=threads,
         VLLM_NO_USAGE_STATS="1",
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),

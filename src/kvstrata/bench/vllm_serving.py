@@ -2,7 +2,8 @@
 
 Needs vLLM (``make vllm-venv``); the CLI re-runs itself with that venv's python. Every run is a
 fresh OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the converted SmolLM2
-(bf16, block 32, eager, prefix caching on, ``OMP_NUM_THREADS=1``, a fresh temp dir, otherwise
+(bf16, block 32, eager, prefix caching on, the worker's threads from vLLM's core binding with
+the reserve fixed — 1 on 2 cores, ``vllm_cpu_env`` — a fresh temp dir, otherwise
 identical flags), driven by ``vllm.benchmarks.serve`` itself. Four modes:
 
 - ``plain_small``: vLLM with the small KV cache alone;
@@ -48,8 +49,8 @@ warm-up request; the client's ready check is off, so no workload prompt is cache
 Every server gets the same cores: vllm-cpu reserves one more core for a server with a KV
 connector, which on 2 cores handed the connector's server both cores and 2 OpenMP threads
 (``runtime.processes.vllm_cpu_env`` fixes the reserve; before 2026-12-07 kvstrata's and
-ExampleConnector's servers ran with twice the peers' threads, and kvstrata's bf16 answers
-differed from plain vLLM's on 1–4 of 27 prompts for that reason alone). Reading a mismatch:
+ExampleConnector's servers ran with twice the peers' threads; under the pressure preset of
+``bench all`` that is what made 1–4 of kvstrata's 27 bf16 answers differ). Reading a mismatch:
 vllm-cpu in bf16 is not batch-invariant either (the same prompt alone and beside three others:
 chosen-token logprobs 0.06–0.18 apart, one of six random-token prompts flipped a greedy token;
 float32: ~1e-5), so ``--dtype float32`` is the run that tells a wrong block from rounding. The

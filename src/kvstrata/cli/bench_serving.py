@@ -37,7 +37,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--block-size", type=int, default=s.block_size)
     parser.add_argument("--seed", type=int, default=s.seed, help="the client's dataset seed")
     parser.add_argument(
-        "--omp-threads", type=int, default=s.omp_threads, help="OMP_NUM_THREADS of both servers"
+        "--omp-threads",
+        type=int,
+        default=s.omp_threads,
+        help="OMP_NUM_THREADS of kvstrata serve (vLLM takes its threads from its core binding)",
     )
     parser.add_argument("--served-model-name", default=s.served_model_name)
     parser.add_argument("--vllm-python", type=Path, default=None, help="python of a vLLM venv")

@@ -16,8 +16,8 @@ steps. Contracts:
   ``dropped_blocks``): a lost save costs only future reuse, never correctness, and the step
   never waits for the saver.
 - **Failures lose nothing but reuse**: a put that fails is logged and counted by ``save``.
-- **In one process** (vLLM's engine core runs scheduler and worker together: the API server,
-  or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side finds the saver through
+- **In one process** (vLLM's engine core runs scheduler and worker together:
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side finds the saver through
   ``local_saver`` and ``release_now`` finishes what is left of that request's saves (usually
   nothing: they ran during its decode) so its blocks are freed at once; only a saver in another
   process goes through ``delay_free_blocks`` and ``get_finished`` (an offline ``LLM`` does not

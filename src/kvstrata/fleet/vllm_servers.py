@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from kvstrata.fleet.vllm_workers import VLLM_STEP_TOKENS, VllmWorker
-from kvstrata.runtime.processes import die_with_parent, free_port, vllm_cpu_env, vllm_rpc_env
+from kvstrata.runtime.processes import die_with_parent, free_port, vllm_rpc_env
 
 DEFAULT_BLOCK_SIZE = 32
 """vLLM on CPU needs a multiple of 32."""
@@ -164,7 +164,6 @@ class VllmServerSpec:
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",
             **vllm_rpc_env(self.run_dir),
-            **vllm_cpu_env(),
         )
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath

@@ -116,7 +116,12 @@ def vllm_cpu_env() -> dict[str, str]:
     any connector computed with twice the threads of the same server without one: an unfair
     peer comparison, and different bf16 answers (2 threads split the kernels' sums otherwise).
     Measured 2026-12-07: with one request at a time and nothing loaded, kvstrata's answers
-    differed from plain vLLM's on 4 of 27 random-token prompts; with the reserve fixed, 0."""
+    differed from plain vLLM's on 4 of 27 random-token prompts; with the reserve fixed, 0.
+
+    Only multiprocess engines bind (the API server; in-process ``LLM`` engines with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` do not). Used where servers with and without a
+    connector are compared; ``kvstrata up --engine vllm`` (every server has the connector)
+    keeps vLLM's own choice, so several servers on one box do not all bind to core 0."""
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
 
 
