@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from kvstrata.bench.vllm_ttft_child import MARK
 from kvstrata.errors import InvalidInput
-from kvstrata.runtime.processes import vllm_cpu_env, vllm_rpc_env
+from kvstrata.runtime.processes import vllm_rpc_env
 
 SERIES = ("fresh", "kvstrata", "example_connector", "store_kvstrata", "store_example")
 
@@ -95,7 +95,6 @@ def _env(tmp: Path) -> dict[str, str]:
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         TOKENIZERS_PARALLELISM="false",
         **vllm_rpc_env(tmp),
-        **vllm_cpu_env(),
     )
     return env
 
