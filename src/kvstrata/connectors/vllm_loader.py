@@ -66,7 +66,11 @@ class LoadResult:
     fetched: tuple[Fetched, ...]
     failed: frozenset[int]
     timed_out: bool
-    seconds: float
+    fetch_s: float
+    """From ``start`` to the fetch's end (to the deadline when it was given up)."""
+    wait_s: float
+    """How long the forward (or ``finish``) blocked waiting for the fetch: the load's cost
+    on the critical path; the rest of ``fetch_s`` overlapped what ran before layer 0."""
 
 
 class BackgroundLoad:
@@ -92,6 +96,8 @@ class BackgroundLoad:
         self._error: Exception | None = None
         self._thread: threading.Thread | None = None
         self._started = 0.0
+        self._fetch_s: float | None = None  # set by the fetch thread before _done
+        self._wait_s = 0.0
         self.timed_out = False
 
     def start(self) -> BackgroundLoad:
@@ -108,6 +114,7 @@ class BackgroundLoad:
         except Exception as exc:  # reported by finish(): the blocks are recomputed
             self._error = exc
         finally:
+            self._fetch_s = self._clock() - self._started
             self._done.set()
 
     def _place(self, block_id: int, payload: memoryview) -> bool:
@@ -122,8 +129,11 @@ class BackgroundLoad:
         if self._waited:
             return
         self._waited = True
-        left = self.timeout_s - (self._clock() - self._started)
-        if self._done.wait(max(left, 0.0)):
+        began = self._clock()
+        left = self.timeout_s - (began - self._started)
+        done = self._done.wait(max(left, 0.0))
+        self._wait_s = self._clock() - began
+        if done:
             return
         with self._place_lock:  # a copy in progress ends first; none starts after this
             self._given_up = True
@@ -134,14 +144,14 @@ class BackgroundLoad:
 
     def finish(self) -> LoadResult:
         self._wait()
-        seconds = self._clock() - self._started
+        fetch_s = self.timeout_s if self.timed_out or self._fetch_s is None else self._fetch_s
         if self.timed_out or self._error is not None:
             failed = frozenset(b for request in self.loads for b in request.block_ids)
-            return LoadResult((), failed, self.timed_out, seconds)
+            return LoadResult((), failed, self.timed_out, fetch_s, self._wait_s)
         failed_ids: set[int] = set()
         for item in self._results:
             failed_ids.update(item.request.block_ids[item.loaded :])
-        return LoadResult(tuple(self._results), frozenset(failed_ids), False, seconds)
+        return LoadResult(tuple(self._results), frozenset(failed_ids), False, fetch_s, self._wait_s)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the fetch thread (a given-up one still reads the store, never writes)."""

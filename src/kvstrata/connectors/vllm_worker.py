@@ -134,7 +134,8 @@ class ConnectorStats:
     pd_refused: int = 0  # kv_consumer: offers refused (local prefill); by reason: pd_refusals
     pd_wait_timeouts: int = 0  # kv_consumer: accepted offers whose blocks did not all arrive
     steps: int = 0
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # fetch threads' time, start to end (overlaps the forward)
+    load_wait_seconds: float = 0.0  # of which the forward blocked at its first layer
     save_seconds: float = 0.0
 
 
@@ -265,7 +266,8 @@ class ConnectorWorker:
             tokens_loaded=loaded * self.codec.block_size,
             bytes_loaded=loaded * self.codec.block_bytes,
             load_errors=len(result.failed),
-            load_seconds=result.seconds,
+            load_seconds=result.fetch_s,
+            load_wait_seconds=result.wait_s,
         )
         return set(result.failed)
 
