@@ -150,6 +150,25 @@ def test_the_four_modes_differ_only_in_cache_size_and_connector(tmp_path: Path) 
     assert len({tuple(rest(a)) for a in argvs.values()}) == 1  # otherwise identical flags
 
 
+def test_the_capped_peer_is_equal_memory_at_the_small_caches_concurrency(tmp_path: Path) -> None:
+    from kvstrata.bench.vllm_serving import ALL_MODES
+
+    w = ServingSizes().workload("exceeds")
+    assert "plain_equal_memory_capped" in ALL_MODES and "plain_equal_memory_capped" not in MODES
+    assert w.small_cache_seqs == w.small_cache_tokens // w.max_model_len == 2
+    args = {"model": "/m", "port": 1, "bytes_per_token": 23_040, "transfer": None}
+    capped = server_argv(w, "plain_equal_memory_capped", **args)  # type: ignore[arg-type]
+    equal = server_argv(w, "plain_equal_memory", **args)  # type: ignore[arg-type]
+    assert capped == [*equal, "--max-num-seqs", "2"]  # the same memory, fewer sequences
+    assert (
+        transfer_config(
+            "plain_equal_memory_capped", tmp_path, host_blocks=1, block_bytes=1, disk_gib=1
+        )
+        is None
+    )
+    assert "--max-num-seqs" not in server_argv(w, "kvstrata", **args)  # type: ignore[arg-type]
+
+
 def test_client_uses_the_datasets_own_order_and_keeps_outputs() -> None:
     w = ServingSizes().workload("exceeds")
     client = client_argv(w, model="/m", port=1234)
@@ -222,8 +241,9 @@ def test_ratios_are_medians_of_the_raw_figures_and_goals_follow() -> None:
     for w, ratios in data["ratios"].items():
         assert set(ratios) == {
             "p50_vs_plain_small", "p50_vs_equal_memory", "p50_vs_example_connector",
-            "tpot_vs_plain_small",
+            "p50_vs_equal_memory_capped", "tpot_vs_plain_small",
         }  # fmt: skip
+        assert ratios["p50_vs_equal_memory_capped"] is None  # a mode not run: no ratio
 
         def med(mode: str, figure: str, w: str = w) -> float:
             raw = [

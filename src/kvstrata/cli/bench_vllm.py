@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.vllm_serving import MODES, WORKLOADS, ServingSizes
+from kvstrata.bench.vllm_serving import ALL_MODES, MODES, WORKLOADS, ServingSizes
 from kvstrata.bench.vllm_serving_report import table_rows
 from kvstrata.cli.bench_vllm_fleet import register_fleet
 from kvstrata.cli.output import emit
@@ -49,7 +49,7 @@ def register(sub: Any) -> None:
     )
     s = ServingSizes()
     serving.add_argument("--workloads", default=",".join(WORKLOADS), help="fits,exceeds")
-    serving.add_argument("--modes", default=",".join(MODES), help=",".join(MODES))
+    serving.add_argument("--modes", default=",".join(MODES), help=",".join(ALL_MODES))
     serving.add_argument("--repeats", type=int, default=3, help="rounds, modes rotated each")
     serving.add_argument("--prefix-len", type=int, default=s.prefix_len)
     serving.add_argument("--suffix-len", type=int, default=s.suffix_len)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def run_serving(args: argparse.Namespace) -> int:
     sizes = sizes_from_args(args)  # bad sizes fail before any re-exec or server start
     workloads = _names(args.workloads, WORKLOADS, "--workloads")
-    modes = _names(args.modes, MODES, "--modes")
+    modes = _names(args.modes, ALL_MODES, "--modes")
     if args.repeats < 1:
         raise InvalidInput("--repeats must be ≥ 1")
     code = reexec_unless_vllm(args)
