@@ -40,7 +40,10 @@ def main_python(explicit: Path | None = None) -> Path:
 
 
 def reexec_unless_vllm(args: argparse.Namespace) -> int | None:
-    """Re-run this command with the vLLM venv's python when vLLM is not importable here."""
+    """Re-run this command with the vLLM venv's python when vLLM is not importable here.
+
+    The main venv converts the SmolLM2 checkpoint first when it is missing (``smollm2_dir``:
+    vLLM's venv cannot), so a benchmark runs on a fresh machine without a separate step."""
     if importlib.util.find_spec("vllm") is not None:
         return None
     python = vllm_python(args)
@@ -50,6 +53,10 @@ def reexec_unless_vllm(args: argparse.Namespace) -> int | None:
             file=sys.stderr,
         )
         return 2
+    if importlib.util.find_spec("gguf") is not None:
+        from kvstrata.engine.model_loader import ensure_checkpoint
+
+        ensure_checkpoint("smollm2")
     os.environ[REEXEC_MARK] = "1"
     os.environ.setdefault(MAIN_PYTHON_ENV, sys.executable)
     argv = [str(python), "-m", "kvstrata.cli.main", *sys.argv[1:]]
@@ -66,8 +73,8 @@ def smollm2_dir() -> Path | None:
     model_dir = cache_root() / "models" / SMOLLM2_DIR_NAME
     if not (model_dir / "config.json").is_file():
         print(
-            f"{model_dir} missing: convert it once with the main venv "
-            "(`kvstrata verify` or `make test-vllm`)",
+            f"{model_dir} missing: run the command with the main venv's kvstrata once "
+            "(it converts the checkpoint before it re-runs itself under vLLM's venv)",
             file=sys.stderr,
         )
         return None
