@@ -177,7 +177,10 @@ def test_a_stream_whose_client_left_before_its_first_token_stops_the_worker() ->
         )
         client = socket.create_connection((host, int(port)))
         client.sendall(head.encode() + body)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # the request reached the worker (slow on a loaded box)
+        while not worker.bodies and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
         client.close()
         assert worker.cancelled.wait(5.0), "the worker kept computing for a client that left"
         deadline = time.monotonic() + 5

