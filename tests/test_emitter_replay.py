@@ -47,7 +47,7 @@ def _gap_then_live(emitter: KVEventEmitter, timeout_s: float) -> Received:
         publisher.publish([_stored(block_hash)])  # nobody listens yet: seq 0..2 are a gap
     assert publisher.replay_endpoint is not None
     sub = ZmqEventSubscriber(
-        publisher.endpoint, publisher.replay_endpoint, expected_seq=0, replay_timeout_s=0.5
+        publisher.endpoint, publisher.replay_endpoint, expected_seq=0, replay_timeout_s=2.0
     ).start()
     try:
         assert publisher.wait_for_subscriber(TIMEOUT_S)

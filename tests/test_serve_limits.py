@@ -31,7 +31,7 @@ from kvstrata.telemetry import KvMetrics
 
 MODEL = "tiny"
 MAX_TOKENS = 24
-BODY_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 2.0  # wide enough for a loaded 2-core box to answer a header first
 LIMITS = ServeLimits(max_tokens=MAX_TOKENS, max_body_bytes=4 * MIB, body_timeout_s=BODY_TIMEOUT_S)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
