@@ -282,6 +282,21 @@ PLAN: Final[tuple[Entry, ...]] = (
         needs_vllm=True,
     ),
     Entry(
+        "vllm-serving-fp32",
+        _cmd(
+            "bench vllm-serving --dtype float32 --modes plain_small,plain_equal_memory,kvstrata "
+            "--repeats 1 --json"
+        ),
+        "The default preset in float32: bf16 answers after a prefix hit differ from a fresh "
+        "prefill's in every mode with a hit (vLLM's own prefix cache too), float32 ones must "
+        "not, so a wrong stored or placed block would show here.",
+        quick=_cmd(
+            "bench vllm-serving --dtype float32 --workloads fits --modes plain_small,kvstrata "
+            "--repeats 1 --json"
+        ),
+        needs_vllm=True,
+    ),
+    Entry(
         "vllm-serving-pressure",
         _cmd(
             f"bench vllm-serving {PRESSURE} --modes plain_small,plain_equal_memory,"
