@@ -347,6 +347,21 @@ def test_cpu_model_reads_cpuinfo(tmp_path: Path) -> None:
     assert cpu_model(tmp_path / "missing") != ""  # the platform's name, or "unknown"
 
 
+def test_cpu_detail_tells_apart_two_cpus_of_one_name(tmp_path: Path) -> None:
+    from kvstrata.cli.machine import cpu_detail
+
+    def info(family: int, flags: str) -> Path:
+        path = tmp_path / f"cpuinfo-{family}"
+        block = f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: {family}\nmodel\t: 2\n"
+        second = "processor\t: 1\nflags\t: amx_bf16\n"  # only the first CPU's block is read
+        path.write_text(f"{block}flags\t: fpu {flags}\n\n{second}")
+        return path
+
+    assert cpu_detail(info(26, "avx2 avx512f avx512_bf16")) == "family 26 model 2, avx512_bf16"
+    assert cpu_detail(info(25, "avx2")) == "family 25 model 2, avx2"
+    assert cpu_detail(tmp_path / "missing") is None
+
+
 def test_device_blocks_from_the_pool() -> None:
     assert bench_calibrate.device_blocks(1.0, 16) == (1 << 30) // (16 * 46_080)
     assert math.isclose(bench_calibrate.device_blocks(2.0, 32), (2 << 30) // (32 * 46_080))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvstrata.bench.results_page import render_page
-from kvstrata.cli.machine import cpu_model, memory_gib
+from kvstrata.cli.machine import cpu_detail, cpu_model, memory_gib
 from kvstrata.cli.output import RECORD_ENV, emit
 from kvstrata.cli.vllm_venv import vllm_python
 from kvstrata.errors import InvalidInput
@@ -447,6 +447,7 @@ def machine_meta(*, quick: bool) -> dict[str, Any]:
         "date": _now(),
         "commit": _git("rev-parse", "--short", "HEAD") + (" (dirty)" if _git_dirty() else ""),
         "cpu": cpu_model(),
+        "cpu_detail": cpu_detail(),
         "cores": os.cpu_count(),
         "memory_gib": memory_gib(),
         "gpu": "none" if not Path("/dev/nvidia0").exists() else "present",
@@ -479,6 +480,8 @@ def merge_bundles(bundles: Sequence[dict[str, Any]]) -> dict[str, Any]:
     benches: dict[str, dict[str, Any]] = {}
     for bundle in bundles:
         cpu = bundle.get("meta", {}).get("cpu")
+        if cpu and bundle["meta"].get("cpu_detail"):
+            cpu = f"{cpu} ({bundle['meta']['cpu_detail']})"
         for bench in bundle.get("benches", []):
             benches.pop(bench["name"], None)
             benches[bench["name"]] = {"cpu": cpu, **bench} if cpu else bench
