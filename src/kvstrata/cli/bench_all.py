@@ -275,7 +275,9 @@ PLAN: Final[tuple[Entry, ...]] = (
         "set that fits kvstrata's host tier (64 blocks) and one ~3x it (disk serves the rest); "
         "kvstrata's TTFT against plain vLLM with the same small KV cache, with that cache plus "
         "the host budget (equal memory) and vLLM's ExampleConnector, rotated rounds, outputs "
-        "compared; every server on the same cores (runtime.processes.vllm_cpu_env).",
+        "compared (in bf16 they differ after a hit in every mode, vLLM's own prefix cache "
+        "included: vllm-serving-fp32 is the correctness check); every server on the same "
+        "cores (runtime.processes.vllm_cpu_env).",
         quick=_cmd(
             "bench vllm-serving --workloads fits --modes plain_small,kvstrata --repeats 1 --json"
         ),
