@@ -57,10 +57,11 @@ def test_a_client_gone_from_the_front_door_stops_the_workers_generation(
                 )
                 client = socket.create_connection((front.base_url.host, front.base_url.port))
                 client.sendall(head.encode() + body)
-                deadline = time.monotonic() + 30  # the worker has it (a loaded box is slow)
-                while not fleet.worker_views()[0].inflight and time.monotonic() < deadline:
+                running = worker.engine.metrics.running
+                deadline = time.monotonic() + 30  # the worker is generating it (slow when loaded)
+                while running._value.get() < 1 and time.monotonic() < deadline:
                     time.sleep(0.05)
-                time.sleep(0.2)
+                assert running._value.get() >= 1, "the request never reached the worker"
                 client.close()  # the client is gone, its answer far from done
                 deadline = time.monotonic() + 60
                 while not records.records and time.monotonic() < deadline:

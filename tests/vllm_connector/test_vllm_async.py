@@ -171,6 +171,25 @@ def test_a_load_reports_its_fetch_time_and_the_forwards_wait_apart() -> None:
     assert result.fetch_s == 7.0 and result.wait_s == 2.0
 
 
+def test_without_a_layer_asking_finish_is_where_the_step_waits() -> None:
+    codec, _, rows = _codec()
+    gate = threading.Event()
+    now = [0.0]
+    request = RequestLoad("a", "default", (3,), (b"k0",))
+    load = BackgroundLoad(
+        [request], _placing(rows, 1, gate), codec, timeout_s=60, clock=lambda: now[0]
+    ).start()
+    now[0] = 1.0  # the forward ends without an attention layer asking (nothing to read)
+
+    def fetch_ends() -> None:
+        now[0] = 4.0
+        gate.set()
+
+    threading.Timer(0.05, fetch_ends).start()
+    result = load.finish()
+    assert result.fetch_s == 4.0 and result.wait_s == 3.0
+
+
 def test_a_late_fetch_is_given_up_and_never_writes_vllm_kv() -> None:
     codec, target, rows = _codec()
     gate = threading.Event()
@@ -180,6 +199,7 @@ def test_a_late_fetch_is_given_up_and_never_writes_vllm_kv() -> None:
     load.layer("l0")
     result = load.finish()
     assert result.timed_out and result.failed == {3, 4}
+    assert result.fetch_s == 0.05 and 0.0 < result.wait_s <= 0.05 + 5.0  # the deadline's
     gate.set()
     assert load.join(10)
     assert fetch.answers == [0]  # type: ignore[attr-defined]  # place refused the first block

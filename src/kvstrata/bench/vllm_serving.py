@@ -143,7 +143,10 @@ class ServingWorkload:
 
     @property
     def small_cache_seqs(self) -> int:
-        """Requests of ``max_model_len`` tokens the small cache holds at once (at least 1)."""
+        """Requests of ``max_model_len`` tokens the small cache holds at once (at least 1):
+        the figure vLLM itself reports ("Maximum concurrency for 640 tokens per request:
+        2.00x" for 40 blocks). A workload's requests take fewer blocks than that and share
+        prefix blocks, so a server with the small cache may run more at once."""
         return max(1, self.small_cache_tokens // self.max_model_len)
 
     @property

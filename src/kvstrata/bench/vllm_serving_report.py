@@ -219,11 +219,12 @@ def summarize(
     wall_s: float,
 ) -> dict[str, Any]:
     """The reported JSON: workloads, medians and spreads, ratios, goals, outputs, raw runs."""
+    dtypes = sorted({str(w.get("dtype", "bfloat16")) for w in workloads.values()}) or ["bfloat16"]
     summary = {w: {m: per_mode(runs, w, m) for m in modes} for w in workloads}
     all_ratios = {w: ratios(summary[w]) for w in workloads}
     outputs = compare_outputs(runs)
     return {
-        "model": "SmolLM2-135M bf16",
+        "model": f"SmolLM2-135M {'/'.join(dtypes)}",
         "kv_bytes_per_token": bytes_per_token,
         "block_bytes": block_bytes,
         "modes": list(modes),

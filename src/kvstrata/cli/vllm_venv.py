@@ -67,7 +67,7 @@ def smollm2_dir() -> Path | None:
     """The converted SmolLM2 HF directory, or ``None`` (with a hint on stderr) if missing.
 
     vLLM's venv has no ``gguf``, so it cannot convert the checkpoint itself: the main venv's
-    ``ensure_checkpoint('smollm2')`` (``kvstrata verify``, ``make test-vllm``) does it once."""
+    ``ensure_checkpoint('smollm2')`` does it once (``reexec_unless_vllm``, ``make test-vllm``)."""
     from kvstrata.engine.model_loader import cache_root
 
     model_dir = cache_root() / "models" / SMOLLM2_DIR_NAME

@@ -69,8 +69,9 @@ class LoadResult:
     fetch_s: float
     """From ``start`` to the fetch's end (to the deadline when it was given up)."""
     wait_s: float
-    """How long the forward (or ``finish``) blocked waiting for the fetch: the load's cost
-    on the critical path; the rest of ``fetch_s`` overlapped what ran before layer 0."""
+    """How long the forward's first layer (or ``finish``, when no layer asked) blocked waiting
+    for the fetch: the load's cost on the critical path; the rest of ``fetch_s`` overlapped
+    what ran before. Not counted: ``StepLoads.begin`` joining a late earlier fetch."""
 
 
 class BackgroundLoad:

@@ -135,7 +135,7 @@ class ConnectorStats:
     pd_wait_timeouts: int = 0  # kv_consumer: accepted offers whose blocks did not all arrive
     steps: int = 0
     load_seconds: float = 0.0  # fetch threads' time, start to end (overlaps the forward)
-    load_wait_seconds: float = 0.0  # of which the forward blocked at its first layer
+    load_wait_seconds: float = 0.0  # of which the step blocked (first layer, or finish)
     save_seconds: float = 0.0
 
 
