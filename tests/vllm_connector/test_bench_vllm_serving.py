@@ -169,6 +169,59 @@ def test_the_capped_peer_is_equal_memory_at_the_small_caches_concurrency(tmp_pat
     assert "--max-num-seqs" not in server_argv(w, "kvstrata", **args)  # type: ignore[arg-type]
 
 
+def test_concurrency_is_what_ran_while_the_server_had_work() -> None:
+    from kvstrata.bench.vllm_serving_report import concurrency, queue_gauges
+
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="x"} 9.0\n'
+    )
+    assert queue_gauges(text) == (3.0, 4.0)
+    got = concurrency([(0.0, 0.0), (1.0, 0.0), (3.0, 2.0), (0.0, 1.0), (0.0, 0.0)])
+    assert got == {
+        "samples": 5, "busy_samples": 3, "running_mean": 4 / 3, "running_max": 3.0,
+        "waiting_mean": 1.0,
+    }  # fmt: skip
+    assert concurrency([])["running_mean"] is None
+
+
+def test_polling_samples_a_live_endpoint_and_skips_failures() -> None:
+    import http.server
+    import threading
+    import time
+
+    from kvstrata.bench import vllm_serving
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"vllm:num_requests_running 2.0\nvllm:num_requests_waiting 1.0\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        with vllm_serving.polling(url) as polled:
+            deadline = time.monotonic() + 20
+            while len(polled) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert polled[:2] == [(2.0, 1.0), (2.0, 1.0)]
+    finally:
+        server.shutdown()
+    with vllm_serving.polling("http://127.0.0.1:1/metrics") as nothing:
+        time.sleep(3 * vllm_serving.POLL_S)
+    assert nothing == []  # refused polls are skipped, never raised
+
+
 def test_client_uses_the_datasets_own_order_and_keeps_outputs() -> None:
     w = ServingSizes().workload("exceeds")
     client = client_argv(w, model="/m", port=1234)

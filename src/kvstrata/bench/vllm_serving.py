@@ -68,13 +68,16 @@ for bit (tokens and logprobs). Each mismatch example carries both texts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +92,10 @@ from kvstrata.bench.servers import (
 from kvstrata.bench.servers import tail as log_tail
 from kvstrata.bench.vllm_serving_report import (
     client_figures,
+    concurrency,
     parse_metrics,
     prompt_digest,
+    queue_gauges,
     rotated,
     summarize,
 )
@@ -347,6 +352,33 @@ def _run_client(
     return run_serve_client(argv, {"get_samples": recorded}), prompts
 
 
+POLL_S = 0.25
+"""How often ``polling`` samples the server's running and waiting requests."""
+
+
+@contextlib.contextmanager
+def polling(url: str) -> Iterator[list[tuple[float, float]]]:
+    """Sample ``queue_gauges`` of ``url`` every ``POLL_S`` in a thread while the block runs
+    (a failed poll is skipped): what the server ran at once, the same way for every mode."""
+    polled: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(POLL_S):
+            try:
+                polled.append(queue_gauges(http(url).decode()))
+            except (OSError, HTTPException):
+                continue
+
+    thread = threading.Thread(target=poll, name="vllm-serving-poll", daemon=True)
+    thread.start()
+    try:
+        yield polled
+    finally:
+        stop.set()
+        thread.join(10)
+
+
 def run_mode(
     mode: str,
     workload: ServingWorkload,
@@ -374,13 +406,15 @@ def run_mode(
         warm = {"model": str(model_dir), "prompt": "Hello, warm-up.", "max_tokens": 2}
         http(f"{base}/v1/completions", warm, timeout=300)
         client_started = time.perf_counter()
-        result, prompts = _run_client(workload, str(model_dir), port)
+        with polling(f"{base}/metrics") as polled:
+            result, prompts = _run_client(workload, str(model_dir), port)
         client_s = time.perf_counter() - client_started
         metrics = parse_metrics(http(f"{base}/metrics").decode())
     figures = client_figures(result)
     figures |= {"server_ready_s": round(ready_s, 1), "client_s": round(client_s, 1)}
     figures["vllm_cache_blocks"] = workload.cache_blocks(mode)
     figures["server_metrics"] = metrics
+    figures["concurrency"] = concurrency(polled)
     if metrics.get("prefill_count"):
         figures["prefill_mean_s"] = metrics["prefill_seconds_sum"] / metrics["prefill_count"]
     requests = max(1, workload.num_requests)

@@ -74,6 +74,30 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def queue_gauges(text: str) -> tuple[float, float]:
+    """(running, waiting) requests in a ``/metrics`` text, summed over engines."""
+    running = waiting = 0.0
+    for name, _, number in samples(text):
+        if name == "vllm:num_requests_running":
+            running += number
+        elif name == "vllm:num_requests_waiting":
+            waiting += number
+    return running, waiting
+
+
+def concurrency(polled: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """What the server ran at once while it had work: mean and max of the running requests
+    over the samples with any request running or waiting, and the mean waiting there."""
+    busy = [(r, w) for r, w in polled if r + w > 0]
+    return {
+        "samples": len(polled),
+        "busy_samples": len(busy),
+        "running_mean": statistics.fmean(r for r, _ in busy) if busy else None,
+        "running_max": max((r for r, _ in busy), default=None),
+        "waiting_mean": statistics.fmean(w for _, w in busy) if busy else None,
+    }
+
+
 def prompt_digest(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()[:16]
 
