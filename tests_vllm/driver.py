@@ -3,16 +3,20 @@
 Usage: ``python tests_vllm/driver.py SPEC.json`` where SPEC is::
 
     {"model": DIR, "connector": {extra_config…} | null, "example_dir": DIR | null,
-     "speculative": {speculative_config…} | null,
+     "speculative": {speculative_config…} | null, "num_gpu_blocks": N | null,
+     "save_delay_s": S | null,
      "steps": [{"op": "generate", "prompt": [token ids], "salt": null, "max_tokens": 16,
                 "logprobs": null},
                {"op": "reset"},
+               {"op": "sleep", "seconds": 1.0},
                {"op": "tamper", "dir": DISK_DIR}]}
 
 Each step prints one JSON line (``generate``: output token ids, text, ``num_cached_tokens``,
 seconds, and with ``"logprobs": k`` the chosen tokens' logprobs). A real process per
 scenario: vLLM engines do not share one process cleanly, and a fresh process is what "another
-process reuses the KV" means.
+process reuses the KV" means. ``save_delay_s`` is fault injection, for one-process runs
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): every background save job of the connector waits that
+long before it reads vLLM's blocks (a slow store).
 """
 
 from __future__ import annotations
@@ -39,8 +43,22 @@ def tamper(disk_dir: Path) -> int:
     return count
 
 
+def slow_saves(delay_s: float) -> None:
+    from kvstrata.connectors.vllm_worker import ConnectorWorker
+
+    save_request = ConnectorWorker.save_request
+
+    def delayed(self: ConnectorWorker, request: object) -> None:
+        time.sleep(delay_s)
+        save_request(self, request)
+
+    ConnectorWorker.save_request = delayed
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("save_delay_s"):
+        slow_saves(float(spec["save_delay_s"]))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -56,6 +74,8 @@ def main() -> None:
     )
     if spec.get("speculative") is not None:
         kwargs["speculative_config"] = spec["speculative"]
+    if spec.get("num_gpu_blocks") is not None:
+        kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvstrataConnector",
@@ -81,6 +101,9 @@ def main() -> None:
         if op == "reset":
             ok = llm.reset_prefix_cache()
             print(json.dumps({"op": "reset", "ok": bool(ok)}), flush=True)
+        elif op == "sleep":
+            time.sleep(float(step["seconds"]))
+            print(json.dumps({"op": "sleep"}), flush=True)
         elif op == "tamper":
             print(json.dumps({"op": "tamper", "files": tamper(Path(step["dir"]))}), flush=True)
         elif op == "generate":

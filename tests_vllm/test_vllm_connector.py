@@ -8,8 +8,12 @@ Scenarios (each one vLLM process):
   different processes, so the connector metadata is pickled across), reuses what ``stored``
   left on disk.
 - ``plain``: the same prompt on vLLM without a connector: every kvstrata answer equals it.
-- saves run on the connector's background saver after the step; a finished request's blocks
-  are let go once its saves are done (``requests_released``), and the next request hits.
+- saves run on the connector's background saver after the step, reading vLLM's blocks in
+  place; a finished request's blocks are freed at once, and the next request hits.
+- ``fenced``: a pool too small for two prompts and a slow saver (fault injection): the second
+  prompt gets blocks whose saves have not read them yet; the step finishes those saves first
+  (``save_flushes``), so what kvstrata stored for the first prompt answers it as plain vLLM
+  does.
 - ``speculative``: n-gram speculative decoding (a model-free proposer): reuse stays on; the
   blocks stored while decoding hold only accepted tokens' KV (a follow-up turn over the first
   answer hits them and answers as a cold run of the same engine does).
@@ -96,9 +100,38 @@ def test_reset_prefix_cache_then_hit_from_kvstrata(
     assert stats["load_errors"] == 0 and stats["load_digest_mismatch"] == 0
     assert stats["tiers"]["host"]["objects"] >= len(prompt_ids) // BLOCK
     assert stats["tiers"]["disk"]["objects"] >= len(prompt_ids) // BLOCK
-    # Saved by the background saver; each finished request let go once its saves were done.
-    assert stats["blocks_saved"] >= len(prompt_ids) // BLOCK
-    assert stats["requests_released"] >= 4 and stats["save_dropped"] == 0
+    # Saved by the background saver.
+    assert stats["blocks_saved"] >= len(prompt_ids) // BLOCK and stats["save_dropped"] == 0
+
+
+def test_a_block_handed_out_again_has_its_pending_saves_finished_first(
+    tmp_path: Path, smol: Path, prompt_ids: list[int], plain_tokens: list[int]
+) -> None:
+    stats_path = tmp_path / "stats.json"
+    connector = {"host_gib": 0.25, "stats_path": str(stats_path)}
+    filler = [(7 * i) % 5000 + 100 for i in range(400)]  # 13 blocks: the pool has 15
+    steps = [
+        {"op": "generate", "prompt": prompt_ids},  # 11 blocks, saves still waiting
+        {"op": "generate", "prompt": filler, "max_tokens": 4},  # takes some of them
+        {"op": "sleep", "seconds": 2.5},  # every save has run
+        {"op": "reset"},
+        {"op": "generate", "prompt": prompt_ids},  # from kvstrata
+    ]
+    spec = {
+        "model": str(smol),
+        "connector": connector,
+        "steps": steps,
+        "max_model_len": 480,
+        "num_gpu_blocks": 16,
+        "save_delay_s": 1.0,
+    }
+    results = run_driver(tmp_path, spec)
+    stats = _stats(stats_path)
+    first, _, again = generations(results)
+    assert stats["save_flushes"] >= 1 and stats["save_flush_seconds"] > 0.2, stats
+    assert again["num_cached_tokens"] == _reusable(prompt_ids)  # vLLM's cache was reset
+    assert first["tokens"] == plain_tokens and again["tokens"] == plain_tokens
+    assert stats["load_errors"] == 0 and stats["save_dropped"] == 0
 
 
 def test_cache_salt_isolation(

@@ -1,6 +1,7 @@
-"""The asynchronous parts of the vLLM connector, without vLLM: the background saver (pinned
-blocks released only when their saves are done, bounded, drained on close) and the background
-load (each block placed as it passes its checks; a late fetch is given up and writes nothing)."""
+"""The asynchronous parts of the vLLM connector, without vLLM: the background saver (which
+plans' saves have all run, flushes before a block is reused, bounded, drained on close) and
+the background load (each block placed as it passes its checks; a late fetch is given up and
+writes nothing)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _save(req_id: str, blocks: int) -> RequestSave:
 
 
 # ---- saver ---------------------------------------------------------------------------------
-def test_a_finished_request_is_released_only_once_its_saves_are_done() -> None:
+def test_saved_through_names_the_plans_whose_saves_all_ran() -> None:
     gate = threading.Event()
     saved: list[str] = []
 
@@ -42,32 +43,68 @@ def test_a_finished_request_is_released_only_once_its_saves_are_done() -> None:
         saved.append(request.req_id)
 
     saver = BackgroundSaver(slow_save, max_blocks=16).start()
-    saver.submit([_save("a", 2), _save("b", 0)])
-    # "b" had nothing to write: released as soon as vLLM finishes it; "a" is still saving.
-    assert saver.take_finished({"a", "b", "unknown"}) == {"b"}
-    assert saver.take_finished(set()) == set()
+    assert saver.saved_through() == 0
+    saver.submit([_save("a", 2)], seq=1)
+    saver.submit([_save("b", 0)], seq=2)  # nothing to write
+    saver.submit([_save("c", 1)], seq=3)
+    assert saver.saved_through() == 0  # plan 1 is still saving: nothing later counts yet
     gate.set()
     assert saver.wait_idle(10)
-    assert saver.take_finished(set()) == {"a"}  # vLLM said "finished" before: reported now
-    assert saver.take_finished({"a"}) == set()  # once only
-    assert saved == ["a"]
+    assert saver.saved_through() == 3 and saved == ["a", "c"]
+    saver.submit([], seq=4)  # a plan without saves is saved at once
+    assert saver.saved_through() == 4
+    saver.close()
+
+
+def test_a_flush_finishes_the_named_requests_saves_on_the_calling_thread() -> None:
+    saved: list[str] = []
+    saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=16)  # not started
+    saver.submit([_save("a", 1)], seq=1)
+    saver.submit([_save("b", 1), _save("c", 1)], seq=2)
+    saver.flush(["b", "c"])
+    assert saved == ["b", "c"] and saver.flushed == 2 and saver.flush_seconds >= 0
+    assert saver.saved_through() == 0  # plan 1 ("a") still waits
+    saver.flush([])
+    assert saver.flushed == 2
+    saver.close()
+    assert saved == ["b", "c", "a"] and saver.saved_through() == 2
+
+
+def test_a_flush_waits_for_the_job_the_saver_is_running() -> None:
+    started, gate = threading.Event(), threading.Event()
+    saved: list[str] = []
+
+    def slow_save(request: RequestSave) -> None:
+        started.set()
+        gate.wait(10)
+        saved.append(request.req_id)
+
+    saver = BackgroundSaver(slow_save, max_blocks=16).start()
+    saver.submit([_save("a", 1)], seq=1)
+    assert started.wait(10)
+    flushing = threading.Thread(target=saver.flush, args=(["a"],))
+    flushing.start()
+    flushing.join(0.2)
+    assert flushing.is_alive() and saved == []  # "a" is being read: the step waits
+    gate.set()
+    flushing.join(10)
+    assert not flushing.is_alive() and saved == ["a"] and saver.flushed == 1
     saver.close()
 
 
 def test_the_queue_is_bounded_and_close_drains_it() -> None:
     saved: list[str] = []
     saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=3)  # not started
-    saver.submit([_save("a", 2), _save("b", 2), _save("c", 1)])
+    saver.submit([_save("a", 2), _save("b", 2), _save("c", 1)], seq=1)
     assert saver.dropped_blocks == 2 and saver.queued_blocks == 3  # b's first block fits
-    assert saver.take_finished({"c"}) == {"c"}  # dropped: nothing pins its blocks any more
     saver.close()
-    assert saved == ["a", "b"] and saver.idle()
+    assert saved == ["a", "b"] and saver.idle() and saver.saved_through() == 1
 
 
 def test_a_job_larger_than_the_queue_saves_its_first_blocks() -> None:
     saved: list[tuple[str, int]] = []
     saver = BackgroundSaver(lambda r: saved.append((r.req_id, len(r.blocks))), max_blocks=2)
-    saver.submit([_save("big", 3)])
+    saver.submit([_save("big", 3)], seq=1)
     assert saver.dropped_blocks == 1 and saver.queued_blocks == 2
     saver.close()
     assert saved == [("big", 2)]
@@ -76,33 +113,21 @@ def test_a_job_larger_than_the_queue_saves_its_first_blocks() -> None:
 def test_preempted_requests_are_saved_before_their_blocks_go() -> None:
     saved: list[str] = []
     saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=16)  # not started
-    saver.submit([_save("a", 1), _save("b", 1)])
+    saver.submit([_save("a", 1), _save("b", 1)], seq=1)
     saver.drain_requests(["b"])
     assert saved == ["b"]
     saver.close()
     assert saved == ["b", "a"]
 
 
-def test_a_request_released_in_place_takes_no_later_saves() -> None:
-    saved: list[str] = []
-    saver = BackgroundSaver(lambda r: saved.append(r.req_id), max_blocks=16)  # not started
-    saver.submit([_save("a", 1)])
-    saver.release_now("a")  # the scheduler frees its blocks itself
-    assert saved == ["a"] and saver.released == 1
-    saver.submit([_save("a", 1)])  # planned before vLLM finished it: its blocks are gone
-    assert saver.dropped_blocks == 1 and saver.take_finished({"a"}) == set()
-    saver.close()
-    assert saved == ["a"]
-
-
-def test_a_failing_save_is_counted_and_the_request_still_released() -> None:
+def test_a_failing_save_is_counted_and_its_plan_still_saved() -> None:
     def broken(request: RequestSave) -> None:
         raise OSError("disk gone")
 
     saver = BackgroundSaver(broken, max_blocks=16).start()
-    saver.submit([_save("a", 1)])
+    saver.submit([_save("a", 1)], seq=1)
     assert saver.wait_idle(10)
-    assert saver.failed_jobs == 1 and saver.take_finished({"a"}) == {"a"}
+    assert saver.failed_jobs == 1 and saver.saved_through() == 1  # nothing reads vLLM now
     saver.close()
 
 
@@ -242,7 +267,7 @@ def test_saver_thread_leaves_the_core_its_creator_is_pinned_to() -> None:
         os.sched_setaffinity(0, {min(allowed)})  # this thread only, like vLLM's worker
         saver = BackgroundSaver(lambda r: seen.append(os.sched_getaffinity(0)), max_blocks=4)
         saver.start()
-        saver.submit([_save("r", 1)])
+        saver.submit([_save("r", 1)], seq=1)
         saver.close()
 
     creator = threading.Thread(target=pinned_creator)

@@ -235,6 +235,90 @@ def test_planner_stores_no_block_a_speculative_step_fills_with_drafts() -> None:
     assert save.blocks[0].tokens == tuple(tokens[2 * BS : 3 * BS])
 
 
+def _finished_after_saving(
+    planner: SchedulerPlanner, req: str, blocks: list[int], local: int = 0
+) -> int:
+    """``req`` prefills ``len(blocks)`` full blocks (vLLM holding the first ``local``; all are
+    planned for storing) and finishes; returns its plan's seq."""
+    tokens = list(range(1, len(blocks) * BS + 2))
+    planner.matched_tokens(req, tokens, None, local * BS)
+    planner.after_alloc(req, [*blocks, 99], 0)
+    plan = planner.build(
+        [ScheduledRequest(req, [*blocks, 99], True, local * BS, len(tokens) - local * BS)]
+    )
+    assert [b.block_id for b in plan.saves[0].blocks] == blocks
+    planner.finished(req)
+    return plan.seq
+
+
+def test_a_finished_requests_stored_blocks_are_fenced_until_reused_or_saved() -> None:
+    planner = SchedulerPlanner(_fingerprint(), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt)
+    seq = _finished_after_saving(planner, "a", [10, 11, 12])
+    assert planner.fenced_requests == 1
+    # "b" gets block 11 (fresh, written this step): "a"'s saves run before the forward.
+    planner.matched_tokens("b", list(range(500, 500 + 2 * BS)), None, 0)
+    planner.after_alloc("b", [40, 11], 0)
+    plan = planner.build([ScheduledRequest("b", [40, 11], True, 0, 2 * BS)])
+    assert plan.flush == ("a",) and planner.flushes == 1 and planner.fenced_requests == 0
+    assert plan.seq == seq + 1
+    # Flushed once: another reuse of its blocks asks nothing more.
+    assert planner.build([ScheduledRequest("b", [12], False, 2 * BS, 1)]).flush == ()
+    # A request whose saves the worker reports done is never flushed.
+    seq_c = _finished_after_saving(planner, "c", [20, 21])
+    planner.saves_done(seq_c - 1)
+    assert planner.fenced_requests == 1
+    planner.saves_done(seq_c)
+    assert planner.fenced_requests == 0
+    assert planner.build([ScheduledRequest("b", [20, 21], False, 2 * BS + 1, 1)]).flush == ()
+
+
+def test_a_save_planned_after_the_last_report_keeps_the_fence() -> None:
+    """Async scheduling: the next step is planned (storing "a"'s block 13) before vLLM learns
+    "a" finished; the worker's report for the step before does not cover that save."""
+    planner = SchedulerPlanner(_fingerprint(), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 3 * BS))  # block 2 one token short
+    planner.matched_tokens("a", tokens, None, 0)
+    planner.after_alloc("a", [10, 11, 12], 0)
+    first = planner.build([ScheduledRequest("a", [10, 11, 12], True, 0, len(tokens))])
+    tokens.append(7)
+    second = planner.build([ScheduledRequest("a", [], False, len(tokens) - 1, 1)])
+    assert [b.block_id for b in second.saves[0].blocks] == [12]
+    planner.finished("a")
+    planner.saves_done(first.seq)
+    assert planner.fenced_requests == 1
+    plan = planner.build([ScheduledRequest("x", [12], True, 0, BS)])  # an untracked request
+    assert plan.flush == ("a",)
+
+
+def test_a_local_prefix_hit_on_a_fenced_block_is_no_reuse() -> None:
+    """vLLM's own prefix hit reads the block (never writes it): no flush. Blocks past the hit
+    are written, and every finished request fencing one is flushed."""
+    planner = SchedulerPlanner(_fingerprint(), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt)
+    _finished_after_saving(planner, "a", [10, 11])
+    _finished_after_saving(planner, "b", [10, 30], local=1)  # hits "a"'s block 10
+    assert planner.fenced_requests == 2
+    tokens = list(range(1, 3 * BS + 2))
+    planner.matched_tokens("c", tokens, None, BS)  # vLLM holds block 10 for "c"
+    planner.after_alloc("c", [10, 50, 51, 52], 0)
+    plan = planner.build([ScheduledRequest("c", [10, 50, 51, 52], True, BS, 2 * BS + 1)])
+    assert plan.flush == ()
+    planner.matched_tokens("d", tokens, None, 0)
+    planner.after_alloc("d", [10, 60], 0)  # block 10 evicted from vLLM's cache and reused
+    plan = planner.build([ScheduledRequest("d", [10, 60], True, 0, 2 * BS)])
+    assert plan.flush == ("a", "b") and planner.fenced_requests == 0
+
+
+def test_a_request_nothing_was_stored_for_is_never_fenced() -> None:
+    planner = SchedulerPlanner(
+        ReuseDisabled(_reason(), "test"), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt
+    )
+    planner.matched_tokens("a", list(range(1, 2 * BS + 2)), None, 0)
+    planner.after_alloc("a", [10, 11, 12], 0)
+    assert planner.build([ScheduledRequest("a", [10, 11, 12], True, 0, 2 * BS + 1)]).saves == []
+    planner.finished("a")
+    assert planner.fenced_requests == 0
+
+
 def _reason() -> ReuseDisabledReason:
     return ReuseDisabledReason.UNKNOWN_ATTENTION
 

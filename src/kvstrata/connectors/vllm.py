@@ -24,11 +24,13 @@ vLLM instance with the same url and ``remote_namespace`` shares.)
   is reported through ``get_block_ids_with_load_errors`` (so with
   ``kv_load_failure_policy="recompute"`` vLLM recomputes instead of using bad KV).
   ``wait_for_save`` only queues the step's new full blocks for the background saver
-  (``vllm_saver``): ``request_finished`` keeps a request's blocks (``delay_free_blocks``) until
-  ``get_finished`` reports its saves done. Counters go to vLLM's ``KVConnectorStats`` and
-  ``/metrics`` (``vllm_stats``) and to the JSON stats file; kvstrata KV events (``medium`` =
-  tier) go out on kvstrata's own ZMQ publisher (``[events]``), not vLLM's connector event
-  path, so they carry kvstrata's keys, tenant and epoch.
+  (``vllm_saver``), which reads them in place: ``request_finished`` lets vLLM free a request's
+  blocks at once, fenced (``vllm_plan``) until the worker reports its saves done
+  (``build_connector_worker_meta`` → ``update_connector_output``); a fenced block handed out
+  again first has its reader's saves finished (``handle_preemptions``). Counters go to vLLM's
+  ``KVConnectorStats`` and ``/metrics`` (``vllm_stats``) and to the JSON stats file; kvstrata
+  KV events (``medium`` = tier) go out on kvstrata's own ZMQ publisher (``[events]``), not
+  vLLM's connector event path, so they carry kvstrata's keys, tenant and epoch.
 
 ``kv_role="kv_producer"`` / ``"kv_consumer"`` add P/D disaggregation through a shared tier
 (``vllm_pd``: the producer returns a kvstrata offer in ``kv_transfer_params``, the consumer
@@ -46,7 +48,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -54,15 +55,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from kvstrata.connectors.vllm_identity import (
-    KV_LAYOUT,
-    VllmModelView,
-    tenant_for_salt,
-    vllm_attention_impl,
-    vllm_fingerprint,
-)
+from kvstrata.connectors.vllm_identity import KV_LAYOUT, model_fingerprint, tenant_for_salt
 from kvstrata.connectors.vllm_layout import BlockCodec
 from kvstrata.connectors.vllm_loader import StepLoads
 from kvstrata.connectors.vllm_lookup import (
@@ -80,19 +76,16 @@ from kvstrata.connectors.vllm_plan import (
     SchedulerPlanner,
     StepPlan,
 )
-from kvstrata.connectors.vllm_saver import BackgroundSaver, local_saver, register_saver
+from kvstrata.connectors.vllm_saver import BackgroundSaver
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config, lookup_keys
 from kvstrata.connectors.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics, StatsDelta
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.identity import (
     BlockKey,
-    ModelFacts,
     ModelFingerprint,
     ReuseDisabled,
-    ReuseDisabledReason,
 )
 from kvstrata.runtime.events import KVEventEmitter
-from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
 from kvstrata.runtime.store_factory import build_store
 from kvstrata.runtime.wiring import wire
 from kvstrata.tiers.base import TierError
@@ -111,6 +104,19 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
+class KvstrataWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker → scheduler, once per step: every save of the plans up to ``saved_through`` has
+    run (with several workers, the least of theirs)."""
+
+    def __init__(self, saved_through: int) -> None:
+        self.saved_through = saved_through
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvstrataWorkerMetadata):
+            return KvstrataWorkerMetadata(min(self.saved_through, other.saved_through))
+        return self
+
+
 class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -127,7 +133,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: ConnectorWorker | None = None
         self._server: LookupServer | None = None
         self._loads: StepLoads | None = None
-        # Without a store (no tier opened) it still tracks requests: their blocks were kept.
+        # Without a store (no tier opened) it still reports plans as saved.
         self._saver = BackgroundSaver(_no_save, max_blocks=0)
         self._deltas = StatsDelta()
         self.pd_role = Role.of(transfer.kv_role)
@@ -211,7 +217,6 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads = StepLoads(self._worker.finish_load)
         max_blocks = self.settings.save_queue_blocks
         self._saver = BackgroundSaver(self._worker.save_request, max_blocks=max_blocks).start()
-        register_saver(self.engine_id, self._saver)
         register_local(self.engine_id, self._worker.lookup)
         self._server = self._lookup_server(self._worker.lookup)
         logger.info(
@@ -254,12 +259,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if plan.pd_counts and self._worker is not None:
             self._worker.pd_counts(plan.pd_counts)
         if self._worker is None or self._loads is None:
-            self._saver.submit(plan.saves)  # tracked only: reported finished at once
+            self._saver.submit((), seq=plan.seq)  # nothing to store: reported saved at once
             return
         skip, tainted = self._loads.end_step()
+        chosen: list[RequestSave] = []
         if plan.saves:  # nothing computed on a failed load is saved (``select_saves``)
             chosen = self._worker.select_saves(plan.saves, skip=skip, tainted=tainted)
-            self._saver.submit(chosen)
+        self._saver.submit(chosen, seq=plan.seq)
         self._copy_saver_counts()
         self._worker.end_step()
 
@@ -267,19 +273,23 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is not None:
             saver = self._saver
             self._worker.saver_counts(
-                dropped=saver.dropped_blocks, failed=saver.failed_jobs, released=saver.released
+                dropped=saver.dropped_blocks,
+                failed=saver.failed_jobs,
+                flushed=saver.flushed,
+                flush_seconds=saver.flush_seconds,
             )
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """A preempted request's blocks are freed at once: finish its saves first."""
+        """Before the forward: a preempted request's blocks are freed at once, and a finished
+        request's fenced block was handed out again (``StepPlan.flush``): finish their saves."""
         if isinstance(kv_connector_metadata, KvstrataConnectorMetadata):
-            preempted = kv_connector_metadata.plan.preempted
-            if preempted:
-                self._saver.drain_requests(preempted)
+            plan = kv_connector_metadata.plan
+            if plan.preempted:
+                self._saver.drain_requests(plan.preempted)
+            self._saver.flush(plan.flush)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        done = self._saver.take_finished(finished_req_ids)
-        return (done or None), None
+    def build_connector_worker_meta(self) -> KvstrataWorkerMetadata:
+        return KvstrataWorkerMetadata(self._saver.saved_through())
 
     def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
         if self._worker is None:
@@ -321,7 +331,6 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._server.close()
             self._server = None
         unregister_local(self.engine_id)
-        register_saver(self.engine_id, None)
         if self._loads is not None:
             self._loads.close()
         self._saver.close()  # drains: every queued save reaches the store before it closes
@@ -404,15 +413,15 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._planner is None:
             return False, None
         params = self._side.offer_params(request) if self._side is not None else None
-        if not self._planner.finished(request.request_id):
-            return False, params
-        saver = local_saver(self.engine_id)
-        if saver is not None:  # the worker is in this process: finish its saves, free now
-            saver.release_now(request.request_id)
-            return False, params
-        # Saves run in another process: the blocks stay until get_finished reports them done
-        # (a consumer of the offer waits until the store holds them).
-        return True, params
+        # Freed at once, fenced (``vllm_plan``); a consumer of the offer waits until the store
+        # holds the offered blocks.
+        self._planner.finished(request.request_id)
+        return False, params
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._planner is not None and isinstance(meta, KvstrataWorkerMetadata):
+            self._planner.saves_done(meta.saved_through)
 
 
 def _no_hits(
@@ -431,68 +440,3 @@ def _kv_order() -> str:
     from vllm.platforms import current_platform  # type: ignore[import-not-found]
 
     return "LHTKD" if str(current_platform.device_type) == "cpu" else "LKTHD"
-
-
-def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprint | ReuseDisabled:
-    """Observe vLLM's model config and let the pure builder decide."""
-    import vllm  # type: ignore[import-not-found]
-    from transformers import AutoTokenizer
-    from vllm.platforms import current_platform
-
-    model_config = vllm_config.model_config
-    model_dir = Path(str(model_config.model))
-    tokenizer_dir = Path(str(model_config.tokenizer or model_config.model))
-    if not model_dir.is_dir() or not tokenizer_dir.is_dir():
-        detail = f"model {model_dir} is not a local directory (its files cannot be digested)"
-        return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, detail)
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        return ReuseDisabled(
-            ReuseDisabledReason.UNKNOWN_ATTENTION, f"{len(groups)} KV cache groups (hybrid model)"
-        )
-    hf_config = model_config.hf_config
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    special = {
-        str(tok): int(tid)
-        for tok, tid in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True)
-    }
-    template = getattr(tokenizer, "chat_template", None)
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    kv_dtype = (
-        str(model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
-    )
-    backend = getattr(vllm_config.attention_config, "backend", None)
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    parallel = vllm_config.parallel_config
-    device = str(current_platform.device_type)
-    multimodal = bool(getattr(model_config, "is_multimodal_model", False))
-    facts = ModelFacts(
-        architecture=str(architectures[0]) if architectures else "unknown",
-        config=hf_config.to_dict(),
-        checkpoint_digest=checkpoint_digest(model_dir),
-        tokenizer_digest=tokenizer_digest(tokenizer_dir),
-        special_tokens=special,
-        chat_template=template if isinstance(template, str) else None,
-        attention_impl=vllm_attention_impl(
-            str(vllm.__version__), device, getattr(backend, "name", None) or "auto"
-        ),
-        kv_dtype=kv_dtype,
-        block_size=int(vllm_config.cache_config.block_size),
-        kv_layout=KV_LAYOUT,
-        multimodal_processor="vllm-multimodal" if multimodal else None,
-        tp_size=int(parallel.tensor_parallel_size),
-        pp_size=int(parallel.pipeline_parallel_size),
-    )
-    view = VllmModelView(
-        facts,
-        device=device,
-        quantization=model_config.quantization,
-        lora_enabled=vllm_config.lora_config is not None,
-        speculative=_speculative_method(vllm_config),
-    )
-    return vllm_fingerprint(view)
-
-
-def _speculative_method(vllm_config: Any) -> str | None:
-    spec = getattr(vllm_config, "speculative_config", None)
-    return None if spec is None else str(getattr(spec, "method", None) or "unknown")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from kvstrata.identity import (
     DEFAULT_TENANT,
@@ -39,6 +41,7 @@ from kvstrata.identity import (
     build_fingerprint,
 )
 from kvstrata.identity.salts import salt_tenant
+from kvstrata.runtime.model_files import checkpoint_digest, tokenizer_digest
 
 KV_LAYOUT = "vllm.kv.v1[block]"
 MODEL_FREE_SPECULATION = frozenset({"ngram", "ngram_gpu", "suffix"})
@@ -95,3 +98,68 @@ def tenant_for_salt(cache_salt: str | None, secret: bytes = b"") -> TenantNamesp
     if not cache_salt:
         return TenantNamespace.for_tenant(DEFAULT_TENANT, secret)
     return TenantNamespace.for_tenant(salt_tenant(cache_salt), secret)
+
+
+def model_fingerprint(vllm_config: Any, kv_cache_config: Any) -> ModelFingerprint | ReuseDisabled:
+    """Observe vLLM's model config and let the pure builder decide (``vllm_fingerprint``)."""
+    import vllm  # type: ignore[import-not-found]
+    from transformers import AutoTokenizer
+    from vllm.platforms import current_platform  # type: ignore[import-not-found]
+
+    model_config = vllm_config.model_config
+    model_dir = Path(str(model_config.model))
+    tokenizer_dir = Path(str(model_config.tokenizer or model_config.model))
+    if not model_dir.is_dir() or not tokenizer_dir.is_dir():
+        detail = f"model {model_dir} is not a local directory (its files cannot be digested)"
+        return ReuseDisabled(ReuseDisabledReason.UNIDENTIFIED_INPUT, detail)
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        return ReuseDisabled(
+            ReuseDisabledReason.UNKNOWN_ATTENTION, f"{len(groups)} KV cache groups (hybrid model)"
+        )
+    hf_config = model_config.hf_config
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    special = {
+        str(tok): int(tid)
+        for tok, tid in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True)
+    }
+    template = getattr(tokenizer, "chat_template", None)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    kv_dtype = (
+        str(model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+    )
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    parallel = vllm_config.parallel_config
+    device = str(current_platform.device_type)
+    multimodal = bool(getattr(model_config, "is_multimodal_model", False))
+    facts = ModelFacts(
+        architecture=str(architectures[0]) if architectures else "unknown",
+        config=hf_config.to_dict(),
+        checkpoint_digest=checkpoint_digest(model_dir),
+        tokenizer_digest=tokenizer_digest(tokenizer_dir),
+        special_tokens=special,
+        chat_template=template if isinstance(template, str) else None,
+        attention_impl=vllm_attention_impl(
+            str(vllm.__version__), device, getattr(backend, "name", None) or "auto"
+        ),
+        kv_dtype=kv_dtype,
+        block_size=int(vllm_config.cache_config.block_size),
+        kv_layout=KV_LAYOUT,
+        multimodal_processor="vllm-multimodal" if multimodal else None,
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+    )
+    view = VllmModelView(
+        facts,
+        device=device,
+        quantization=model_config.quantization,
+        lora_enabled=vllm_config.lora_config is not None,
+        speculative=_speculative_method(vllm_config),
+    )
+    return vllm_fingerprint(view)
+
+
+def _speculative_method(vllm_config: Any) -> str | None:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return None if spec is None else str(getattr(spec, "method", None) or "unknown")

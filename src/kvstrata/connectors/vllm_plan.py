@@ -17,6 +17,15 @@ already planned for storing.
   step's forward has run and that were not planned before are stored (the worker skips keys
   kvstrata already holds, and blocks whose load failed); when vLLM rewinds a request (a failed
   load), the blocks it recomputes are planned again.
+- **Fences** (as vLLM's ``OffloadingConnector`` does): the worker's saver reads vLLM's blocks
+  after the step, so a finished request's blocks may still be read when vLLM frees them.
+  ``finished`` frees them at once (no ``delay_free_blocks``: held blocks would cut how many
+  requests vLLM runs at once) and fences the blocks it planned to store, with the number of
+  the last plan that stored any of them. A fenced block that vLLM hands out again — a fresh
+  block of a scheduled request, beyond its local prefix hit, whose KV this step writes — puts
+  its request into the plan's ``flush``: the worker finishes that request's saves before the
+  forward (``handle_preemptions``). ``saves_done(seq)`` (every save of plans up to ``seq`` has
+  run: the worker's report) lifts fences.
 """
 
 from __future__ import annotations
@@ -75,9 +84,14 @@ class RequestSave:
 
 @dataclass
 class StepPlan:
+    seq: int = 0
+    """Plans are numbered 1, 2, … in the order they are built (``saves_done``)."""
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
+    flush: tuple[str, ...] = ()
+    """Finished requests whose saves must be done before this step's forward (a block they
+    read was handed out again)."""
     pd_counts: dict[str, int] = field(default_factory=dict)
     """The scheduler side's producer/consumer counters since the last plan (``vllm_pd``): the
     worker side adds them to its stats (the plan is how they cross processes)."""
@@ -109,7 +123,8 @@ class _Tracked:
     planned_saves: int = 0
     local_blocks: int = 0
     found_blocks: int = 0
-    saving: bool = False  # saves were planned: its blocks stay pinned until they are done
+    last_save_seq: int = 0  # the last plan that stored any of its blocks (0: none)
+    fence_upto: int = 0  # its first blocks that any plan stored (rewinds plan some again)
 
 
 class SchedulerPlanner:
@@ -128,7 +143,12 @@ class SchedulerPlanner:
         self._digest = fingerprint.digest() if isinstance(fingerprint, ModelFingerprint) else None
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[RequestLoad] = []
+        self._seq = 0
+        self._fences: dict[str, tuple[int, tuple[int, ...]]] = {}  # req → (seq, block ids)
+        self._fenced: dict[int, set[str]] = {}  # block id → finished requests that may read it
+        self._flush: set[str] = set()
         self.matched_tokens_total = 0
+        self.flushes = 0  # finished requests whose saves a reused block made the worker finish
 
     @property
     def enabled(self) -> bool:
@@ -183,8 +203,10 @@ class SchedulerPlanner:
     def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         state = self._requests.get(req_id)
         if state is None:
+            self._reused(block_ids)
             return
         state.block_ids = list(block_ids)
+        self._reused(state.block_ids[state.local_blocks :])
         blocks = num_external // self.block_size
         if blocks <= 0 or not state.enabled:
             return
@@ -199,17 +221,21 @@ class SchedulerPlanner:
 
     # ---- build_connector_meta ---------------------------------------------------------------
     def build(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
+        self._seq += 1
+        plan = StepPlan(seq=self._seq, loads=self._loads)
         self._loads = []
         size = self.block_size
         for item in scheduled:
             state = self._requests.get(item.req_id)
             if state is None:
+                self._reused(item.block_ids)
                 continue
             if item.replace:
                 state.block_ids = list(item.block_ids)
+                self._reused(state.block_ids[state.local_blocks :])
             else:
                 state.block_ids.extend(item.block_ids)
+                self._reused(item.block_ids)
             if not state.enabled:
                 continue
             # vLLM rewinds a request whose load failed: blocks from there on are recomputed
@@ -230,9 +256,44 @@ class SchedulerPlanner:
                     )
                 )
             state.planned_saves = full
-            state.saving = True
+            state.fence_upto = max(state.fence_upto, full)
+            state.last_save_seq = plan.seq
             plan.saves.append(RequestSave(item.req_id, state.tenant.name, tuple(blocks)))
+        if self._flush:
+            plan.flush = tuple(sorted(self._flush))
+            self.flushes += len(self._flush)
+            self._flush.clear()
         return plan
+
+    # ---- fences -----------------------------------------------------------------------------
+    def _reused(self, block_ids: Iterable[int]) -> None:
+        """These blocks are written from this step on: fenced readers must be done first."""
+        if not self._fenced:
+            return
+        for block_id in block_ids:
+            readers = self._fenced.get(block_id)
+            if readers:
+                for req_id in list(readers):
+                    self._lift(req_id)
+                    self._flush.add(req_id)
+
+    def _lift(self, req_id: str) -> None:
+        _, block_ids = self._fences.pop(req_id, (0, ()))
+        for block_id in block_ids:
+            readers = self._fenced.get(block_id)
+            if readers is not None:
+                readers.discard(req_id)
+                if not readers:
+                    del self._fenced[block_id]
+
+    def saves_done(self, seq: int) -> None:
+        """The worker ran every save of the plans up to ``seq``: their fences go."""
+        for req_id in [r for r, (fenced_at, _) in self._fences.items() if fenced_at <= seq]:
+            self._lift(req_id)
+
+    @property
+    def fenced_requests(self) -> int:
+        return len(self._fences)
 
     def request_keys(
         self, token_ids: Sequence[int], cache_salt: str | None, blocks: int
@@ -254,11 +315,17 @@ class SchedulerPlanner:
         keys = self._keys(state, state.planned_saves)
         return state.tenant.name, [bytes(k) for k in keys]
 
-    def finished(self, req_id: str) -> bool:
-        """Forget the request; True when saves were planned for it (vLLM must then keep its
-        blocks until the worker reports the saves done: ``delay_free_blocks``)."""
+    def finished(self, req_id: str) -> None:
+        """Forget the request; vLLM frees its blocks now: those it planned to store are fenced
+        until the worker reports their saves done."""
         state = self._requests.pop(req_id, None)
-        return state is not None and state.saving
+        if state is None or not state.last_save_seq:
+            return
+        self._lift(req_id)
+        fenced = tuple(dict.fromkeys(state.block_ids[: state.fence_upto]))
+        self._fences[req_id] = (state.last_save_seq, fenced)
+        for block_id in fenced:
+            self._fenced.setdefault(block_id, set()).add(req_id)
 
     def preempted(self, req_id: str) -> None:
         """Its blocks are gone; resumption re-matches and gets a new block list."""

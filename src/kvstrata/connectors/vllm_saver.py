@@ -5,23 +5,18 @@ dict and deque operations); one saver thread gathers their bytes out of vLLM's K
 puts them into the store (digest, host copy, disk or remote write) while vLLM runs its next
 steps. Contracts:
 
-- **Pinned, not copied.** vLLM never rewrites a full block while a request references it, so
-  the saver reads vLLM's tensors directly. A request's blocks stay referenced until its saves
-  are done: the scheduler side returns ``delay_free_blocks=True`` from ``request_finished``
-  for every request it planned saves for, and the worker reports the request in
-  ``finished_sending`` (``take_finished``) only once vLLM has said it finished *and* no job of
-  it is queued or running. Preempted requests lose their blocks at once, so their jobs are
-  finished synchronously first (``drain_requests``, from ``handle_preemptions``).
+- **Read in place, fenced.** vLLM never rewrites a full block while a request references it,
+  so the saver reads vLLM's tensors directly. A finished request's blocks are freed at once
+  (``request_finished`` never delays the free); the scheduler side fences the blocks it
+  planned to store (``vllm_plan``) and, when vLLM hands one out again, names the request in the
+  next plan's ``flush``: ``drain_requests`` (from ``handle_preemptions``, before the forward)
+  runs that request's queued jobs on the step thread and waits for its running one. Preempted
+  requests lose their blocks at once too, and are drained the same way. ``saved_through``
+  tells the scheduler side which plans' saves have all run, so it can lift their fences.
 - **Bounded.** At most ``max_blocks`` blocks wait; a job beyond that is not saved (counted in
   ``dropped_blocks``): a lost save costs only future reuse, never correctness, and the step
   never waits for the saver.
 - **Failures lose nothing but reuse**: a put that fails is logged and counted by ``save``.
-- **In one process** (vLLM's engine core runs scheduler and worker together:
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side finds the saver through
-  ``local_saver`` and ``release_now`` finishes what is left of that request's saves (usually
-  nothing: they ran during its decode) so its blocks are freed at once; only a saver in another
-  process goes through ``delay_free_blocks`` and ``get_finished`` (an offline ``LLM`` does not
-  step after its last request, so a delayed free would wait for the next request).
 - **Off the forward's core.** vLLM's CPU worker pins itself to its OpenMP cores
   (``VLLM_CPU_OMP_THREADS_BIND=auto``: core 0 of this 2-core box, core 1 reserved — with
   ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, ``runtime.processes.vllm_cpu_env``), and a
@@ -38,15 +33,18 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstrata.connectors.vllm_plan import RequestSave
 
 logger = logging.getLogger("kvstrata.connectors.vllm")
 
 SaveFn = Callable[[RequestSave], None]
+K = TypeVar("K")
 
 
 def unpin_current_thread() -> None:
@@ -58,26 +56,10 @@ def unpin_current_thread() -> None:
             setter(0, range(os.cpu_count() or 1))
 
 
-_LOCAL: dict[str, BackgroundSaver] = {}
-_LOCAL_LOCK = threading.Lock()
-
-
-def register_saver(engine_id: str, saver: BackgroundSaver | None) -> None:
-    with _LOCAL_LOCK:
-        if saver is None:
-            _LOCAL.pop(engine_id, None)
-        else:
-            _LOCAL[engine_id] = saver
-
-
-def local_saver(engine_id: str) -> BackgroundSaver | None:
-    with _LOCAL_LOCK:
-        return _LOCAL.get(engine_id)
-
-
 @dataclass(frozen=True)
 class SaveJob:
     request: RequestSave
+    seq: int
 
     @property
     def blocks(self) -> int:
@@ -93,17 +75,15 @@ class BackgroundSaver:
         self._queue: deque[SaveJob] = deque()
         self._queued_blocks = 0
         self._pending: dict[str, int] = {}  # req id → jobs queued or running
-        self._tracked: set[str] = set()  # requests with saves planned, not yet reported
-        self._finished: set[str] = set()  # vLLM says finished; reported once pending is 0
+        self._pending_seqs: dict[int, int] = {}  # plan seq → jobs queued or running
+        self._submitted_seq = 0
         self._stop = False
         self._thread: threading.Thread | None = None
         self.dropped_blocks = 0
         self.jobs_done = 0
         self.failed_jobs = 0
-        self.released = 0  # requests whose blocks were let go (take_finished or release_now)
-        # Released in place: a plan built before vLLM finished the request (async scheduling)
-        # may still name its blocks, which vLLM has freed: such saves are refused.
-        self._gone: deque[str] = deque(maxlen=4096)
+        self.flushed = 0  # requests whose saves a step finished before its forward
+        self.flush_seconds = 0.0  # the steps' time spent on it
 
     def start(self) -> BackgroundSaver:
         self._thread = threading.Thread(target=self._run, name="kvstrata-saver", daemon=True)
@@ -111,16 +91,13 @@ class BackgroundSaver:
         return self
 
     # ---- step thread ------------------------------------------------------------------------
-    def submit(self, requests: Iterable[RequestSave]) -> None:
-        """Queue the step's saves (never blocks on the saver). Beyond ``max_blocks`` queued, a
-        request's first blocks that fit are queued (a prefix of its chain is reusable) and the
-        rest dropped (counted; only reuse is lost)."""
+    def submit(self, requests: Iterable[RequestSave], *, seq: int) -> None:
+        """Queue plan ``seq``'s saves (never blocks on the saver). Beyond ``max_blocks``
+        queued, a request's first blocks that fit are queued (a prefix of its chain is
+        reusable) and the rest dropped (counted; only reuse is lost)."""
         with self._lock:
+            self._submitted_seq = max(self._submitted_seq, seq)
             for request in requests:
-                if request.req_id in self._gone:
-                    self.dropped_blocks += len(request.blocks)
-                    continue
-                self._tracked.add(request.req_id)
                 if not request.blocks:
                     continue
                 room = self.max_blocks - self._queued_blocks
@@ -130,21 +107,30 @@ class BackgroundSaver:
                 if len(request.blocks) > room:  # the chain's first blocks: still a prefix
                     self.dropped_blocks += len(request.blocks) - room
                     request = RequestSave(request.req_id, request.tenant, request.blocks[:room])
-                job = SaveJob(request)
+                job = SaveJob(request, seq)
                 self._queue.append(job)
                 self._queued_blocks += job.blocks
                 self._pending[request.req_id] = self._pending.get(request.req_id, 0) + 1
+                self._pending_seqs[seq] = self._pending_seqs.get(seq, 0) + 1
             self._wake.notify()
 
-    def take_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Requests vLLM finished whose saves are all done (each reported once)."""
+    def saved_through(self) -> int:
+        """The highest plan seq whose saves, and every earlier plan's, have all run."""
         with self._lock:
-            self._finished.update(r for r in finished_req_ids if r in self._tracked)
-            done = {r for r in self._finished if not self._pending.get(r)}
-            self._finished -= done
-            self._tracked -= done
-            self.released += len(done)
-        return done
+            if not self._pending_seqs:
+                return self._submitted_seq
+            return min(self._pending_seqs) - 1
+
+    def flush(self, req_ids: Iterable[str]) -> None:
+        """Finish these finished requests' saves before vLLM writes a block they read."""
+        wanted = list(req_ids)
+        if not wanted:
+            return
+        started = time.perf_counter()
+        self.drain_requests(wanted)
+        with self._lock:
+            self.flushed += len(wanted)
+            self.flush_seconds += time.perf_counter() - started
 
     def drain_requests(self, req_ids: Iterable[str]) -> None:
         """Run the queued jobs of ``req_ids`` now, on the calling thread, and wait for the one
@@ -160,16 +146,6 @@ class BackgroundSaver:
         with self._lock:
             while any(self._pending.get(r) for r in wanted):
                 self._wake.wait(0.05)
-
-    def release_now(self, req_id: str) -> None:
-        """Finish the request's saves here and forget it (never reported by ``get_finished``):
-        the caller frees its blocks itself."""
-        self.drain_requests([req_id])
-        with self._lock:
-            self._tracked.discard(req_id)
-            self._finished.discard(req_id)
-            self._gone.append(req_id)
-            self.released += 1
 
     @property
     def queued_blocks(self) -> int:
@@ -217,10 +193,15 @@ class BackgroundSaver:
         finally:
             with self._lock:
                 req_id = job.request.req_id
-                left = self._pending.get(req_id, 1) - 1
-                if left > 0:
-                    self._pending[req_id] = left
-                else:
-                    self._pending.pop(req_id, None)
+                _decrement(self._pending, req_id)
+                _decrement(self._pending_seqs, job.seq)
                 self.jobs_done += 1
                 self._wake.notify_all()
+
+
+def _decrement(counts: dict[K, int], key: K) -> None:
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

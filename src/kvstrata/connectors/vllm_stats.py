@@ -29,6 +29,8 @@ _HELP = {
     "load_timeouts": "step loads given up at connector.load_timeout_ms",
     "blocks_saved": "KV blocks saved by the background saver",
     "save_dropped": "KV blocks not saved: the saver's queue was full",
+    "save_flushes": "finished requests whose saves a step finished before its forward"
+    " (vLLM handed out a block they still read)",
     "save_rejected": "KV blocks the store refused (quota, space) or failed to store",
     "save_skipped_present": "KV blocks not saved again: kvstrata already held them",
     "save_skipped_failed_load": "KV blocks not saved: computed on a block whose load failed",

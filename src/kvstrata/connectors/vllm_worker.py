@@ -128,7 +128,7 @@ class ConnectorStats:
     save_dropped: int = 0  # beyond the saver's queue bound: not saved (only reuse is lost)
     save_failed: int = 0  # background save jobs that raised
     load_timeouts: int = 0  # step loads given up at connector.load_timeout_ms
-    requests_released: int = 0  # finished requests whose saves were done (get_finished)
+    save_flushes: int = 0  # finished requests whose saves a step finished (a block reused)
     pd_offers_sent: int = 0  # kv_producer: offers returned in kv_transfer_params
     pd_offers_accepted: int = 0  # kv_consumer: offers the handshake accepted
     pd_refused: int = 0  # kv_consumer: offers refused (local prefill); by reason: pd_refusals
@@ -137,6 +137,7 @@ class ConnectorStats:
     load_seconds: float = 0.0  # fetch threads' time, start to end (overlaps the forward)
     load_wait_seconds: float = 0.0  # of which the step blocked (first layer, or finish)
     save_seconds: float = 0.0
+    save_flush_seconds: float = 0.0  # the steps' time spent finishing them (before forwards)
 
 
 class ConnectorWorker:
@@ -392,13 +393,16 @@ class ConnectorWorker:
             reasons, self._pd_reasons = self._pd_reasons, {}
         return {k: float(v) for k, v in reasons.items()}
 
-    def saver_counts(self, *, dropped: int, failed: int, released: int) -> None:
+    def saver_counts(
+        self, *, dropped: int, failed: int, flushed: int, flush_seconds: float
+    ) -> None:
         """The background saver's own counters (it owns them; copied here once a step)."""
+        stats = self.stats
         with self._stats_lock:
-            now = (self.stats.save_dropped, self.stats.save_failed, self.stats.requests_released)
-            if now != (dropped, failed, released):
-                self.stats.save_dropped, self.stats.save_failed = dropped, failed
-                self.stats.requests_released = released
+            now = (stats.save_dropped, stats.save_failed, stats.save_flushes)
+            if now != (dropped, failed, flushed) or stats.save_flush_seconds != flush_seconds:
+                stats.save_dropped, stats.save_failed = dropped, failed
+                stats.save_flushes, stats.save_flush_seconds = flushed, flush_seconds
                 self._dirty = True
 
     def end_step(self) -> None:
