@@ -34,6 +34,7 @@ from kvstrata.connectors.vllm_plan import (
     ScheduledRequest,
     SchedulerPlanner,
 )
+from kvstrata.connectors.vllm_saver import BackgroundSaver
 from kvstrata.connectors.vllm_settings import connector_audit, connector_config
 from kvstrata.connectors.vllm_worker import ConnectorWorker
 from kvstrata.events import BlockStored, ZmqEventPublisher, decode_batch
@@ -308,6 +309,33 @@ def test_a_local_prefix_hit_on_a_fenced_block_is_no_reuse() -> None:
     assert plan.flush == ("a", "b") and planner.fenced_requests == 0
 
 
+def test_a_request_resumed_in_the_step_that_preempts_it_fences_its_new_blocks() -> None:
+    """vLLM may preempt and resume a request in one step (its new blocks in that step's
+    schedule): the connector calls ``preempted`` first, the old blocks' saves are drained,
+    and the blocks planned after the resume are fenced when it finishes."""
+    planner = SchedulerPlanner(_fingerprint(), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt)
+    tokens = list(range(1, 2 * BS + 2))
+    planner.matched_tokens("a", tokens, None, 0)
+    planner.after_alloc("a", [10, 11, 12], 0)
+    planner.build([ScheduledRequest("a", [10, 11, 12], True, 0, len(tokens))])
+    planner.preempted("a")
+    planner.matched_tokens("a", tokens, None, 0)
+    planner.after_alloc("a", [20, 21, 22], 0)
+    (save,) = planner.build([ScheduledRequest("a", [20, 21, 22], True, 0, len(tokens))]).saves
+    assert [b.block_id for b in save.blocks] == [20, 21]
+    planner.finished("a")
+    assert planner.build([ScheduledRequest("x", [10, 11], True, 0, BS)]).flush == ()
+    assert planner.build([ScheduledRequest("y", [21], True, 0, BS)]).flush == ("a",)
+
+
+def test_a_request_id_used_twice_keeps_both_fences() -> None:
+    planner = SchedulerPlanner(_fingerprint(), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt)
+    _finished_after_saving(planner, "a", [10])
+    _finished_after_saving(planner, "a", [20])
+    assert planner.build([ScheduledRequest("x", [10], True, 0, BS)]).flush == ("a",)
+    assert planner.fenced_requests == 0  # one flush finishes every save of that id
+
+
 def test_a_request_nothing_was_stored_for_is_never_fenced() -> None:
     planner = SchedulerPlanner(
         ReuseDisabled(_reason(), "test"), BS, lambda *_a, **_k: 0, tenant_of=tenant_for_salt
@@ -365,7 +393,7 @@ def test_loads_place_into_vllm_kv_a_late_one_never_writes_and_saves_reuse_their_
     planner.after_alloc("a", [0, 1, 2, 3], 0)
     saves = planner.build([ScheduledRequest("a", [0, 1, 2, 3], True, 0, len(tokens))]).saves
     worker.save(saves)
-    saved_rows = worker._save_staging.rows(3).data_ptr()
+    saved_rows = worker._save_staging.staging.rows(3).data_ptr()
     original = {n: t.clone() for n, t in layers.items()}
 
     def plan(req: str, blocks: list[int]) -> list[RequestLoad]:
@@ -391,9 +419,57 @@ def test_loads_place_into_vllm_kv_a_late_one_never_writes_and_saves_reuse_their_
     for name, t in layers.items():
         assert torch.equal(t, before[name])  # the late fetch found the load given up
     worker.save(saves)  # nothing new to save; the save rows stay the same buffer
-    assert worker._save_staging.rows(3).data_ptr() == saved_rows
+    assert worker._save_staging.staging.rows(3).data_ptr() == saved_rows
     worker.close()
     assert _stats_file(tmp_path)["load_timeouts"] == 1
+
+
+def test_a_flush_on_the_step_thread_stages_apart_from_the_saver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step thread finishes a flushed request's saves while the saver thread is between
+    its gather and its puts of another request: each thread gathers into rows of its own, so
+    both requests store their own blocks' bytes."""
+    layers = {"l0": cpu_layer(0), "l1": cpu_layer(1)}
+    original = {n: t.clone() for n, t in layers.items()}
+    worker = _worker(tmp_path, layers)
+    planner = SchedulerPlanner(_fingerprint(), BS, worker.lookup, tenant_of=tenant_for_salt)
+    prompts = {"a": list(range(1, 2 * BS + 2)), "b": list(range(100, 100 + 2 * BS + 1))}
+    blocks = {"a": [0, 1, 4], "b": [2, 3, 5]}
+    saves = {}
+    for req, tokens in prompts.items():
+        planner.matched_tokens(req, tokens, None, 0)
+        planner.after_alloc(req, blocks[req], 0)
+        saves[req] = planner.build([ScheduledRequest(req, blocks[req], True, 0, len(tokens))])
+    in_put, release = threading.Event(), threading.Event()
+    put = worker.bridge.put
+
+    def held(*args: object, **kwargs: object) -> bool:
+        if threading.current_thread().name == "kvstrata-saver":
+            in_put.set()
+            release.wait(10)
+        return bool(put(*args, **kwargs))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker.bridge, "put", held)
+    saver = BackgroundSaver(worker.save_request, max_blocks=16).start()
+    saver.submit(saves["a"].saves, seq=saves["a"].seq)
+    assert in_put.wait(10)  # "a" gathered, its first put held
+    saver.submit(saves["b"].saves, seq=saves["b"].seq)
+    saver.flush(["b"])  # on this thread, while the saver holds "a"'s rows
+    release.set()
+    assert saver.wait_idle(10)
+    saver.close()
+    for t in layers.values():
+        t.zero_()
+    for req, tokens in prompts.items():
+        again = f"{req}-again"
+        assert planner.matched_tokens(again, tokens, None, 0) == 2 * BS
+        planner.after_alloc(again, blocks[req], 2 * BS)
+        plan = planner.build([ScheduledRequest(again, blocks[req], True, 2 * BS, 1)])
+        assert worker.load(plan.loads) == set()
+    for name, t in layers.items():
+        assert torch.equal(t[0:4], original[name][0:4]), name
+    worker.close()
 
 
 def test_worker_stores_loads_and_reports_tampered_blocks(tmp_path: Path) -> None:

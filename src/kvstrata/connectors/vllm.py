@@ -397,14 +397,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     counts.get(req_id, 0),
                 )
             )
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        for req_id in preempted:  # first: a request may be resumed in the same step
+            self._planner.preempted(req_id)
         plan = self._planner.build(scheduled)
+        plan.preempted = tuple(sorted(preempted))
         if self._side is not None:
             plan.pd_counts = self._side.take_counts()
-        preempted = getattr(scheduler_output, "preempted_req_ids", None)
-        if preempted:
-            plan.preempted = tuple(sorted(preempted))
-            for req_id in preempted:
-                self._planner.preempted(req_id)
         return KvstrataConnectorMetadata(plan)
 
     def request_finished(

@@ -124,7 +124,7 @@ class _Tracked:
     local_blocks: int = 0
     found_blocks: int = 0
     last_save_seq: int = 0  # the last plan that stored any of its blocks (0: none)
-    fence_upto: int = 0  # its first blocks that any plan stored (rewinds plan some again)
+    saved_block_ids: set[int] = field(default_factory=set)  # planned saves read these
 
 
 class SchedulerPlanner:
@@ -256,7 +256,7 @@ class SchedulerPlanner:
                     )
                 )
             state.planned_saves = full
-            state.fence_upto = max(state.fence_upto, full)
+            state.saved_block_ids.update(block.block_id for block in blocks)
             state.last_save_seq = plan.seq
             plan.saves.append(RequestSave(item.req_id, state.tenant.name, tuple(blocks)))
         if self._flush:
@@ -319,16 +319,19 @@ class SchedulerPlanner:
         """Forget the request; vLLM frees its blocks now: those it planned to store are fenced
         until the worker reports their saves done."""
         state = self._requests.pop(req_id, None)
-        if state is None or not state.last_save_seq:
+        if state is None or not state.saved_block_ids:
             return
-        self._lift(req_id)
-        fenced = tuple(dict.fromkeys(state.block_ids[: state.fence_upto]))
-        self._fences[req_id] = (state.last_save_seq, fenced)
+        seq, earlier = self._fences.get(req_id, (0, ()))  # an id vLLM used twice: both hold
+        fenced = tuple(sorted(state.saved_block_ids.union(earlier)))
+        self._fences[req_id] = (max(seq, state.last_save_seq), fenced)
         for block_id in fenced:
             self._fenced.setdefault(block_id, set()).add(req_id)
 
     def preempted(self, req_id: str) -> None:
-        """Its blocks are gone; resumption re-matches and gets a new block list."""
+        """Its blocks are gone (the worker finishes their saves before the step's forward:
+        nothing to fence); resumption re-matches and gets a new block list. Call it before
+        ``build`` of the same step: vLLM may resume a request in the step that preempts it."""
         state = self._requests.get(req_id)
         if state is not None:
             state.block_ids = []
+            state.saved_block_ids.clear()

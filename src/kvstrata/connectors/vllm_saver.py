@@ -15,7 +15,8 @@ steps. Contracts:
   tells the scheduler side which plans' saves have all run, so it can lift their fences.
 - **Bounded.** At most ``max_blocks`` blocks wait; a job beyond that is not saved (counted in
   ``dropped_blocks``): a lost save costs only future reuse, never correctness, and the step
-  never waits for the saver.
+  never waits for a full queue. It waits for the saver only to flush or drain: whole jobs,
+  gather and puts (the gather alone reads vLLM's blocks; splitting the two is left undone).
 - **Failures lose nothing but reuse**: a put that fails is logged and counted by ``save``.
 - **Off the forward's core.** vLLM's CPU worker pins itself to its OpenMP cores
   (``VLLM_CPU_OMP_THREADS_BIND=auto``: core 0 of this 2-core box, core 1 reserved — with
@@ -82,7 +83,7 @@ class BackgroundSaver:
         self.dropped_blocks = 0
         self.jobs_done = 0
         self.failed_jobs = 0
-        self.flushed = 0  # requests whose saves a step finished before its forward
+        self.flushed = 0  # requests a plan named: a block they read was handed out again
         self.flush_seconds = 0.0  # the steps' time spent on it
 
     def start(self) -> BackgroundSaver:

@@ -128,7 +128,7 @@ class ConnectorStats:
     save_dropped: int = 0  # beyond the saver's queue bound: not saved (only reuse is lost)
     save_failed: int = 0  # background save jobs that raised
     load_timeouts: int = 0  # step loads given up at connector.load_timeout_ms
-    save_flushes: int = 0  # finished requests whose saves a step finished (a block reused)
+    save_flushes: int = 0  # finished requests a step waited for: their block was handed out
     pd_offers_sent: int = 0  # kv_producer: offers returned in kv_transfer_params
     pd_offers_accepted: int = 0  # kv_consumer: offers the handshake accepted
     pd_refused: int = 0  # kv_consumer: offers refused (local prefill); by reason: pd_refusals
@@ -169,7 +169,8 @@ class ConnectorWorker:
         # keys whose load failed: replaced when recomputed (oldest forgotten beyond the bound:
         # a request aborted before recomputing never saves its keys again)
         self._suspect: OrderedDict[bytes, None] = OrderedDict()
-        self._save_staging = Staging(codec.block_bytes)  # the saver thread's
+        # One Staging per saving thread: the saver's, and the step thread's (flushes, drains).
+        self._save_staging = threading.local()
         self._stats_stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
         if stats_path is not None:
@@ -331,12 +332,16 @@ class ConnectorWorker:
         return chosen
 
     def save_request(self, request: RequestSave) -> None:
-        """Gather a request's blocks out of vLLM's KV and put them (the saver thread)."""
+        """Gather a request's blocks out of vLLM's KV and put them: on the saver thread, or on
+        the step thread (a flush or drain) at the same time, each into its own rows."""
         if not request.blocks:
             return
         started = time.perf_counter()
         ids = [block.block_id for block in request.blocks]
-        rows = self.codec.gather(ids, out=self._save_staging.rows(len(ids))).numpy()
+        staging: Staging | None = getattr(self._save_staging, "staging", None)
+        if staging is None:
+            staging = self._save_staging.staging = Staging(self.codec.block_bytes)
+        rows = self.codec.gather(ids, out=staging.rows(len(ids))).numpy()
         for block, row in zip(request.blocks, rows, strict=True):
             self._put(request, block, row)
         self._count(save_seconds=time.perf_counter() - started)
