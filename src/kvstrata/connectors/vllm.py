@@ -39,8 +39,8 @@ checks it with the transfer handshake and waits for the offered blocks before lo
 
 A model kvstrata cannot identify (``ReuseDisabled``), and requests with LoRA, multimodal inputs
 or prompt embeddings, get 0 external tokens and are never stored.
-With ``vllm_stats``, the only kvstrata module that imports vLLM (an optional extra:
-``kvstrata[vllm]``).
+With ``vllm_stats``, the only kvstrata module that imports vLLM when loaded (an optional extra:
+``kvstrata[vllm]``); ``vllm_identity.model_fingerprint`` imports it when called.
 """
 
 from __future__ import annotations

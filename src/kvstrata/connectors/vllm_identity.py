@@ -2,8 +2,9 @@
 ``cache_salt``.
 
 The decision stays with the pure builder (``kvstrata.identity.build_fingerprint``): this module
-only observes what vLLM loaded (HF config, weight and tokenizer files, special tokens, chat
-template, dtype, block size, parallelism) and adds the vLLM-specific rules:
+only observes what vLLM loaded (``model_fingerprint``: HF config, weight and tokenizer files,
+special tokens, chat template, dtype, block size, parallelism; vLLM is imported there, when
+called) and adds the vLLM-specific rules (``vllm_fingerprint``, pure):
 
 - the attention implementation recorded is ``vllm-<version>:<device>:<backend>`` (the builder's
   whitelist knows only the reference engine's ``eager``/``sdpa``, so the facts are checked with
