@@ -322,3 +322,16 @@ def test_a_kvstrata_hit_is_bit_identical_to_vllms_own_prefix_cache_hit(
         assert ours["logprobs"] == theirs["logprobs"] and len(ours["logprobs"]) == 16
     stats = _stats(stats_path)
     assert stats["tokens_loaded"] == 2 * 16 * BLOCK and stats["load_errors"] == 0
+
+
+def test_worker_reports_combine_to_the_least_saved_plan() -> None:
+    """Several workers' ``saved_through`` reports aggregate to the smallest: a fence lifts only
+    once every worker has run the plan's saves."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+    from kvstrata.connectors.vllm import KvstrataWorkerMetadata
+
+    combined = KvstrataWorkerMetadata(7).aggregate(KvstrataWorkerMetadata(5))
+    assert isinstance(combined, KvstrataWorkerMetadata) and combined.saved_through == 5
+    assert isinstance(combined, KVConnectorWorkerMetadata)
+    assert KvstrataWorkerMetadata(3).aggregate(KvstrataWorkerMetadata(9)).saved_through == 3
