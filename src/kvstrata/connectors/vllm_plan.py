@@ -148,7 +148,6 @@ class SchedulerPlanner:
         self._fenced: dict[int, set[str]] = {}  # block id → finished requests that may read it
         self._flush: set[str] = set()
         self.matched_tokens_total = 0
-        self.flushes = 0  # finished requests whose saves a reused block made the worker finish
 
     @property
     def enabled(self) -> bool:
@@ -261,7 +260,6 @@ class SchedulerPlanner:
             plan.saves.append(RequestSave(item.req_id, state.tenant.name, tuple(blocks)))
         if self._flush:
             plan.flush = tuple(sorted(self._flush))
-            self.flushes += len(self._flush)
             self._flush.clear()
         return plan
 
