@@ -402,13 +402,13 @@ class ConnectorWorker:
         self, *, dropped: int, failed: int, flushed: int, flush_seconds: float
     ) -> None:
         """The background saver's own counters (it owns them; copied here once a step)."""
-        stats = self.stats
+        stats, now = self.stats, (dropped, failed, flushed, flush_seconds)
         with self._stats_lock:
-            now = (stats.save_dropped, stats.save_failed, stats.save_flushes)
-            if now != (dropped, failed, flushed) or stats.save_flush_seconds != flush_seconds:
-                stats.save_dropped, stats.save_failed = dropped, failed
-                stats.save_flushes, stats.save_flush_seconds = flushed, flush_seconds
-                self._dirty = True
+            flushes = (stats.save_flushes, stats.save_flush_seconds)
+            changed = (stats.save_dropped, stats.save_failed, *flushes) != now
+            stats.save_dropped, stats.save_failed = dropped, failed
+            stats.save_flushes, stats.save_flush_seconds = flushed, flush_seconds
+            self._dirty = self._dirty or changed
 
     def end_step(self) -> None:
         expired = self._holds.reap()  # promises no lookup renewed and no load took
